@@ -1,0 +1,158 @@
+"""What a run reports, and the one FLOPs formula behind throughput and MFU.
+
+One rank writes (the one that holds the loss): a console line per log
+interval, one JSON object per logged step in ``metrics.jsonl``, and the same
+scalars to TensorBoard.
+"""
+from __future__ import annotations
+
+import json
+import math
+import resource
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+# Dense peak TFLOP/s per device, by name fragment and compute dtype (vendor data sheets).
+_GPU_PEAK_TFLOPS = {
+    "H200": {"bf16": 989.4, "fp32": 66.9},
+    "H100": {"bf16": 989.4, "fp32": 66.9},
+    "A100": {"bf16": 312.0, "fp32": 19.5},
+    "L40S": {"bf16": 362.1, "fp32": 91.6},
+    "A10": {"bf16": 125.0, "fp32": 31.2},
+}
+
+
+def flops_per_token(layers: int, hidden: int, ffn_hidden: int, seq_len: int, vocab: int) -> float:
+    """Training FLOPs per token (forward + backward, no recomputation).
+
+    6 FLOPs per matmul parameter per token (2 forward, 4 backward) plus the
+    attention score and value products, 12·L·s·h (PaLM, Chowdhery et al. 2022,
+    App. B). Matmul parameters: per layer QKV + projection (4h²) and MLP
+    (2·h·ffn); the output head (V·h). The layout does not change it.
+    """
+    matmul_params = layers * (4 * hidden * hidden + 2 * hidden * ffn_hidden) + vocab * hidden
+    return 6.0 * matmul_params + 12.0 * layers * seq_len * hidden
+
+
+def model_flops_per_token(model_cfg) -> float:
+    m = model_cfg
+    return flops_per_token(m.layers, m.hidden, m.ffn_hidden, m.seq_len, m.padded_vocab(1))
+
+
+def measure_cpu_tflops(size: int = 512, repeats: int = 8) -> float:
+    """A CPU has no data-sheet peak we can trust here: measure an fp32 matmul instead."""
+    a = torch.randn(size, size)
+    b = torch.randn(size, size)
+    a @ b
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    dt = time.perf_counter() - t0
+    return 2.0 * size ** 3 * repeats / dt / 1e12
+
+
+def peak_tflops(device: torch.device, precision: str, configured) -> float:
+    """Per-device peak for MFU: the configured number, a data-sheet value, or a measured CPU matmul."""
+    if configured != "auto":
+        return float(configured)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        key = "bf16" if precision in ("bf16", "fp16") else "fp32"
+        for frag, peaks in _GPU_PEAK_TFLOPS.items():
+            if frag in name:
+                return peaks[key]
+        return float("nan")
+    return measure_cpu_tflops()
+
+
+def memory_gb(device: torch.device) -> float:
+    """Peak memory of this process: allocator peak on CUDA, max resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+def _fmt_time(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+# jsonl key -> TensorBoard tag
+_TB_TAGS = {
+    "loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
+    "tokens_per_s": "perf/tokens_per_s", "tflops": "perf/tflops_per_device", "mfu": "perf/mfu",
+    "memory_gb": "perf/memory_gb", "val_loss": "val/loss", "val_ppl": "val/perplexity",
+}
+
+
+class MetricsLogger:
+    """Console + metrics.jsonl + TensorBoard, written only where `enabled` (the loss-holding rank)."""
+
+    def __init__(self, log_dir: str | Path, total_steps: int, enabled: bool, tensorboard: bool = True,
+                 append: bool = False):
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self.dir = Path(log_dir)
+        self.writer = None
+        self.file = None
+        self.started = time.perf_counter()
+        self.first_step: Optional[int] = None
+        if not enabled:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.dir / "metrics.jsonl", "a" if append else "w")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(self.dir))
+
+    def log(self, step: int, values: dict) -> None:
+        """Record one step's metrics (step counts from 1: the number of optimizer steps done)."""
+        if not self.enabled:
+            return
+        if self.first_step is None:
+            self.first_step = step - 1
+        record = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                                   for k, v in values.items()}}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.writer is not None:
+            for key, value in values.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self.writer.add_scalar(_TB_TAGS.get(key, f"train/{key}"), value, step)
+        self._console(step, values)
+
+    def _console(self, step: int, v: dict) -> None:
+        done = step - (self.first_step or 0)
+        elapsed = time.perf_counter() - self.started
+        eta = elapsed / max(done, 1) * (self.total_steps - step)
+        parts = [f"step {step}/{self.total_steps}"]
+        if "loss" in v:
+            parts.append(f"loss {v['loss']:.4f}")
+        if "val_loss" in v:
+            parts.append(f"val {v['val_loss']:.4f} (ppl {v.get('val_ppl', float('nan')):.1f})")
+        if "lr" in v:
+            parts.append(f"lr {v['lr']:.2e}")
+        if "grad_norm" in v:
+            parts.append(f"grad {v['grad_norm']:.3f}")
+        if "tokens_per_s" in v:
+            parts.append(f"{v['tokens_per_s']:,.0f} tok/s")
+        if "tflops" in v:
+            parts.append(f"{v['tflops']:.3f} TFLOP/s")
+        if "mfu" in v and math.isfinite(v["mfu"]):
+            parts.append(f"mfu {100 * v['mfu']:.1f}%")
+        parts.append(f"eta {_fmt_time(eta)}")
+        print(" | ".join(parts), flush=True)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        if self.writer is not None:
+            self.writer.close()

@@ -1,0 +1,30 @@
+"""A run end to end: config -> launch -> grid -> trainer (DESIGN: one run, as data flows)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from megazero import launch
+from megazero.config import load_config, resolve_world
+from parallel.topology import Grid
+
+
+def run(config_path: str, overrides: list[str]) -> list[dict]:
+    cfg = load_config(config_path, overrides)          # every static check, before any allocation
+    info = launch.process_info()
+    resolve_world(cfg, info.world_size)
+    device = launch.pick_device(cfg.launch.device, info.local_rank)
+    if device.type == "cpu":
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    launch.init_distributed(info, device)
+    try:
+        grid = Grid.build(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, device.type)
+        launch.seed_everything(cfg.train.seed)
+        from megazero.trainer import Trainer
+
+        trainer = Trainer(cfg, grid, device, is_builder=info.local_rank == 0)
+        return trainer.fit()
+    finally:
+        launch.shutdown()

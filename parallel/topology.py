@@ -1,0 +1,124 @@
+"""The topology grid: which rank does what along (pp, dp, tp).
+
+Rank order is Megatron's default, tp fastest: TP groups stay inside a node
+(NVLink), DP next, PP across nodes —
+``rank = (pp_rank * dp + dp_rank) * tp + tp_rank``.
+The Grid is built over a torch DeviceMesh with dims ("pp", "dp", "tp") and is
+an object handed to whoever needs it, never a global.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+
+
+def rank_to_coords(rank: int, tp: int, pp: int, dp: int) -> tuple[int, int, int]:
+    """(pp_rank, dp_rank, tp_rank) of a global rank."""
+    assert 0 <= rank < tp * pp * dp, (rank, tp, pp, dp)
+    return rank // (dp * tp), (rank // tp) % dp, rank % tp
+
+
+def coords_to_rank(pp_rank: int, dp_rank: int, tp_rank: int, tp: int, dp: int) -> int:
+    return (pp_rank * dp + dp_rank) * tp + tp_rank
+
+
+def group_ranks(dim: str, tp: int, pp: int, dp: int) -> list[list[int]]:
+    """Every group of the given dimension, as lists of global ranks (what the mesh builds)."""
+    sizes = {"pp": pp, "dp": dp, "tp": tp}
+    assert dim in sizes, dim
+    groups: dict[tuple, list[int]] = {}
+    for r in range(tp * pp * dp):
+        c = dict(zip(("pp", "dp", "tp"), rank_to_coords(r, tp, pp, dp)))
+        key = tuple(v for k, v in c.items() if k != dim)
+        groups.setdefault(key, []).append(r)
+    return [sorted(g) for _, g in sorted(groups.items())]
+
+
+@dataclass
+class Grid:
+    """This rank's place in the (pp, dp, tp) grid and the process groups along each dimension.
+
+    Groups are None when the run is a single process without a process group.
+    """
+
+    tp: int
+    pp: int
+    dp: int
+    rank: int = 0
+    mesh: object = None
+    tp_group: Optional[dist.ProcessGroup] = None
+    dp_group: Optional[dist.ProcessGroup] = None
+    pp_group: Optional[dist.ProcessGroup] = None
+
+    @classmethod
+    def single(cls) -> "Grid":
+        return cls(tp=1, pp=1, dp=1, rank=0)
+
+    @classmethod
+    def build(cls, tp: int, pp: int, dp: int, device_type: str = "cpu") -> "Grid":
+        """Build the DeviceMesh over the initialised default process group."""
+        if not dist.is_initialized():
+            assert tp * pp * dp == 1, "a multi-rank grid needs an initialised process group"
+            return cls.single()
+        world = dist.get_world_size()
+        assert tp * pp * dp == world, f"tp*pp*dp={tp * pp * dp} != world size {world}"
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+        return cls(tp=tp, pp=pp, dp=dp, rank=dist.get_rank(), mesh=mesh,
+                   tp_group=mesh.get_group("tp"), dp_group=mesh.get_group("dp"),
+                   pp_group=mesh.get_group("pp"))
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def coords(self) -> tuple[int, int, int]:
+        return rank_to_coords(self.rank, self.tp, self.pp, self.dp)
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords[0]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords[1]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords[2]
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def prev_stage_rank(self) -> Optional[int]:
+        """Global rank of the previous pipeline stage with the same (dp, tp), or None on the first."""
+        if self.is_first_stage:
+            return None
+        return coords_to_rank(self.pp_rank - 1, self.dp_rank, self.tp_rank, self.tp, self.dp)
+
+    @property
+    def next_stage_rank(self) -> Optional[int]:
+        if self.is_last_stage:
+            return None
+        return coords_to_rank(self.pp_rank + 1, self.dp_rank, self.tp_rank, self.tp, self.dp)
+
+    def __str__(self) -> str:
+        lines = [f"grid pp={self.pp} x dp={self.dp} x tp={self.tp} (world {self.world_size}, tp fastest)"]
+        for p in range(self.pp):
+            rows = []
+            for d in range(self.dp):
+                ranks = [coords_to_rank(p, d, t, self.tp, self.dp) for t in range(self.tp)]
+                rows.append("dp%d:[%s]" % (d, " ".join(str(r) for r in ranks)))
+            lines.append(f"  stage {p}: " + "  ".join(rows))
+        lines.append(f"  this rank {self.rank}: pp={self.pp_rank} dp={self.dp_rank} tp={self.tp_rank}")
+        return "\n".join(lines)

@@ -1,0 +1,36 @@
+"""Pretrain a GPT: `python pretrain.py --config configs/tiny.yaml [--set section.key=value ...]`.
+
+Runs as a plain process (world size 1), under torchrun, or under Slurm's srun.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from megazero.errors import UserError
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description="megazero: pretrain a GPT with 3D parallelism")
+    ap.add_argument("--config", required=True, help="YAML run description, e.g. configs/tiny.yaml")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override one config value (repeatable)")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from megazero.run import run
+
+    try:
+        run(args.config, args.set)
+    except UserError as e:
+        if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

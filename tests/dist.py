@@ -1,0 +1,62 @@
+"""Run a function on N gloo ranks on CPU: the one way distributed tests start processes.
+
+Each spawned process pays ~2 s to import torch on a 2-core machine, so a test
+should group several checks into one spawn.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        result = fn(rank, world, *args)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        queue.put((rank, True, result))
+    except BaseException:  # report any failure to the parent instead of hanging it
+        queue.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0) -> list[Any]:
+    """Run fn(rank, world, *args) on `world` gloo ranks; return the results ordered by rank.
+
+    fn must be importable (module level) and its results picklable. A failure on
+    any rank raises with that rank's traceback.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    try:
+        for _ in range(world):
+            rank, ok, value = queue.get(timeout=timeout)
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world)]

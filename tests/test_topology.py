@@ -1,0 +1,89 @@
+"""Rank math of the (pp, dp, tp) grid, without processes, and the mesh it builds with processes."""
+import itertools
+
+import pytest
+
+from parallel.topology import Grid, coords_to_rank, group_ranks, rank_to_coords
+from tests.dist import run_ranks
+
+
+def factorisations(n):
+    for tp in range(1, n + 1):
+        for pp in range(1, n + 1):
+            if n % (tp * pp) == 0:
+                yield tp, pp, n // (tp * pp)
+
+
+SHAPES = [s for n in (1, 2, 4, 6, 8, 12, 16, 64) for s in factorisations(n)]
+
+
+@pytest.mark.parametrize("tp,pp,dp", SHAPES)
+def test_rank_math_is_a_bijection_with_tp_fastest(tp, pp, dp):
+    world = tp * pp * dp
+    # Independent enumeration in Megatron order: pp slowest, then dp, then tp.
+    expected = list(itertools.product(range(pp), range(dp), range(tp)))
+    assert [rank_to_coords(r, tp, pp, dp) for r in range(world)] == expected
+    for r in range(world):
+        assert coords_to_rank(*rank_to_coords(r, tp, pp, dp), tp=tp, dp=dp) == r
+
+
+@pytest.mark.parametrize("tp,pp,dp", SHAPES)
+def test_groups_partition_the_world(tp, pp, dp):
+    world = tp * pp * dp
+    for dim, size in (("tp", tp), ("dp", dp), ("pp", pp)):
+        groups = group_ranks(dim, tp, pp, dp)
+        assert len(groups) == world // size
+        assert sorted(r for g in groups for r in g) == list(range(world))
+        for g in groups:
+            assert len(g) == size
+            coords = [rank_to_coords(r, tp, pp, dp) for r in g]
+            # every coordinate but the group's own is shared inside a group
+            keep = [i for i, d in enumerate(("pp", "dp", "tp")) if d != dim]
+            assert len({tuple(c[i] for i in keep) for c in coords}) == 1
+    if tp > 1:  # tp groups are contiguous ranks (one node)
+        assert all(g == list(range(g[0], g[0] + tp)) for g in group_ranks("tp", tp, pp, dp))
+
+
+@pytest.mark.parametrize("tp,pp,dp", [(2, 2, 2), (1, 4, 2), (4, 1, 1)])
+def test_neighbours_and_stage_flags(tp, pp, dp):
+    for r in range(tp * pp * dp):
+        g = Grid(tp=tp, pp=pp, dp=dp, rank=r)
+        p, d, t = g.coords
+        assert g.is_first_stage == (p == 0) and g.is_last_stage == (p == pp - 1)
+        if p > 0:
+            assert rank_to_coords(g.prev_stage_rank, tp, pp, dp) == (p - 1, d, t)
+        else:
+            assert g.prev_stage_rank is None
+        if p < pp - 1:
+            assert rank_to_coords(g.next_stage_rank, tp, pp, dp) == (p + 1, d, t)
+        else:
+            assert g.next_stage_rank is None
+        assert f"pp={pp} x dp={dp} x tp={tp}" in str(g)
+
+
+def _mesh_groups(rank, world, tp, pp, dp):
+    import torch
+    import torch.distributed as dist
+
+    grid = Grid.build(tp, pp, dp, "cpu")
+    out = {"coords": grid.coords}
+    for dim in ("tp", "dp", "pp"):
+        group = getattr(grid, f"{dim}_group")
+        members = [None] * dist.get_world_size(group)
+        dist.all_gather_object(members, rank, group=group)
+        out[dim] = sorted(members)
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=group)
+        out[dim + "_sum"] = t.item()
+    return out
+
+
+def test_device_mesh_groups_match_rank_math():
+    tp, pp, dp = 2, 2, 2
+    results = run_ranks(8, _mesh_groups, tp, pp, dp)
+    for rank, res in enumerate(results):
+        assert res["coords"] == rank_to_coords(rank, tp, pp, dp)
+        for dim in ("tp", "dp", "pp"):
+            expected = next(g for g in group_ranks(dim, tp, pp, dp) if rank in g)
+            assert res[dim] == expected
+            assert res[dim + "_sum"] == sum(expected)
