@@ -175,6 +175,11 @@ def _coerce(source: str, section: str, key: str, value: Any, annotation: str) ->
     if base == "float":
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise _fail(source, full, value, "expected a number")
     if base == "str":
         if isinstance(value, str):

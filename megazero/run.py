@@ -3,15 +3,18 @@ from __future__ import annotations
 
 import os
 
-import torch
-
-from megazero import launch
-from megazero.config import load_config, resolve_world
-from parallel.topology import Grid
+from megazero.config import load_config
 
 
 def run(config_path: str, overrides: list[str]) -> list[dict]:
-    cfg = load_config(config_path, overrides)          # every static check, before any allocation
+    """Train as the config says; static config errors surface before torch is even imported."""
+    cfg = load_config(config_path, overrides)
+    import torch
+
+    from megazero import launch
+    from megazero.config import resolve_world
+    from parallel.topology import Grid
+
     info = launch.process_info()
     resolve_world(cfg, info.world_size)
     device = launch.pick_device(cfg.launch.device, info.local_rank)

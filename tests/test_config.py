@@ -1,0 +1,129 @@
+"""Config parsing and validation, and the CLI's one-line errors with exit code 2."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megazero.config import load_config, parse_set, resolve_world
+from megazero.errors import UserError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def write(tmp_path, text, name="run.yaml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_tiny_config_loads_with_typed_sections():
+    cfg = load_config(ROOT / "configs" / "tiny.yaml")
+    assert cfg.name == "tiny" and cfg.log.dir == str(Path("runs") / "tiny")
+    assert isinstance(cfg.model.layers, int) and isinstance(cfg.train.lr, float)
+    assert cfg.model.ffn_hidden == 4 * cfg.model.hidden  # default
+
+
+@pytest.mark.parametrize("name", ["gpt-125m", "gpt-1.3b", "gpt13b"])
+def test_shipped_configs_are_valid(name):
+    cfg = load_config(ROOT / "configs" / f"{name}.yaml")
+    assert cfg.model.hidden % cfg.model.heads == 0
+
+
+def test_gpt13b_is_gpt3_13b_on_64_gpus():
+    cfg = load_config(ROOT / "configs" / "gpt13b.yaml")
+    m = cfg.model
+    assert (m.layers, m.hidden, m.heads, m.seq_len) == (40, 5120, 40, 2048)
+    resolve_world(cfg, 64)
+    assert cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp == 64
+
+
+def test_overrides_are_typed_and_applied(tmp_path):
+    cfg = load_config(write(tmp_path, "train:\n  steps: 5\n  warmup_steps: 1\n"),
+                      ["train.steps=7", "train.lr=1e-3", "model.bias=false"])
+    assert cfg.train.steps == 7 and cfg.train.lr == 1e-3 and cfg.model.bias is False
+    assert parse_set("parallel.dp=auto") == ("parallel", "dp", "auto")
+    assert parse_set("parallel.tp=2") == ("parallel", "tp", 2)
+
+
+def test_dp_auto_resolves_from_world_size():
+    cfg = load_config(None, ["parallel.tp=2", "train.global_batch=8", "train.micro_batch=2"])
+    resolve_world(cfg, 4)
+    assert cfg.parallel.dp == 2 and cfg.microbatches == 2
+
+
+def test_padded_vocab_is_a_multiple_of_128_tp():
+    cfg = load_config(None, ["model.vocab_size=50257"])
+    for tp in (1, 2, 4, 8):
+        v = cfg.model.padded_vocab(tp)
+        assert v % (128 * tp) == 0 and 50257 <= v < 50257 + 128 * tp
+
+
+# (override, fragments the one-line message must contain)
+BAD = [
+    (["train.stepz=3"], ["train.stepz", "did you mean 'steps'"]),
+    (["modle.layers=3"], ["modle", "did you mean 'model'"]),
+    (["train.steps=ten"], ["train.steps", "'ten'", "integer"]),
+    (["model.bias=1"], ["model.bias", "true or false"]),
+    (["train.steps=0"], ["train.steps", ">= 1"]),
+    (["model.dropout=1.5"], ["model.dropout", "[0, 1)"]),
+    (["train.precision=fp8"], ["train.precision", "'fp8'", "fp32 | bf16"]),
+    (["model.hidden=100", "model.heads=3"], ["model.heads=3", "model.hidden=100"]),
+    (["train.global_batch=10", "train.micro_batch=4"], ["train.global_batch=10", "micro_batch=4"]),
+    (["data.paths=[/no/such/corpus.txt]"], ["data.paths", "/no/such/corpus.txt"]),
+    (["data.tokenizer=/no/such.model"], ["data.tokenizer", "/no/such.model"]),
+    (["data.split=abc"], ["data.split", "'abc'"]),
+    (["train.resume=/no/ckpt"], ["train.resume", "/no/ckpt"]),
+    (["launch.device=tpu"], ["launch.device", "'tpu'"]),
+]
+
+
+@pytest.mark.parametrize("overrides,fragments", BAD)
+def test_bad_values_raise_one_line(overrides, fragments):
+    with pytest.raises(UserError) as e:
+        load_config(ROOT / "configs" / "tiny.yaml", overrides)
+    msg = str(e.value)
+    assert "\n" not in msg and "configs/tiny.yaml" in msg
+    for frag in fragments:
+        assert frag in msg, (frag, msg)
+
+
+def test_world_size_mismatch_and_batch_per_dp():
+    cfg = load_config(None, ["parallel.tp=2", "parallel.dp=2", "train.micro_batch=1"])
+    with pytest.raises(UserError, match=r"tp\*pp\*dp = 2\*1\*2 = 4 does not match the world size 6"):
+        resolve_world(cfg, 6)
+    cfg = load_config(None, ["train.global_batch=9", "train.micro_batch=3"])
+    with pytest.raises(UserError, match=r"micro_batch\*parallel.dp = 3\*2 = 6"):
+        resolve_world(cfg, 2)
+
+
+def cli(args, env_extra=None, cwd=ROOT):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")}
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, str(ROOT / "pretrain.py"), *args], capture_output=True, text=True,
+                          env=env, cwd=cwd, timeout=120)
+
+
+def assert_one_line_error(proc, *fragments):
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert "Traceback" not in proc.stderr
+    for f in fragments:
+        assert f in lines[0], (f, lines[0])
+
+
+def test_cli_errors_are_one_line_exit_2(tmp_path):
+    assert_one_line_error(cli(["--config", "configs/nope.yaml"]), "configs/nope.yaml")
+    assert_one_line_error(cli(["--config", "configs/tiny.yaml", "--set", "train.stepz=3"]), "did you mean 'steps'")
+    assert_one_line_error(cli(["--config", "configs/tiny.yaml", "--set", "model.heads=3"]), "model.heads=3")
+    assert_one_line_error(cli(["--config", "configs/tiny.yaml", "--set", "train.global_batch=20"]),
+                          "train.global_batch=20")
+    assert_one_line_error(cli(["--config", "configs/tiny.yaml", "--set", "oops"]), "section.key=value")
+    bad_yaml = write(tmp_path, "model:\n  layers: [1,\n")
+    assert_one_line_error(cli(["--config", str(bad_yaml)]), "not valid YAML")
+    # tp*pp*dp against the launcher's world size, checked before any process group is joined
+    assert_one_line_error(cli(["--config", "configs/tiny.yaml", "--set", "parallel.dp=2"],
+                              {"RANK": "0", "WORLD_SIZE": "3", "MASTER_PORT": "1"}),
+                          "does not match the world size 3")
