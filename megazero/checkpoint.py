@@ -18,6 +18,7 @@ import json
 import os
 import pickle
 import shutil
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -48,6 +49,8 @@ class _MetadataUnpickler(pickle.Unpickler):
                                                                            torch.memory_format))):
             return super().find_class(module, name)
         if module == "pathlib" and name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
+            return super().find_class(module, name)
+        if module == "torch.serialization" and name == "_get_layout":  # maps a layout's name to it
             return super().find_class(module, name)
         if module == "collections" and name == "OrderedDict":
             return super().find_class(module, name)
@@ -112,7 +115,9 @@ def save(root: str | Path, step: int, state: dict[str, torch.Tensor], meta: dict
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     _barrier()
-    dcp.save(state, checkpoint_id=str(tmp), no_dist=not _is_dist())
+    with warnings.catch_warnings():  # DCP warns that a single process saves alone: that is intended
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=not _is_dist())
     _barrier()
     if _rank() == 0:
         body = json.dumps({"format": FORMAT_VERSION, "step": step, **meta}, indent=1)

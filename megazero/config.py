@@ -68,6 +68,7 @@ class TrainConfig:
     save_every: int = 0  # 0: save only at the end
     keep_last: int = 2
     resume: str = "none"  # none | auto | a checkpoint path
+    exit_after: int = 0  # stop (and save) after this many steps of this job, e.g. for time-limited slots; 0 = never
 
 
 @dataclass
@@ -137,7 +138,7 @@ _MIN = {
     ("train", "lr"): 0.0, ("train", "min_lr"): 0.0, ("train", "warmup_steps"): 0,
     ("train", "weight_decay"): 0.0, ("train", "grad_clip"): 0.0, ("train", "seed"): 0,
     ("train", "eval_every"): 0, ("train", "eval_batches"): 1, ("train", "save_every"): 0,
-    ("train", "keep_last"): 1, ("log", "every"): 1, ("model", "init_std"): 0.0,
+    ("train", "keep_last"): 1, ("train", "exit_after"): 0, ("log", "every"): 1, ("model", "init_std"): 0.0,
 }
 _PROBABILITY = {("model", "dropout")}
 

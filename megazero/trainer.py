@@ -184,25 +184,28 @@ class Trainer:
                   f"(tensorboard --logdir {cfg.log.dir})", flush=True)
             self.peak = peak_tflops(self.device, cfg.train.precision, cfg.log.peak_tflops)
         history = []
-        window_start, window_steps = time.perf_counter(), 0
-        while self.step < cfg.train.steps:
-            record = self.train_step()
+        stop_at = cfg.train.steps
+        if cfg.train.exit_after:
+            stop_at = min(stop_at, self.step + cfg.train.exit_after)
+        window_time, window_steps = 0.0, 0
+        while self.step < stop_at:
+            t0 = time.perf_counter()
+            record = self.train_step()  # .item() on the loss waits for the device: the time is real
+            window_time += time.perf_counter() - t0
             window_steps += 1
             step = self.step
             if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
                 record.update(self.evaluate())
             if step % cfg.log.every == 0 or step == cfg.train.steps:
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                dt = (time.perf_counter() - window_start) / window_steps
+                dt = window_time / window_steps
                 tflops = self.flops_per_step / dt / self.grid.world_size / 1e12
                 record.update({"tokens_per_s": self.tokens_per_step / dt, "tflops": tflops,
                                "mfu": tflops / self.peak if self.peak else float("nan"),
                                "memory_gb": memory_gb(self.device)})
                 logger.log(step, record)
-                window_start, window_steps = time.perf_counter(), 0
+                window_time, window_steps = 0.0, 0
             history.append({"step": step, **record})
-            if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.steps:
+            if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == stop_at:
                 self.save()
         logger.close()
         if self.is_writer:

@@ -1,0 +1,249 @@
+"""GPT (Radford et al. 2019; Brown et al. 2020) as one pipeline stage built from tensor-parallel layers.
+
+Pre-LayerNorm blocks, learned positions, tanh-GELU, causal self-attention and
+an output head tied to the token embedding. A ``GPT`` holds only the layers of
+its pipeline stage, keyed by their *global* index, so a parameter is called
+``layers.17.mlp.fc1.weight`` on whichever stage holds it.
+
+Tied embeddings across stages: when the first and last stages differ, both hold
+``embed.tokens.weight`` (the first for the input lookup, the last for the
+head). They start equal because initial values depend only on (seed, name);
+whoever runs the pipeline must sum their gradients over the two stages
+(Megatron's embedding group) to keep them equal — see
+``GPT.shares_embedding_across_stages``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from kernels.attention import attention
+from parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_to_tp_region,
+    mask_padded_vocab,
+    tp_rank_and_size,
+    vocab_parallel_cross_entropy,
+)
+
+LN_EPS = 1e-5
+RESIDUAL_PROJECTIONS = ("attn.proj.weight", "mlp.fc2.weight")
+NORMS = ("ln1", "ln2", "final_norm")
+
+
+def _ffn_hidden(cfg: Any) -> int:
+    return cfg.ffn_hidden or 4 * cfg.hidden
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention; this tp rank computes heads/tp whole heads."""
+
+    def __init__(self, cfg: Any, tp_group: dist.ProcessGroup | None):
+        super().__init__()
+        _, tp = tp_rank_and_size(tp_group)
+        assert cfg.hidden % cfg.heads == 0 and cfg.heads % tp == 0, (cfg.hidden, cfg.heads, tp)
+        self.local_heads = cfg.heads // tp
+        self.head_dim = cfg.hidden // cfg.heads
+        # Output rows are grouped per head, [q_h; k_h; v_h], so a contiguous tp slice is whole heads.
+        self.qkv = ColumnParallelLinear(cfg.hidden, 3 * cfg.hidden, cfg.bias, tp_group)
+        self.proj = RowParallelLinear(cfg.hidden, cfg.hidden, cfg.bias, tp_group)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, s, _ = x.shape
+        qkv = self.qkv(x).view(b, s, self.local_heads, 3, self.head_dim)
+        q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))  # (b, heads, s, d)
+        y = attention(q, k, v, causal=True)
+        y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
+        return self.dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Any, tp_group: dist.ProcessGroup | None):
+        super().__init__()
+        self.fc1 = ColumnParallelLinear(cfg.hidden, _ffn_hidden(cfg), cfg.bias, tp_group)
+        self.fc2 = RowParallelLinear(_ffn_hidden(cfg), cfg.hidden, cfg.bias, tp_group)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.fc2(F.gelu(self.fc1(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Any, tp_group: dist.ProcessGroup | None):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.hidden, eps=LN_EPS, bias=cfg.bias)
+        self.attn = Attention(cfg, tp_group)
+        self.ln2 = nn.LayerNorm(cfg.hidden, eps=LN_EPS, bias=cfg.bias)
+        self.mlp = MLP(cfg, tp_group)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Embedding(nn.Module):
+    """Token (vocab-parallel) and, on the first stage, learned position embeddings."""
+
+    def __init__(self, cfg: Any, tp_group: dist.ProcessGroup | None, positions: bool):
+        super().__init__()
+        self.tokens = VocabParallelEmbedding(cfg.padded_vocab(tp_rank_and_size(tp_group)[1]), cfg.hidden, tp_group)
+        self.positions = nn.Embedding(cfg.seq_len, cfg.hidden) if positions else None
+
+
+class GPT(nn.Module):
+    """One pipeline stage of a GPT: embeddings if first, ``layer_ids`` blocks, norm and head if last.
+
+    forward(x, targets):
+      x is token ids (b, s) on the first stage, hidden states (b, s, hidden) otherwise.
+      Last stage: per-token float32 loss (b, s) when ``targets`` is given (0 where
+      targets == -100), else this tp rank's logits shard (b, s, padded_vocab/tp)
+      with padding ids set to -inf. Other stages return hidden states.
+    """
+
+    def __init__(
+        self,
+        cfg: Any,
+        tp_group: dist.ProcessGroup | None = None,
+        layer_ids: range | None = None,
+        first_stage: bool = True,
+        last_stage: bool = True,
+    ):
+        super().__init__()
+        self.cfg = cfg
+        self.tp_group = tp_group
+        self.tp_rank, self.tp_size = tp_rank_and_size(tp_group)
+        self.layer_ids = range(cfg.layers) if layer_ids is None else layer_ids
+        assert all(0 <= i < cfg.layers for i in self.layer_ids), (self.layer_ids, cfg.layers)
+        self.first_stage, self.last_stage = first_stage, last_stage
+        self.activation_checkpointing = cfg.activation_checkpointing
+
+        self.embed = Embedding(cfg, tp_group, positions=first_stage) if first_stage or last_stage else None
+        self.embed_dropout = nn.Dropout(cfg.dropout) if first_stage else None
+        self.layers = nn.ModuleDict({str(i): Block(cfg, tp_group) for i in self.layer_ids})
+        self.final_norm = nn.LayerNorm(cfg.hidden, eps=LN_EPS, bias=cfg.bias) if last_stage else None
+        mark_replicated(self)
+
+    @property
+    def shares_embedding_across_stages(self) -> bool:
+        """True on the first and last stage when they differ: ``embed.tokens.weight`` grads must be summed."""
+        return self.first_stage != self.last_stage
+
+    def forward(self, x: Tensor, targets: Tensor | None = None) -> Tensor:
+        if self.first_stage:
+            s = x.shape[1]
+            assert s <= self.cfg.seq_len, f"sequence length {s} exceeds model.seq_len={self.cfg.seq_len}"
+            pos = torch.arange(s, device=x.device)
+            x = self.embed_dropout(self.embed.tokens(x) + self.embed.positions(pos))
+        for layer in self.layers.values():
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = layer(x)
+        if not self.last_stage:
+            return x
+        tokens = self.embed.tokens
+        logits = F.linear(copy_to_tp_region(self.final_norm(x), self.tp_group), tokens.weight)
+        if targets is None:
+            return mask_padded_vocab(logits, tokens.vocab_start, self.cfg.vocab_size)
+        return vocab_parallel_cross_entropy(
+            logits, targets, tokens.vocab_start, self.cfg.vocab_size, self.tp_group
+        )
+
+
+def mark_replicated(model: nn.Module) -> None:
+    """Give every parameter without a ``tp_split_dim`` the value None (replicated over tp)."""
+    for p in model.parameters():
+        if not hasattr(p, "tp_split_dim"):
+            p.tp_split_dim = None
+
+
+# --- initialisation -----------------------------------------------------------------------------
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def initial_value(name: str, full_shape: tuple[int, ...], seed: int, cfg: Any) -> Tensor:
+    """The full (unsharded) float32 initial value of the parameter called ``name``.
+
+    GPT-2 scheme: N(0, init_std) for weights and embeddings, residual output
+    projections scaled by 1/sqrt(2 * layers) (two residual additions per block),
+    zero biases, LayerNorm weight 1. Depends only on (seed, name, shape, cfg).
+    """
+    module = name.split(".")[-2]
+    if name.endswith(".bias"):
+        return torch.zeros(full_shape)
+    if module in NORMS:
+        return torch.ones(full_shape)
+    std = cfg.init_std
+    if name.endswith(RESIDUAL_PROJECTIONS):
+        std = std / math.sqrt(2 * cfg.layers)
+    return torch.empty(full_shape).normal_(0.0, std, generator=_generator(seed, name))
+
+
+@torch.no_grad()
+def init_parameters(model: GPT, seed: int) -> None:
+    """Set every parameter to its layout-independent initial value (this rank's tp slice of it)."""
+    for module_name, module in model.named_modules():
+        tp_rank, tp_size = getattr(module, "tp_rank", 0), getattr(module, "tp_size", 1)
+        for pname, p in module.named_parameters(recurse=False):
+            name = f"{module_name}.{pname}" if module_name else pname
+            dim = p.tp_split_dim
+            full_shape = list(p.shape)
+            if dim is not None:
+                full_shape[dim] *= tp_size
+            value = initial_value(name, tuple(full_shape), seed, model.cfg)
+            if dim is not None and tp_size > 1:
+                value = value.chunk(tp_size, dim=dim)[tp_rank]
+            p.copy_(value)
+
+
+def build_gpt(
+    cfg: Any,
+    seed: int,
+    device: torch.device | str = "cpu",
+    tp_group: dist.ProcessGroup | None = None,
+    layer_ids: range | None = None,
+    first_stage: bool = True,
+    last_stage: bool = True,
+) -> GPT:
+    """Build a stage on the meta device (no memory), materialise it on ``device``, initialise it."""
+    with torch.device("meta"):
+        model = GPT(cfg, tp_group, layer_ids, first_stage, last_stage)
+    split_dims = {name: p.tp_split_dim for name, p in model.named_parameters()}
+    model.to_empty(device=device)
+    for name, p in model.named_parameters():  # materialising may replace the Parameter objects
+        p.tp_split_dim = split_dims[name]
+    init_parameters(model, seed)
+    return model
+
+
+def count_parameters(cfg: Any, tp: int = 1) -> int:
+    """Parameters of the whole model (every stage and tp rank, tied head counted once).
+
+    The token embedding counts its padded rows, padded_vocab(tp), because they
+    are stored and multiplied like any other.
+    """
+    h, f, n_bias = cfg.hidden, _ffn_hidden(cfg), int(bool(cfg.bias))
+    norm = h * (1 + n_bias)
+    block = (
+        2 * norm
+        + 3 * h * h + n_bias * 3 * h  # qkv
+        + h * h + n_bias * h  # attention output projection
+        + f * h + n_bias * f  # fc1
+        + h * f + n_bias * h  # fc2
+    )
+    return cfg.padded_vocab(tp) * h + cfg.seq_len * h + cfg.layers * block + norm

@@ -1,0 +1,62 @@
+"""Shared pieces for tests that train: a small corpus, a small model, and reading a run's metrics."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def write_corpus(folder: Path) -> Path:
+    """A few hundred KB of English and Python from the interpreter's own documentation topics."""
+    import pydoc_data.topics as topics
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, (name, text) in enumerate(sorted(topics.topics.items())):
+        (folder / f"{i:03d}_{name}.txt").write_text(text)
+    return folder
+
+
+def small_overrides(corpus: Path, cache: Path, log_dir: Path, steps: int = 10, **extra) -> list[str]:
+    """A 2-layer GPT that runs a step in well under a second on one core."""
+    values = {
+        "model.layers": 2, "model.hidden": 64, "model.heads": 4, "model.seq_len": 32, "model.vocab_size": 512,
+        "train.steps": steps, "train.global_batch": 8, "train.micro_batch": 2, "train.lr": "1.0e-3",
+        "train.min_lr": "1.0e-4", "train.warmup_steps": 2, "train.eval_every": 0, "train.save_every": 0,
+        "data.paths": f"[{corpus}]", "data.cache_dir": str(cache), "log.dir": str(log_dir), "log.every": 1,
+        "log.peak_tflops": 1.0,
+    }
+    values.update(extra)
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def pretrain_cmd(overrides: list[str], nproc: int = 1) -> list[str]:
+    args = [str(ROOT / "pretrain.py"), "--config", str(ROOT / "configs" / "tiny.yaml")]
+    for o in overrides:
+        args += ["--set", o]
+    if nproc == 1:
+        return [sys.executable, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            "--master-port", str(_port()), *args]
+
+
+def _port() -> int:
+    from tests.dist import free_port
+
+    return free_port()
+
+
+def run_pretrain(overrides: list[str], nproc: int = 1, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run(pretrain_cmd(overrides, nproc), capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def read_metrics(log_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(log_dir) / "metrics.jsonl").read_text().splitlines()]

@@ -1,0 +1,83 @@
+"""Export to Hugging Face GPT-2: the folder loads in transformers and gives megazero's logits."""
+
+import json
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+from megazero.export import main, to_hf_state_dict, write_hf_folder  # noqa: E402
+from models.gpt import build_gpt  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+
+
+@dataclass
+class Cfg:
+    """Stand-in with the ModelConfig fields of the spec."""
+
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 4
+    seq_len: int = 32
+    vocab_size: int = 300
+    ffn_hidden: int = 192
+    bias: bool = True
+    dropout: float = 0.1
+    activation_checkpointing: bool = False
+    init_std: float = 0.2
+    vocab_pad_multiple: int = 128
+
+    def padded_vocab(self, tp: int = 1) -> int:
+        m = self.vocab_pad_multiple * tp
+        return (self.vocab_size + m - 1) // m * m
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_exported_folder_gives_megazero_logits(tmp_path, bias):
+    cfg = Cfg(bias=bias)
+    model = build_gpt(cfg, seed=0).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # biases 0 and norms 1 at init would hide a mapping mistake
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    hf_config, hf_state = to_hf_state_dict(model.state_dict(), cfg)
+    write_hf_folder(tmp_path, hf_config, hf_state)
+
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["vocab_size"] == 300 and written["n_inner"] == 192 and written["n_positions"] == 32
+    assert written["resid_pdrop"] == written["embd_pdrop"] == 0.1
+
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+    assert hf.lm_head.weight.data_ptr() == hf.transformer.wte.weight.data_ptr()  # tied, not a copy
+    assert hf.transformer.wte.weight.shape == (300, 64)
+    x = torch.randint(0, 300, (2, 32), generator=g)
+    with torch.no_grad():
+        ours = model(x)
+        theirs = hf(x).logits
+    assert theirs.shape == (2, 32, 300)
+    torch.testing.assert_close(theirs, ours[..., :300], atol=1e-4, rtol=1e-4)
+    # the comparison is not vacuous: logits vary well beyond the tolerance
+    assert ours[..., :300].std() > 0.1
+
+
+def test_state_without_a_layer_is_a_user_error():
+    from megazero.errors import UserError
+
+    cfg = Cfg()
+    state = build_gpt(cfg, seed=0).state_dict()
+    del state["layers.1.mlp.fc2.weight"]
+    with pytest.raises(UserError, match="layers.1.mlp.fc2.weight"):
+        to_hf_state_dict(state, {"layers": 2, "hidden": 64, "heads": 4, "seq_len": 32, "vocab_size": 300})
+
+
+def test_cli_missing_checkpoint_is_one_line_error(tmp_path, capsys):
+    assert main([str(tmp_path / "nope"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "nope" in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()

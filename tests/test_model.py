@@ -1,0 +1,333 @@
+"""GPT stage module: names, layout-free init, the math against a plain reference, pipeline and TP contracts."""
+
+import math
+import os
+import tempfile
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from models.gpt import build_gpt, count_parameters
+from parallel.tensor import ColumnParallelLinear, RowParallelLinear, vocab_parallel_cross_entropy
+
+
+@dataclass
+class Cfg:
+    """Stand-in with the ModelConfig fields of the spec."""
+
+    layers: int = 4
+    hidden: int = 64
+    heads: int = 4
+    seq_len: int = 32
+    vocab_size: int = 300
+    ffn_hidden: int = 256
+    bias: bool = True
+    dropout: float = 0.0
+    activation_checkpointing: bool = False
+    init_std: float = 0.02
+    vocab_pad_multiple: int = 128
+
+    def padded_vocab(self, tp: int = 1) -> int:
+        m = self.vocab_pad_multiple * tp
+        return (self.vocab_size + m - 1) // m * m
+
+
+def tokens(cfg, b=2, s=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, cfg.vocab_size, (b, s or cfg.seq_len), generator=g)
+
+
+def perturb_vectors(model, seed=1):
+    """Biases start at 0 and norms at 1; give them values so a mix-up would show."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+
+
+def reference_logits(sd, cfg, x):
+    """GPT-2 forward written from the spec's layout, with explicit per-head slicing and a masked softmax."""
+    h, nh, d = cfg.hidden, cfg.heads, cfg.hidden // cfg.heads
+    b, s = x.shape
+    bias = lambda n: sd.get(n)  # noqa: E731
+    ln = lambda t, n: F.layer_norm(t, (h,), sd[n + ".weight"], bias(n + ".bias"), 1e-5)  # noqa: E731
+    t = sd["embed.tokens.weight"][x] + sd["embed.positions.weight"][:s]
+    future = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)
+    for i in range(cfg.layers):
+        p = f"layers.{i}."
+        a = ln(t, p + "ln1")
+        w, wb = sd[p + "attn.qkv.weight"], bias(p + "attn.qkv.bias")
+        heads = []
+        for j in range(nh):
+            rows = [slice(j * 3 * d + k * d, j * 3 * d + (k + 1) * d) for k in range(3)]
+            q, k, v = (a @ w[r].T + (wb[r] if wb is not None else 0) for r in rows)
+            scores = (q @ k.transpose(-1, -2)) / math.sqrt(d)
+            heads.append(torch.softmax(scores.masked_fill(future, float("-inf")), -1) @ v)
+        y = torch.cat(heads, -1) @ sd[p + "attn.proj.weight"].T
+        t = t + (y + bias(p + "attn.proj.bias") if cfg.bias else y)
+        m = ln(t, p + "ln2") @ sd[p + "mlp.fc1.weight"].T
+        m = m + bias(p + "mlp.fc1.bias") if cfg.bias else m
+        g = 0.5 * m * (1 + torch.tanh(math.sqrt(2 / math.pi) * (m + 0.044715 * m**3)))
+        m = g @ sd[p + "mlp.fc2.weight"].T
+        t = t + (m + bias(p + "mlp.fc2.bias") if cfg.bias else m)
+    return ln(t, "final_norm") @ sd["embed.tokens.weight"][: cfg.vocab_size].T
+
+
+def test_parameter_names_and_shapes():
+    cfg = Cfg(layers=2)
+    model = build_gpt(cfg, seed=0)
+    h, f = 64, 256
+    expected = {"embed.tokens.weight": (384, h), "embed.positions.weight": (32, h)}
+    for i in range(2):
+        for n, shape in {
+            "ln1.weight": (h,), "ln1.bias": (h,), "attn.qkv.weight": (3 * h, h), "attn.qkv.bias": (3 * h,),
+            "attn.proj.weight": (h, h), "attn.proj.bias": (h,), "ln2.weight": (h,), "ln2.bias": (h,),
+            "mlp.fc1.weight": (f, h), "mlp.fc1.bias": (f,), "mlp.fc2.weight": (h, f), "mlp.fc2.bias": (h,),
+        }.items():
+            expected[f"layers.{i}.{n}"] = shape
+    expected |= {"final_norm.weight": (h,), "final_norm.bias": (h,)}
+    got = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert got == expected
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert model.layers["1"].attn.proj.weight.tp_split_dim == 1
+    assert model.layers["1"].attn.qkv.weight.tp_split_dim == 0
+    assert model.embed.tokens.weight.tp_split_dim == 0
+    assert model.final_norm.weight.tp_split_dim is None
+
+
+def test_bias_false_has_no_bias_parameters():
+    cfg = Cfg(layers=2, bias=False)
+    model = build_gpt(cfg, seed=0)
+    names = [n for n, _ in model.named_parameters()]
+    assert not [n for n in names if n.endswith("bias")]
+    assert len(names) == 2 + 2 * 6 + 1
+    sd = model.state_dict()
+    x = tokens(cfg)
+    torch.testing.assert_close(model(x)[..., :300], reference_logits(sd, cfg, x), atol=1e-5, rtol=1e-5)
+
+
+def test_count_parameters():
+    for cfg in (Cfg(), Cfg(bias=False), Cfg(layers=3, ffn_hidden=96)):
+        model = build_gpt(cfg, seed=0)
+        assert count_parameters(cfg) == sum(p.numel() for p in model.parameters())
+    # GPT-2 small with the vocabulary padded to 50304 (nanoGPT's figure 124.48M incl. positions).
+    gpt2 = Cfg(layers=12, hidden=768, heads=12, seq_len=1024, vocab_size=50257, ffn_hidden=3072)
+    assert count_parameters(gpt2) == 124_475_904
+    assert count_parameters(gpt2, tp=8) - count_parameters(gpt2) == (51200 - 50304) * 768
+
+
+def test_init_depends_only_on_seed_and_name():
+    cfg = Cfg()
+    whole = dict(build_gpt(cfg, seed=5).named_parameters())
+    tail = dict(build_gpt(cfg, seed=5, layer_ids=range(2, 4), first_stage=False).named_parameters())
+    assert set(tail) == {n for n in whole if n.startswith(("layers.2.", "layers.3.", "final_norm"))} | {
+        "embed.tokens.weight"
+    }
+    for n, p in tail.items():
+        assert torch.equal(p, whole[n]), n
+    other = dict(build_gpt(cfg, seed=6).named_parameters())
+    for n, p in whole.items():
+        if n.endswith("weight") and ".ln" not in n and "norm" not in n:
+            assert not torch.equal(p, other[n]), n
+    # different names draw different values with the same seed
+    assert not torch.equal(whole["layers.0.mlp.fc1.weight"], whole["layers.1.mlp.fc1.weight"])
+
+
+def test_init_statistics():
+    cfg = Cfg(layers=8, hidden=128, heads=4, ffn_hidden=512, init_std=0.02)
+    model = build_gpt(cfg, seed=0)
+    sd = model.state_dict()
+    # 65536 samples: the sample std has relative standard error 1/sqrt(2n) ~ 0.3%; allow 3%.
+    residual = 0.02 / math.sqrt(2 * 8)
+    for name, std in [
+        ("layers.3.mlp.fc2.weight", residual),
+        ("layers.5.attn.proj.weight", residual),
+        ("layers.3.mlp.fc1.weight", 0.02),
+        ("layers.3.attn.qkv.weight", 0.02),
+        ("embed.tokens.weight", 0.02),
+        ("embed.positions.weight", 0.02),
+    ]:
+        w = sd[name]
+        assert abs(w.std().item() / std - 1) < 0.03, (name, w.std().item(), std)
+        assert abs(w.mean().item()) < 4 * std / math.sqrt(w.numel()), name
+    assert torch.equal(sd["layers.0.attn.qkv.bias"], torch.zeros(384))
+    assert torch.equal(sd["layers.0.ln1.weight"], torch.ones(128))
+    assert torch.equal(sd["final_norm.bias"], torch.zeros(128))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_forward_matches_reference_attention(bias):
+    cfg = Cfg(bias=bias, init_std=0.2)  # large enough that activations reach GELU's curved region
+    model = build_gpt(cfg, seed=1)
+    perturb_vectors(model)
+    x = tokens(cfg)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(x)[..., :300], reference_logits(model.state_dict(), cfg, x), atol=2e-5, rtol=1e-5
+        )
+
+
+def test_loss_and_grads_match_cross_entropy_over_real_vocab():
+    cfg = Cfg(layers=2)
+    model = build_gpt(cfg, seed=2)
+    x = tokens(cfg, seed=1)
+    t = tokens(cfg, seed=2)
+    t[0, :5] = -100
+    loss = model(x, t)
+    assert loss.shape == t.shape and loss.dtype == torch.float32
+    assert torch.all(loss[0, :5] == 0)
+    loss.sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    logits = model(x)
+    assert logits.shape == (2, 32, 384)
+    ref = F.cross_entropy(logits[..., :300].reshape(-1, 300), t.reshape(-1), reduction="none").view_as(t)
+    torch.testing.assert_close(loss.detach(), ref.detach(), atol=1e-5, rtol=1e-5)
+    ref.sum().backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, atol=1e-6, rtol=1e-4, msg=n)
+
+
+def test_cross_entropy_bf16_logits_and_grad_dtype():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 256, generator=g).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, 200, (3, 5), generator=g)
+    loss = vocab_parallel_cross_entropy(logits, t, 0, 200)
+    ref = F.cross_entropy(logits.float()[..., :200].reshape(-1, 200), t.reshape(-1), reduction="none")
+    torch.testing.assert_close(loss, ref.view(3, 5).detach(), atol=1e-5, rtol=1e-5)
+    loss.sum().backward()
+    assert logits.grad.dtype == torch.bfloat16
+    assert torch.all(logits.grad[..., 200:] == 0)
+
+
+def test_padded_vocab_never_predicted_nor_counted():
+    cfg = Cfg(layers=2)
+    model = build_gpt(cfg, seed=3)
+    x, t = tokens(cfg), tokens(cfg, seed=4)
+    with torch.no_grad():
+        before = model(x, t)
+        logits = model(x)
+        assert torch.all(logits[..., 300:] == float("-inf"))
+        assert torch.all(torch.isfinite(logits[..., :300]))
+        model.embed.tokens.weight[300:] = 50.0  # would dominate every softmax if it were counted
+        torch.testing.assert_close(model(x, t), before, atol=0, rtol=0)
+        assert model(x).argmax(-1).max() < 300
+
+
+def test_causal():
+    cfg = Cfg(layers=2)
+    model = build_gpt(cfg, seed=4)
+    x = tokens(cfg)
+    y = x.clone()
+    y[:, 10] = (y[:, 10] + 1) % cfg.vocab_size
+    with torch.no_grad():
+        a, b = model(x), model(y)
+    assert torch.equal(a[:, :10], b[:, :10])
+    assert not torch.allclose(a[:, 10:, :300], b[:, 10:, :300])
+
+
+def test_activation_checkpointing_gives_identical_grads():
+    x, t = tokens(Cfg(), seed=5), tokens(Cfg(), seed=6)
+    grads = []
+    for ckpt in (False, True):
+        cfg = Cfg(dropout=0.1, activation_checkpointing=ckpt)
+        model = build_gpt(cfg, seed=7).train()
+        torch.manual_seed(0)
+        model(x, t).mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for n in grads[0]:
+        assert torch.equal(grads[0][n], grads[1][n]), n
+
+
+def test_dropout_active_in_train_only():
+    cfg = Cfg(layers=1, dropout=0.5)
+    model = build_gpt(cfg, seed=0)
+    x = tokens(cfg)
+    with torch.no_grad():
+        assert not torch.equal(model.train()(x), model(x))
+        assert torch.equal(model.eval()(x), model(x))
+
+
+def test_pipeline_stages_chain_to_the_whole_model():
+    cfg = Cfg()
+    x, t = tokens(cfg, seed=8), tokens(cfg, seed=9)
+    whole = build_gpt(cfg, seed=11)
+    first = build_gpt(cfg, seed=11, layer_ids=range(0, 2), first_stage=True, last_stage=False)
+    last = build_gpt(cfg, seed=11, layer_ids=range(2, 4), first_stage=False, last_stage=True)
+    assert first.shares_embedding_across_stages and last.shares_embedding_across_stages
+    assert not whole.shares_embedding_across_stages
+    assert "embed.positions.weight" not in dict(last.named_parameters())
+    assert "final_norm.weight" not in dict(first.named_parameters())
+
+    ref = whole(x, t)
+    ref.mean().backward()
+    hidden = first(x)
+    assert hidden.shape == (2, 32, 64)
+    loss = last(hidden, t)
+    torch.testing.assert_close(loss, ref, atol=1e-6, rtol=1e-6)
+    loss.mean().backward()
+    wg = {n: p.grad for n, p in whole.named_parameters()}
+    for stage in (first, last):
+        for n, p in stage.named_parameters():
+            if n != "embed.tokens.weight":
+                torch.testing.assert_close(p.grad, wg[n], atol=1e-7, rtol=1e-5, msg=n)
+    # tied embedding: the two stage copies' grads sum to the whole model's
+    tied = first.embed.tokens.weight.grad + last.embed.tokens.weight.grad
+    torch.testing.assert_close(tied, wg["embed.tokens.weight"], atol=1e-7, rtol=1e-5)
+
+
+# --- tensor parallel (2 gloo ranks) ------------------------------------------------------------
+
+
+def _slice(full, dim, rank, size):
+    return full if dim is None else full.chunk(size, dim)[rank]
+
+
+def _tp_worker(rank, world, init_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        group = dist.group.WORLD
+        cfg = Cfg(layers=2)
+        x, t = tokens(cfg, seed=1), tokens(cfg, seed=2)
+        t[1, 3] = -100
+        ref = build_gpt(replace(cfg, vocab_pad_multiple=256), seed=3)  # same padded vocab (512) as tp=2
+        tp = build_gpt(cfg, seed=3, tp_group=group)
+        assert tp.embed.tokens.weight.shape == (256, 64)
+        assert tp.layers["0"].attn.qkv.weight.shape == (96, 64)
+        assert tp.layers["0"].mlp.fc2.weight.shape == (64, 128)
+        refp = dict(ref.named_parameters())
+        for n, p in tp.named_parameters():
+            assert torch.equal(p, _slice(refp[n], p.tp_split_dim, rank, world)), n
+
+        full_logits = ref(x)
+        torch.testing.assert_close(tp(x), full_logits[..., rank * 256:(rank + 1) * 256], atol=1e-5, rtol=1e-5)
+        ref_loss, loss = ref(x, t), tp(x, t)
+        torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+        ref_loss.sum().backward()
+        loss.sum().backward()
+        for n, p in tp.named_parameters():
+            want = _slice(refp[n].grad, p.tp_split_dim, rank, world)
+            torch.testing.assert_close(p.grad, want, atol=1e-5, rtol=1e-4, msg=n)
+
+        # gather_output / non-parallel input variants
+        col = ColumnParallelLinear(8, 6, True, group, gather_output=True)
+        row = RowParallelLinear(6, 4, True, group, input_is_parallel=False)
+        w1, b1, w2, b2 = torch.randn(6, 8), torch.randn(6), torch.randn(4, 6), torch.randn(4)
+        with torch.no_grad():
+            col.weight.copy_(w1.chunk(2)[rank]), col.bias.copy_(b1.chunk(2)[rank])
+            row.weight.copy_(w2.chunk(2, 1)[rank]), row.bias.copy_(b2)
+        inp = torch.randn(3, 8)
+        torch.testing.assert_close(row(col(inp)), (inp @ w1.T + b1) @ w2.T + b2, atol=1e-5, rtol=1e-5)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensor_parallel_two_ranks_match_single_rank():
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_tp_worker, args=(2, os.path.join(d, "init")), nprocs=2, join=True)

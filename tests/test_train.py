@@ -1,0 +1,154 @@
+"""End-to-end training: layout invariance over dp, exact resume, crash-safe saves, logs."""
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from megazero import checkpoint
+from megazero.run import run
+from tests.runs import ROOT, read_metrics, run_pretrain, small_overrides, write_corpus
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    base = tmp_path_factory.mktemp("data")
+    return write_corpus(base / "text"), base / "cache"
+
+
+def losses(records):
+    return [r["loss"] for r in records]
+
+
+def test_dp2_under_torchrun_reproduces_single_process(corpus, tmp_path):
+    """Same global batch, dp=1 vs dp=2: fp32 losses agree to 1e-5 relative, step after step.
+
+    Only the order of floating-point sums differs (the dp all-reduce adds two
+    half-batch gradients), so the curves agree far below 1e-5.
+    """
+    text, cache = corpus
+    one = small_overrides(text, cache, tmp_path / "dp1", steps=8)
+    two = small_overrides(text, cache, tmp_path / "dp2", steps=8) + ["parallel.dp=2"]
+    run(str(ROOT / "configs" / "tiny.yaml"), one)
+    run_pretrain(two, nproc=2)
+    a, b = read_metrics(tmp_path / "dp1"), read_metrics(tmp_path / "dp2")
+    assert len(a) == len(b) == 8
+    for x, y in zip(a, b):
+        assert math.isclose(x["loss"], y["loss"], rel_tol=1e-5), (x["loss"], y["loss"])
+        assert math.isclose(x["grad_norm"], y["grad_norm"], rel_tol=1e-4), (x["grad_norm"], y["grad_norm"])
+    assert losses(a)[-1] < losses(a)[0]
+    # The trained weights agree too. Adam divides each gradient element by its own RMS, so an element
+    # whose gradient is ~0 turns summation-order noise into an update of up to lr (1e-3) per step;
+    # atol 1e-5 (1% of one step's largest update) still catches any real divergence.
+    wa = checkpoint.read_model_state(checkpoint.latest_checkpoint(tmp_path / "dp1" / "checkpoints"))
+    wb = checkpoint.read_model_state(checkpoint.latest_checkpoint(tmp_path / "dp2" / "checkpoints"))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-5)
+
+
+def test_resume_is_exact_and_logs_are_complete(corpus, tmp_path):
+    """20 steps straight == 10 steps + resume + 10 steps, loss for loss (dropout on: RNG restored too)."""
+    text, cache = corpus
+    extra = {"model.dropout": 0.1, "train.eval_every": 5}
+    straight = run(str(ROOT / "configs" / "tiny.yaml"),
+                   small_overrides(text, cache, tmp_path / "straight", steps=20, **extra))
+    split_dir = tmp_path / "split"
+    # a 20-step run cut after 10 steps (as a time-limited job slot would), then resumed
+    first = run(str(ROOT / "configs" / "tiny.yaml"),
+                small_overrides(text, cache, split_dir, steps=20, **extra) + ["train.exit_after=10"])
+    assert checkpoint.latest_checkpoint(split_dir / "checkpoints").name == "step_00000010"
+    second = run(str(ROOT / "configs" / "tiny.yaml"),
+                 small_overrides(text, cache, split_dir, steps=20, **extra) + ["train.resume=auto"])
+    assert [r["step"] for r in second] == list(range(11, 21))
+    assert losses(straight) == losses(first) + losses(second)
+    assert [r.get("val_loss") for r in straight] == [r.get("val_loss") for r in first + second]
+    records = read_metrics(split_dir)
+    assert [r["step"] for r in records] == list(range(1, 21))
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu"):
+        assert all(isinstance(r[key], (int, float)) for r in records), key
+    assert all("val_loss" in r for r in records if r["step"] % 5 == 0)
+
+    # TensorBoard: read the event files back and find the scalars
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(split_dir))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    for tag in ("train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/mfu", "val/loss"):
+        assert tag in tags, (tag, tags)
+    tb_loss = {e.step: e.value for e in acc.Scalars("train/loss")}
+    assert sorted(tb_loss) == list(range(1, 21))
+    assert math.isclose(tb_loss[20], records[-1]["loss"], rel_tol=1e-6)
+
+
+def test_lr_schedule_is_layout_free_function_of_step():
+    from megazero.optim import lr_at
+
+    lrs = [lr_at(s, 1.0, 0.1, 10, 100) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a <= b for a, b in zip(lrs[:10], lrs[1:10]))            # warmup rises
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))             # cosine falls
+    assert lr_at(100, 1.0, 0.1, 10, 100) == pytest.approx(0.1)
+    assert lr_at(55, 1.0, 0.1, 10, 100) == pytest.approx(0.55)          # half way: mean of lr and min_lr
+
+
+_SLOW_SAVE = """
+import sys, torch
+sys.path.insert(0, {root!r})
+from megazero import checkpoint
+state = {{f"model/w{{i}}": torch.full((1024, 1024), float(i)) for i in range(400)}}
+print("saving", flush=True)
+checkpoint.save({ckpt!r}, 2, state, {{"consumed_samples": 0}}, keep_last=5)
+"""
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_latest(tmp_path):
+    ckpt = tmp_path / "checkpoints"
+    good = {"model/w": torch.arange(6.0).reshape(2, 3)}
+    checkpoint.save(ckpt, 1, good, {"consumed_samples": 8}, keep_last=5)
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_SAVE.format(root=str(ROOT), ckpt=str(ckpt))],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "saving"
+    tmp_dir = ckpt / "step_00000002.tmp"
+    deadline = time.time() + 60
+    while not any(tmp_dir.glob("*.distcp")) and time.time() < deadline:  # 1.6 GB of writes under way
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert tmp_dir.exists() and not (ckpt / "step_00000002").exists()
+    latest = checkpoint.latest_checkpoint(ckpt)
+    assert latest.name == "step_00000001"
+    loaded = {"model/w": torch.zeros(2, 3)}
+    meta = checkpoint.load(latest, loaded)
+    assert torch.equal(loaded["model/w"], good["model/w"]) and meta["consumed_samples"] == 8
+    # the next save clears the debris and commits
+    checkpoint.save(ckpt, 3, good, {"consumed_samples": 24}, keep_last=5)
+    assert not tmp_dir.exists() and checkpoint.latest_checkpoint(ckpt).name == "step_00000003"
+
+
+def test_keep_last_and_metadata_is_never_unpickled_freely(tmp_path):
+    import pickle
+
+    ckpt = tmp_path / "c"
+    for s in range(1, 5):
+        checkpoint.save(ckpt, s, {"model/w": torch.ones(2)}, {"consumed_samples": s}, keep_last=2)
+    assert [p.name for p in checkpoint.list_checkpoints(ckpt)] == ["step_00000003", "step_00000004"]
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    latest = checkpoint.latest_checkpoint(ckpt)
+    (latest / ".metadata").write_bytes(pickle.dumps(Evil()))
+    from megazero.errors import UserError
+
+    with pytest.raises(UserError, match="not allowed"):
+        checkpoint.load(latest, {"model/w": torch.zeros(2)})
