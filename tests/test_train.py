@@ -152,3 +152,36 @@ def test_keep_last_and_metadata_is_never_unpickled_freely(tmp_path):
 
     with pytest.raises(UserError, match="not allowed"):
         checkpoint.load(latest, {"model/w": torch.zeros(2)})
+
+
+def test_export_of_a_trained_checkpoint_gives_megazero_logits(corpus, tmp_path):
+    """`python -m megazero.export CKPT OUT` on a real run; HF GPT-2 logits equal megazero's within 1e-4."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    from transformers import GPT2LMHeadModel
+
+    from megazero.config import load_config
+    from models.gpt import build_gpt
+
+    text, cache = corpus
+    overrides = small_overrides(text, cache, tmp_path / "run", steps=3, **{"model.bias": "false"})
+    run(str(ROOT / "configs" / "tiny.yaml"), overrides)
+    ckpt = checkpoint.latest_checkpoint(tmp_path / "run" / "checkpoints")
+    out = tmp_path / "hf"
+    proc = subprocess.run([sys.executable, "-m", "megazero.export", str(ckpt), str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), overrides)
+    model = build_gpt(cfg.model, seed=0)
+    state = checkpoint.read_model_state(ckpt)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(state[n])
+    hf = GPT2LMHeadModel.from_pretrained(out).eval()
+    ids = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_len), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model(ids)[..., : cfg.model.vocab_size]
+        theirs = hf(ids).logits
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-4)
+    bad = subprocess.run([sys.executable, "-m", "megazero.export", str(tmp_path / "nope"), str(out)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and len(bad.stderr.strip().splitlines()) == 1
