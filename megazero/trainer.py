@@ -62,6 +62,10 @@ class Trainer:
 
     def __init__(self, cfg: Config, grid: Grid, device: torch.device, is_builder: bool = True):
         self.cfg, self.grid, self.device = cfg, grid, device
+        for key, size in (("tp", grid.tp), ("pp", grid.pp)):
+            if size > 1:
+                raise UserError(f"{cfg.source}: parallel.{key}={size}: this version trains with data parallelism "
+                                f"only; valid: parallel.{key}=1")
         self.data = load_data_everywhere(cfg, grid, is_builder)
         torch.manual_seed(cfg.train.seed)
         self.model = build_gpt(cfg.model, cfg.train.seed, device=device, tp_group=grid.tp_group,

@@ -1,0 +1,245 @@
+"""Data for GPT pretraining: what the trainer asks for, built once and cached.
+
+``build_data`` turns the ``data`` config section into a :class:`GPTData`:
+
+* ``data.paths`` lists raw text (``.txt``/``.jsonl`` files or directories) or
+  preprocessed prefixes (``PREFIX.bin`` + ``PREFIX.idx``); empty means the
+  built-in corpus (the Python standard library, see ``corpus``).
+* ``data.tokenizer`` is a sentencepiece ``.model`` or ``'train'`` (a BPE of
+  ``model.vocab_size`` pieces trained on the raw text).
+* Tokenizers, tokenised datasets and the built-in corpus go to
+  ``data.cache_dir`` under names that hash their inputs (paths, sizes,
+  modification times), the tokenizer and the vocabulary size, so a changed
+  input is rebuilt and an unchanged one is reused. Files appear by atomic
+  rename: a crash never leaves a half-written file under a final name.
+
+Only the builder rank(s) write; every rank then waits on ``barrier`` and
+reads the same files, memory-mapped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from megazero.data.corpus import DEFAULT_MAX_BYTES, corpus_key, write_corpus
+from megazero.data.documents import expand_inputs
+from megazero.data.indexed import IndexedDataset, bin_path, index_path
+from megazero.data.samples import GPTSamples, TokenStream, parse_split
+from megazero.data.tokenizer import MIN_VOCAB_SIZE, Tokenizer, train_tokenizer
+from megazero.errors import UserError
+
+if TYPE_CHECKING:  # torch is imported where tensors are made, so preprocessing runs without it
+    import torch
+
+__all__ = ["GPTData", "build_data", "Tokenizer"]
+
+# Bump when a change to tokenizer training or preprocessing alters the output,
+# so that caches built by an older megazero are not reused.
+_CACHE_FORMAT = 1
+
+
+@dataclass
+class GPTData:
+    """The samples a run reads; every method is a pure function of its arguments."""
+
+    tokenizer_path: Path
+    train_samples: int
+    val_samples: int
+    seq_len: int
+    samples: GPTSamples = field(repr=False, compare=False)
+
+    def train_microbatches(
+        self, consumed_samples: int, dp_rank: int, dp: int, micro_batch: int, global_batch: int
+    ) -> list[torch.Tensor]:
+        """This DP rank's microbatches of the step that starts after ``consumed_samples`` samples.
+
+        Each is a LongTensor ``(micro_batch, seq_len + 1)``: inputs ``[:, :-1]``, targets ``[:, 1:]``.
+        """
+        import torch
+
+        ids = self.samples.train_batch_ids(consumed_samples, dp_rank, dp, micro_batch, global_batch)
+        return [torch.from_numpy(self.samples.rows(chunk)) for chunk in ids]
+
+    def val_microbatches(
+        self, batch_index: int, dp_rank: int, dp: int, micro_batch: int, global_batch: int
+    ) -> list[torch.Tensor]:
+        """This DP rank's microbatches of validation batch ``batch_index`` (unshuffled, wrapping)."""
+        import torch
+
+        ids = self.samples.val_batch_ids(batch_index, dp_rank, dp, micro_batch, global_batch)
+        return [torch.from_numpy(self.samples.rows(chunk)) for chunk in ids]
+
+
+@dataclass(frozen=True)
+class _Source:
+    """One entry of data.paths (or the built-in corpus) and where its tokens live."""
+
+    label: str
+    kind: str  # "text", "builtin" or "prefix"
+    files: tuple[Path, ...]
+    fingerprint: str
+    prefix: Path
+
+
+@dataclass(frozen=True)
+class _Plan:
+    sources: tuple[_Source, ...]
+    tokenizer: Path
+    train_tokenizer: bool
+    json_key: str
+    builtin_max_bytes: int
+
+
+def build_data(
+    cfg_data: Any,
+    vocab_size: int,
+    seq_len: int,
+    seed: int,
+    is_builder: bool,
+    barrier: Callable[[], None],
+    *,
+    builtin_max_bytes: int = DEFAULT_MAX_BYTES,
+) -> GPTData:
+    """Build (on ``is_builder`` ranks) or find the cached data, wait on ``barrier``, load it.
+
+    ``cfg_data`` needs ``paths``, ``tokenizer``, ``split`` and ``cache_dir``;
+    an optional ``json_key`` names the text field of ``.jsonl`` records.
+    ``builtin_max_bytes`` caps the size of the built-in corpus.
+    Every rank validates the config before the barrier, so a bad value fails
+    everywhere at once instead of leaving ranks waiting on a builder that died.
+    """
+    parse_split(cfg_data.split)
+    plan = _plan(cfg_data, vocab_size, builtin_max_bytes)
+    if is_builder:
+        try:
+            _build(plan, vocab_size)
+        except OSError as e:
+            where = f"{cfg_data.cache_dir}: cannot write {e.filename or ''}"
+            raise UserError(f"data.cache_dir {where} ({e.strerror})") from None
+    barrier()
+    return _load(plan, vocab_size, seq_len, seed, cfg_data.split, Path(cfg_data.cache_dir))
+
+
+def _digest(*parts: Any) -> str:
+    return hashlib.sha256(json.dumps([_CACHE_FORMAT, *parts], default=str).encode()).hexdigest()[:16]
+
+
+def _files_fingerprint(files: list[Path]) -> str:
+    stats = []
+    for f in files:
+        st = f.stat()
+        stats.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
+    return _digest("files", stats)
+
+
+def _as_prefix(path: Path) -> Path | None:
+    """The dataset prefix ``path`` names, if it names one (``P``, ``P.bin`` or ``P.idx``)."""
+    if index_path(path).exists() or bin_path(path).exists():
+        return path
+    if path.suffix in (".bin", ".idx") and path.exists():
+        return path.with_suffix("")
+    return None
+
+
+def _slug(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(label).stem)[:40] or "data"
+
+
+def _plan(cfg_data: Any, vocab_size: int, builtin_max_bytes: int) -> _Plan:
+    cache = Path(cfg_data.cache_dir)
+    json_key = getattr(cfg_data, "json_key", "text")
+    sources: list[_Source] = []
+    if not cfg_data.paths:
+        key = corpus_key(builtin_max_bytes)
+        corpus = cache / f"corpus-{key}.jsonl"
+        sources.append(_Source("built-in corpus", "builtin", (corpus,), f"builtin-{key}", Path()))
+    for raw in cfg_data.paths:
+        prefix = _as_prefix(Path(raw))
+        if prefix is not None:
+            sources.append(_Source(str(raw), "prefix", (), "", prefix))
+        else:
+            files = expand_inputs([raw], "data.paths")
+            sources.append(_Source(str(raw), "text", tuple(files), _files_fingerprint(files), Path()))
+
+    if cfg_data.tokenizer == "train":
+        prefixes = [s.label for s in sources if s.kind == "prefix"]
+        if prefixes:
+            raise UserError(
+                f"data.tokenizer: 'train' cannot be used with the preprocessed dataset {prefixes[0]} in data.paths; "
+                "set data.tokenizer to the .model file that dataset was built with"
+            )
+        if vocab_size < MIN_VOCAB_SIZE:
+            raise UserError(
+                f"model.vocab_size {vocab_size} is too small for data.tokenizer 'train'; use at least {MIN_VOCAB_SIZE}"
+            )
+        tok_fingerprint = _digest("tokenizer", vocab_size, json_key, [s.fingerprint for s in sources])
+        tokenizer = cache / f"tokenizer-{vocab_size}-{tok_fingerprint}.model"
+    else:
+        tokenizer = Path(cfg_data.tokenizer)
+        if not tokenizer.is_file():
+            raise UserError(
+                f"data.tokenizer: {tokenizer} does not exist; give a sentencepiece .model file or 'train'"
+            )
+        pieces = Tokenizer.load(tokenizer).vocab_size
+        if pieces > vocab_size:
+            raise UserError(
+                f"data.tokenizer {tokenizer} has {pieces} pieces but model.vocab_size is {vocab_size}; "
+                f"set model.vocab_size >= {pieces}"
+            )
+        tok_fingerprint = hashlib.sha256(tokenizer.read_bytes()).hexdigest()[:16]
+
+    planned = []
+    for s in sources:
+        if s.kind != "prefix":
+            key = _digest("dataset", s.fingerprint, tok_fingerprint, vocab_size, json_key)
+            prefix = cache / f"data-{_slug(s.label) if s.kind == 'text' else 'builtin'}-{key}"
+            s = _Source(s.label, s.kind, s.files, s.fingerprint, prefix)
+        planned.append(s)
+    return _Plan(tuple(planned), tokenizer, cfg_data.tokenizer == "train", json_key, builtin_max_bytes)
+
+
+def _build(plan: _Plan, vocab_size: int) -> None:
+    # Imported here: importing it with the package would make `python -m megazero.data.preprocess`
+    # find the module already loaded (runpy warns about that).
+    from megazero.data.preprocess import preprocess
+
+    for s in plan.sources:
+        if s.kind == "builtin" and not s.files[0].exists():
+            write_corpus(s.files[0], plan.builtin_max_bytes)
+    if plan.train_tokenizer and not plan.tokenizer.exists():
+        text_files = [f for s in plan.sources for f in s.files]
+        train_tokenizer(text_files, vocab_size, plan.tokenizer.with_suffix(""), json_key=plan.json_key)
+    tokenizer = Tokenizer.load(plan.tokenizer)
+    for s in plan.sources:
+        if s.kind != "prefix" and not index_path(s.prefix).exists():
+            preprocess(list(s.files), tokenizer, s.prefix, plan.json_key, what="data.paths")
+
+
+def _load(plan: _Plan, vocab_size: int, seq_len: int, seed: int, split: str, cache: Path) -> GPTData:
+    built = [plan.tokenizer] if plan.train_tokenizer else []
+    built += [index_path(s.prefix) for s in plan.sources if s.kind != "prefix"]
+    for path in built:
+        if not path.exists():
+            raise UserError(
+                f"data cache {path} is missing after the building rank finished; "
+                f"data.cache_dir {cache} must be a directory every rank can read"
+            )
+    tokenizer = Tokenizer.load(plan.tokenizer)
+    datasets = []
+    for s in plan.sources:
+        ds = IndexedDataset(s.prefix)
+        if s.kind == "prefix" and ds.vocab_size != tokenizer.vocab_size:
+            raise UserError(
+                f"data.paths: dataset {s.prefix} was built for a {ds.vocab_size}-piece vocabulary but data.tokenizer "
+                f"{plan.tokenizer} has {tokenizer.vocab_size} pieces; give the tokenizer it was built with"
+            )
+        ds.check_vocab(vocab_size)
+        datasets.append(ds)
+    samples = GPTSamples(TokenStream([ds.tokens for ds in datasets]), seq_len, seed, split)
+    return GPTData(plan.tokenizer, samples.n_train, samples.n_val, seq_len, samples)

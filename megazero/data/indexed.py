@@ -1,0 +1,202 @@
+"""Indexed token dataset: ``PREFIX.bin`` (token ids) + ``PREFIX.idx`` (header, document offsets).
+
+The split into a flat token file and a small index follows Megatron-LM's
+indexed dataset: readers memory-map the ``.bin`` so a corpus far larger than
+RAM costs only the pages a batch touches.
+
+``.idx`` layout (little endian)::
+
+    magic      8 bytes  b"MZIDX\\x00\\x00\\x00"
+    version    uint32
+    dtype      uint32   1 = uint16, 2 = int32 (the ``.bin`` element type)
+    vocab_size uint64   ids in the ``.bin`` are < vocab_size
+    n_docs     uint64
+    n_tokens   uint64   elements in the ``.bin``
+    max_token  uint64   largest id in the ``.bin`` (0 when empty), so vocab checks are O(1)
+    offsets    uint64 * (n_docs + 1)   document i is tokens[offsets[i]:offsets[i+1]]
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterable
+from pathlib import Path
+from types import TracebackType
+
+import numpy as np
+
+from megazero.errors import UserError
+
+MAGIC = b"MZIDX\x00\x00\x00"
+VERSION = 1
+_HEADER = struct.Struct("<8sIIQQQQ")
+_DTYPES = {1: np.dtype("<u2"), 2: np.dtype("<i4")}
+UINT16_VOCAB_LIMIT = 65536
+
+
+def dtype_code_for(vocab_size: int) -> int:
+    """uint16 holds ids of vocabularies up to 65536 and halves the file; larger ones need int32."""
+    return 1 if vocab_size <= UINT16_VOCAB_LIMIT else 2
+
+
+def index_path(prefix: str | Path) -> Path:
+    return Path(f"{prefix}.idx")
+
+
+def bin_path(prefix: str | Path) -> Path:
+    return Path(f"{prefix}.bin")
+
+
+class IndexedDatasetBuilder:
+    """Streams documents to ``PREFIX.bin`` and writes ``PREFIX.idx`` on ``finalize``.
+
+    Both files are written under temporary names and renamed into place (the
+    ``.bin`` first, the ``.idx`` last), so a reader never sees a half-written
+    dataset: an existing ``.idx`` means the build finished.
+    """
+
+    def __init__(self, prefix: str | Path, vocab_size: int):
+        if vocab_size < 1 or vocab_size > np.iinfo(np.int32).max:
+            limit = np.iinfo(np.int32).max
+            raise UserError(f"dataset {prefix}: vocab_size {vocab_size} is out of range (1 to {limit})")
+        self.prefix = Path(prefix)
+        self.vocab_size = vocab_size
+        self._code = dtype_code_for(vocab_size)
+        self._dtype = _DTYPES[self._code]
+        self._offsets = [0]
+        self._max_token = 0
+        suffix = f".tmp-{os.getpid()}-{os.urandom(4).hex()}"
+        self._tmp_bin = Path(f"{bin_path(self.prefix)}{suffix}")
+        self._tmp_idx = Path(f"{index_path(self.prefix)}{suffix}")
+        try:
+            self.prefix.parent.mkdir(parents=True, exist_ok=True)
+            self._bin = self._tmp_bin.open("wb")
+        except OSError as e:
+            raise UserError(f"cannot write dataset {self.prefix} ({e.strerror})") from None
+
+    def add_document(self, tokens: Iterable[int] | np.ndarray) -> None:
+        array = np.asarray(tokens if isinstance(tokens, np.ndarray) else list(tokens))
+        if array.ndim != 1:
+            raise UserError(
+                f"dataset {self.prefix}: a document must be a 1-D sequence of token ids, got shape {array.shape}"
+            )
+        if array.size:
+            if not np.issubdtype(array.dtype, np.integer):
+                raise UserError(f"dataset {self.prefix}: token ids must be integers, got {array.dtype}")
+            low, high = int(array.min()), int(array.max())
+            if low < 0 or high >= self.vocab_size:
+                bad = low if low < 0 else high
+                raise UserError(
+                    f"dataset {self.prefix}: document {len(self._offsets) - 1} has token id {bad}, "
+                    f"outside the vocabulary [0, {self.vocab_size})"
+                )
+            self._max_token = max(self._max_token, high)
+            self._bin.write(array.astype(self._dtype, copy=False).tobytes())
+        self._offsets.append(self._offsets[-1] + int(array.size))
+
+    def finalize(self) -> Path:
+        """Write the index, move both files into place, return the prefix."""
+        self._bin.close()
+        offsets = np.asarray(self._offsets, dtype="<u8")
+        header = _HEADER.pack(
+            MAGIC, VERSION, self._code, self.vocab_size, len(offsets) - 1, int(offsets[-1]), self._max_token
+        )
+        with self._tmp_idx.open("wb") as f:
+            f.write(header)
+            f.write(offsets.tobytes())
+        os.replace(self._tmp_bin, bin_path(self.prefix))
+        os.replace(self._tmp_idx, index_path(self.prefix))
+        return self.prefix
+
+    def abort(self) -> None:
+        """Drop the partial files (on an error mid-build)."""
+        self._bin.close()
+        self._tmp_bin.unlink(missing_ok=True)
+        self._tmp_idx.unlink(missing_ok=True)
+
+    def __enter__(self) -> IndexedDatasetBuilder:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
+class IndexedDataset:
+    """Read-only view of a built dataset; the tokens are a memory map, never loaded whole."""
+
+    def __init__(self, prefix: str | Path):
+        self.prefix = Path(prefix)
+        idx, binf = index_path(self.prefix), bin_path(self.prefix)
+        for path in (idx, binf):
+            if not path.is_file():
+                raise UserError(f"dataset {path} does not exist")
+        idx_size = idx.stat().st_size
+        if idx_size < _HEADER.size:
+            raise UserError(f"dataset index {idx} is truncated: {idx_size} bytes, the header alone is {_HEADER.size}")
+        with idx.open("rb") as f:
+            header = f.read(_HEADER.size)
+        magic, version, code, vocab_size, n_docs, n_tokens, max_token = _HEADER.unpack(header)
+        if magic != MAGIC:
+            raise UserError(
+                f"dataset index {idx} is not a megazero index (bad magic {magic!r}); "
+                "rebuild it with python -m megazero.data.preprocess"
+            )
+        if version != VERSION:
+            raise UserError(
+                f"dataset index {idx} has format version {version}; this megazero reads version {VERSION}, rebuild it"
+            )
+        if code not in _DTYPES:
+            raise UserError(f"dataset index {idx} has unknown dtype code {code} (valid: {sorted(_DTYPES)})")
+        expected_idx = _HEADER.size + 8 * (n_docs + 1)
+        if idx_size != expected_idx:
+            raise UserError(
+                f"dataset index {idx} is {'truncated' if idx_size < expected_idx else 'too long'}: "
+                f"{idx_size} bytes, expected {expected_idx} for {n_docs} documents"
+            )
+        dtype = _DTYPES[code]
+        bin_size = binf.stat().st_size
+        if bin_size != n_tokens * dtype.itemsize:
+            raise UserError(
+                f"dataset {binf} is {'truncated' if bin_size < n_tokens * dtype.itemsize else 'too long'}: "
+                f"{bin_size} bytes, the index says {n_tokens} {dtype.name} tokens ({n_tokens * dtype.itemsize} bytes)"
+            )
+        offsets = np.fromfile(idx, dtype="<u8", offset=_HEADER.size)
+        if offsets[0] != 0 or offsets[-1] != n_tokens or (n_docs and bool(np.any(offsets[1:] < offsets[:-1]))):
+            raise UserError(
+                f"dataset index {idx} is corrupt: its document offsets do not run from 0 to {n_tokens} in order"
+            )
+        if n_tokens and max_token >= vocab_size:
+            raise UserError(f"dataset index {idx} is corrupt: max token id {max_token} >= its vocab_size {vocab_size}")
+        self.vocab_size = int(vocab_size)
+        self.max_token_id = int(max_token)
+        self.doc_offsets = offsets
+        if n_tokens:
+            self.tokens = np.memmap(binf, dtype=dtype, mode="r", shape=(int(n_tokens),))
+        else:  # numpy cannot map an empty file
+            self.tokens = np.zeros(0, dtype=dtype)
+
+    def __len__(self) -> int:
+        return len(self.doc_offsets) - 1
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.doc_offsets[-1])
+
+    def doc(self, i: int) -> np.ndarray:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"document {i} out of range for {len(self)} documents")
+        i %= len(self)
+        return self.tokens[self.doc_offsets[i] : self.doc_offsets[i + 1]]
+
+    def check_vocab(self, model_vocab_size: int) -> None:
+        """Refuse a dataset whose ids would index past the model's embedding table."""
+        if self.n_tokens and self.max_token_id >= model_vocab_size:
+            raise UserError(
+                f"dataset {self.prefix} has token id {self.max_token_id}, but model.vocab_size is "
+                f"{model_vocab_size}; set model.vocab_size > {self.max_token_id} "
+                "or rebuild the data with a smaller tokenizer"
+            )

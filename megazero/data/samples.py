@@ -1,0 +1,155 @@
+"""GPT training samples cut from a token stream, and which of them each rank reads.
+
+The stream is every document, EOS-separated, end to end. Sample ``i`` is
+``tokens[i*seq_len : i*seq_len + seq_len + 1]``: inputs are its first
+``seq_len`` tokens, targets its last ``seq_len``; consecutive samples share
+one token so no target is lost, and samples run across document boundaries
+(the EOS marks them) as in GPT-2/Megatron-LM pretraining.
+
+Samples split into train (first) and validation (last) contiguous ranges.
+Train order is a fresh permutation per epoch from ``(seed, epoch)``; global
+sample ``g`` is position ``g % n_train`` of epoch ``g // n_train``'s
+permutation. Step ``s`` reads global samples ``[s*gb, (s+1)*gb)``. That
+defines the global batch without reference to the layout; a data-parallel
+rank only takes its contiguous share of it, so any (tp, pp, dp) sees the
+same batches in the same order, and resuming at ``consumed_samples``
+continues exactly where an uninterrupted run would be.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from megazero.errors import UserError
+
+
+class TokenStream:
+    """Several 1-D token arrays (memory maps) read as one, without copying them."""
+
+    def __init__(self, arrays: Sequence[np.ndarray]):
+        self._arrays = [a for a in arrays if len(a)]
+        self._starts = np.cumsum([0] + [len(a) for a in self._arrays]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def window(self, start: int, length: int) -> np.ndarray:
+        """Tokens ``[start, start + length)`` as int64."""
+        assert 0 <= start and start + length <= len(self), (start, length, len(self))
+        out = np.empty(length, dtype=np.int64)
+        filled = 0
+        part = int(np.searchsorted(self._starts, start, side="right")) - 1
+        while filled < length:
+            array, base = self._arrays[part], int(self._starts[part])
+            lo = start + filled - base
+            take = min(length - filled, len(array) - lo)
+            out[filled : filled + take] = array[lo : lo + take]
+            filled += take
+            part += 1
+        return out
+
+
+def parse_split(split: str) -> tuple[float, float]:
+    """``"98,2"`` -> (0.98, 0.02): train and validation weights, normalised."""
+    bad = UserError(
+        f"data.split: {split!r} is not valid; give two non-negative weights 'train,validation' "
+        "with a positive train weight, such as '98,2'"
+    )
+    try:
+        weights = [float(w) for w in str(split).split(",")]
+    except ValueError:
+        raise bad from None
+    if len(weights) != 2 or any(not np.isfinite(w) or w < 0 for w in weights) or weights[0] <= 0:
+        raise bad
+    total = sum(weights)
+    return weights[0] / total, weights[1] / total
+
+
+def rank_share(global_batch: int, dp_rank: int, dp: int, micro_batch: int) -> tuple[int, int]:
+    """Offsets ``[lo, hi)`` of rank ``dp_rank``'s share inside a global batch."""
+    if dp < 1 or not 0 <= dp_rank < dp:
+        raise UserError(f"dp_rank {dp_rank} is not valid for dp {dp}")
+    if micro_batch < 1 or global_batch < 1:
+        raise UserError(f"train.global_batch {global_batch} and train.micro_batch {micro_batch} must be positive")
+    if global_batch % (dp * micro_batch):
+        raise UserError(
+            f"train.global_batch {global_batch} is not a multiple of train.micro_batch {micro_batch} x dp {dp} "
+            f"= {dp * micro_batch}"
+        )
+    per_rank = global_batch // dp
+    return dp_rank * per_rank, (dp_rank + 1) * per_rank
+
+
+class GPTSamples:
+    """The sample index math over one token stream; holds no tokens itself."""
+
+    def __init__(self, stream: TokenStream, seq_len: int, seed: int, split: str):
+        if seq_len < 1:
+            raise UserError(f"model.seq_len {seq_len} must be positive")
+        if seed < 0:
+            raise UserError(f"train.seed {seed} must be a non-negative integer")
+        self.stream = stream
+        self.seq_len = seq_len
+        self.seed = seed
+        n_tokens = len(stream)
+        self.n_samples = max(n_tokens - 1, 0) // seq_len
+        w_train, w_val = parse_split(split)
+        self.n_train = int(round(self.n_samples * w_train))
+        self.n_val = self.n_samples - self.n_train
+        if self.n_train == 0 or (w_val > 0 and self.n_val == 0):
+            raise UserError(
+                f"the corpus is too small for model.seq_len {seq_len} and data.split {split!r}: "
+                f"{n_tokens} tokens make {self.n_samples} samples of {seq_len + 1} tokens, "
+                f"{self.n_train} for training and {self.n_val} for validation; add data or lower model.seq_len"
+            )
+        self._perms: dict[int, np.ndarray] = {}
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        perm = self._perms.get(epoch)
+        if perm is None:
+            perm = np.random.default_rng((self.seed, epoch)).permutation(self.n_train)
+            if len(self._perms) >= 2:  # batches touch at most two neighbouring epochs
+                self._perms.pop(min(self._perms))
+            self._perms[epoch] = perm
+        return perm
+
+    def train_sample_ids(self, global_indices: np.ndarray) -> np.ndarray:
+        """Map global train positions (counted across epochs) to sample ids."""
+        epochs, positions = np.divmod(np.asarray(global_indices, dtype=np.int64), self.n_train)
+        ids = np.empty(len(positions), dtype=np.int64)
+        for epoch in np.unique(epochs):
+            mask = epochs == epoch
+            ids[mask] = self._permutation(int(epoch))[positions[mask]]
+        return ids
+
+    def train_batch_ids(
+        self, consumed_samples: int, dp_rank: int, dp: int, micro_batch: int, global_batch: int
+    ) -> list[np.ndarray]:
+        """Sample ids of this rank's microbatches of the step starting at ``consumed_samples``."""
+        if consumed_samples < 0:
+            raise UserError(f"consumed_samples {consumed_samples} must be non-negative")
+        lo, hi = rank_share(global_batch, dp_rank, dp, micro_batch)
+        ids = self.train_sample_ids(np.arange(consumed_samples + lo, consumed_samples + hi))
+        return [ids[i : i + micro_batch] for i in range(0, len(ids), micro_batch)]
+
+    def val_batch_ids(
+        self, batch_index: int, dp_rank: int, dp: int, micro_batch: int, global_batch: int
+    ) -> list[np.ndarray]:
+        """Validation batch ``b`` is validation samples ``[b*gb, (b+1)*gb)``, wrapping around."""
+        if self.n_val == 0:
+            raise UserError("data.split gives validation weight 0, so there are no validation samples")
+        if batch_index < 0:
+            raise UserError(f"validation batch index {batch_index} must be non-negative")
+        lo, hi = rank_share(global_batch, dp_rank, dp, micro_batch)
+        start = batch_index * global_batch
+        ids = self.n_train + (np.arange(start + lo, start + hi, dtype=np.int64) % self.n_val)
+        return [ids[i : i + micro_batch] for i in range(0, len(ids), micro_batch)]
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """Tokens of samples ``ids``: shape ``(len(ids), seq_len + 1)``, int64."""
+        out = np.empty((len(ids), self.seq_len + 1), dtype=np.int64)
+        for row, sample in enumerate(ids):
+            out[row] = self.stream.window(int(sample) * self.seq_len, self.seq_len + 1)
+        return out

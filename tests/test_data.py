@@ -1,0 +1,443 @@
+"""Tests for megazero.data: tokenizer, indexed dataset, preprocessing, samples, build_data.
+
+Expected values are recomputed here from first principles (numpy slices of
+the token stream, sentencepiece called directly, numpy permutations), never
+read back from the code under test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import sentencepiece as spm
+
+from megazero.data import GPTData, build_data
+from megazero.data.corpus import iter_corpus, write_corpus
+from megazero.data.indexed import IndexedDataset, IndexedDatasetBuilder
+from megazero.data.preprocess import preprocess
+from megazero.data.tokenizer import Tokenizer, train_tokenizer
+from megazero.errors import UserError
+
+ROOT = Path(__file__).resolve().parent.parent
+VOCAB = 400
+SEQ = 16
+
+
+def _text(seed: int, lines: int) -> str:
+    """Pseudo-English from a few hundred made-up words (enough merges for a 400-piece BPE)."""
+    rng = np.random.default_rng(seed)
+    syllables = ["ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "pe", "qua", "zen", "dor", "th", "ing", "ed"]
+    words = ["".join(rng.choice(syllables, size=rng.integers(1, 4))) for _ in range(300)]
+    out = []
+    for _ in range(lines):
+        sentence = " ".join(rng.choice(words, size=rng.integers(3, 12)))
+        out.append(sentence.capitalize() + rng.choice([".", "!", "?", ","]))
+    return "\n".join(out) + "\n"
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("texts")
+    (root / "b.txt").write_text(_text(1, 300), encoding="utf-8")
+    (root / "sub").mkdir()
+    (root / "sub" / "a.txt").write_text(_text(2, 200), encoding="utf-8")
+    with (root / "sub" / "c.jsonl").open("w", encoding="utf-8") as f:
+        for i in range(30):
+            f.write(json.dumps({"id": i, "body": _text(10 + i, 5)}) + "\n")
+    (root / "sub" / "ignored.csv").write_text("x,y\n")
+    (root / "a").mkdir()
+    (root / "a" / "z.txt").write_text("A nested file sorts by its path, before b.txt.\n")
+    (root / ".hidden").mkdir()
+    (root / ".hidden" / "x.txt").write_text("hidden directories are skipped\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def tok_model(texts: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return train_tokenizer([texts / "b.txt", texts / "sub" / "a.txt"], VOCAB, tmp_path_factory.mktemp("tok") / "t")
+
+
+def _one_line_error(exc: pytest.ExceptionInfo, *needles: str) -> None:
+    msg = str(exc.value)
+    assert "\n" not in msg, msg
+    for needle in needles:
+        assert needle in msg, (needle, msg)
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def test_tokenizer_round_trip_and_determinism(tok_model: Path, texts: Path, tmp_path: Path) -> None:
+    tok = Tokenizer.load(tok_model)
+    assert tok.vocab_size == VOCAB
+    assert 0 <= tok.eos_id < VOCAB
+    sp = spm.SentencePieceProcessor(model_file=str(tok_model))
+    for s in ["Kalo mi ne.", "  two  spaces\tand a tab\n\nnew lines", "unseen: 😀 é 漢字 \x01", "def f(x):\n    return x\n"]:
+        ids = tok.encode(s)
+        assert ids == list(sp.encode(s))
+        assert all(0 <= i < VOCAB for i in ids)
+        assert tok.decode(ids) == s
+    assert sp.unk_id() not in tok.encode("unseen: 😀 漢字")  # byte fallback, never <unk>
+    again = train_tokenizer([texts / "b.txt", texts / "sub" / "a.txt"], VOCAB, tmp_path / "again")
+    assert again == tmp_path / "again.model"
+    assert (tmp_path / "again.vocab").read_text() == Path(str(tok_model)[: -len(".model")] + ".vocab").read_text()
+    assert not list(tmp_path.glob("*.tmp-*"))
+
+
+def test_tokenizer_errors(tmp_path: Path, texts: Path) -> None:
+    (tmp_path / "bad.model").write_bytes(b"\x00garbage" * 10)
+    cases = [
+        (lambda: Tokenizer.load(tmp_path / "nope.model"), str(tmp_path / "nope.model")),
+        (lambda: Tokenizer.load(tmp_path / "bad.model"), str(tmp_path / "bad.model")),
+        (lambda: train_tokenizer([texts / "b.txt"], 100, tmp_path / "small"), "vocab_size 100"),
+        (lambda: train_tokenizer([texts / "b.txt"], 60000, tmp_path / "big"), "vocab_size 60000"),
+    ]
+    for call, needle in cases:
+        with pytest.raises(UserError) as e:
+            call()
+        _one_line_error(e, needle)
+
+
+# ---------------------------------------------------------------- indexed dataset
+
+
+def _write(prefix: Path, docs: list[np.ndarray], vocab: int) -> Path:
+    with IndexedDatasetBuilder(prefix, vocab) as b:
+        for d in docs:
+            b.add_document(d)
+        return b.finalize()
+
+
+@pytest.mark.parametrize("vocab,itemsize", [(65536, 2), (100_000, 4)])
+def test_indexed_round_trip(tmp_path: Path, vocab: int, itemsize: int) -> None:
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, vocab, size=n) for n in [5, 0, 17, 1, 64]]
+    docs[0][0] = vocab - 1
+    prefix = _write(tmp_path / "ds", docs, vocab)
+    ds = IndexedDataset(prefix)
+    assert len(ds) == len(docs)
+    assert ds.vocab_size == vocab
+    assert isinstance(ds.tokens, np.memmap)
+    assert ds.tokens.dtype.itemsize == itemsize
+    assert (tmp_path / "ds.bin").stat().st_size == itemsize * sum(map(len, docs))
+    np.testing.assert_array_equal(ds.tokens, np.concatenate(docs))
+    np.testing.assert_array_equal(ds.doc_offsets, np.cumsum([0] + [len(d) for d in docs]))
+    for i, d in enumerate(docs):
+        np.testing.assert_array_equal(ds.doc(i), d)
+    ds.check_vocab(vocab)
+    with pytest.raises(UserError) as e:
+        ds.check_vocab(vocab - 1)
+    _one_line_error(e, str(prefix), str(vocab - 1))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.bin", "ds.idx"]
+
+
+def test_builder_rejects_out_of_vocab_and_cleans_up(tmp_path: Path) -> None:
+    with pytest.raises(UserError) as e:
+        _write(tmp_path / "ds", [np.array([1, 2]), np.array([3, 300])], 300)
+    _one_line_error(e, str(tmp_path / "ds"), "300")
+    with pytest.raises(UserError):
+        _write(tmp_path / "ds", [np.array([-1])], 300)
+    assert list(tmp_path.iterdir()) == []
+
+
+# Each case edits the bytes of one file of a valid 3-document dataset (offsets 0, 10, 17, 22).
+_CORRUPTIONS = {
+    "magic": ("ds.idx", lambda b: b"XX" + b[2:], "magic"),
+    "idx_short": ("ds.idx", lambda b: b[:-5], "truncated"),
+    "header_short": ("ds.idx", lambda b: b[:20], "truncated"),
+    "bin_short": ("ds.bin", lambda b: b[:-2], "truncated"),
+    "bin_long": ("ds.bin", lambda b: b + b"\x00\x00", "too long"),
+    "offsets": ("ds.idx", lambda b: b[:-24] + np.uint64(10**6).tobytes() + b[-16:], "offsets"),
+    "bin_missing": ("ds.bin", None, "does not exist"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_CORRUPTIONS))
+def test_corrupt_dataset_is_a_user_error(tmp_path: Path, case: str) -> None:
+    name, edit, words = _CORRUPTIONS[case]
+    prefix = _write(tmp_path / "ds", [np.arange(10), np.arange(7), np.arange(5)], 300)
+    IndexedDataset(prefix)
+    path = tmp_path / name
+    if edit is None:
+        path.unlink()
+    else:
+        path.write_bytes(edit(path.read_bytes()))
+    with pytest.raises(UserError) as e:
+        IndexedDataset(prefix)
+    _one_line_error(e, str(path), words)
+
+
+# ---------------------------------------------------------------- preprocess
+
+
+def _expected_stream(model: Path, documents: list[str]) -> np.ndarray:
+    sp = spm.SentencePieceProcessor(model_file=str(model))
+    return np.concatenate([np.array(list(sp.encode(d)) + [sp.eos_id()]) for d in documents])
+
+
+def _documents_of(texts: Path, nested: bool = True) -> list[str]:
+    """The documents of ``texts`` sorted by path: a/z.txt, b.txt, sub/a.txt, then sub/c.jsonl's lines."""
+    docs = [(texts / "a" / "z.txt").read_text(encoding="utf-8")] if nested else []
+    docs += [(texts / "b.txt").read_text(encoding="utf-8"), (texts / "sub" / "a.txt").read_text(encoding="utf-8")]
+    with (texts / "sub" / "c.jsonl").open(encoding="utf-8") as f:
+        docs += [json.loads(line)["body"] for line in f]
+    return docs
+
+
+def test_preprocess_cli_writes_documents_with_eos(tmp_path: Path, texts: Path, tok_model: Path) -> None:
+    out = tmp_path / "out" / "corpus"
+    proc = subprocess.run(
+        [sys.executable, "-m", "megazero.data.preprocess", "--input", str(texts),
+         "--tokenizer", str(tok_model), "--output", str(out), "--json-key", "body"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    ds = IndexedDataset(out)
+    docs = _documents_of(texts)
+    assert len(ds) == len(docs)
+    np.testing.assert_array_equal(ds.tokens, _expected_stream(tok_model, docs))
+    eos = Tokenizer.load(tok_model).eos_id
+    assert all(ds.doc(i)[-1] == eos and eos not in ds.doc(i)[:-1] for i in range(len(ds)))
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "megazero.data.preprocess", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_preprocess_cli_errors(tmp_path: Path, tok_model: Path) -> None:
+    missing = tmp_path / "missing.txt"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n\n{"text": oops}\n')
+    for inputs, needle in [(missing, str(missing)), (bad, f"{bad}:3")]:
+        proc = _run_cli("--input", str(inputs), "--tokenizer", str(tok_model), "--output", str(tmp_path / "o"))
+        assert proc.returncode == 2
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]  # nothing half-written
+
+
+def test_preprocess_function_errors(tmp_path: Path, tok_model: Path) -> None:
+    (tmp_path / "x.csv").write_text("a,b\n")
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "nokey.jsonl").write_text('{"body": "x"}\n')
+    (tmp_path / "emptydir").mkdir()
+    cases = [("x.csv", ".csv"), ("empty.txt", "no text"), ("nokey.jsonl", "nokey.jsonl:1"), ("emptydir", "emptydir")]
+    for name, needle in cases:
+        with pytest.raises(UserError) as e:
+            preprocess([tmp_path / name], tok_model, tmp_path / "out")
+        _one_line_error(e, needle)
+
+
+# ---------------------------------------------------------------- samples and batches
+
+
+def _cfg(paths: list, tokenizer: str | Path, cache: Path, split: str = "90,10") -> SimpleNamespace:
+    return SimpleNamespace(paths=[str(p) for p in paths], tokenizer=str(tokenizer), split=split, cache_dir=str(cache))
+
+
+@pytest.fixture(scope="module")
+def synthetic(tok_model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], np.ndarray]:
+    """Two preprocessed datasets of random EOS-terminated documents, and their joint token stream.
+
+    The first is named by its ``.idx`` file, the second by its prefix; samples run across both.
+    """
+    eos = Tokenizer.load(tok_model).eos_id
+    rng = np.random.default_rng(123)
+    docs = [np.append(rng.integers(3, VOCAB, size=rng.integers(1, 40)), eos) for _ in range(80)]
+    root = tmp_path_factory.mktemp("syn")
+    first, second = _write(root / "one", docs[:50], VOCAB), _write(root / "two", docs[50:], VOCAB)
+    return [f"{first}.idx", str(second)], np.concatenate(docs)
+
+
+def _data(synthetic, tok_model: Path, tmp_path: Path, seed: int = 7, split: str = "90,10") -> GPTData:
+    calls = []
+    data = build_data(_cfg(synthetic[0], tok_model, tmp_path / "cache", split), VOCAB, SEQ, seed, True,
+                      lambda: calls.append(1))
+    assert calls == [1]
+    return data
+
+
+def _counts(n_tokens: int, split: str) -> tuple[int, int]:
+    n = (n_tokens - 1) // SEQ
+    w = [float(x) for x in split.split(",")]
+    n_train = round(n * w[0] / sum(w))
+    return n_train, n - n_train
+
+
+def _sample(stream: np.ndarray, i: int) -> np.ndarray:
+    return stream[i * SEQ : i * SEQ + SEQ + 1]
+
+
+def _expected_train(stream: np.ndarray, seed: int, consumed: int, gb: int) -> np.ndarray:
+    n_train, _ = _counts(len(stream), "90,10")
+    rows = []
+    for g in range(consumed, consumed + gb):
+        perm = np.random.default_rng((seed, g // n_train)).permutation(n_train)
+        rows.append(_sample(stream, perm[g % n_train]))
+    return np.stack(rows)
+
+
+def _cat(batches) -> np.ndarray:
+    return np.concatenate([b.numpy() for b in batches])
+
+
+def test_samples_cross_documents_and_split(synthetic, tok_model: Path, tmp_path: Path) -> None:
+    stream = synthetic[1]
+    data = _data(synthetic, tok_model, tmp_path)
+    n_train, n_val = _counts(len(stream), "90,10")
+    assert (data.train_samples, data.val_samples) == (n_train, n_val)
+    assert n_val > 0
+    eos = Tokenizer.load(tok_model).eos_id
+    epoch = _cat(data.train_microbatches(0, 0, 1, 1, n_train))
+    assert all(b.shape == (1, SEQ + 1) for b in data.train_microbatches(0, 0, 1, 1, 4))
+    # One epoch is a permutation of exactly the first n_train windows of the stream.
+    expected = {tuple(_sample(stream, i)) for i in range(n_train)}
+    assert {tuple(r) for r in epoch} == expected and len(expected) == n_train
+    # Some samples hold the end of one document and the start of the next.
+    assert any(eos in r[:-1] for r in epoch)
+    # Validation is the last n_val windows, in order, wrapping around; disjoint from train.
+    val = _cat(data.val_microbatches(0, 0, 1, 1, n_val))
+    np.testing.assert_array_equal(val, np.stack([_sample(stream, n_train + i) for i in range(n_val)]))
+    assert not expected & {tuple(r) for r in val}
+    b1 = _cat(data.val_microbatches(1, 0, 1, 2, 4))
+    np.testing.assert_array_equal(b1, np.stack([_sample(stream, n_train + (4 + j) % n_val) for j in range(4)]))
+    assert epoch.dtype == np.int64
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
+@pytest.mark.parametrize("micro_batch", [1, 2])
+def test_global_batch_is_layout_invariant(synthetic, tok_model: Path, tmp_path: Path, dp: int, micro_batch: int) -> None:
+    data = _data(synthetic, tok_model, tmp_path)
+    gb = 8
+    for step in range(0, 20, 3):  # crosses epoch boundaries (n_train < 20 * 8)
+        shares = [data.train_microbatches(step * gb, r, dp, micro_batch, gb) for r in range(dp)]
+        for share in shares:
+            assert len(share) == gb // dp // micro_batch
+            assert all(mb.shape == (micro_batch, SEQ + 1) for mb in share)
+        np.testing.assert_array_equal(_cat(m for s in shares for m in s), _expected_train(synthetic[1], 7, step * gb, gb))
+        val = [m for r in range(dp) for m in data.val_microbatches(step, r, dp, micro_batch, gb)]
+        np.testing.assert_array_equal(_cat(val), _cat(data.val_microbatches(step, 0, 1, gb, gb)))
+
+
+def test_shuffle_seeded_and_resume(synthetic, tok_model: Path, tmp_path: Path) -> None:
+    gb = 4
+    a = _data(synthetic, tok_model, tmp_path, seed=7)
+    run = [_cat(a.train_microbatches(s * gb, 0, 1, 2, gb)) for s in range(40)]
+    resumed = _data(synthetic, tok_model, tmp_path, seed=7)
+    for s in [39, 25, 26, 3]:
+        np.testing.assert_array_equal(_cat(resumed.train_microbatches(s * gb, 0, 1, 2, gb)), run[s])
+    other = _data(synthetic, tok_model, tmp_path, seed=8)
+    assert not np.array_equal(_cat(other.train_microbatches(0, 0, 1, 2, gb)), run[0])
+    np.testing.assert_array_equal(run[0], _expected_train(synthetic[1], 7, 0, gb))
+    # Epoch 1 is a different order from epoch 0.
+    n_train = a.train_samples
+    e0 = _cat(a.train_microbatches(0, 0, 1, 1, n_train))
+    e1 = _cat(a.train_microbatches(n_train, 0, 1, 1, n_train))
+    assert not np.array_equal(e0, e1) and {tuple(r) for r in e0} == {tuple(r) for r in e1}
+
+
+def test_batch_and_split_errors(synthetic, tok_model: Path, tmp_path: Path) -> None:
+    data = _data(synthetic, tok_model, tmp_path)
+    for args, needle in [((0, 0, 3, 1, 8), "train.global_batch 8"), ((0, 0, 2, 3, 8), "train.micro_batch 3"),
+                         ((0, 2, 2, 1, 8), "dp_rank 2")]:
+        with pytest.raises(UserError) as e:
+            data.train_microbatches(*args)
+        _one_line_error(e, needle)
+    for split in ["98", "a,b", "0,1", "98,-2"]:
+        with pytest.raises(UserError) as e:
+            _data(synthetic, tok_model, tmp_path, split=split)
+        _one_line_error(e, "data.split", repr(split))
+    with pytest.raises(UserError) as e:  # 1% of ~50 samples rounds to no validation sample
+        _data(synthetic, tok_model, tmp_path, split="999,1")
+    _one_line_error(e, "too small", "model.seq_len 16")
+    no_val = _data(synthetic, tok_model, tmp_path, split="1,0")
+    assert no_val.val_samples == 0 and no_val.train_samples == (len(synthetic[1]) - 1) // SEQ
+
+
+# ---------------------------------------------------------------- build_data
+
+
+def test_build_data_from_text_trains_and_caches(texts: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    inputs = [texts / "b.txt", texts / "sub"]
+    cfg = SimpleNamespace(**vars(_cfg(inputs, "train", cache)), json_key="body")
+    data = build_data(cfg, VOCAB, SEQ, 0, True, lambda: None)
+    assert Tokenizer.load(data.tokenizer_path).vocab_size == VOCAB
+    stream = _expected_stream(data.tokenizer_path, _documents_of(texts, nested=False))
+    n_train, n_val = _counts(len(stream), "90,10")
+    assert (data.train_samples, data.val_samples) == (n_train, n_val)
+    val = _cat(data.val_microbatches(0, 0, 1, 1, n_val))
+    np.testing.assert_array_equal(val, np.stack([_sample(stream, n_train + i) for i in range(n_val)]))
+    built = {p: p.stat().st_mtime_ns for p in cache.iterdir()}
+    assert not [p for p in built if ".tmp-" in p.name]
+    # A non-builder rank finds everything built; nothing is rebuilt.
+    again = build_data(cfg, VOCAB, SEQ, 0, False, lambda: None)
+    assert again.tokenizer_path == data.tokenizer_path
+    assert {p: p.stat().st_mtime_ns for p in cache.iterdir()} == built
+    # A changed input gets a new dataset and tokenizer.
+    os.utime(texts / "b.txt", ns=(1, 1))
+    changed = build_data(cfg, VOCAB, SEQ, 0, True, lambda: None)
+    assert changed.tokenizer_path != data.tokenizer_path
+    # A non-builder rank whose cache is empty says so instead of crashing.
+    with pytest.raises(UserError) as e:
+        build_data(_cfg(inputs, "train", tmp_path / "other"), VOCAB, SEQ, 0, False, lambda: None)
+    _one_line_error(e, "data.cache_dir")
+
+
+def test_build_data_config_errors(synthetic, texts: Path, tok_model: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    other_vocab = _write(tmp_path / "other", [np.arange(50)], 300)
+    cases = [
+        (_cfg([other_vocab], tok_model, cache), VOCAB, ["data.paths", str(other_vocab), "300"]),
+        (_cfg([tmp_path / "nope.txt"], "train", cache), VOCAB, ["data.paths", str(tmp_path / "nope.txt")]),
+        (_cfg(synthetic[0], "train", cache), VOCAB, ["data.tokenizer", synthetic[0][0]]),
+        (_cfg(synthetic[0], tmp_path / "no.model", cache), VOCAB, ["data.tokenizer", "no.model"]),
+        (_cfg(synthetic[0], tok_model, cache), VOCAB - 1, ["model.vocab_size", str(VOCAB - 1)]),
+    ]
+    for cfg, vocab, needles in cases:
+        with pytest.raises(UserError) as e:
+            build_data(cfg, vocab, SEQ, 0, True, lambda: None)
+        _one_line_error(e, *needles)
+    # A dataset whose ids exceed the model's vocabulary, with a tokenizer that fits.
+    big = _write(tmp_path / "big", [np.array([1, 2, 350])], 400)
+    ds = IndexedDataset(big)
+    with pytest.raises(UserError) as e:
+        ds.check_vocab(300)
+    _one_line_error(e, str(big), "350")
+
+
+def test_builtin_corpus(tmp_path: Path) -> None:
+    from pydoc_data.topics import topics
+
+    max_bytes = 700_000
+    docs = list(iter_corpus(max_bytes))
+    assert docs == list(iter_corpus(max_bytes))
+    assert sum(len(d.encode()) for d in docs) <= max_bytes
+    first = sorted(topics)[0]
+    assert docs[0] == topics[first]
+    assert any("def " in d and "import " in d for d in docs)  # library source follows the topics
+    cfg = _cfg([], "train", tmp_path / "cache", split="98,2")
+    data = build_data(cfg, 512, 64, 0, True, lambda: None, builtin_max_bytes=max_bytes)
+    assert data.train_samples > 0 and data.val_samples > 0
+    jsonl = list((tmp_path / "cache").glob("corpus-*.jsonl"))
+    assert len(jsonl) == 1
+    tok = Tokenizer.load(data.tokenizer_path)
+    assert tok.vocab_size == 512
+    stream = _expected_stream(data.tokenizer_path, docs)
+    assert (data.train_samples + data.val_samples) == (len(stream) - 1) // 64
+    first_rows = _cat(data.val_microbatches(0, 0, 1, 1, 1))
+    n_train = data.train_samples
+    np.testing.assert_array_equal(first_rows[0], stream[n_train * 64 : n_train * 64 + 65])
+    eos_at = int(np.argmax(stream == tok.eos_id))
+    assert tok.decode(stream[:eos_at].tolist()) == docs[0]
+    write_corpus(tmp_path / "c2.jsonl", max_bytes)
+    assert (tmp_path / "c2.jsonl").read_bytes() == jsonl[0].read_bytes()
