@@ -1,17 +1,15 @@
 """GPT stage module: names, layout-free init, the math against a plain reference, pipeline and TP contracts."""
 
 import math
-import os
-import tempfile
 from dataclasses import dataclass, replace
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from models.gpt import build_gpt, count_parameters
+from tests.dist import run_ranks
 from parallel.tensor import ColumnParallelLinear, RowParallelLinear, vocab_parallel_cross_entropy
 
 
@@ -288,46 +286,41 @@ def _slice(full, dim, rank, size):
     return full if dim is None else full.chunk(size, dim)[rank]
 
 
-def _tp_worker(rank, world, init_file):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        torch.manual_seed(0)
-        group = dist.group.WORLD
-        cfg = Cfg(layers=2)
-        x, t = tokens(cfg, seed=1), tokens(cfg, seed=2)
-        t[1, 3] = -100
-        ref = build_gpt(replace(cfg, vocab_pad_multiple=256), seed=3)  # same padded vocab (512) as tp=2
-        tp = build_gpt(cfg, seed=3, tp_group=group)
-        assert tp.embed.tokens.weight.shape == (256, 64)
-        assert tp.layers["0"].attn.qkv.weight.shape == (96, 64)
-        assert tp.layers["0"].mlp.fc2.weight.shape == (64, 128)
-        refp = dict(ref.named_parameters())
-        for n, p in tp.named_parameters():
-            assert torch.equal(p, _slice(refp[n], p.tp_split_dim, rank, world)), n
+def _tp_worker(rank, world):
+    torch.manual_seed(0)
+    group = dist.group.WORLD
+    cfg = Cfg(layers=2)
+    x, t = tokens(cfg, seed=1), tokens(cfg, seed=2)
+    t[1, 3] = -100
+    ref = build_gpt(replace(cfg, vocab_pad_multiple=256), seed=3)  # same padded vocab (512) as tp=2
+    tp = build_gpt(cfg, seed=3, tp_group=group)
+    assert tp.embed.tokens.weight.shape == (256, 64)
+    assert tp.layers["0"].attn.qkv.weight.shape == (96, 64)
+    assert tp.layers["0"].mlp.fc2.weight.shape == (64, 128)
+    refp = dict(ref.named_parameters())
+    for n, p in tp.named_parameters():
+        assert torch.equal(p, _slice(refp[n], p.tp_split_dim, rank, world)), n
 
-        full_logits = ref(x)
-        torch.testing.assert_close(tp(x), full_logits[..., rank * 256:(rank + 1) * 256], atol=1e-5, rtol=1e-5)
-        ref_loss, loss = ref(x, t), tp(x, t)
-        torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
-        ref_loss.sum().backward()
-        loss.sum().backward()
-        for n, p in tp.named_parameters():
-            want = _slice(refp[n].grad, p.tp_split_dim, rank, world)
-            torch.testing.assert_close(p.grad, want, atol=1e-5, rtol=1e-4, msg=n)
+    full_logits = ref(x)
+    torch.testing.assert_close(tp(x), full_logits[..., rank * 256:(rank + 1) * 256], atol=1e-5, rtol=1e-5)
+    ref_loss, loss = ref(x, t), tp(x, t)
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    ref_loss.sum().backward()
+    loss.sum().backward()
+    for n, p in tp.named_parameters():
+        want = _slice(refp[n].grad, p.tp_split_dim, rank, world)
+        torch.testing.assert_close(p.grad, want, atol=1e-5, rtol=1e-4, msg=n)
 
-        # gather_output / non-parallel input variants
-        col = ColumnParallelLinear(8, 6, True, group, gather_output=True)
-        row = RowParallelLinear(6, 4, True, group, input_is_parallel=False)
-        w1, b1, w2, b2 = torch.randn(6, 8), torch.randn(6), torch.randn(4, 6), torch.randn(4)
-        with torch.no_grad():
-            col.weight.copy_(w1.chunk(2)[rank]), col.bias.copy_(b1.chunk(2)[rank])
-            row.weight.copy_(w2.chunk(2, 1)[rank]), row.bias.copy_(b2)
-        inp = torch.randn(3, 8)
-        torch.testing.assert_close(row(col(inp)), (inp @ w1.T + b1) @ w2.T + b2, atol=1e-5, rtol=1e-5)
-    finally:
-        dist.destroy_process_group()
+    # gather_output / non-parallel input variants
+    col = ColumnParallelLinear(8, 6, True, group, gather_output=True)
+    row = RowParallelLinear(6, 4, True, group, input_is_parallel=False)
+    w1, b1, w2, b2 = torch.randn(6, 8), torch.randn(6), torch.randn(4, 6), torch.randn(4)
+    with torch.no_grad():
+        col.weight.copy_(w1.chunk(2)[rank]), col.bias.copy_(b1.chunk(2)[rank])
+        row.weight.copy_(w2.chunk(2, 1)[rank]), row.bias.copy_(b2)
+    inp = torch.randn(3, 8)
+    torch.testing.assert_close(row(col(inp)), (inp @ w1.T + b1) @ w2.T + b2, atol=1e-5, rtol=1e-5)
 
 
 def test_tensor_parallel_two_ranks_match_single_rank():
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_tp_worker, args=(2, os.path.join(d, "init")), nprocs=2, join=True)
+    run_ranks(2, _tp_worker)
