@@ -19,8 +19,9 @@ ifeq ($(HAS_GPU),1)
 	$(BIN)/pip install -q torch triton
 else
 	$(BIN)/python -c "import torch" 2>/dev/null || \
-	  $(BIN)/pip install -q --no-index "torch==$(TORCH_CPU_VERSION)" 2>/dev/null || \
-	  $(BIN)/pip install -q torch --index-url $(TORCH_CPU_INDEX)
+	  { $(BIN)/pip install -q --no-index --no-deps "torch==$(TORCH_CPU_VERSION)" 2>/dev/null && \
+	    $(BIN)/pip install -q "torch==$(TORCH_CPU_VERSION)"; } || \
+	  $(BIN)/pip install -q torch --index-url $(TORCH_CPU_INDEX) --extra-index-url https://pypi.org/simple
 endif
 	$(BIN)/pip install -q -e ".[test]"
 	touch $(STAMP)
