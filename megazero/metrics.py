@@ -11,8 +11,6 @@ import math
 import resource
 import time
 from pathlib import Path
-from typing import Optional
-
 import torch
 
 # Dense peak TFLOP/s per device, by name fragment and compute dtype (vendor data sheets).
@@ -96,14 +94,14 @@ class MetricsLogger:
     """Console + metrics.jsonl + TensorBoard, written only where `enabled` (the loss-holding rank)."""
 
     def __init__(self, log_dir: str | Path, total_steps: int, enabled: bool, tensorboard: bool = True,
-                 append: bool = False):
+                 append: bool = False, start_step: int = 0):
         self.enabled = enabled
         self.total_steps = total_steps
         self.dir = Path(log_dir)
         self.writer = None
         self.file = None
         self.started = time.perf_counter()
-        self.first_step: Optional[int] = None
+        self.start_step = start_step
         if not enabled:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -117,8 +115,6 @@ class MetricsLogger:
         """Record one step's metrics (step counts from 1: the number of optimizer steps done)."""
         if not self.enabled:
             return
-        if self.first_step is None:
-            self.first_step = step - 1
         record = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                                    for k, v in values.items()}}
         self.file.write(json.dumps(record) + "\n")
@@ -130,7 +126,7 @@ class MetricsLogger:
         self._console(step, values)
 
     def _console(self, step: int, v: dict) -> None:
-        done = step - (self.first_step or 0)
+        done = step - self.start_step
         elapsed = time.perf_counter() - self.started
         eta = elapsed / max(done, 1) * (self.total_steps - step)
         parts = [f"step {step}/{self.total_steps}"]

@@ -182,7 +182,7 @@ class Trainer:
             if self.is_writer:
                 print(f"resumed from {path} at step {self.step}", flush=True)
         logger = MetricsLogger(cfg.log.dir, cfg.train.steps, self.is_writer, cfg.log.tensorboard,
-                               append=path is not None)
+                               append=path is not None, start_step=self.step)
         if self.is_writer:
             print(f"{self.grid}\nlogs: {Path(cfg.log.dir).resolve()}  "
                   f"(tensorboard --logdir {cfg.log.dir})", flush=True)
