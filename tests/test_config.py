@@ -117,7 +117,7 @@ def assert_one_line_error(proc, *fragments):
 def test_cli_errors_are_one_line_exit_2(tmp_path):
     assert_one_line_error(cli(["--config", "configs/nope.yaml"]), "configs/nope.yaml")
     assert_one_line_error(cli(["--config", "configs/tiny.yaml", "--set", "train.stepz=3"]), "did you mean 'steps'")
-    assert_one_line_error(cli(["--config", "configs/tiny.yaml", "--set", "model.heads=3"]), "model.heads=3")
+    assert_one_line_error(cli(["--config", "configs/tiny.yaml", "--set", "model.heads=5"]), "model.heads=5")
     assert_one_line_error(cli(["--config", "configs/tiny.yaml", "--set", "train.global_batch=20"]),
                           "train.global_batch=20")
     assert_one_line_error(cli(["--config", "configs/tiny.yaml", "--set", "oops"]), "section.key=value")
