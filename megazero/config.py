@@ -34,9 +34,15 @@ class ModelConfig:
     init_std: float = 0.02
     vocab_pad_multiple: int = 128
 
-    def padded_vocab(self, tp: int = 1) -> int:
-        """Vocabulary rounded up so every TP rank holds an equal, aligned slice (Megatron)."""
-        multiple = self.vocab_pad_multiple * tp
+    @property
+    def padded_vocab(self) -> int:
+        """Embedding rows: vocab_size rounded up to a multiple of vocab_pad_multiple (128).
+
+        Independent of tp, so a checkpoint moves between tensor-parallel sizes
+        (Megatron pads to 128*tp, which ties checkpoints to tp); tp must divide
+        it, which config validation checks.
+        """
+        multiple = self.vocab_pad_multiple
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
     @property
@@ -49,6 +55,7 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     dp: Union[int, str] = AUTO  # "auto" = world_size / (tp * pp), resolved at launch
+    sequence_parallel: bool = False  # split norms/dropout along the sequence over tp (Korthikanti et al. 2022)
 
 
 @dataclass
@@ -286,6 +293,7 @@ def validate(cfg: Config) -> None:
         m.ffn_hidden = 4 * m.hidden
     if m.hidden % m.heads:
         raise _fail(src, "model.heads", m.heads, f"must divide model.hidden={m.hidden}")
+    _check_tp(cfg)
     if t.min_lr > t.lr:
         raise _fail(src, "train.min_lr", t.min_lr, f"must be <= train.lr={t.lr}")
     if t.global_batch % t.micro_batch:
@@ -303,6 +311,22 @@ def validate(cfg: Config) -> None:
         _check_batch(cfg, cfg.parallel.dp)
     if not cfg.log.dir:
         cfg.log.dir = str(Path("runs") / cfg.name)
+
+
+def _check_tp(cfg: Config) -> None:
+    """Tensor parallelism splits heads, the MLP, the vocabulary and (with SP) the sequence evenly."""
+    m, tp, src = cfg.model, cfg.parallel.tp, cfg.source
+    if m.heads % tp:
+        raise _fail(src, "model.heads", m.heads, f"must be divisible by parallel.tp={tp} (whole heads per rank)")
+    if m.ffn_hidden % tp:
+        raise _fail(src, "model.ffn_hidden", m.ffn_hidden, f"must be divisible by parallel.tp={tp}")
+    if m.padded_vocab % tp:
+        raise _fail(src, "model.vocab_pad_multiple", m.vocab_pad_multiple,
+                    f"pads model.vocab_size={m.vocab_size} to {m.padded_vocab}, which parallel.tp={tp} does not "
+                    f"divide; use a multiple of {tp}, e.g. {128 * tp}")
+    if cfg.parallel.sequence_parallel and m.seq_len % tp:
+        raise _fail(src, "model.seq_len", m.seq_len,
+                    f"must be divisible by parallel.tp={tp} with parallel.sequence_parallel=true")
 
 
 def _check_split(src: str, split: str) -> None:

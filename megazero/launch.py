@@ -58,8 +58,10 @@ def process_info(env: dict | None = None) -> ProcessInfo:
     return ProcessInfo(0, 1, 0, "127.0.0.1", 29500, "single")
 
 
-def pick_device(requested: str, local_rank: int) -> torch.device:
-    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+def pick_device(requested: str, local_rank: int, local_world: int = 1) -> torch.device:
+    """auto: one GPU per local rank when there are enough of them, else the CPU (gloo)."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if requested == "cpu" or (requested == "auto" and gpus < local_world):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise UserError(f"launch.device={requested!r} but no CUDA device is visible; valid here: auto | cpu")
@@ -69,15 +71,16 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     return device
 
 
-def init_distributed(info: ProcessInfo, device: torch.device) -> None:
-    """Join the default process group (skipped at world size 1: no group is needed)."""
+def init_distributed(info: ProcessInfo, device: torch.device) -> bool:
+    """Join the default process group; False when none was needed (world size 1) or one already exists."""
     if info.world_size == 1 or dist.is_initialized():
-        return
+        return False
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend=backend, init_method=f"tcp://{info.master_addr}:{info.master_port}",
                             rank=info.rank, world_size=info.world_size,
                             timeout=timedelta(minutes=30), **kwargs)
+    return True
 
 
 def seed_everything(seed: int) -> None:

@@ -37,7 +37,7 @@ def flops_per_token(layers: int, hidden: int, ffn_hidden: int, seq_len: int, voc
 
 def model_flops_per_token(model_cfg) -> float:
     m = model_cfg
-    return flops_per_token(m.layers, m.hidden, m.ffn_hidden, m.seq_len, m.padded_vocab(1))
+    return flops_per_token(m.layers, m.hidden, m.ffn_hidden, m.seq_len, m.padded_vocab)
 
 
 def measure_cpu_tflops(size: int = 512, repeats: int = 8) -> float:

@@ -7,11 +7,12 @@ function of the step so that a resumed run needs no scheduler state.
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from parallel.comm import Comm
 
 
 def lr_at(step: int, lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> float:
@@ -47,28 +48,46 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def allreduce_gradients(params: list[nn.Parameter], group) -> None:
-    """Sum gradients over the data-parallel group in one flat buffer: one collective, not one per tensor.
+def allreduce_gradients(params: list[nn.Parameter], comm: Optional[Comm]) -> None:
+    """Sum gradients over a group in one flat buffer: one collective, not one per tensor.
 
-    The loss is already divided by the global token count, so a sum is the mean.
+    Over dp the loss is already divided by the global token count, so the sum
+    is the mean. Over tp it completes the gradients of sequence-parallel
+    parameters, each rank having seen only its own tokens.
     """
-    if group is None or dist.get_world_size(group) == 1:
+    if comm is None or comm.size == 1:
         return
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return
     flat = torch._utils._flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=group)
+    comm.all_reduce(flat, tag="grad")
     for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
         g.copy_(synced)
 
 
-def grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
-    """Global L2 norm of the gradients this rank holds (fp32 accumulation)."""
-    grads = [p.grad.detach().float() for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+def grad_norm(params: list[nn.Parameter], tp: Optional[Comm] = None, model_parallel: tuple = ()) -> torch.Tensor:
+    """Global L2 norm of the model's gradient, each element counted exactly once.
+
+    A tp-sharded parameter contributes its shard on every tp rank; a parameter
+    replicated over tp (norms, row-parallel bias, positions) only on tp rank 0.
+    The squares are then summed over tp and the other model-parallel groups
+    (pipeline stages); data-parallel replicas hold the same gradient and are
+    not summed.
+    """
+    tp_rank = 0 if tp is None else tp.rank
+    device = params[0].device if params else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for p in params:
+        if p.grad is None:
+            continue
+        if getattr(p, "tp_split_dim", None) is None and tp_rank != 0:
+            continue
+        total += p.grad.detach().float().pow(2).sum()
+    for comm in (tp, *model_parallel):
+        if comm is not None:
+            comm.all_reduce(total, tag="grad_norm")
+    return total.sqrt()
 
 
 def clip_gradients(params: list[nn.Parameter], total_norm: torch.Tensor, max_norm: float) -> None:

@@ -17,11 +17,11 @@ def run(config_path: str, overrides: list[str]) -> list[dict]:
 
     info = launch.process_info()
     resolve_world(cfg, info.world_size)
-    device = launch.pick_device(cfg.launch.device, info.local_rank)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    device = launch.pick_device(cfg.launch.device, info.local_rank, local_world)
     if device.type == "cpu":
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    launch.init_distributed(info, device)
+    created = launch.init_distributed(info, device)
     try:
         grid = Grid.build(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, device.type)
         launch.seed_everything(cfg.train.seed)
@@ -30,4 +30,5 @@ def run(config_path: str, overrides: list[str]) -> list[dict]:
         trainer = Trainer(cfg, grid, device, is_builder=info.local_rank == 0)
         return trainer.fit()
     finally:
-        launch.shutdown()
+        if created:
+            launch.shutdown()

@@ -26,10 +26,10 @@ from models.gpt import build_gpt
 from parallel.topology import Grid, coords_to_rank
 
 
-def step_seed(seed: int, step: int, grid: Grid) -> int:
-    """The RNG seed of one step on one rank: dropout masks are a function of (seed, step, position),
-    so a resumed run draws exactly the masks the uninterrupted run would have."""
-    key = f"{seed}:{step}:{grid.pp_rank}:{grid.dp_rank}:{grid.tp_rank}".encode()
+def step_seed(seed: int, step: int, *coords: int) -> int:
+    """The RNG seed of one step at one place of the grid: dropout masks are a function of
+    (seed, step, coordinates), so a resumed run draws exactly the masks the uninterrupted run would have."""
+    key = ":".join(str(v) for v in (seed, step, *coords)).encode()
     return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & ((1 << 63) - 1)
 
 
@@ -62,14 +62,14 @@ class Trainer:
 
     def __init__(self, cfg: Config, grid: Grid, device: torch.device, is_builder: bool = True):
         self.cfg, self.grid, self.device = cfg, grid, device
-        for key, size in (("tp", grid.tp), ("pp", grid.pp)):
-            if size > 1:
-                raise UserError(f"{cfg.source}: parallel.{key}={size}: this version trains with data parallelism "
-                                f"only; valid: parallel.{key}=1")
+        if grid.pp > 1:
+            raise UserError(f"{cfg.source}: parallel.pp={grid.pp}: this version has no pipeline parallelism; "
+                            f"valid: parallel.pp=1")
         self.data = load_data_everywhere(cfg, grid, is_builder)
         torch.manual_seed(cfg.train.seed)
-        self.model = build_gpt(cfg.model, cfg.train.seed, device=device, tp_group=grid.tp_group,
-                               first_stage=grid.is_first_stage, last_stage=grid.is_last_stage)
+        self.model = build_gpt(cfg.model, cfg.train.seed, device=device, tp=grid.tp_comm,
+                               first_stage=grid.is_first_stage, last_stage=grid.is_last_stage,
+                               sequence_parallel=cfg.parallel.sequence_parallel)
         self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named_params]
         self.optimizer = optim.build_adamw(self.named_params, cfg.train.lr, cfg.train.weight_decay)
@@ -102,7 +102,9 @@ class Trainer:
 
     def train_step(self) -> dict:
         cfg, grid = self.cfg, self.grid
-        torch.manual_seed(step_seed(cfg.train.seed, self.step, grid))
+        # shared by the tp group (replicated activations) / this tp rank's own (split activations)
+        torch.manual_seed(step_seed(cfg.train.seed, self.step, grid.pp_rank, grid.dp_rank))
+        self.model.rng.seed(step_seed(cfg.train.seed, self.step, grid.pp_rank, grid.dp_rank, grid.tp_rank))
         lr = optim.lr_at(self.step, cfg.train.lr, cfg.train.min_lr, cfg.train.warmup_steps, cfg.train.steps)
         optim.set_lr(self.optimizer, lr)
         self.model.train()
@@ -110,10 +112,10 @@ class Trainer:
                                                     cfg.train.micro_batch, cfg.train.global_batch)
         assert len(microbatches) == cfg.microbatches
         loss_sum = self.forward_backward(microbatches)
-        optim.allreduce_gradients(self.params, grid.dp_group)
-        if grid.dp_group is not None:
-            dist.all_reduce(loss_sum, group=grid.dp_group)
-        norm = optim.grad_norm(self.params)
+        optim.allreduce_gradients([p for p in self.params if p.sequence_parallel], grid.tp_comm)
+        optim.allreduce_gradients(self.params, grid.dp_comm)
+        grid.dp_comm.all_reduce(loss_sum, tag="loss")
+        norm = optim.grad_norm(self.params, grid.tp_comm, (grid.pp_comm,))
         optim.clip_gradients(self.params, norm, cfg.train.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -132,22 +134,29 @@ class Trainer:
                 mb = mb.to(self.device)
                 with self._autocast():
                     total += self.model(mb[:, :-1], mb[:, 1:]).float().sum()
-        if grid.dp_group is not None:
-            dist.all_reduce(total, group=grid.dp_group)
+        grid.dp_comm.all_reduce(total, tag="loss")
         val = (total / (self.tokens_per_step * cfg.train.eval_batches)).item()
         return {"val_loss": val, "val_ppl": math.exp(min(val, 50.0))}
 
     # ----- checkpoints ------------------------------------------------------------------------
+    def _logical(self, local: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
+        """A tp shard as a DTensor over the tp mesh, so DCP stores (and reshards) the whole parameter."""
+        if param.tp_split_dim is None or self.grid.tp == 1:
+            return local
+        from torch.distributed.tensor import DTensor, Shard
+
+        return DTensor.from_local(local, self.grid.mesh["tp"], [Shard(param.tp_split_dim)], run_check=False)
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Everything a resume needs that is a tensor, under logical names (layout-free)."""
-        state = {f"model/{n}": p.data for n, p in self.named_params}
+        state = {f"model/{n}": self._logical(p.data, p) for n, p in self.named_params}
         for n, p in self.named_params:
             s = self.optimizer.state.get(p)
             if s is None:  # before the first step: materialise the zero state so a resume is exact
                 s = self.optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
                                                "exp_avg_sq": torch.zeros_like(p)}
-            state[f"optim/{n}/exp_avg"] = s["exp_avg"]
-            state[f"optim/{n}/exp_avg_sq"] = s["exp_avg_sq"]
+            state[f"optim/{n}/exp_avg"] = self._logical(s["exp_avg"], p)
+            state[f"optim/{n}/exp_avg_sq"] = self._logical(s["exp_avg_sq"], p)
         return state
 
     def save(self) -> Path:

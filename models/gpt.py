@@ -17,20 +17,22 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Any
+from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from kernels.attention import attention
+from parallel.comm import Comm, copy_to_region, gather_from_sequence
 from parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
+    ShardedDropout,
+    TPRandom,
     VocabParallelEmbedding,
-    copy_to_tp_region,
+    mark_sequence_parallel,
     mask_padded_vocab,
     tp_rank_and_size,
     vocab_parallel_cross_entropy,
@@ -45,23 +47,40 @@ def _ffn_hidden(cfg: Any) -> int:
     return cfg.ffn_hidden or 4 * cfg.hidden
 
 
+class _Parallel:
+    """How a stage is split: the tp group, sequence parallelism, the per-rank random stream."""
+
+    def __init__(self, tp: Optional[Comm], sequence_parallel: bool, rng: TPRandom):
+        self.tp = tp
+        self.rank, self.size = tp_rank_and_size(tp)
+        self.sp = sequence_parallel and self.size > 1
+        self.rng = rng
+
+
+def _norm(cfg: Any, par: _Parallel) -> nn.LayerNorm:
+    norm = nn.LayerNorm(cfg.hidden, eps=LN_EPS, bias=cfg.bias)
+    if par.sp:
+        mark_sequence_parallel(norm)
+    return norm
+
+
 class Attention(nn.Module):
     """Causal multi-head self-attention; this tp rank computes heads/tp whole heads."""
 
-    def __init__(self, cfg: Any, tp_group: dist.ProcessGroup | None):
+    def __init__(self, cfg: Any, par: _Parallel):
         super().__init__()
-        _, tp = tp_rank_and_size(tp_group)
-        assert cfg.hidden % cfg.heads == 0 and cfg.heads % tp == 0, (cfg.hidden, cfg.heads, tp)
-        self.local_heads = cfg.heads // tp
+        assert cfg.hidden % cfg.heads == 0 and cfg.heads % par.size == 0, (cfg.hidden, cfg.heads, par.size)
+        self.local_heads = cfg.heads // par.size
         self.head_dim = cfg.hidden // cfg.heads
         # Output rows are grouped per head, [q_h; k_h; v_h], so a contiguous tp slice is whole heads.
-        self.qkv = ColumnParallelLinear(cfg.hidden, 3 * cfg.hidden, cfg.bias, tp_group)
-        self.proj = RowParallelLinear(cfg.hidden, cfg.hidden, cfg.bias, tp_group)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.qkv = ColumnParallelLinear(cfg.hidden, 3 * cfg.hidden, cfg.bias, par.tp, sequence_parallel=par.sp)
+        self.proj = RowParallelLinear(cfg.hidden, cfg.hidden, cfg.bias, par.tp, sequence_parallel=par.sp)
+        self.dropout = ShardedDropout(cfg.dropout, par.rng, split=par.sp)
 
     def forward(self, x: Tensor) -> Tensor:
-        b, s, _ = x.shape
-        qkv = self.qkv(x).view(b, s, self.local_heads, 3, self.head_dim)
+        qkv = self.qkv(x)
+        b, s, _ = qkv.shape
+        qkv = qkv.view(b, s, self.local_heads, 3, self.head_dim)
         q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))  # (b, heads, s, d)
         y = attention(q, k, v, causal=True)
         y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
@@ -69,23 +88,23 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: Any, tp_group: dist.ProcessGroup | None):
+    def __init__(self, cfg: Any, par: _Parallel):
         super().__init__()
-        self.fc1 = ColumnParallelLinear(cfg.hidden, _ffn_hidden(cfg), cfg.bias, tp_group)
-        self.fc2 = RowParallelLinear(_ffn_hidden(cfg), cfg.hidden, cfg.bias, tp_group)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.fc1 = ColumnParallelLinear(cfg.hidden, _ffn_hidden(cfg), cfg.bias, par.tp, sequence_parallel=par.sp)
+        self.fc2 = RowParallelLinear(_ffn_hidden(cfg), cfg.hidden, cfg.bias, par.tp, sequence_parallel=par.sp)
+        self.dropout = ShardedDropout(cfg.dropout, par.rng, split=par.sp)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.dropout(self.fc2(F.gelu(self.fc1(x), approximate="tanh")))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: Any, tp_group: dist.ProcessGroup | None):
+    def __init__(self, cfg: Any, par: _Parallel):
         super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.hidden, eps=LN_EPS, bias=cfg.bias)
-        self.attn = Attention(cfg, tp_group)
-        self.ln2 = nn.LayerNorm(cfg.hidden, eps=LN_EPS, bias=cfg.bias)
-        self.mlp = MLP(cfg, tp_group)
+        self.ln1 = _norm(cfg, par)
+        self.attn = Attention(cfg, par)
+        self.ln2 = _norm(cfg, par)
+        self.mlp = MLP(cfg, par)
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln1(x))
@@ -95,17 +114,20 @@ class Block(nn.Module):
 class Embedding(nn.Module):
     """Token (vocab-parallel) and, on the first stage, learned position embeddings."""
 
-    def __init__(self, cfg: Any, tp_group: dist.ProcessGroup | None, positions: bool):
+    def __init__(self, cfg: Any, par: _Parallel, positions: bool):
         super().__init__()
-        self.tokens = VocabParallelEmbedding(cfg.padded_vocab(tp_rank_and_size(tp_group)[1]), cfg.hidden, tp_group)
+        self.tokens = VocabParallelEmbedding(cfg.padded_vocab, cfg.hidden, par.tp, sequence_parallel=par.sp)
         self.positions = nn.Embedding(cfg.seq_len, cfg.hidden) if positions else None
+        if par.sp and positions:
+            mark_sequence_parallel(self.positions)
 
 
 class GPT(nn.Module):
     """One pipeline stage of a GPT: embeddings if first, ``layer_ids`` blocks, norm and head if last.
 
     forward(x, targets):
-      x is token ids (b, s) on the first stage, hidden states (b, s, hidden) otherwise.
+      x is token ids (b, s) on the first stage, hidden states otherwise
+      ((b, s/tp, h) with sequence parallelism, (b, s, h) without).
       Last stage: per-token float32 loss (b, s) when ``targets`` is given (0 where
       targets == -100), else this tp rank's logits shard (b, s, padded_vocab/tp)
       with padding ids set to -inf. Other stages return hidden states.
@@ -114,24 +136,27 @@ class GPT(nn.Module):
     def __init__(
         self,
         cfg: Any,
-        tp_group: dist.ProcessGroup | None = None,
+        tp: Optional[Comm] = None,
         layer_ids: range | None = None,
         first_stage: bool = True,
         last_stage: bool = True,
+        sequence_parallel: bool = False,
     ):
         super().__init__()
         self.cfg = cfg
-        self.tp_group = tp_group
-        self.tp_rank, self.tp_size = tp_rank_and_size(tp_group)
+        self.rng = TPRandom()
+        self.par = _Parallel(tp, sequence_parallel, self.rng)
+        self.tp, self.tp_rank, self.tp_size = tp, self.par.rank, self.par.size
+        self.sequence_parallel = self.par.sp
         self.layer_ids = range(cfg.layers) if layer_ids is None else layer_ids
         assert all(0 <= i < cfg.layers for i in self.layer_ids), (self.layer_ids, cfg.layers)
         self.first_stage, self.last_stage = first_stage, last_stage
         self.activation_checkpointing = cfg.activation_checkpointing
 
-        self.embed = Embedding(cfg, tp_group, positions=first_stage) if first_stage or last_stage else None
-        self.embed_dropout = nn.Dropout(cfg.dropout) if first_stage else None
-        self.layers = nn.ModuleDict({str(i): Block(cfg, tp_group) for i in self.layer_ids})
-        self.final_norm = nn.LayerNorm(cfg.hidden, eps=LN_EPS, bias=cfg.bias) if last_stage else None
+        self.embed = Embedding(cfg, self.par, positions=first_stage) if first_stage or last_stage else None
+        self.embed_dropout = ShardedDropout(cfg.dropout, self.rng, split=self.par.sp) if first_stage else None
+        self.layers = nn.ModuleDict({str(i): Block(cfg, self.par) for i in self.layer_ids})
+        self.final_norm = _norm(cfg, self.par) if last_stage else None
         mark_replicated(self)
 
     @property
@@ -139,26 +164,32 @@ class GPT(nn.Module):
         """True on the first and last stage when they differ: ``embed.tokens.weight`` grads must be summed."""
         return self.first_stage != self.last_stage
 
+    def _embed(self, ids: Tensor) -> Tensor:
+        s = ids.shape[1]
+        assert s <= self.cfg.seq_len, f"sequence length {s} exceeds model.seq_len={self.cfg.seq_len}"
+        x = self.embed.tokens(ids)  # (b, s/tp, h) under sequence parallelism
+        local = x.shape[1]
+        start = self.tp_rank * local if self.sequence_parallel else 0
+        pos = torch.arange(start, start + local, device=ids.device)
+        return self.embed_dropout(x + self.embed.positions(pos))
+
     def forward(self, x: Tensor, targets: Tensor | None = None) -> Tensor:
         if self.first_stage:
-            s = x.shape[1]
-            assert s <= self.cfg.seq_len, f"sequence length {s} exceeds model.seq_len={self.cfg.seq_len}"
-            pos = torch.arange(s, device=x.device)
-            x = self.embed_dropout(self.embed.tokens(x) + self.embed.positions(pos))
+            x = self._embed(x)
         for layer in self.layers.values():
             if self.activation_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(layer, x, use_reentrant=False)
+                x = checkpoint(layer, x, use_reentrant=False, context_fn=self.rng.checkpoint_contexts)
             else:
                 x = layer(x)
         if not self.last_stage:
             return x
         tokens = self.embed.tokens
-        logits = F.linear(copy_to_tp_region(self.final_norm(x), self.tp_group), tokens.weight)
+        h = self.final_norm(x)
+        h = gather_from_sequence(h, self.tp) if self.sequence_parallel else copy_to_region(h, self.tp)
+        logits = F.linear(h, tokens.weight)
         if targets is None:
             return mask_padded_vocab(logits, tokens.vocab_start, self.cfg.vocab_size)
-        return vocab_parallel_cross_entropy(
-            logits, targets, tokens.vocab_start, self.cfg.vocab_size, self.tp_group
-        )
+        return vocab_parallel_cross_entropy(logits, targets, tokens.vocab_start, self.cfg.vocab_size, self.tp)
 
 
 def mark_replicated(model: nn.Module) -> None:
@@ -166,6 +197,8 @@ def mark_replicated(model: nn.Module) -> None:
     for p in model.parameters():
         if not hasattr(p, "tp_split_dim"):
             p.tp_split_dim = None
+        if not hasattr(p, "sequence_parallel"):
+            p.sequence_parallel = False
 
 
 # --- initialisation -----------------------------------------------------------------------------
@@ -215,27 +248,29 @@ def build_gpt(
     cfg: Any,
     seed: int,
     device: torch.device | str = "cpu",
-    tp_group: dist.ProcessGroup | None = None,
+    tp: Optional[Comm] = None,
     layer_ids: range | None = None,
     first_stage: bool = True,
     last_stage: bool = True,
+    sequence_parallel: bool = False,
 ) -> GPT:
     """Build a stage on the meta device (no memory), materialise it on ``device``, initialise it."""
     with torch.device("meta"):
-        model = GPT(cfg, tp_group, layer_ids, first_stage, last_stage)
-    split_dims = {name: p.tp_split_dim for name, p in model.named_parameters()}
+        model = GPT(cfg, tp, layer_ids, first_stage, last_stage, sequence_parallel)
+    attrs = {name: (p.tp_split_dim, p.sequence_parallel) for name, p in model.named_parameters()}
     model.to_empty(device=device)
-    for name, p in model.named_parameters():  # materialising may replace the Parameter objects
-        p.tp_split_dim = split_dims[name]
+    for name, p in model.named_parameters():  # materialising replaces the Parameter objects
+        p.tp_split_dim, p.sequence_parallel = attrs[name]
+    model.rng.device = torch.device(device)
     init_parameters(model, seed)
     return model
 
 
-def count_parameters(cfg: Any, tp: int = 1) -> int:
+def count_parameters(cfg: Any) -> int:
     """Parameters of the whole model (every stage and tp rank, tied head counted once).
 
-    The token embedding counts its padded rows, padded_vocab(tp), because they
-    are stored and multiplied like any other.
+    The token embedding counts its padded rows because they are stored and
+    multiplied like any other.
     """
     h, f, n_bias = cfg.hidden, _ffn_hidden(cfg), int(bool(cfg.bias))
     norm = h * (1 + n_bias)
@@ -246,4 +281,4 @@ def count_parameters(cfg: Any, tp: int = 1) -> int:
         + f * h + n_bias * f  # fc1
         + h * f + n_bias * h  # fc2
     )
-    return cfg.padded_vocab(tp) * h + cfg.seq_len * h + cfg.layers * block + norm
+    return cfg.padded_vocab * h + cfg.seq_len * h + cfg.layers * block + norm

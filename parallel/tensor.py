@@ -2,36 +2,51 @@
 
 A transformer block needs only two collectives per sub-layer when its first
 linear is split by output columns and its second by input rows: the input of
-the column-parallel layer is copied to every rank (``f``: identity forward,
-all-reduce backward) and the output of the row-parallel layer is summed over
-ranks (``g``: all-reduce forward, identity backward). The embedding and the
-tied output head split the vocabulary, and the cross entropy is computed on the
-vocabulary shards without ever gathering full-vocabulary logits.
+the column-parallel layer is copied to every rank (``f``) and the output of
+the row-parallel layer is summed over ranks (``g``). With sequence parallelism
+(Korthikanti et al. 2022) the activations between blocks are split along the
+sequence instead of replicated, and f/g become all-gather / reduce-scatter
+along the sequence: the same bytes, but norms and dropout work on 1/tp of the
+tokens. The embedding and the tied output head split the vocabulary, and the
+cross entropy is computed on the vocabulary shards without ever gathering
+full-vocabulary logits.
 
 Every parameter carries ``tp_split_dim`` (the dimension split over the tensor
-parallel group, or None when replicated) and every layer knows ``tp_rank`` and
-``tp_size``: initialisation and checkpoints build or read the full tensor and
-keep this rank's slice, so a model is the same at any tensor-parallel size.
+parallel group, or None when replicated) and ``sequence_parallel`` (True when
+it is replicated but sees only this rank's tokens, so its gradient must be
+summed over the tp group). Initialisation and checkpoints build or read the
+full tensor and keep this rank's slice, so a model is the same at any
+tensor-parallel size.
 
-``tp_group=None`` means a tensor-parallel size of 1: the layers are then plain
-``nn.Linear``/``nn.Embedding`` arithmetic and never touch torch.distributed.
+``tp=None`` (or a group of one rank) means plain ``nn.Linear``/``nn.Embedding``
+arithmetic that never touches torch.distributed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from parallel.comm import (
+    Comm,
+    copy_to_region,
+    gather_from_region,
+    gather_from_sequence,
+    reduce_from_region,
+    reduce_scatter_to_sequence,
+    scatter_to_region,
+)
 
-def tp_rank_and_size(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
+
+def tp_rank_and_size(tp: Optional[Comm]) -> tuple[int, int]:
     """(rank, size) inside the tensor-parallel group; (0, 1) without one."""
-    if tp_group is None:
-        return 0, 1
-    return dist.get_rank(tp_group), dist.get_world_size(tp_group)
+    return (0, 1) if tp is None else (tp.rank, tp.size)
 
 
 def _divide(total: int, parts: int, what: str) -> int:
@@ -39,106 +54,32 @@ def _divide(total: int, parts: int, what: str) -> int:
     return total // parts
 
 
-# --- Megatron f/g autograd collectives --------------------------------------------------------
-
-
-class _CopyToRegion(torch.autograd.Function):
-    """``f``: the input is used by every rank, so its gradient is the sum of theirs."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _ReduceFromRegion(torch.autograd.Function):
-    """``g``: partial sums from every rank are added; each rank's gradient is the full one."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        x = x.contiguous()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return grad, None
-
-
-class _GatherFromRegion(torch.autograd.Function):
-    """Concatenate last-dim shards from every rank; backward keeps this rank's shard."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        ctx.group = group
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=-1)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        return grad.chunk(size, dim=-1)[rank].contiguous(), None
-
-
-class _ScatterToRegion(torch.autograd.Function):
-    """Keep this rank's last-dim shard; backward gathers the shards again."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        ctx.group = group
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        return x.chunk(size, dim=-1)[rank].contiguous()
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(ctx.group))]
-        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
-        return torch.cat(parts, dim=-1), None
-
-
-def copy_to_tp_region(x: Tensor, tp_group: dist.ProcessGroup | None) -> Tensor:
-    return x if tp_group is None else _CopyToRegion.apply(x, tp_group)
-
-
-def reduce_from_tp_region(x: Tensor, tp_group: dist.ProcessGroup | None) -> Tensor:
-    return x if tp_group is None else _ReduceFromRegion.apply(x, tp_group)
-
-
-def gather_from_tp_region(x: Tensor, tp_group: dist.ProcessGroup | None) -> Tensor:
-    return x if tp_group is None else _GatherFromRegion.apply(x, tp_group)
-
-
-def scatter_to_tp_region(x: Tensor, tp_group: dist.ProcessGroup | None) -> Tensor:
-    return x if tp_group is None else _ScatterToRegion.apply(x, tp_group)
-
-
-# --- layers -------------------------------------------------------------------------------------
-
-
-def _param(shape: tuple[int, ...], tp_split_dim: int | None) -> nn.Parameter:
+def _param(shape: tuple[int, ...], tp_split_dim: Optional[int], sequence_parallel: bool = False) -> nn.Parameter:
     p = nn.Parameter(torch.empty(shape))
     p.tp_split_dim = tp_split_dim
+    p.sequence_parallel = sequence_parallel
     return p
+
+
+def mark_sequence_parallel(module: nn.Module) -> None:
+    """Parameters of a module that runs on sequence shards (LayerNorm): grads need a tp all-reduce."""
+    for p in module.parameters():
+        p.sequence_parallel = True
 
 
 class VocabParallelEmbedding(nn.Module):
     """Token embedding with rows (the vocabulary) split over the tensor-parallel group.
 
-    Rank r holds ids [vocab_start, vocab_end); ids outside give zero vectors and
-    the all-reduce fills them in from the rank that owns them.
+    Rank r holds ids [vocab_start, vocab_end); ids outside give zero vectors
+    and the reduction fills them in from the owning rank — an all-reduce, or a
+    reduce-scatter straight into the sequence-parallel layout.
     """
 
-    def __init__(self, num_embeddings: int, dim: int, tp_group: dist.ProcessGroup | None = None):
+    def __init__(self, num_embeddings: int, dim: int, tp: Optional[Comm] = None, sequence_parallel: bool = False):
         super().__init__()
-        self.tp_group = tp_group
-        self.tp_rank, self.tp_size = tp_rank_and_size(tp_group)
+        self.tp = tp
+        self.tp_rank, self.tp_size = tp_rank_and_size(tp)
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1
         self.num_embeddings, self.dim = num_embeddings, dim
         per_rank = _divide(num_embeddings, self.tp_size, "vocabulary size")
         self.vocab_start = self.tp_rank * per_rank
@@ -151,73 +92,157 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp_region(out, self.tp_group)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence(out, self.tp)
+        return reduce_from_region(out, self.tp)
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x A^T + b with A's output rows split over ranks (weight shape (out/tp, in)).
+    """y = x A^T + b with A's output rows split over ranks (weight (out/tp, in)).
 
-    The output stays split unless ``gather_output``; a following
-    RowParallelLinear consumes it split.
+    Input: replicated (f: copy), or sequence-sharded with ``sequence_parallel``
+    (all-gather along the sequence). The output stays split over the feature
+    dimension unless ``gather_output``; a RowParallelLinear consumes it split.
     """
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool = True,
-        tp_group: dist.ProcessGroup | None = None,
-        gather_output: bool = False,
-    ):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, tp: Optional[Comm] = None,
+                 gather_output: bool = False, sequence_parallel: bool = False):
         super().__init__()
-        self.tp_group = tp_group
-        self.tp_rank, self.tp_size = tp_rank_and_size(tp_group)
+        self.tp = tp
+        self.tp_rank, self.tp_size = tp_rank_and_size(tp)
         self.in_features, self.out_features = in_features, out_features
         self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1
         per_rank = _divide(out_features, self.tp_size, "output features")
         self.weight = _param((per_rank, in_features), tp_split_dim=0)
         self.bias = _param((per_rank,), tp_split_dim=0) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        y = F.linear(copy_to_tp_region(x, self.tp_group), self.weight, self.bias)
-        return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
+        x = gather_from_sequence(x, self.tp) if self.sequence_parallel else copy_to_region(x, self.tp)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_region(y, self.tp) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, tp={self.tp_rank}/{self.tp_size}"
 
 
 class RowParallelLinear(nn.Module):
-    """y = x A^T + b with A's input columns split over ranks (weight shape (out, in/tp)).
+    """y = x A^T + b with A's input columns split over ranks (weight (out, in/tp)).
 
-    Each rank computes a partial product on its input shard; the sum over ranks
-    is the output. The bias is replicated and added once, after the sum.
+    Each rank multiplies its input shard; the sum over ranks (g: all-reduce, or
+    a reduce-scatter along the sequence with ``sequence_parallel``) is the
+    output. The bias is replicated and added once, after the reduction.
     """
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool = True,
-        tp_group: dist.ProcessGroup | None = None,
-        input_is_parallel: bool = True,
-    ):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, tp: Optional[Comm] = None,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False):
         super().__init__()
-        self.tp_group = tp_group
-        self.tp_rank, self.tp_size = tp_rank_and_size(tp_group)
+        self.tp = tp
+        self.tp_rank, self.tp_size = tp_rank_and_size(tp)
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1
         per_rank = _divide(in_features, self.tp_size, "input features")
         self.weight = _param((out_features, per_rank), tp_split_dim=1)
-        self.bias = _param((out_features,), tp_split_dim=None) if bias else None
+        self.bias = _param((out_features,), None, self.sequence_parallel) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:
-            x = scatter_to_tp_region(x, self.tp_group)
-        y = reduce_from_tp_region(F.linear(x, self.weight), self.tp_group)
+            x = scatter_to_region(x, self.tp)
+        y = F.linear(x, self.weight)
+        y = reduce_scatter_to_sequence(y, self.tp) if self.sequence_parallel else reduce_from_region(y, self.tp)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, tp={self.tp_rank}/{self.tp_size}"
+
+
+# --- RNG ----------------------------------------------------------------------------------------
+
+
+def _get_state(device: torch.device) -> Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_state(state: Tensor, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+class TPRandom:
+    """A second random stream, different on every tp rank (Megatron's RNG tracker).
+
+    Dropout on activations replicated over tp uses the default generator,
+    seeded identically on every rank of the tp group, so the replicas stay
+    identical. Dropout on tensors that are split over tp (sequence-parallel
+    activations) runs inside ``fork()``, which swaps in this rank's own stream.
+    Under activation checkpointing, ``checkpoint_contexts`` replays the
+    stream so recomputation draws the same masks.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.state: Optional[Tensor] = None
+
+    def seed(self, seed: int) -> None:
+        outer = _get_state(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.manual_seed(seed)
+        else:
+            torch.manual_seed(seed)
+        self.state = _get_state(self.device)
+        _set_state(outer, self.device)
+
+    @contextlib.contextmanager
+    def fork(self):
+        if self.state is None:
+            self.seed(0)
+        outer = _get_state(self.device)
+        _set_state(self.state, self.device)
+        try:
+            yield
+        finally:
+            self.state = _get_state(self.device)
+            _set_state(outer, self.device)
+
+    def checkpoint_contexts(self):
+        """``context_fn`` for torch.utils.checkpoint: recomputation restarts from the forward's stream."""
+        snapshot: dict[str, Tensor] = {}
+        tracker = self
+
+        @contextlib.contextmanager
+        def forward():
+            snapshot["state"] = None if tracker.state is None else tracker.state.clone()
+            yield
+
+        @contextlib.contextmanager
+        def recompute():
+            after = tracker.state
+            tracker.state = snapshot["state"]
+            try:
+                yield
+            finally:
+                tracker.state = after
+
+        return forward(), recompute()
+
+
+class ShardedDropout(nn.Module):
+    """Dropout whose input is split over tp: masks come from the per-rank stream when split."""
+
+    def __init__(self, p: float, rng: Optional[TPRandom], split: bool):
+        super().__init__()
+        self.p, self.rng, self.split = p, rng, split
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        if self.split and self.rng is not None:
+            with self.rng.fork():
+                return F.dropout(x, self.p, True)
+        return F.dropout(x, self.p, True)
 
 
 # --- vocabulary-parallel cross entropy ----------------------------------------------------------
@@ -232,37 +257,35 @@ def mask_padded_vocab(logits_shard: Tensor, vocab_start: int, real_vocab_size: i
     return logits_shard.masked_fill(ids >= real_vocab_size, -math.inf)
 
 
-def _all_reduce(x: Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> Tensor:
-    if group is not None:
-        dist.all_reduce(x, op=op, group=group)
-    return x
-
-
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Cross entropy over logits split along the vocabulary (Megatron-LM, section 3).
+    """Cross entropy over logits split along the vocabulary (Megatron-LM, §3).
 
-    Ranks exchange three (batch, seq) tensors — the max, the sum of
-    exponentials and the target logit — instead of full-vocabulary logits.
-    Computed in float32 whatever the logits' dtype.
+    Ranks exchange per-token statistics, never logits: one all-reduce (max) of
+    the row maxima, then one all-reduce of [target logit, sum of exponentials]
+    fused into a single tensor. Backward is local: softmax minus one-hot on the
+    owning shard. Computed in float32 whatever the logits' dtype.
     """
 
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor, vocab_start: int, real_vocab_size: int,
-                group: dist.ProcessGroup | None, ignore_index: int) -> Tensor:
+                tp: Optional[Comm], ignore_index: int) -> Tensor:
         x = mask_padded_vocab(logits.float(), vocab_start, real_vocab_size)
         width = x.shape[-1]
-        local_max = x.max(dim=-1).values
-        x = x - _all_reduce(local_max, dist.ReduceOp.MAX, group).unsqueeze(-1)
+        row_max = x.max(dim=-1).values
+        if tp is not None:
+            tp.all_reduce(row_max, op=dist.ReduceOp.MAX, tag="loss")
+        x = x - row_max.unsqueeze(-1)
 
         ignored = targets == ignore_index
         local_t = targets - vocab_start
         here = (local_t >= 0) & (local_t < width) & ~ignored
         local_t = local_t.masked_fill(~here, 0)
         target_logit = x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~here, 0.0)
-        target_logit = _all_reduce(target_logit, dist.ReduceOp.SUM, group)
-
         exp = x.exp_()
-        sum_exp = _all_reduce(exp.sum(dim=-1), dist.ReduceOp.SUM, group)
+        stats = torch.stack([target_logit, exp.sum(dim=-1)])
+        if tp is not None:
+            tp.all_reduce(stats, tag="loss")
+        target_logit, sum_exp = stats[0], stats[1]
         loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
 
         softmax = exp.div_(sum_exp.unsqueeze(-1))
@@ -273,20 +296,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: Tensor):
         softmax, local_t, here, ignored = ctx.saved_tensors
-        grad = softmax.clone()
-        onehot = F.one_hot(local_t, grad.shape[-1]).to(grad.dtype) * here.unsqueeze(-1)
-        grad.sub_(onehot).mul_((grad_loss * ~ignored).unsqueeze(-1))
+        grad = softmax
+        grad.scatter_add_(-1, local_t.unsqueeze(-1), -here.unsqueeze(-1).to(grad.dtype))
+        grad.mul_((grad_loss * ~ignored).unsqueeze(-1))
         return grad.to(ctx.logits_dtype), None, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(
-    logits_shard: Tensor,
-    targets: Tensor,
-    vocab_start: int,
-    real_vocab_size: int,
-    tp_group: dist.ProcessGroup | None = None,
-    ignore_index: int = -100,
-) -> Tensor:
+def vocab_parallel_cross_entropy(logits_shard: Tensor, targets: Tensor, vocab_start: int, real_vocab_size: int,
+                                 tp: Optional[Comm] = None, ignore_index: int = -100) -> Tensor:
     """Per-token loss (float32, shape of ``targets``, 0 where ``targets == ignore_index``).
 
     ``logits_shard`` (..., V/tp) holds global vocabulary ids
@@ -294,6 +311,6 @@ def vocab_parallel_cross_entropy(
     take no probability mass.
     """
     assert logits_shard.shape[:-1] == targets.shape, (logits_shard.shape, targets.shape)
-    return _VocabParallelCrossEntropy.apply(
-        logits_shard, targets, vocab_start, real_vocab_size, tp_group, ignore_index
-    )
+    if tp is not None and tp.size == 1:
+        tp = None
+    return _VocabParallelCrossEntropy.apply(logits_shard, targets, vocab_start, real_vocab_size, tp, ignore_index)

@@ -8,10 +8,12 @@ an object handed to whoever needs it, never a global.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch.distributed as dist
+
+from parallel.comm import Comm, CommCounter
 
 
 def rank_to_coords(rank: int, tp: int, pp: int, dp: int) -> tuple[int, int, int]:
@@ -51,6 +53,12 @@ class Grid:
     tp_group: Optional[dist.ProcessGroup] = None
     dp_group: Optional[dist.ProcessGroup] = None
     pp_group: Optional[dist.ProcessGroup] = None
+    counter: CommCounter = field(default_factory=CommCounter)
+
+    def __post_init__(self) -> None:
+        self.tp_comm = Comm(self.tp_group, "tp", self.counter)
+        self.dp_comm = Comm(self.dp_group, "dp", self.counter)
+        self.pp_comm = Comm(self.pp_group, "pp", self.counter)
 
     @classmethod
     def single(cls) -> "Grid":

@@ -2,10 +2,11 @@
 
 import json
 import os
-from dataclasses import dataclass
 
 import pytest
 import torch
+
+from megazero.config import ModelConfig
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -13,28 +14,15 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 from megazero.export import main, to_hf_state_dict, write_hf_folder  # noqa: E402
 from models.gpt import build_gpt  # noqa: E402
 
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402  (a test dependency, installed by the Makefile)
 
 
-@dataclass
-class Cfg:
-    """Stand-in with the ModelConfig fields of the spec."""
-
-    layers: int = 2
-    hidden: int = 64
-    heads: int = 4
-    seq_len: int = 32
-    vocab_size: int = 300
-    ffn_hidden: int = 192
-    bias: bool = True
-    dropout: float = 0.1
-    activation_checkpointing: bool = False
-    init_std: float = 0.2
-    vocab_pad_multiple: int = 128
-
-    def padded_vocab(self, tp: int = 1) -> int:
-        m = self.vocab_pad_multiple * tp
-        return (self.vocab_size + m - 1) // m * m
+def Cfg(**overrides) -> ModelConfig:
+    """A small model config; tests override what they exercise."""
+    values = dict(layers=2, hidden=64, heads=4, seq_len=32, vocab_size=300, ffn_hidden=192, dropout=0.1,
+                  init_std=0.2)
+    values.update(overrides)
+    return ModelConfig(**values)
 
 
 @pytest.mark.parametrize("bias", [True, False])

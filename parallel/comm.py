@@ -1,0 +1,238 @@
+"""Collectives: one counted wrapper per grid group, and the Megatron f/g autograd functions.
+
+Every collective megazero issues goes through a :class:`Comm` (a process group
+with a name) and is recorded by the run's :class:`CommCounter`: kind, group,
+element count and bytes. Tests and benchmarks read the counter instead of
+assuming what the code does.
+
+The autograd functions are the conjugate pairs of Megatron-LM (Shoeybi et al.
+2019, §3) and of sequence parallelism (Korthikanti et al. 2022, §4.2.2):
+
+=========================  ======================  ======================
+function                   forward                 backward
+=========================  ======================  ======================
+copy_to_region (f)         identity                all-reduce
+reduce_from_region (g)     all-reduce              identity
+gather_from_region         all-gather, last dim    split, last dim
+scatter_to_region          split, last dim         all-gather, last dim
+gather_from_sequence       all-gather, seq dim     reduce-scatter, seq dim
+reduce_scatter_to_sequence reduce-scatter, seq dim all-gather, seq dim
+=========================  ======================  ======================
+
+Each is the identity when the group has one rank (or is None).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+SEQ_DIM = 1  # activations are (batch, seq, hidden)
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    kind: str  # all_reduce | all_gather | reduce_scatter | broadcast | send | recv
+    group: str  # tp | dp | pp | world | ...
+    numel: int  # elements this rank contributes (the input of the collective)
+    bytes: int
+    tag: str  # what travels: activation | grad | loss | param | ...
+
+
+@dataclass
+class CommCounter:
+    """Every collective of a run, as issued (one record per call)."""
+
+    records: list = field(default_factory=list)
+
+    def add(self, kind: str, group: str, tensor: Tensor, tag: str) -> None:
+        self.records.append(CommRecord(kind, group, tensor.numel(), tensor.numel() * tensor.element_size(), tag))
+
+    def reset(self) -> None:
+        self.records.clear()
+
+    def select(self, kind: Optional[str] = None, group: Optional[str] = None,
+               tag: Optional[str] = None) -> list[CommRecord]:
+        return [r for r in self.records if (kind is None or r.kind == kind)
+                and (group is None or r.group == group) and (tag is None or r.tag == tag)]
+
+    def count(self, kind: Optional[str] = None, group: Optional[str] = None, tag: Optional[str] = None) -> int:
+        return len(self.select(kind, group, tag))
+
+    def volume(self, kind: Optional[str] = None, group: Optional[str] = None, tag: Optional[str] = None) -> int:
+        """Elements contributed by this rank over the selected collectives."""
+        return sum(r.numel for r in self.select(kind, group, tag))
+
+    def summary(self) -> dict[str, int]:
+        return dict(Counter(f"{r.group}.{r.kind}.{r.tag}" for r in self.records))
+
+
+class Comm:
+    """A named process group whose collectives are counted. size 1 (or no group): no-ops, nothing counted."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup], name: str, counter: Optional[CommCounter] = None):
+        self.group, self.name, self.counter = group, name, counter
+        if group is None:
+            self.rank, self.size = 0, 1
+        else:
+            self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+
+    def __repr__(self) -> str:
+        return f"Comm({self.name}, rank {self.rank}/{self.size})"
+
+    def _record(self, kind: str, tensor: Tensor, tag: str) -> None:
+        if self.counter is not None:
+            self.counter.add(kind, self.name, tensor, tag)
+
+    def all_reduce(self, x: Tensor, op=dist.ReduceOp.SUM, tag: str = "activation") -> Tensor:
+        """In place; returns x."""
+        if self.size > 1:
+            self._record("all_reduce", x, tag)
+            dist.all_reduce(x, op=op, group=self.group)
+        return x
+
+    def all_gather(self, x: Tensor, dim: int, tag: str = "activation") -> Tensor:
+        """Concatenate every rank's x along dim (rank order)."""
+        if self.size == 1:
+            return x
+        self._record("all_gather", x, tag)
+        moved = x.movedim(dim, 0).contiguous()
+        out = torch.empty((self.size * moved.shape[0],) + tuple(moved.shape[1:]), dtype=x.dtype, device=x.device)
+        _all_gather_single(out, moved, self.group)
+        return out.movedim(0, dim).contiguous()
+
+    def reduce_scatter(self, x: Tensor, dim: int, tag: str = "activation") -> Tensor:
+        """Sum over ranks, keep this rank's chunk along dim."""
+        if self.size == 1:
+            return x
+        assert x.shape[dim] % self.size == 0, (x.shape, dim, self.size)
+        self._record("reduce_scatter", x, tag)
+        moved = x.movedim(dim, 0).contiguous()
+        out = torch.empty((moved.shape[0] // self.size,) + tuple(moved.shape[1:]), dtype=x.dtype, device=x.device)
+        _reduce_scatter_single(out, moved, self.group)
+        return out.movedim(0, dim).contiguous()
+
+    def split(self, x: Tensor, dim: int) -> Tensor:
+        """This rank's chunk along dim (no communication)."""
+        if self.size == 1:
+            return x
+        assert x.shape[dim] % self.size == 0, (x.shape, dim, self.size)
+        return x.chunk(self.size, dim=dim)[self.rank].contiguous()
+
+
+def _all_gather_single(out: Tensor, x: Tensor, group) -> None:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, x, group=group)
+
+
+def _reduce_scatter_single(out: Tensor, x: Tensor, group) -> None:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, x, group=group)
+
+
+# --- autograd functions ---------------------------------------------------------------------------
+
+
+class _CopyToRegion(torch.autograd.Function):
+    """f: every rank uses the same input, so its gradient is the sum of theirs."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, comm: Comm) -> Tensor:
+        ctx.comm = comm
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return ctx.comm.all_reduce(grad.contiguous().clone()), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """g: partial sums from every rank are added; each rank's gradient is the whole one."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, comm: Comm) -> Tensor:
+        return comm.all_reduce(x.contiguous().clone())
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, comm: Comm) -> Tensor:
+        ctx.comm = comm
+        return comm.all_gather(x, dim=x.dim() - 1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return ctx.comm.split(grad, dim=grad.dim() - 1), None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, comm: Comm) -> Tensor:
+        ctx.comm = comm
+        return comm.split(x, dim=x.dim() - 1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return ctx.comm.all_gather(grad, dim=grad.dim() - 1), None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    """Sequence-parallel region -> tensor-parallel region (before a column-parallel linear)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, comm: Comm) -> Tensor:
+        ctx.comm = comm
+        return comm.all_gather(x, dim=SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return ctx.comm.reduce_scatter(grad, dim=SEQ_DIM), None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    """Tensor-parallel partial sums -> sequence-parallel region (after a row-parallel linear)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, comm: Comm) -> Tensor:
+        ctx.comm = comm
+        return comm.reduce_scatter(x, dim=SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return ctx.comm.all_gather(grad, dim=SEQ_DIM), None
+
+
+def _active(comm: Optional[Comm]) -> bool:
+    return comm is not None and comm.size > 1
+
+
+def copy_to_region(x: Tensor, comm: Optional[Comm]) -> Tensor:
+    return _CopyToRegion.apply(x, comm) if _active(comm) else x
+
+
+def reduce_from_region(x: Tensor, comm: Optional[Comm]) -> Tensor:
+    return _ReduceFromRegion.apply(x, comm) if _active(comm) else x
+
+
+def gather_from_region(x: Tensor, comm: Optional[Comm]) -> Tensor:
+    return _GatherFromRegion.apply(x, comm) if _active(comm) else x
+
+
+def scatter_to_region(x: Tensor, comm: Optional[Comm]) -> Tensor:
+    return _ScatterToRegion.apply(x, comm) if _active(comm) else x
+
+
+def gather_from_sequence(x: Tensor, comm: Optional[Comm]) -> Tensor:
+    return _GatherFromSequence.apply(x, comm) if _active(comm) else x
+
+
+def reduce_scatter_to_sequence(x: Tensor, comm: Optional[Comm]) -> Tensor:
+    return _ReduceScatterToSequence.apply(x, comm) if _active(comm) else x
