@@ -4,6 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 CONFIG ?= configs/tiny.yaml
+NPROC  ?= 2
 # CPU-only machines get a CPU build of torch: a local wheel if pip can see one, else PyTorch's CPU index.
 TORCH_CPU_VERSION ?= 2.13.0
 TORCH_CPU_INDEX   ?= https://download.pytorch.org/whl/cpu
@@ -27,7 +28,7 @@ endif
 	touch $(STAMP)
 
 pretrain: $(STAMP)
-	$(BIN)/python pretrain.py --config $(CONFIG)
+	$(BIN)/torchrun --standalone --nproc-per-node $(NPROC) pretrain.py --config $(CONFIG)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

@@ -76,6 +76,11 @@ BAD = [
     (["data.split=abc"], ["data.split", "'abc'"]),
     (["train.resume=/no/ckpt"], ["train.resume", "/no/ckpt"]),
     (["launch.device=tpu"], ["launch.device", "'tpu'"]),
+    (["parallel.tp=4"], ["model.heads=6", "parallel.tp=4"]),
+    (["parallel.tp=2", "model.ffn_hidden=501"], ["model.ffn_hidden=501", "parallel.tp=2"]),
+    (["parallel.tp=3", "model.heads=3", "model.ffn_hidden=768"], ["vocab_pad_multiple", "2048", "parallel.tp=3"]),
+    (["parallel.tp=2", "parallel.sequence_parallel=true", "model.seq_len=127"],
+     ["model.seq_len=127", "sequence_parallel"]),
 ]
 
 

@@ -144,8 +144,35 @@ def _cross_entropy_checks(rank, world):
     return kinds
 
 
+def _dropout_checks(rank, world):
+    """Dropout: replicated activations draw identical masks on every tp rank (shared stream), and
+    activation checkpointing replays the per-rank stream of sequence-parallel dropout."""
+    grid = Grid.build(2, 1, world // 2, "cpu")
+    cfg = replace(CFG, dropout=0.1)
+    x, t = _tokens(cfg, 1 + grid.dp_rank), _tokens(cfg, 2 + grid.dp_rank)
+    out = {}
+    for sp in (False, True):
+        grads = []
+        for ckpt in (False, True):
+            model = build_gpt(replace(cfg, activation_checkpointing=ckpt), seed=7, tp=grid.tp_comm,
+                              sequence_parallel=sp)
+            torch.manual_seed(11 + grid.dp_rank)                   # shared by the tp group
+            model.rng.seed(100 + grid.tp_rank + 10 * grid.dp_rank)  # this tp rank's own
+            loss = model(x, t)
+            loss.sum().backward()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+            # the loss is replicated over tp: identical on both ranks only if the masks agree where they must
+            both = [torch.empty_like(loss) for _ in range(2)]
+            dist.all_gather(both, loss, group=grid.tp_group)
+            assert torch.equal(both[0], both[1]), (sp, ckpt)
+        for n in grads[0]:
+            assert torch.equal(grads[0][n], grads[1][n]), (sp, n)  # checkpointing replays the same masks
+        out[sp] = loss.sum().item()
+    return out
+
+
 def _all_model_checks(rank, world):
-    results = {}
+    results = {"dropout": _dropout_checks(rank, world)}
     for tp, sp in ((4, False), (4, True), (2, False), (2, True)):
         results[(tp, sp)] = _model_checks(rank, world, tp, sp)
     results["ce"] = _cross_entropy_checks(rank, world)
@@ -182,6 +209,10 @@ def test_sequence_parallel_replaces_all_reduces_by_gather_scatter(model_results,
     assert {k: v for k, v in diff.items() if v} == {"tp.all_gather.activation": 2, "tp.reduce_scatter.activation": 2}
     diff = {k: r["bwd3"].get(k, 0) - r["bwd"].get(k, 0) for k in set(r["bwd3"]) | set(r["bwd"])}
     assert {k: v for k, v in diff.items() if v} == {"tp.all_gather.activation": 2, "tp.reduce_scatter.activation": 2}
+
+
+def test_dropout_streams_and_checkpoint_replay(model_results):
+    assert all(set(r["dropout"]) == {False, True} for r in model_results)
 
 
 def test_vocab_parallel_cross_entropy_matches_torch_and_fuses_its_collectives(model_results):
