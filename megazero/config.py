@@ -56,6 +56,9 @@ class ParallelConfig:
     pp: int = 1
     dp: Union[int, str] = AUTO  # "auto" = world_size / (tp * pp), resolved at launch
     sequence_parallel: bool = False  # split norms/dropout along the sequence over tp (Korthikanti et al. 2022)
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved)
+    pp_layers: list = field(default_factory=list)  # explicit layers per (virtual) stage; [] = balanced
 
 
 @dataclass
@@ -92,6 +95,7 @@ class LogConfig:
     every: int = 1
     tensorboard: bool = True
     peak_tflops: Union[float, str] = AUTO  # per device, for MFU; auto = known GPU table or a measured CPU matmul
+    pipeline_trace: bool = False  # write pipeline_trace.json (Chrome trace / Perfetto) of the last step
 
 
 @dataclass
@@ -136,11 +140,12 @@ _SECTION_CLASSES = {
 _CHOICES = {
     ("train", "precision"): ("fp32", "bf16"),
     ("launch", "device"): ("auto", "cpu", "cuda"),
+    ("parallel", "schedule"): ("gpipe", "1f1b", "interleaved"),
 }
 _MIN = {
     ("model", "layers"): 1, ("model", "hidden"): 1, ("model", "heads"): 1, ("model", "seq_len"): 1,
     ("model", "vocab_size"): 2, ("model", "ffn_hidden"): 1, ("model", "vocab_pad_multiple"): 1,
-    ("parallel", "tp"): 1, ("parallel", "pp"): 1, ("parallel", "dp"): 1,
+    ("parallel", "tp"): 1, ("parallel", "pp"): 1, ("parallel", "dp"): 1, ("parallel", "virtual_stages"): 1,
     ("train", "steps"): 1, ("train", "global_batch"): 1, ("train", "micro_batch"): 1,
     ("train", "lr"): 0.0, ("train", "min_lr"): 0.0, ("train", "warmup_steps"): 0,
     ("train", "weight_decay"): 0.0, ("train", "grad_clip"): 0.0, ("train", "seed"): 0,
@@ -194,6 +199,10 @@ def _coerce(source: str, section: str, key: str, value: Any, annotation: str) ->
             return value
         raise _fail(source, full, value, "expected a string")
     if base == "list":
+        if (section, key) == ("parallel", "pp_layers"):
+            if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+                return list(value)
+            raise _fail(source, full, value, "expected a list of layer counts, one per (virtual) stage")
         if isinstance(value, str):
             value = [value]
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
@@ -294,6 +303,7 @@ def validate(cfg: Config) -> None:
     if m.hidden % m.heads:
         raise _fail(src, "model.heads", m.heads, f"must divide model.hidden={m.hidden}")
     _check_tp(cfg)
+    _check_pp(cfg)
     if t.min_lr > t.lr:
         raise _fail(src, "train.min_lr", t.min_lr, f"must be <= train.lr={t.lr}")
     if t.global_batch % t.micro_batch:
@@ -309,6 +319,7 @@ def validate(cfg: Config) -> None:
             raise _fail(src, "data.paths", p, "no such file or directory (nor a PREFIX.bin/.idx pair)")
     if isinstance(cfg.parallel.dp, int):
         _check_batch(cfg, cfg.parallel.dp)
+        _check_microbatches(cfg)
     if not cfg.log.dir:
         cfg.log.dir = str(Path("runs") / cfg.name)
 
@@ -327,6 +338,34 @@ def _check_tp(cfg: Config) -> None:
     if cfg.parallel.sequence_parallel and m.seq_len % tp:
         raise _fail(src, "model.seq_len", m.seq_len,
                     f"must be divisible by parallel.tp={tp} with parallel.sequence_parallel=true")
+
+
+def _check_pp(cfg: Config) -> None:
+    """Every (virtual) pipeline stage gets at least one layer; the schedule fits the chunking."""
+    m, p, src = cfg.model, cfg.parallel, cfg.source
+    stages = p.pp * p.virtual_stages
+    if p.schedule == "interleaved" and (p.pp < 2 or p.virtual_stages < 2):
+        raise _fail(src, "parallel.schedule", p.schedule,
+                    f"interleaved needs parallel.pp >= 2 and parallel.virtual_stages >= 2 "
+                    f"(got pp={p.pp}, virtual_stages={p.virtual_stages}); or use 1f1b")
+    if p.schedule != "interleaved" and p.virtual_stages != 1:
+        raise _fail(src, "parallel.virtual_stages", p.virtual_stages,
+                    f"must be 1 with parallel.schedule={p.schedule}; model chunks need schedule=interleaved")
+    if p.pp_layers:
+        if len(p.pp_layers) != stages or sum(p.pp_layers) != m.layers or min(p.pp_layers) < 1:
+            raise _fail(src, "parallel.pp_layers", p.pp_layers,
+                        f"must list {stages} counts (pp*virtual_stages), each >= 1, summing to model.layers={m.layers}")
+    elif m.layers < stages:
+        raise _fail(src, "model.layers", m.layers,
+                    f"fewer layers than pipeline stages: needs >= parallel.pp*virtual_stages = {stages}")
+
+
+def _check_microbatches(cfg: Config) -> None:
+    p = cfg.parallel
+    if p.schedule == "interleaved" and cfg.microbatches % p.pp:
+        raise _fail(cfg.source, "train.global_batch", cfg.train.global_batch,
+                    f"gives {cfg.microbatches} microbatches per rank (global_batch / (micro_batch*dp)); the "
+                    f"interleaved schedule needs a multiple of parallel.pp={p.pp}")
 
 
 def _check_split(src: str, split: str) -> None:
@@ -360,4 +399,5 @@ def resolve_world(cfg: Config, world_size: int) -> Config:
                         f"does not match the world size {world_size}; set parallel.dp=auto or launch "
                         f"{p.tp * p.pp * p.dp} processes")
     _check_batch(cfg, p.dp)
+    _check_microbatches(cfg)
     return cfg

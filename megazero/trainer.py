@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import math
 import time
 from pathlib import Path
@@ -23,6 +24,8 @@ from megazero.data import GPTData, build_data
 from megazero.errors import UserError
 from megazero.metrics import MetricsLogger, memory_gb, model_flops_per_token, peak_tflops
 from models.gpt import build_gpt
+from parallel.pipeline import PipelineExecutor, partition_layers
+from parallel.schedules import build_schedule, virtual_stage
 from parallel.topology import Grid, coords_to_rank
 
 
@@ -62,16 +65,33 @@ class Trainer:
 
     def __init__(self, cfg: Config, grid: Grid, device: torch.device, is_builder: bool = True):
         self.cfg, self.grid, self.device = cfg, grid, device
-        if grid.pp > 1:
-            raise UserError(f"{cfg.source}: parallel.pp={grid.pp}: this version has no pipeline parallelism; "
-                            f"valid: parallel.pp=1")
         self.data = load_data_everywhere(cfg, grid, is_builder)
         torch.manual_seed(cfg.train.seed)
-        self.model = build_gpt(cfg.model, cfg.train.seed, device=device, tp=grid.tp_comm,
-                               first_stage=grid.is_first_stage, last_stage=grid.is_last_stage,
-                               sequence_parallel=cfg.parallel.sequence_parallel)
-        self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        par = cfg.parallel
+        v = par.virtual_stages
+        ranges = partition_layers(cfg.model.layers, grid.pp * v, par.pp_layers)
+        last_vs = grid.pp * v - 1
+        self.chunks = []
+        for c in range(v):  # model chunk c of this rank is virtual stage c*pp + pp_rank
+            vs = virtual_stage(grid.pp_rank, c, grid.pp)
+            self.chunks.append(build_gpt(cfg.model, cfg.train.seed, device=device, tp=grid.tp_comm,
+                                         layer_ids=ranges[vs], first_stage=vs == 0, last_stage=vs == last_vs,
+                                         sequence_parallel=par.sequence_parallel))
+        self.named_params = [(n, p) for m in self.chunks for n, p in m.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named_params]
+        # the tied embedding: held by the first and the last virtual stage; the last one's is a copy
+        self.tied = [p for m in self.chunks if m.shares_embedding_across_stages
+                     for p in [m.embed.tokens.weight]]
+        for m in self.chunks:
+            if m.shares_embedding_across_stages and m.last_stage:
+                m.embed.tokens.weight.tied_copy = True
+        seq = cfg.model.seq_len // (grid.tp if self.chunks[0].sequence_parallel else 1)
+        self.executor = PipelineExecutor(self.chunks, grid, (cfg.train.micro_batch, seq, cfg.model.hidden),
+                                         torch.float32, device, cfg.train.global_batch * cfg.model.seq_len,
+                                         self._autocast)
+        self.schedule = build_schedule(par.schedule, grid.pp, cfg.microbatches, v)[grid.pp_rank]
+        self.eval_schedule = build_schedule(par.schedule, grid.pp, cfg.microbatches, v,
+                                            forward_only=True)[grid.pp_rank]
         self.optimizer = optim.build_adamw(self.named_params, cfg.train.lr, cfg.train.weight_decay)
         self.step = 0
         self.consumed_samples = 0
@@ -88,55 +108,75 @@ class Trainer:
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def forward_backward(self, microbatches: list[torch.Tensor]) -> torch.Tensor:
-        """Run every microbatch forward and backward; returns this rank's summed token loss."""
-        total = torch.zeros((), device=self.device)
-        for mb in microbatches:
-            mb = mb.to(self.device, non_blocking=True)
-            with self._autocast():
-                token_loss = self.model(mb[:, :-1], mb[:, 1:])
-            loss_sum = token_loss.float().sum()
-            (loss_sum / self.tokens_per_step).backward()
-            total += loss_sum.detach()
-        return total
+    def _seed(self) -> None:
+        """Dropout streams of this step: one shared by the tp group, one per tp rank (per model chunk)."""
+        g, seed = self.grid, self.cfg.train.seed
+        torch.manual_seed(step_seed(seed, self.step, g.pp_rank, g.dp_rank))
+        for c, m in enumerate(self.chunks):
+            m.rng.seed(step_seed(seed, self.step, g.pp_rank, g.dp_rank, g.tp_rank, c))
+
+    def reduce_gradients(self) -> torch.Tensor:
+        """After the last microbatch: complete sequence-parallel grads over tp, sum the tied embedding's
+        two copies, average over dp; returns the global grad norm (each element counted once)."""
+        g = self.grid
+        optim.allreduce_gradients([p for p in self.params if p.sequence_parallel], g.tp_comm)
+        optim.allreduce_gradients(self.tied, g.embed_comm)
+        optim.allreduce_gradients(self.params, g.dp_comm)
+        counted = [p for p in self.params if not getattr(p, "tied_copy", False)]
+        return optim.grad_norm(counted, g.tp_comm, (g.pp_comm,))
 
     def train_step(self) -> dict:
         cfg, grid = self.cfg, self.grid
-        # shared by the tp group (replicated activations) / this tp rank's own (split activations)
-        torch.manual_seed(step_seed(cfg.train.seed, self.step, grid.pp_rank, grid.dp_rank))
-        self.model.rng.seed(step_seed(cfg.train.seed, self.step, grid.pp_rank, grid.dp_rank, grid.tp_rank))
+        self._seed()
         lr = optim.lr_at(self.step, cfg.train.lr, cfg.train.min_lr, cfg.train.warmup_steps, cfg.train.steps)
         optim.set_lr(self.optimizer, lr)
-        self.model.train()
+        for m in self.chunks:
+            m.train()
         microbatches = self.data.train_microbatches(self.consumed_samples, grid.dp_rank, grid.dp,
                                                     cfg.train.micro_batch, cfg.train.global_batch)
         assert len(microbatches) == cfg.microbatches
-        loss_sum = self.forward_backward(microbatches)
-        optim.allreduce_gradients([p for p in self.params if p.sequence_parallel], grid.tp_comm)
-        optim.allreduce_gradients(self.params, grid.dp_comm)
+        loss_sum = self.executor.run(self.schedule, microbatches)
+        self.train_trace = self.executor.chrome_trace(grid.rank)
+        norm = self.reduce_gradients()
         grid.dp_comm.all_reduce(loss_sum, tag="loss")
-        norm = optim.grad_norm(self.params, grid.tp_comm, (grid.pp_comm,))
         optim.clip_gradients(self.params, norm, cfg.train.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.consumed_samples += cfg.train.global_batch
-        return {"loss": (loss_sum / self.tokens_per_step).item(), "lr": lr, "grad_norm": norm.item()}
+        loss = (loss_sum / self.tokens_per_step).item() if grid.is_last_stage else float("nan")
+        return {"loss": loss, "lr": lr, "grad_norm": norm.item()}
 
     @torch.no_grad()
     def evaluate(self) -> dict:
         cfg, grid = self.cfg, self.grid
-        self.model.eval()
+        for m in self.chunks:
+            m.eval()
         total = torch.zeros((), device=self.device)
         for b in range(cfg.train.eval_batches):
-            for mb in self.data.val_microbatches(b, grid.dp_rank, grid.dp, cfg.train.micro_batch,
-                                                 cfg.train.global_batch):
-                mb = mb.to(self.device)
-                with self._autocast():
-                    total += self.model(mb[:, :-1], mb[:, 1:]).float().sum()
+            microbatches = self.data.val_microbatches(b, grid.dp_rank, grid.dp, cfg.train.micro_batch,
+                                                      cfg.train.global_batch)
+            total += self.executor.run(self.eval_schedule, microbatches, forward_only=True)
         grid.dp_comm.all_reduce(total, tag="loss")
+        if not grid.is_last_stage:
+            return {}
         val = (total / (self.tokens_per_step * cfg.train.eval_batches)).item()
         return {"val_loss": val, "val_ppl": math.exp(min(val, 50.0))}
+
+    def write_pipeline_trace(self) -> None:
+        """Every rank's timeline of the last step in one Chrome-trace/Perfetto file (pid = rank)."""
+        events = self.train_trace
+        if dist.is_initialized():
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, events)
+            events = [e for rank_events in gathered for e in rank_events]
+        if self.grid.rank == 0:
+            path = Path(self.cfg.log.dir) / "pipeline_trace.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            names = [{"name": "process_name", "ph": "M", "pid": r,
+                      "args": {"name": f"rank {r} (pp {r // (self.grid.dp * self.grid.tp)})"}}
+                     for r in range(self.grid.world_size)]
+            path.write_text(json.dumps({"traceEvents": names + events, "displayTimeUnit": "ms"}))
 
     # ----- checkpoints ------------------------------------------------------------------------
     def _logical(self, local: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
@@ -220,6 +260,8 @@ class Trainer:
             history.append({"step": step, **record})
             if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == stop_at:
                 self.save()
+        if cfg.log.pipeline_trace:
+            self.write_pipeline_trace()
         logger.close()
         if self.is_writer:
             print(f"done: {self.step} steps; metrics in {Path(cfg.log.dir) / 'metrics.jsonl'}, "

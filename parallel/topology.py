@@ -38,6 +38,27 @@ def group_ranks(dim: str, tp: int, pp: int, dp: int) -> list[list[int]]:
     return [sorted(g) for _, g in sorted(groups.items())]
 
 
+def embedding_group_ranks(tp: int, pp: int, dp: int) -> list[list[int]]:
+    """For each (dp, tp) position, the first- and last-stage ranks that both hold the tied embedding."""
+    return [[coords_to_rank(0, d, t, tp, dp), coords_to_rank(pp - 1, d, t, tp, dp)]
+            for d in range(dp) for t in range(tp)]
+
+
+def new_embedding_group(tp: int, pp: int, dp: int) -> Optional[dist.ProcessGroup]:
+    """Megatron's embedding group: sums the two copies' gradients so the tied weights stay equal.
+
+    Collective: every rank creates every group, and keeps its own.
+    """
+    if pp == 1:
+        return None
+    mine = None
+    for ranks in embedding_group_ranks(tp, pp, dp):
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
+
+
 @dataclass
 class Grid:
     """This rank's place in the (pp, dp, tp) grid and the process groups along each dimension.
@@ -53,12 +74,14 @@ class Grid:
     tp_group: Optional[dist.ProcessGroup] = None
     dp_group: Optional[dist.ProcessGroup] = None
     pp_group: Optional[dist.ProcessGroup] = None
+    embed_group: Optional[dist.ProcessGroup] = None
     counter: CommCounter = field(default_factory=CommCounter)
 
     def __post_init__(self) -> None:
         self.tp_comm = Comm(self.tp_group, "tp", self.counter)
         self.dp_comm = Comm(self.dp_group, "dp", self.counter)
         self.pp_comm = Comm(self.pp_group, "pp", self.counter)
+        self.embed_comm = Comm(self.embed_group, "embed", self.counter)
 
     @classmethod
     def single(cls) -> "Grid":
@@ -77,7 +100,7 @@ class Grid:
         mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
         return cls(tp=tp, pp=pp, dp=dp, rank=dist.get_rank(), mesh=mesh,
                    tp_group=mesh.get_group("tp"), dp_group=mesh.get_group("dp"),
-                   pp_group=mesh.get_group("pp"))
+                   pp_group=mesh.get_group("pp"), embed_group=new_embedding_group(tp, pp, dp))
 
     @property
     def world_size(self) -> int:

@@ -1,0 +1,173 @@
+"""Pipeline parallelism: which layers each stage holds, and the one executor that runs any schedule.
+
+The schedules themselves are pure functions in ``parallel.schedules``; here
+their actions meet tensors: forward and backward of model chunks, and batched
+point-to-point transfers on the pp group (``batch_isend_irecv``). Shapes and
+dtypes are known from the config, so no handshake precedes a transfer, and no
+transfer synchronises the host with the device. A stage's output activation
+is released as soon as it has been sent (Megatron's deallocate-output trick):
+backward needs only its autograd graph, not its values.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from parallel.schedules import Action, batches, peer, virtual_stage
+from parallel.topology import Grid, coords_to_rank
+
+
+def partition_layers(layers: int, stages: int, explicit: Sequence[int] = ()) -> list[range]:
+    """Contiguous layer ranges, one per (virtual) stage: balanced (earlier stages take the remainder)
+    unless ``explicit`` lists the count for each."""
+    if explicit:
+        counts = list(explicit)
+        assert len(counts) == stages and sum(counts) == layers, (counts, stages, layers)
+    else:
+        base, extra = divmod(layers, stages)
+        counts = [base + (1 if s < extra else 0) for s in range(stages)]
+    out, start = [], 0
+    for c in counts:
+        out.append(range(start, start + c))
+        start += c
+    return out
+
+
+def _run_backward(output: Tensor, grad: Tensor) -> None:
+    """Backward from an output whose values were released after sending (only its graph is left)."""
+    if output.shape == grad.shape:
+        torch.autograd.backward(output, grad)
+        return
+    torch.autograd.Variable._execution_engine.run_backward(
+        (output,), (grad,), False, False, (), True, True)
+
+
+def _release(t: Tensor) -> None:
+    t.data = torch.empty((1,), dtype=t.dtype, device=t.device)
+
+
+class PipelineExecutor:
+    """Runs one rank's schedule: its model chunks, microbatches, sends and receives.
+
+    ``loss_fn(chunk_output_loss)``: on the last virtual stage the model returns
+    per-token losses; the executor sums them and divides by ``loss_scale_tokens``
+    (the global batch's token count) before backward.
+    """
+
+    def __init__(self, chunks: list[nn.Module], grid: Grid, act_shape: tuple[int, ...], act_dtype: torch.dtype,
+                 device: torch.device, tokens_per_step: int, autocast: Callable):
+        self.chunks, self.grid = chunks, grid
+        self.act_shape, self.act_dtype, self.device = act_shape, act_dtype, device
+        self.tokens_per_step = tokens_per_step
+        self.autocast = autocast
+        self.pp, self.rank = grid.pp, grid.pp_rank
+        self.last_vs = self.pp * len(chunks) - 1
+        self.trace: list[tuple] = []
+
+    def _global_rank(self, pp_rank: int) -> int:
+        g = self.grid
+        return coords_to_rank(pp_rank, g.dp_rank, g.tp_rank, g.tp, g.dp)
+
+    def run(self, actions: list[Action], microbatches: list[Tensor], forward_only: bool = False) -> Tensor:
+        """Execute the actions; returns this rank's summed token loss (0 off the last stage)."""
+        inputs: dict[tuple, Tensor] = {}
+        outputs: dict[tuple, Tensor] = {}
+        grads: dict[tuple, Tensor] = {}
+        total = torch.zeros((), device=self.device)
+        self.trace = []
+        t0 = time.perf_counter()
+        for kind, items in batches(actions):
+            start = time.perf_counter()
+            if kind == "comm":
+                self._communicate(items, inputs, outputs, grads, forward_only)
+                label = "+".join(str(a) for a in items)
+            else:
+                a = items[0]
+                if a.kind == "F":
+                    total += self._forward(a, microbatches, inputs, outputs, forward_only)
+                else:
+                    self._backward(a, inputs, outputs, grads)
+                label = str(a)
+            self.trace.append((kind, label, items[0].mb, items[0].chunk, start - t0, time.perf_counter() - t0))
+        assert not outputs or forward_only, f"outputs never consumed: {list(outputs)[:4]}"
+        return total
+
+    def _forward(self, a: Action, microbatches, inputs, outputs, forward_only: bool) -> Tensor:
+        key = (a.mb, a.chunk)
+        vs = virtual_stage(self.rank, a.chunk, self.pp)
+        mb = microbatches[a.mb]
+        x = mb[:, :-1].to(self.device, non_blocking=True) if vs == 0 else inputs[key]
+        model = self.chunks[a.chunk]
+        with self.autocast():
+            if vs == self.last_vs:
+                token_loss = model(x, mb[:, 1:].to(self.device, non_blocking=True))
+            else:
+                out = model(x)
+        if forward_only:
+            inputs.pop(key, None)
+        if vs != self.last_vs:
+            outputs[key] = out
+            return torch.zeros((), device=self.device)
+        loss_sum = token_loss.float().sum()
+        if not forward_only:
+            outputs[key] = loss_sum / self.tokens_per_step
+        return loss_sum.detach()
+
+    def _backward(self, a: Action, inputs, outputs, grads) -> None:
+        key = (a.mb, a.chunk)
+        vs = virtual_stage(self.rank, a.chunk, self.pp)
+        out = outputs.pop(key)
+        if vs == self.last_vs:
+            out.backward()
+        else:
+            _run_backward(out, grads.pop(key))
+        if vs > 0:
+            grads[("send",) + key] = inputs.pop(key).grad
+        else:
+            inputs.pop(key, None)
+
+    def _communicate(self, items: list[Action], inputs, outputs, grads, forward_only: bool) -> None:
+        ops, sent = [], []
+        counter = self.grid.counter
+        for a in items:
+            key = (a.mb, a.chunk)
+            other = self._global_rank(peer(a, self.rank, self.pp)[0])
+            if a.kind == "send_f":
+                t = outputs[key].detach()
+                if forward_only:
+                    outputs.pop(key)
+                sent.append(key)
+                ops.append(dist.P2POp(dist.isend, t, other, self.grid.pp_group))
+            elif a.kind == "send_b":
+                t = grads.pop(("send",) + key)
+                ops.append(dist.P2POp(dist.isend, t, other, self.grid.pp_group))
+            else:
+                t = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
+                if a.kind == "recv_f":
+                    inputs[key] = t
+                else:
+                    grads[key] = t
+                ops.append(dist.P2POp(dist.irecv, t, other, self.grid.pp_group))
+            counter.add("send" if a.kind.startswith("send") else "recv", "pp", t,
+                        "activation" if a.kind.endswith("_f") else "grad")
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        for a in items:
+            key = (a.mb, a.chunk)
+            if a.kind == "recv_f" and not forward_only:
+                inputs[key].requires_grad_()
+            elif a.kind == "send_f" and not forward_only:
+                _release(outputs[key])  # backward needs the graph, not the values
+
+    def chrome_trace(self, pid: int) -> list[dict]:
+        """This rank's last run as Chrome-trace/Perfetto 'complete' events (microseconds)."""
+        events = []
+        for kind, label, mb, chunk, start, end in self.trace:
+            events.append({"name": label, "cat": kind, "ph": "X", "pid": pid, "tid": 0,
+                           "ts": start * 1e6, "dur": (end - start) * 1e6, "args": {"mb": mb, "chunk": chunk}})
+        return events
+

@@ -1,0 +1,114 @@
+"""Pipeline schedules as pure functions: completeness, ordering, p2p pairing, deadlock freedom, bubbles."""
+from collections import Counter
+
+import pytest
+
+from parallel.pipeline import partition_layers
+from parallel.schedules import (
+    build_schedule,
+    check_deadlock_free,
+    schedule_constraint,
+    simulate,
+    virtual_stage,
+)
+
+
+def cases():
+    for pp in (1, 2, 4, 8):
+        for m in range(1, 4 * pp + 1):
+            for name, vs in (("gpipe", (1,)), ("1f1b", (1,)), ("interleaved", (2, 3))):
+                for v in vs:
+                    if schedule_constraint(name, pp, m, v) is None:
+                        yield name, pp, m, v
+
+
+CASES = list(cases())
+
+
+def test_the_case_grid_covers_every_schedule():
+    names = Counter(c[0] for c in CASES)
+    assert names["gpipe"] == names["1f1b"] == sum(4 * pp for pp in (1, 2, 4, 8))
+    assert names["interleaved"] == 2 * sum(4 for pp in (2, 4, 8))  # m in {pp, 2pp, 3pp, 4pp}, v in {2, 3}
+
+
+@pytest.mark.parametrize("name,pp,m,v", CASES)
+def test_schedule_is_complete_ordered_and_deadlock_free(name, pp, m, v):
+    sched = build_schedule(name, pp, m, v)
+    assert len(sched) == pp
+    for rank, actions in enumerate(sched):
+        computes = [(a.kind, a.mb, a.chunk) for a in actions if a.kind in ("F", "B")]
+        # every microbatch's forward and backward exactly once per chunk
+        assert Counter(computes) == Counter((k, mb, c) for k in ("F", "B") for mb in range(m) for c in range(v))
+        # each forward precedes its backward
+        for mb in range(m):
+            for c in range(v):
+                assert computes.index(("F", mb, c)) < computes.index(("B", mb, c))
+        # a receive comes before the compute that consumes it, a send after the one that produces it
+        for i, a in enumerate(actions):
+            if a.kind in ("recv_f", "recv_b"):
+                want = "F" if a.kind == "recv_f" else "B"
+                assert any((b.kind, b.mb, b.chunk) == (want, a.mb, a.chunk) for b in actions[i + 1:])
+            if a.kind in ("send_f", "send_b"):
+                want = "F" if a.kind == "send_f" else "B"
+                assert any((b.kind, b.mb, b.chunk) == (want, a.mb, a.chunk) for b in actions[:i])
+        # the first virtual stage receives no activations, the last receives no gradients
+        for a in actions:
+            vs = virtual_stage(rank, a.chunk, pp)
+            assert not (vs == 0 and a.kind in ("recv_f", "send_b"))
+            assert not (vs == pp * v - 1 and a.kind in ("send_f", "recv_b"))
+    check_deadlock_free(sched, pp)   # sends/receives pair up in order; rendezvous semantics never stall
+    simulate(sched, pp)              # cross-stage dependencies can all be met in the ranks' orders
+    evaluation = build_schedule(name, pp, m, v, forward_only=True)
+    assert all(a.kind in ("F", "send_f", "recv_f") for actions in evaluation for a in actions)
+    check_deadlock_free(evaluation, pp)
+
+
+@pytest.mark.parametrize("pp,m", [(pp, m) for pp in (1, 2, 4, 8) for m in range(1, 4 * pp + 1)])
+def test_1f1b_bubble_and_memory(pp, m):
+    sim = simulate(build_schedule("1f1b", pp, m), pp)
+    for frac in sim["idle_fraction"]:
+        assert frac == pytest.approx((pp - 1) / (m + pp - 1), abs=1e-12)
+    assert sim["peak_in_flight"] == [min(pp - r, m) for r in range(pp)]
+    gpipe = simulate(build_schedule("gpipe", pp, m), pp)
+    assert gpipe["peak_in_flight"] == [m] * pp
+    assert gpipe["makespan"] == pytest.approx(sim["makespan"])  # same bubble, more memory
+
+
+@pytest.mark.parametrize("pp,m,v", [(pp, k * pp, v) for pp in (2, 4, 8) for k in (1, 2, 4) for v in (2, 3)])
+def test_interleaving_shrinks_the_bubble(pp, m, v):
+    one = simulate(build_schedule("1f1b", pp, m), pp)["idle_fraction"][0]
+    inter = simulate(build_schedule("interleaved", pp, m, v), pp)["idle_fraction"]
+    assert max(inter) < one
+    if m > pp:  # steady state reached: Narayanan et al.'s (pp-1)/(v*m + pp-1) with chunk cost 1/v
+        assert max(inter) == pytest.approx((pp - 1) / (v * m + pp - 1), abs=1e-12)
+
+
+def test_deadlock_checker_catches_a_bad_order():
+    sched = build_schedule("1f1b", 2, 4)
+    # rank 1 receives microbatch 1 before microbatch 0: channel order mismatch
+    r1 = sched[1]
+    i, j = r1.index(next(a for a in r1 if a.kind == "recv_f" and a.mb == 0)), \
+        r1.index(next(a for a in r1 if a.kind == "recv_f" and a.mb == 1))
+    bad = [list(sched[0]), r1[:i] + [r1[j]] + r1[i + 1:j] + [r1[i]] + r1[j + 1:]]
+    with pytest.raises(AssertionError):
+        check_deadlock_free(bad, 2)
+    # rank 0 waits for the gradient before sending the activation it depends on: a rendezvous deadlock
+    from parallel.schedules import Action
+
+    stuck = [[Action("F", 0), Action("recv_b", 0), Action("B", 0), Action("send_f", 0)],
+             [Action("recv_f", 0), Action("F", 0), Action("B", 0), Action("send_b", 0)]]
+    with pytest.raises(AssertionError):
+        check_deadlock_free(stuck, 2)
+
+
+def test_invalid_combinations_are_explained():
+    assert "multiple of parallel.pp" in schedule_constraint("interleaved", 4, 6, 2)
+    assert "virtual_stages >= 2" in schedule_constraint("interleaved", 4, 8, 1)
+    assert "must be 1" in schedule_constraint("1f1b", 4, 8, 2)
+    assert "unknown schedule" in schedule_constraint("zigzag", 4, 8, 1)
+
+
+def test_partition_layers():
+    assert partition_layers(10, 4) == [range(0, 3), range(3, 6), range(6, 8), range(8, 10)]
+    assert partition_layers(8, 8) == [range(i, i + 1) for i in range(8)]
+    assert partition_layers(6, 3, [1, 3, 2]) == [range(0, 1), range(1, 4), range(4, 6)]
