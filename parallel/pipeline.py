@@ -67,6 +67,7 @@ class PipelineExecutor:
         self.pp, self.rank = grid.pp, grid.pp_rank
         self.last_vs = self.pp * len(chunks) - 1
         self.trace: list[tuple] = []
+        self.peak_held_bytes = 0  # largest total of stage outputs kept between actions (measured)
 
     def _global_rank(self, pp_rank: int) -> int:
         g = self.grid
@@ -79,6 +80,7 @@ class PipelineExecutor:
         grads: dict[tuple, Tensor] = {}
         total = torch.zeros((), device=self.device)
         self.trace = []
+        self.peak_held_bytes = 0
         t0 = time.perf_counter()
         for kind, items in batches(actions):
             start = time.perf_counter()
@@ -93,6 +95,8 @@ class PipelineExecutor:
                     self._backward(a, inputs, outputs, grads)
                 label = str(a)
             self.trace.append((kind, label, items[0].mb, items[0].chunk, start - t0, time.perf_counter() - t0))
+            held = sum(t.numel() * t.element_size() for t in outputs.values())
+            self.peak_held_bytes = max(self.peak_held_bytes, held)
         assert not outputs or forward_only, f"outputs never consumed: {list(outputs)[:4]}"
         return total
 

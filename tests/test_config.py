@@ -81,6 +81,13 @@ BAD = [
     (["parallel.tp=3", "model.heads=3", "model.ffn_hidden=768"], ["vocab_pad_multiple", "2048", "parallel.tp=3"]),
     (["parallel.tp=2", "parallel.sequence_parallel=true", "model.seq_len=127"],
      ["model.seq_len=127", "sequence_parallel"]),
+    (["parallel.pp=8"], ["model.layers=4", "fewer layers than pipeline stages"]),
+    (["parallel.pp=2", "parallel.pp_layers=[1,2]"], ["parallel.pp_layers=[1, 2]", "summing to model.layers=4"]),
+    (["parallel.pp=2", "parallel.schedule=interleaved"], ["parallel.schedule='interleaved'", "virtual_stages >= 2"]),
+    (["parallel.pp=2", "parallel.virtual_stages=2"], ["parallel.virtual_stages=2", "schedule=interleaved"]),
+    (["parallel.pp=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2", "parallel.dp=1",
+      "train.global_batch=24"], ["train.global_batch=24", "3 microbatches", "multiple of parallel.pp=2"]),
+    (["parallel.schedule=zigzag"], ["parallel.schedule='zigzag'", "gpipe | 1f1b | interleaved"]),
 ]
 
 
