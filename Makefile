@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 CONFIG ?= configs/tiny.yaml
-NPROC  ?= 2
+NPROC  ?= 8
 # CPU-only machines get a CPU build of torch: a local wheel if pip can see one, else PyTorch's CPU index.
 TORCH_CPU_VERSION ?= 2.13.0
 TORCH_CPU_INDEX   ?= https://download.pytorch.org/whl/cpu
