@@ -59,6 +59,16 @@ class ParallelConfig:
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved)
     pp_layers: list = field(default_factory=list)  # explicit layers per (virtual) stage; [] = balanced
+    world_size: int = 0  # 0 = the launcher's; set it to plan a run of another size with --dry-run
+
+
+@dataclass
+class ZeroConfig:
+    stage: int = 0  # 0 | 1 | 2 | 3 (Rajbhandari et al. 2020)
+    bucket_mb: float = 25.0  # gradient/parameter communication bucket size
+    reshard_after_forward: bool = True  # stage 3: free gathered layers after forward (False: keep for the step)
+    offload_optimizer: str = "none"  # none | cpu: fp32 master weights and Adam states in CPU memory
+    offload_params: str = "none"  # none | cpu (stage 3): parameter shards in CPU memory
 
 
 @dataclass
@@ -111,6 +121,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     log: LogConfig = field(default_factory=LogConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
     name: str = "run"
     source: str = "<config>"  # the file it came from, for error messages
 
@@ -133,12 +144,15 @@ class Config:
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config) if f.name not in ("name", "source")}
 _SECTION_CLASSES = {
     "model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig,
-    "data": DataConfig, "log": LogConfig, "launch": LaunchConfig,
+    "data": DataConfig, "log": LogConfig, "launch": LaunchConfig, "zero": ZeroConfig,
 }
 
 # Allowed values and ranges, per key. A key absent here only needs the right type.
 _CHOICES = {
-    ("train", "precision"): ("fp32", "bf16"),
+    ("train", "precision"): ("fp32", "bf16", "fp16"),
+    ("zero", "stage"): (0, 1, 2, 3),
+    ("zero", "offload_optimizer"): ("none", "cpu"),
+    ("zero", "offload_params"): ("none", "cpu"),
     ("launch", "device"): ("auto", "cpu", "cuda"),
     ("parallel", "schedule"): ("gpipe", "1f1b", "interleaved"),
 }
@@ -150,7 +164,8 @@ _MIN = {
     ("train", "lr"): 0.0, ("train", "min_lr"): 0.0, ("train", "warmup_steps"): 0,
     ("train", "weight_decay"): 0.0, ("train", "grad_clip"): 0.0, ("train", "seed"): 0,
     ("train", "eval_every"): 0, ("train", "eval_batches"): 1, ("train", "save_every"): 0,
-    ("train", "keep_last"): 1, ("train", "exit_after"): 0, ("log", "every"): 1, ("model", "init_std"): 0.0,
+    ("train", "keep_last"): 1, ("train", "exit_after"): 0, ("zero", "bucket_mb"): 0.001,
+    ("parallel", "world_size"): 0, ("log", "every"): 1, ("model", "init_std"): 0.0,
 }
 _PROBABILITY = {("model", "dropout")}
 
@@ -296,7 +311,7 @@ def validate(cfg: Config) -> None:
     for (section, key), choices in _CHOICES.items():
         v = getattr(getattr(cfg, section), key)
         if v not in choices:
-            raise _fail(src, f"{section}.{key}", v, f"valid: {' | '.join(choices)}")
+            raise _fail(src, f"{section}.{key}", v, f"valid: {' | '.join(str(c) for c in choices)}")
     m, t = cfg.model, cfg.train
     if m.ffn_hidden is None:
         m.ffn_hidden = 4 * m.hidden
@@ -304,6 +319,8 @@ def validate(cfg: Config) -> None:
         raise _fail(src, "model.heads", m.heads, f"must divide model.hidden={m.hidden}")
     _check_tp(cfg)
     _check_pp(cfg)
+    if cfg.zero.offload_params == "cpu" and cfg.zero.stage != 3:
+        raise _fail(src, "zero.offload_params", "cpu", f"needs zero.stage=3 (got {cfg.zero.stage})")
     if t.min_lr > t.lr:
         raise _fail(src, "train.min_lr", t.min_lr, f"must be <= train.lr={t.lr}")
     if t.global_batch % t.micro_batch:

@@ -68,7 +68,7 @@ BAD = [
     (["model.bias=1"], ["model.bias", "true or false"]),
     (["train.steps=0"], ["train.steps", ">= 1"]),
     (["model.dropout=1.5"], ["model.dropout", "[0, 1)"]),
-    (["train.precision=fp8"], ["train.precision", "'fp8'", "fp32 | bf16"]),
+    (["train.precision=fp8"], ["train.precision", "'fp8'", "fp32 | bf16 | fp16"]),
     (["model.hidden=100", "model.heads=3"], ["model.heads=3", "model.hidden=100"]),
     (["train.global_batch=10", "train.micro_batch=4"], ["train.global_batch=10", "micro_batch=4"]),
     (["data.paths=[/no/such/corpus.txt]"], ["data.paths", "/no/such/corpus.txt"]),
