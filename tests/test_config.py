@@ -86,7 +86,7 @@ BAD = [
     (["parallel.pp=2", "parallel.schedule=interleaved"], ["parallel.schedule='interleaved'", "virtual_stages >= 2"]),
     (["parallel.pp=2", "parallel.virtual_stages=2"], ["parallel.virtual_stages=2", "schedule=interleaved"]),
     (["parallel.pp=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2", "parallel.dp=1",
-      "train.global_batch=24"], ["train.global_batch=24", "3 microbatches", "multiple of parallel.pp=2"]),
+      "train.global_batch=24", "train.micro_batch=8"], ["train.global_batch=24", "3 microbatches", "multiple of parallel.pp=2"]),
     (["parallel.schedule=zigzag"], ["parallel.schedule='zigzag'", "gpipe | 1f1b | interleaved"]),
 ]
 
@@ -130,8 +130,8 @@ def test_cli_errors_are_one_line_exit_2(tmp_path):
     assert_one_line_error(cli(["--config", "configs/nope.yaml"]), "configs/nope.yaml")
     assert_one_line_error(cli(["--config", "configs/tiny.yaml", "--set", "train.stepz=3"]), "did you mean 'steps'")
     assert_one_line_error(cli(["--config", "configs/tiny.yaml", "--set", "model.heads=5"]), "model.heads=5")
-    assert_one_line_error(cli(["--config", "configs/tiny.yaml", "--set", "train.global_batch=20"]),
-                          "train.global_batch=20")
+    assert_one_line_error(cli(["--config", "configs/tiny.yaml", "--set", "train.global_batch=21"]),
+                          "train.global_batch=21")
     assert_one_line_error(cli(["--config", "configs/tiny.yaml", "--set", "oops"]), "section.key=value")
     bad_yaml = write(tmp_path, "model:\n  layers: [1,\n")
     assert_one_line_error(cli(["--config", str(bad_yaml)]), "not valid YAML")
