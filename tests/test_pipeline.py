@@ -56,6 +56,18 @@ def _gradient_checks(rank, world, text, cache, base):
             assert err <= 1e-5 * scale, (name, n, err, scale)
             names.append(n)
         results[name] = names
+
+    # pp=2 x dp=2: the data-parallel reduction runs once per step, after the last microbatch
+    cfg = load_config(TINY, _overrides(text, cache, base / "dp_once", ["parallel.pp=2"]))
+    resolve_world(cfg, world)
+    grid = Grid.build(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, "cpu")
+    trainer = Trainer(cfg, grid, torch.device("cpu"), is_builder=rank == 0)
+    mbs = trainer.data.train_microbatches(0, grid.dp_rank, grid.dp, cfg.train.micro_batch, cfg.train.global_batch)
+    grid.counter.reset()
+    trainer.executor.run(trainer.schedule, mbs)
+    during = grid.counter.count(group="dp")
+    trainer.reduce_gradients()
+    results["dp_reductions"] = (len(mbs), during, grid.counter.count("all_reduce", "dp", "grad"))
     return results
 
 
@@ -80,6 +92,13 @@ def runs(tmp_path_factory):
     run_ranks(4, _train_layouts, text, cache, base, FOUR)
     run_ranks(8, _train_layouts, text, cache, base, EIGHT)
     return base, grads
+
+
+def test_dp_gradients_are_reduced_once_per_step(runs):
+    _, grads = runs
+    for r in grads:
+        m, during_schedule, after = r["dp_reductions"]
+        assert m == 2 and during_schedule == 0 and after == 1, r["dp_reductions"]
 
 
 def test_outputs_are_released_once_sent(runs):
