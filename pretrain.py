@@ -1,4 +1,4 @@
-"""Pretrain a GPT: `python pretrain.py --config configs/tiny.yaml [--set section.key=value ...]`.
+"""Pretrain a GPT: `python pretrain.py --config configs/tiny.yaml [--set section.key=value ...] [--dry-run]`.
 
 Runs as a plain process (world size 1), under torchrun, or under Slurm's srun.
 """
@@ -16,15 +16,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--config", required=True, help="YAML run description, e.g. configs/tiny.yaml")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override one config value (repeatable)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="validate the config and print each rank's parameters, memory and FLOPs; "
+                         "allocates nothing, starts no process group (plan another size with "
+                         "--set parallel.world_size=N)")
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from megazero.run import run
+    from megazero.run import dry_run, run
 
     try:
-        run(args.config, args.set)
+        (dry_run if args.dry_run else run)(args.config, args.set)
     except UserError as e:
         if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)

@@ -2,8 +2,15 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from megazero.config import load_config
+from megazero.errors import UserError
+
+if TYPE_CHECKING:
+    from megazero.plan import Plan
+
+DRY_RUN_FOOTER = "dry run: nothing was allocated; no process group was started"
 
 
 def run(config_path: str, overrides: list[str]) -> list[dict]:
@@ -32,3 +39,29 @@ def run(config_path: str, overrides: list[str]) -> list[dict]:
     finally:
         if created:
             launch.shutdown()
+
+
+def dry_run(config_path: str, overrides: list[str]) -> Plan:
+    """Validate as a run does, then print each rank role's plan (rank 0 prints).
+
+    The world size is parallel.world_size when set, else tp*pp*dp when dp is
+    explicit, else the launcher's. Models are built on the meta device only:
+    no process group, no parameter memory, no tokenizer or corpus.
+    """
+    cfg = load_config(config_path, overrides)
+    from megazero.config import resolve_world
+    from megazero.launch import process_info
+    from megazero.plan import format_plan, make_plan, planned_world_size
+
+    info = process_info()
+    try:
+        resolve_world(cfg, planned_world_size(cfg, info.world_size))
+    except UserError as e:
+        if cfg.parallel.world_size > 0:
+            raise
+        raise UserError(f"{e}; to plan another size use --set parallel.world_size=N") from None
+    plan = make_plan(cfg)
+    if info.rank == 0:
+        print(format_plan(plan), flush=True)
+        print(DRY_RUN_FOOTER, flush=True)
+    return plan

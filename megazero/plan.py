@@ -1,0 +1,317 @@
+"""Plan a run without running it: what each rank holds, keeps and computes (``pretrain.py --dry-run``).
+
+Ranks with the same (pp_rank, tp_rank) hold the same: dp replicas are copies,
+and tp splits every tensor evenly, so one row per pipeline stage describes the
+whole grid. Each stage's model chunks are built on the meta device — the real
+module code, so the parameter counts cannot drift from the model — and no
+memory is allocated, no process group is started and no data is read.
+
+Sources of the estimates:
+
+- model state: ZeRO, Rajbhandari et al. SC'20, §3 and Figure 1, the (2+2+K)Ψ
+  family generalised to the dtypes megazero uses (:func:`model_state_bytes`);
+- activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in
+  Large Transformer Models", §4, Eq. (1)-(5) (:func:`activation_bytes_per_layer`);
+- FLOPs: ``megazero.metrics``, the one formula behind throughput and MFU.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Sequence
+
+import torch
+
+from megazero.config import AUTO, Config
+from megazero.metrics import flops_per_token, model_flops_per_token
+from models.gpt import GPT, count_parameters
+from parallel.comm import Comm
+from parallel.pipeline import partition_layers
+from parallel.schedules import Action, build_schedule, virtual_stage
+from parallel.topology import coords_to_rank
+
+BYTES_PER_VALUE = {"fp32": 4, "bf16": 2, "fp16": 2}
+ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32
+MASTER_BYTES = 4  # fp32 master copy when the model is kept in 16 bits
+LOGIT_BYTES = 4  # the cross entropy keeps a float32 softmax of this rank's vocabulary slice
+GB = 1e9
+
+
+def optimizer_bytes_per_param(precision: str) -> int:
+    """K of the ZeRO paper: Adam's two fp32 moments, plus an fp32 master copy under 16-bit training."""
+    b = BYTES_PER_VALUE[precision]
+    return ADAM_STATE_BYTES + (MASTER_BYTES if b != 4 else 0)
+
+
+def model_state_bytes(psi: int, stage: int, dp: int, precision: str, offload_optimizer: str = "none",
+                      offload_params: str = "none") -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state one rank keeps, by ZeRO stage.
+
+    Rajbhandari et al. SC'20, §3 / Figure 1: (2+2+K)Ψ without partitioning;
+    stage 1 partitions the optimizer state over dp, stage 2 also the gradients,
+    stage 3 also the parameters. Here b = 4 (fp32) or 2 (bf16/fp16) bytes per
+    parameter and gradient, K = 8 (+4 master) bytes. A partition is
+    ceil(Ψ/dp) elements: the implementation pads the flat buffer to a multiple
+    of dp. Offloaded kinds count in ``cpu_total`` instead of ``device_total``;
+    the per-kind keys give the size wherever it lives.
+    """
+    if stage not in (0, 1, 2, 3) or dp < 1 or psi < 0:
+        raise ValueError(f"stage={stage}, dp={dp}, psi={psi}: need stage 0..3, dp >= 1, psi >= 0")
+    if offload_params == "cpu" and stage != 3:
+        raise ValueError(f"offload_params=cpu needs stage 3 (got {stage})")
+    b, k = BYTES_PER_VALUE[precision], optimizer_bytes_per_param(precision)
+    shard = -(-psi // dp)
+    params = psi * b if stage < 3 else shard * b
+    grads = psi * b if stage < 2 else shard * b
+    optimizer = k * psi if stage == 0 else k * shard
+    cpu = (optimizer if offload_optimizer == "cpu" else 0) + (params if offload_params == "cpu" else 0)
+    return {"params": params, "grads": grads, "optimizer": optimizer,
+            "device_total": params + grads + optimizer - cpu, "cpu_total": cpu}
+
+
+def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
+                               sequence_parallel: bool = False, recompute: bool = False, flash: bool = True,
+                               precision: str = "bf16") -> int:
+    """Activation bytes one transformer layer keeps for backward, per microbatch.
+
+    Korthikanti et al. 2022, §4, Eq. (1)-(5), 16-bit activations:
+    no parallelism sbh(34 + 5as/h); tensor parallel sbh(10 + 24/t + 5as/(ht));
+    tensor + sequence parallel sbh(34/t + 5as/(ht)); full recomputation keeps
+    only the layer input, 2sbh (2sbh/t with sequence parallelism). The 5as/h
+    term is the materialised s×s attention scores, softmax and dropout mask;
+    flash-style attention (torch SDPA, kernels.attention) stores none of them,
+    so ``flash=True`` drops it. fp32 activations (train.precision fp32) double
+    every term.
+    """
+    s, b, h, a, t = seq_len, micro_batch, hidden, heads, tp
+    sbh = s * b * h
+    if recompute:
+        per = Fraction(2 * sbh, t if sequence_parallel else 1)
+    else:
+        core = Fraction(34, t) if sequence_parallel else 10 + Fraction(24, t)
+        scores = 0 if flash else Fraction(5 * a * s, h * t)
+        per = sbh * (core + scores)
+    return math.ceil(per * (2 if precision == "fp32" else 1))
+
+
+def activation_peak(actions: Sequence[Action], per_microbatch: Sequence[int]) -> tuple[int, int]:
+    """(peak bytes, peak count) of microbatches in flight along one rank's schedule.
+
+    A forward of chunk c adds ``per_microbatch[c]`` until its backward frees it;
+    the peak over the action order is what the rank must hold (1F1B: at most
+    min(pp - r, m) microbatches, Narayanan et al. 2021; GPipe: all m).
+    """
+    held = count = peak_bytes = peak_count = 0
+    for a in actions:
+        if a.kind == "F":
+            held, count = held + per_microbatch[a.chunk], count + 1
+            peak_bytes, peak_count = max(peak_bytes, held), max(peak_count, count)
+        elif a.kind == "B":
+            held, count = held - per_microbatch[a.chunk], count - 1
+    return peak_bytes, peak_count
+
+
+def pipeline_bubble(schedule: str, pp: int, m: int, v: int = 1) -> float:
+    """Idle fraction of a step: (p-1)/(m+p-1), and (p-1)/(v·m+p-1) interleaved (Narayanan et al. 2021)."""
+    chunks = v if schedule == "interleaved" else 1
+    return (pp - 1) / (chunks * m + pp - 1)
+
+
+def planned_world_size(cfg: Config, launcher_world: int) -> int:
+    """parallel.world_size when set; else tp*pp*dp when dp is explicit; else the launcher's."""
+    p = cfg.parallel
+    if p.world_size > 0:
+        return p.world_size
+    if p.dp != AUTO:
+        return p.tp * p.pp * p.dp
+    return launcher_world
+
+
+def _planning_comm(tp: int) -> Comm:
+    """A Comm that claims rank 0 of a tp group of the given size, with no process group behind it."""
+    comm = Comm(None, "tp")
+    comm.rank, comm.size = 0, tp
+    return comm
+
+
+def chunk_parameters(cfg: Config, layer_ids: range, first: bool, last: bool) -> tuple[int, int]:
+    """(held, replicated over tp) parameter counts of one model chunk on one tp rank, built on meta."""
+    with torch.device("meta"):
+        model = GPT(cfg.model, tp=_planning_comm(cfg.parallel.tp), layer_ids=layer_ids, first_stage=first,
+                    last_stage=last, sequence_parallel=cfg.parallel.sequence_parallel)
+    held = sum(p.numel() for p in model.parameters())
+    replicated = sum(p.numel() for p in model.parameters() if p.tp_split_dim is None)
+    return held, replicated
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: what each of its tp*dp ranks holds, keeps and computes."""
+
+    pp_rank: int
+    ranks: list[int]  # global ranks of the stage (every dp replica, every tp rank)
+    layers: list[range]  # per model chunk
+    params: int  # held by one rank, the tied embedding copy on the last stage included
+    replicated: int  # of those, the ones every tp rank holds whole
+    model_state: dict[str, int]
+    act_ckpt: int  # bytes with activation checkpointing, peak over the schedule
+    act_full: int  # bytes without it
+    in_flight: int  # peak microbatches (virtual, for interleaved) held at once
+    logits: int  # bytes of fp32 logits included in both activation figures
+    flops: float  # model FLOPs per step of one rank of this stage
+
+
+@dataclass(frozen=True)
+class Plan:
+    cfg: Config
+    world_size: int
+    stages: list[StagePlan]
+    total_params: int
+    flops_per_step: float  # whole model, whole global batch
+    tokens_per_step: int
+    microbatches: int
+    bubble: float
+
+
+def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action]) -> StagePlan:
+    m, par, t, z = cfg.model, cfg.parallel, cfg.train, cfg.zero
+    v, last_vs = par.virtual_stages, par.pp * par.virtual_stages - 1
+    chunks = [virtual_stage(r, c, par.pp) for c in range(v)]
+    counts = [chunk_parameters(cfg, ranges[vs], vs == 0, vs == last_vs) for vs in chunks]
+    psi, replicated = sum(c[0] for c in counts), sum(c[1] for c in counts)
+    state = model_state_bytes(psi, z.stage, par.dp, t.precision, z.offload_optimizer, z.offload_params)
+    sp = par.sequence_parallel and par.tp > 1
+
+    def layer(recompute: bool) -> int:
+        return activation_bytes_per_layer(m.seq_len, t.micro_batch, m.hidden, m.heads, par.tp, sp, recompute,
+                                          flash=True, precision=t.precision)
+
+    logits = t.micro_batch * m.seq_len * (m.padded_vocab // par.tp) * LOGIT_BYTES
+    head = [logits if vs == last_vs else 0 for vs in chunks]
+    ckpt, count = activation_peak(sched, [len(ranges[vs]) * layer(True) + h for vs, h in zip(chunks, head)])
+    full, _ = activation_peak(sched, [len(ranges[vs]) * layer(False) + h for vs, h in zip(chunks, head)])
+    ckpt += layer(False)  # the one layer being recomputed in backward holds its full set meanwhile
+    n_layers = sum(len(ranges[vs]) for vs in chunks)
+    tokens = t.global_batch * m.seq_len // par.dp  # this dp replica's share
+    vocab = m.padded_vocab if last_vs in chunks else 0
+    flops = flops_per_token(n_layers, m.hidden, m.ffn_hidden, m.seq_len, vocab) * tokens / par.tp
+    ranks = [coords_to_rank(r, d, k, par.tp, par.dp) for d in range(par.dp) for k in range(par.tp)]
+    return StagePlan(r, sorted(ranks), [ranges[vs] for vs in chunks], psi, replicated, state, ckpt, full,
+                     count, max(head), flops)
+
+
+def make_plan(cfg: Config) -> Plan:
+    """The plan of a config whose world is resolved (megazero.config.resolve_world)."""
+    m, par, t = cfg.model, cfg.parallel, cfg.train
+    mb = cfg.microbatches
+    ranges = partition_layers(m.layers, par.pp * par.virtual_stages, par.pp_layers)
+    schedule = build_schedule(par.schedule, par.pp, mb, par.virtual_stages)
+    stages = [_stage_plan(cfg, r, ranges, schedule[r]) for r in range(par.pp)]
+    tokens = t.global_batch * m.seq_len
+    return Plan(cfg, par.tp * par.pp * par.dp, stages, count_parameters(m), model_flops_per_token(m) * tokens,
+                tokens, mb, pipeline_bubble(par.schedule, par.pp, mb, par.virtual_stages))
+
+
+# --- the printed table --------------------------------------------------------------------------
+
+
+def fmt_count(n: float) -> str:
+    """12,853,626,880 (12.85B): exact with separators, then a short form."""
+    for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= div:
+            return f"{n:,.0f} ({n / div:.2f}{suffix})"
+    return f"{n:,.0f}"
+
+
+def fmt_flops(x: float) -> str:
+    """1.721e+17 (172.1 PFLOP): the exponent form, then the nearest SI unit."""
+    for div, unit in ((1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M")):
+        if x >= div:
+            return f"{x:.3e} ({x / div:,.1f} {unit}FLOP)"
+    return f"{x:.3e} FLOP"
+
+
+def fmt_ranges(values: Sequence[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    out: list[str] = []
+    vals = sorted(values)
+    start = prev = vals[0]
+    for x in vals[1:] + [None]:
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        out.append(f"{start}-{prev}" if prev > start else f"{start}")
+        if x is not None:
+            start = prev = x
+    return ",".join(out)
+
+
+def _table(header: list[str], rows: list[list[str]], left: int) -> list[str]:
+    """Aligned columns: the first ``left`` columns flush left, the rest flush right."""
+    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
+    return ["  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+            for r in [header] + rows]
+
+
+def format_plan(plan: Plan) -> str:
+    """The human-readable plan: a header, one row per pipeline stage, what the columns assume, totals."""
+    cfg = plan.cfg
+    m, par, t, z = cfg.model, cfg.parallel, cfg.train, cfg.zero
+    ckpt = m.activation_checkpointing
+    sp = par.sequence_parallel and par.tp > 1
+    sched = par.schedule + (f" (v={par.virtual_stages})" if par.schedule == "interleaved" else "")
+    where = {"params": z.offload_params, "optimizer": z.offload_optimizer}
+    lines = [
+        f"dry run of {cfg.source}: world {plan.world_size} = tp {par.tp} x pp {par.pp} x dp {par.dp} | "
+        f"zero stage {z.stage} | precision {t.precision} | schedule {sched} | sequence parallel "
+        f"{'on' if sp else 'off'} | activation checkpointing {'on' if ckpt else 'off'}",
+        f"model: {m.layers} layers, hidden {m.hidden:,}, {m.heads} heads, ffn {m.ffn_hidden:,}, seq {m.seq_len:,}, "
+        f"vocab {m.vocab_size:,} (padded {m.padded_vocab:,})",
+        "",
+        "per rank, one row per pipeline stage (its tp and dp ranks hold and do the same); memory in GB (1e9 bytes)",
+    ]
+    header = ["stage", "layers", "global ranks", "params/rank"]
+    header += [k + (" (cpu)" if where.get(k) == "cpu" else "") for k in ("params", "grads", "optimizer")]
+    header += ["device", "cpu", "act ckpt" + ("*" if ckpt else ""), "act full" + ("" if ckpt else "*"),
+               "mb held", "total*", "TFLOP/step"]
+    rows = []
+    for s in plan.stages:
+        ms = s.model_state
+        act = s.act_ckpt if ckpt else s.act_full
+        rows.append([str(s.pp_rank), ",".join(fmt_ranges(list(r)) for r in s.layers),
+                     f"{fmt_ranges(s.ranks)} ({par.dp} dp x {par.tp} tp)", f"{s.params:,}"]
+                    + [f"{ms[k] / GB:.2f}" for k in ("params", "grads", "optimizer", "device_total", "cpu_total")]
+                    + [f"{s.act_ckpt / GB:.2f}", f"{s.act_full / GB:.2f}", str(s.in_flight),
+                       f"{(ms['device_total'] + act) / GB:.2f}", f"{s.flops / 1e12:,.{1 if s.flops >= 1e13 else 4}f}"])
+    lines += _table(header, rows, left=3)
+    b, k = BYTES_PER_VALUE[t.precision], optimizer_bytes_per_param(t.precision)
+    last = plan.stages[-1]
+    lines += [
+        "",
+        f"  model state: ZeRO stage {z.stage} over dp {par.dp}, {b} B/param for params and grads, {k} B/param "
+        f"optimizer (Adam moments{' + fp32 master' if b != 4 else ''}); Rajbhandari et al. SC'20, Fig. 1",
+        f"  activations: Korthikanti et al. 2022 §4 per layer, {'fp32' if b == 4 else '16-bit'}, flash attention "
+        f"(no s x s scores), micro_batch {t.micro_batch}; x layers x microbatches held ('mb held', peak of the "
+        f"{par.schedule} schedule); act ckpt adds one layer being recomputed; the last stage adds fp32 logits "
+        f"({last.logits / GB:.2f} GB per microbatch)",
+        "  * = what this config uses; total* = device model state + activations (no comm buckets, gathered ZeRO-3 "
+        "layers, temporaries, CUDA context or fragmentation)",
+        "  TFLOP/step: model FLOPs of one rank of the stage (megazero.metrics formula on its layers and head; "
+        "recomputation not counted)",
+        "",
+        "totals",
+    ]
+    per_rank = plan.flops_per_step / plan.world_size
+    bubble_formula = "(p-1)/(v*m+p-1)" if par.schedule == "interleaved" else "(p-1)/(m+p-1)"
+    lines += ["  " + ln for ln in _table(["", ""], [
+        ["parameters (whole model)", fmt_count(plan.total_params)],
+        ["model FLOPs per step", f"{fmt_flops(plan.flops_per_step)}; even share per rank (/ world "
+                                 f"{plan.world_size}) {fmt_flops(per_rank)}"],
+        ["tokens per step", f"{plan.tokens_per_step:,} ({t.global_batch:,} sequences x {m.seq_len:,})"],
+        ["microbatches per rank", f"{plan.microbatches} (global_batch {t.global_batch:,} / "
+                                  f"(micro_batch {t.micro_batch} x dp {par.dp}))"],
+        ["pipeline bubble", f"{100 * plan.bubble:.2f}% = {bubble_formula} with p={par.pp}, m={plan.microbatches}"
+                            + (f", v={par.virtual_stages}" if par.schedule == "interleaved" else "")],
+    ], left=2)[1:]]
+    return "\n".join(lines)

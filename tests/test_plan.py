@@ -1,0 +1,219 @@
+"""The --dry-run planner: ZeRO and activation formulas against hand-computed values, meta-built
+parameter counts against the closed-form count, and the CLI on the 13B config."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megazero.config import load_config, resolve_world
+from megazero.metrics import model_flops_per_token
+from megazero.plan import (
+    activation_bytes_per_layer,
+    activation_peak,
+    make_plan,
+    model_state_bytes,
+    pipeline_bubble,
+)
+from models.gpt import count_parameters
+from parallel.schedules import build_schedule, simulate
+
+ROOT = Path(__file__).resolve().parent.parent
+GPT13B = ROOT / "configs" / "gpt13b.yaml"
+
+
+# --- ZeRO model state (Rajbhandari et al. SC'20, Figure 1) ---------------------------------------
+
+
+@pytest.mark.parametrize("stage, paper_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_model_state_matches_zero_paper_figure_1(stage, paper_gb):
+    psi, nd, k = 7_500_000_000, 64, 12  # Figure 1: Ψ = 7.5B, N_d = 64, mixed-precision Adam K = 12
+    expected = {  # (2 + 2 + K)Ψ family: fp16 params, fp16 grads, K bytes of optimizer state
+        0: 2 * psi + 2 * psi + k * psi,
+        1: 2 * psi + 2 * psi + k * psi // nd,
+        2: 2 * psi + (2 + k) * psi // nd,
+        3: (2 + 2 + k) * psi // nd,
+    }[stage]
+    got = model_state_bytes(psi, stage, nd, "bf16")
+    assert got["device_total"] == expected and got["cpu_total"] == 0
+    assert got["params"] + got["grads"] + got["optimizer"] == expected
+    assert round(got["device_total"] / 1e9, 1) == paper_gb
+
+
+def test_model_state_kinds_per_stage_fp32_and_padding():
+    psi, dp = 1000, 8
+    # fp32: 4 B params, 4 B grads, 8 B Adam moments, no master copy
+    assert model_state_bytes(psi, 0, dp, "fp32") == {
+        "params": 4000, "grads": 4000, "optimizer": 8000, "device_total": 16000, "cpu_total": 0}
+    assert model_state_bytes(psi, 1, dp, "fp32")["optimizer"] == 1000
+    assert model_state_bytes(psi, 2, dp, "fp32")["grads"] == 500
+    assert model_state_bytes(psi, 3, dp, "fp32")["params"] == 500
+    assert model_state_bytes(psi, 2, dp, "fp32")["params"] == 4000
+    # 10 parameters over 3 ranks: each shard is padded to 4 elements
+    assert model_state_bytes(10, 3, 3, "fp16") == {
+        "params": 8, "grads": 8, "optimizer": 48, "device_total": 64, "cpu_total": 0}
+
+
+def test_model_state_offload_moves_bytes_to_cpu():
+    psi, dp = 1200, 4  # bf16: 2 B, K = 12
+    opt = model_state_bytes(psi, 2, dp, "bf16", offload_optimizer="cpu")
+    assert opt["cpu_total"] == 12 * 300 and opt["device_total"] == 2 * 1200 + 2 * 300
+    both = model_state_bytes(psi, 3, dp, "bf16", offload_optimizer="cpu", offload_params="cpu")
+    assert both["device_total"] == 2 * 300 and both["cpu_total"] == 12 * 300 + 2 * 300
+    with pytest.raises(ValueError):
+        model_state_bytes(psi, 2, dp, "bf16", offload_params="cpu")
+
+
+# --- activations (Korthikanti et al. 2022, §4) ---------------------------------------------------
+
+
+def test_activation_formula_hand_values():
+    s, b, h, a, t = 2048, 1, 5120, 40, 4
+    sbh = s * b * h  # 10,485,760
+    scores = 5 * a * s // (h * t)  # 5as/(ht) = 20
+    # paper's formulas, with materialised scores (flash=False)
+    assert activation_bytes_per_layer(s, b, h, a, 1, flash=False) == sbh * (34 + 5 * a * s // h)
+    assert activation_bytes_per_layer(s, b, h, a, t, flash=False) == sbh * (10 + 6 + scores) == 377_487_360
+    assert activation_bytes_per_layer(s, b, h, a, t, True, flash=False) == sbh * 34 // 4 + sbh * scores
+    # flash attention: no s x s term
+    assert activation_bytes_per_layer(s, b, h, a, t) == 16 * sbh == 167_772_160
+    assert activation_bytes_per_layer(s, b, h, a, t, sequence_parallel=True) == 89_128_960  # 8.5 sbh
+    # full recomputation: only the layer input, 2sbh (split over t with sequence parallelism)
+    assert activation_bytes_per_layer(s, b, h, a, t, recompute=True) == 2 * sbh == 20_971_520
+    assert activation_bytes_per_layer(s, b, h, a, t, True, recompute=True) == 2 * sbh // t
+    # fp32 activations are twice the 16-bit figure
+    assert activation_bytes_per_layer(s, b, h, a, t, precision="fp32") == 32 * sbh
+
+
+def test_sequence_parallel_divides_the_replicated_part_by_t():
+    s, b, h, a = 512, 2, 1024, 16
+    for t in (1, 2, 4, 8):
+        tp_only = activation_bytes_per_layer(s, b, h, a, t, False, flash=False)
+        tp_sp = activation_bytes_per_layer(s, b, h, a, t, True, flash=False)
+        scores = 5 * a * s * s * b / t  # the same in both: heads are split over t
+        assert tp_only - scores == pytest.approx(s * b * h * (10 + 24 / t))
+        assert tp_sp - scores == pytest.approx(s * b * h * 34 / t)  # the 10sbh left over is split too
+        assert tp_sp <= tp_only and (t > 1) == (tp_sp < tp_only)
+
+
+@pytest.mark.parametrize("name, pp, m, v", [("1f1b", 4, 8, 1), ("1f1b", 4, 2, 1), ("gpipe", 3, 5, 1),
+                                            ("interleaved", 4, 8, 2), ("interleaved", 2, 4, 3)])
+def test_microbatches_in_flight_match_the_schedule(name, pp, m, v):
+    sched = build_schedule(name, pp, m, v)
+    peaks = simulate(sched, pp)["peak_in_flight"]
+    for r in range(pp):
+        _, count = activation_peak(sched[r], [1] * v)
+        assert count == peaks[r]
+        if name == "1f1b":
+            assert count == min(pp - r, m)
+        if name == "gpipe":
+            assert count == m
+
+
+def test_pipeline_bubble():
+    assert pipeline_bubble("1f1b", 2, 128) == pytest.approx(1 / 129)
+    assert pipeline_bubble("gpipe", 4, 8) == pytest.approx(3 / 11)
+    assert pipeline_bubble("interleaved", 4, 8, 2) == pytest.approx(3 / 19)
+    assert pipeline_bubble("1f1b", 1, 8) == 0
+
+
+# --- parameters per stage, built on meta ---------------------------------------------------------
+
+
+def small_cfg(tp: int, pp: int, v: int, sp: bool = False):
+    sets = ["model.layers=8", "model.hidden=64", "model.heads=4", "model.seq_len=32", "model.vocab_size=500",
+            f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.virtual_stages={v}", "parallel.dp=2",
+            f"parallel.schedule={'interleaved' if v > 1 else '1f1b'}", f"parallel.sequence_parallel={sp}",
+            "train.global_batch=32", "train.micro_batch=2"]
+    return resolve_world(load_config(None, sets), tp * pp * 2)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("pp, v", [(1, 1), (2, 1), (4, 1), (2, 2), (4, 2)])
+def test_stage_parameters_sum_to_the_model(tp, pp, v):
+    cfg = small_cfg(tp, pp, v, sp=tp > 1)
+    plan = make_plan(cfg)
+    m = cfg.model
+    # unique parameters: tp shards add up over the tp ranks, replicated ones count once
+    unique = sum(tp * (s.params - s.replicated) + s.replicated for s in plan.stages)
+    tied_copy = m.padded_vocab * m.hidden if pp * v > 1 else 0
+    assert unique - tied_copy == count_parameters(m) == plan.total_params
+    assert len(plan.stages) == pp and all(len(s.ranks) == tp * 2 for s in plan.stages)
+    assert sorted(r for s in plan.stages for r in s.ranks) == list(range(tp * pp * 2))
+
+
+def test_stage_parameters_by_hand():
+    cfg = small_cfg(1, 2, 1)
+    h, V, s = 64, 512, 32
+    block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (4 * h * h + 4 * h) + (4 * h * h + h)  # 12h² + 13h
+    first, last = make_plan(cfg).stages
+    assert first.params == V * h + s * h + 4 * block
+    assert last.params == 4 * block + 2 * h + V * h  # final norm and the tied embedding copy
+
+
+def test_stage_flops_add_up_to_the_model():
+    cfg = small_cfg(2, 4, 2)
+    plan = make_plan(cfg)
+    total = model_flops_per_token(cfg.model) * cfg.train.global_batch * cfg.model.seq_len
+    assert plan.flops_per_step == pytest.approx(total)
+    assert sum(s.flops for s in plan.stages) * 2 * 2 == pytest.approx(total)  # x tp x dp ranks per stage
+
+
+# --- the CLI ---------------------------------------------------------------------------------------
+
+
+def dry_run_cli(*sets: str) -> tuple[subprocess.CompletedProcess, float]:
+    cmd = [sys.executable, str(ROOT / "pretrain.py"), "--config", str(GPT13B), "--dry-run"]
+    for s in sets:
+        cmd += ["--set", s]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    return proc, time.perf_counter() - t0
+
+
+def test_cli_dry_run_gpt13b_on_64_ranks():
+    proc, seconds = dry_run_cli("parallel.world_size=64")
+    assert proc.returncode == 0, proc.stderr
+    assert seconds < 30
+    out = proc.stdout
+    assert "world 64 = tp 4 x pp 2 x dp 8" in out and "zero stage 0" in out and "bf16" in out
+    rows = [ln.split() for ln in out.splitlines() if re.match(r"^\d+\s+\d+-\d+\s", ln)]
+    assert [r[0] for r in rows] == ["0", "1"]  # one row per pipeline stage
+    assert rows[0][2] == "0-31" and rows[1][2] == "32-63"
+    for r in rows:  # stage, layers, ranks, "(8 dp x 4 tp)", params/rank, params, grads, optimizer, device
+        psi = int(r[8].replace(",", ""))  # ZeRO stage 0, bf16: 2 + 2 + 12 bytes per parameter held
+        assert float(r[9]) == pytest.approx(2 * psi / 1e9, abs=0.006)
+        assert float(r[12]) == pytest.approx(16 * psi / 1e9, abs=0.006)
+    total = int(re.search(r"parameters \(whole model\)\s+([\d,]+)", out).group(1).replace(",", ""))
+    assert 12.8e9 <= total <= 13.2e9
+    assert out.strip().splitlines()[-1] == "dry run: nothing was allocated; no process group was started"
+
+
+def test_cli_dry_run_world_size_mismatch_is_one_line():
+    proc, _ = dry_run_cli("parallel.world_size=60")
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "world size 60" in lines[0] and lines[0].startswith("error:")
+
+
+def test_dry_run_in_process_starts_nothing_and_reads_no_data(monkeypatch, capsys):
+    import torch.distributed as dist
+
+    from megazero.run import dry_run
+
+    for name in [n for n in sys.modules if n == "megazero.data" or n.startswith("megazero.data.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "megazero.data", None)  # any import of the data package now fails
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("init_process_group called by a dry run")
+
+    monkeypatch.setattr(dist, "init_process_group", refuse)
+    plan = dry_run(str(GPT13B), ["parallel.dp=auto", "parallel.world_size=128"])
+    assert plan.cfg.parallel.dp == 16 and plan.world_size == 128 and plan.microbatches == 64
+    assert not dist.is_initialized()
+    assert "world 128 = tp 4 x pp 2 x dp 16" in capsys.readouterr().out
