@@ -27,6 +27,7 @@ from models.gpt import build_gpt
 from parallel.pipeline import PipelineExecutor, partition_layers
 from parallel.schedules import build_schedule, virtual_stage
 from parallel.topology import Grid, coords_to_rank
+from parallel.zero import DTYPES, ZeroOptimizer
 
 
 def step_seed(seed: int, step: int, *coords: int) -> int:
@@ -80,19 +81,20 @@ class Trainer:
         self.named_params = [(n, p) for m in self.chunks for n, p in m.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named_params]
         # the tied embedding: held by the first and the last virtual stage; the last one's is a copy
-        self.tied = [p for m in self.chunks if m.shares_embedding_across_stages
-                     for p in [m.embed.tokens.weight]]
         for m in self.chunks:
             if m.shares_embedding_across_stages and m.last_stage:
                 m.embed.tokens.weight.tied_copy = True
         seq = cfg.model.seq_len // (grid.tp if self.chunks[0].sequence_parallel else 1)
+        z = cfg.zero
+        self.zero = ZeroOptimizer(self.chunks, grid, z.stage, cfg.train.precision, cfg.train.lr,
+                                  cfg.train.weight_decay, z.bucket_mb, z.reshard_after_forward,
+                                  z.offload_optimizer, z.offload_params)
         self.executor = PipelineExecutor(self.chunks, grid, (cfg.train.micro_batch, seq, cfg.model.hidden),
-                                         torch.float32, device, cfg.train.global_batch * cfg.model.seq_len,
-                                         self._autocast)
+                                         DTYPES[cfg.train.precision], device,
+                                         cfg.train.global_batch * cfg.model.seq_len, self._autocast)
         self.schedule = build_schedule(par.schedule, grid.pp, cfg.microbatches, v)[grid.pp_rank]
         self.eval_schedule = build_schedule(par.schedule, grid.pp, cfg.microbatches, v,
                                             forward_only=True)[grid.pp_rank]
-        self.optimizer = optim.build_adamw(self.named_params, cfg.train.lr, cfg.train.weight_decay)
         self.step = 0
         self.consumed_samples = 0
         writer_rank = coords_to_rank(grid.pp - 1, 0, 0, grid.tp, grid.dp)
@@ -104,8 +106,8 @@ class Trainer:
 
     # ----- one step -------------------------------------------------------------------------
     def _autocast(self):
-        if self.cfg.train.precision == "bf16":
-            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        if self.cfg.train.precision in ("bf16", "fp16"):
+            return torch.autocast(device_type=self.device.type, dtype=DTYPES[self.cfg.train.precision])
         return contextlib.nullcontext()
 
     def _seed(self) -> None:
@@ -115,37 +117,28 @@ class Trainer:
         for c, m in enumerate(self.chunks):
             m.rng.seed(step_seed(seed, self.step, g.pp_rank, g.dp_rank, g.tp_rank, c))
 
-    def reduce_gradients(self) -> torch.Tensor:
-        """After the last microbatch: complete sequence-parallel grads over tp, sum the tied embedding's
-        two copies, average over dp; returns the global grad norm (each element counted once)."""
-        g = self.grid
-        optim.allreduce_gradients([p for p in self.params if p.sequence_parallel], g.tp_comm)
-        optim.allreduce_gradients(self.tied, g.embed_comm)
-        optim.allreduce_gradients(self.params, g.dp_comm)
-        counted = [p for p in self.params if not getattr(p, "tied_copy", False)]
-        return optim.grad_norm(counted, g.tp_comm, (g.pp_comm,))
-
     def train_step(self) -> dict:
         cfg, grid = self.cfg, self.grid
         self._seed()
         lr = optim.lr_at(self.step, cfg.train.lr, cfg.train.min_lr, cfg.train.warmup_steps, cfg.train.steps)
-        optim.set_lr(self.optimizer, lr)
         for m in self.chunks:
             m.train()
         microbatches = self.data.train_microbatches(self.consumed_samples, grid.dp_rank, grid.dp,
                                                     cfg.train.micro_batch, cfg.train.global_batch)
         assert len(microbatches) == cfg.microbatches
+        self.zero.begin_step(len(microbatches))
+        self.executor.loss_scale = self.zero.scaler.scale if self.zero.scaler.enabled else 1.0
         loss_sum = self.executor.run(self.schedule, microbatches)
         self.train_trace = self.executor.chrome_trace(grid.rank)
-        norm = self.reduce_gradients()
+        norm, skipped = self.zero.step(lr, cfg.train.grad_clip)
         grid.dp_comm.all_reduce(loss_sum, tag="loss")
-        optim.clip_gradients(self.params, norm, cfg.train.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.consumed_samples += cfg.train.global_batch
         loss = (loss_sum / self.tokens_per_step).item() if grid.is_last_stage else float("nan")
-        return {"loss": loss, "lr": lr, "grad_norm": norm.item()}
+        record = {"loss": loss, "lr": lr, "grad_norm": norm}
+        if self.zero.scaler.enabled:
+            record.update({"loss_scale": self.zero.scaler.scale, "skipped": int(skipped)})
+        return record
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -187,23 +180,26 @@ class Trainer:
 
         return DTensor.from_local(local, self.grid.mesh["tp"], [Shard(param.tp_split_dim)], run_check=False)
 
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        """Everything a resume needs that is a tensor, under logical names (layout-free)."""
-        state = {f"model/{n}": self._logical(p.data, p) for n, p in self.named_params}
-        for n, p in self.named_params:
-            s = self.optimizer.state.get(p)
-            if s is None:  # before the first step: materialise the zero state so a resume is exact
-                s = self.optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                                               "exp_avg_sq": torch.zeros_like(p)}
-            state[f"optim/{n}/exp_avg"] = self._logical(s["exp_avg"], p)
-            state[f"optim/{n}/exp_avg_sq"] = self._logical(s["exp_avg_sq"], p)
-        return state
+    def state_tensors(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """Everything a resume needs that is a tensor, under logical names (layout-free), and the
+        per-parameter views it was made from (for loading back into the ZeRO buffers)."""
+        params = dict(self.named_params)
+        exported = self.zero.export_state()
+        state = {}
+        for n, kinds in exported.items():
+            p = params[n]
+            state[f"model/{n}"] = self._logical(kinds["param"], p)
+            for k in ("master", "exp_avg", "exp_avg_sq"):
+                state[f"optim/{n}/{k}"] = self._logical(kinds[k], p)
+        return state, exported
 
     def save(self) -> Path:
-        meta = {"consumed_samples": self.consumed_samples, "optimizer_step": self.step,
+        meta = {"consumed_samples": self.consumed_samples, "optimizer_step": self.zero.step_count,
+                "loss_scaler": self.zero.scaler.state(),
                 "config": self.cfg.to_dict(),
                 "rng": "dropout streams are derived from (train.seed, step, grid coordinates)"}
-        return checkpoint.save(self.ckpt_root, self.step, self.state_tensors(), meta, self.cfg.train.keep_last)
+        state, _ = self.state_tensors()
+        return checkpoint.save(self.ckpt_root, self.step, state, meta, self.cfg.train.keep_last)
 
     def resume_path(self) -> Optional[Path]:
         r = self.cfg.train.resume
@@ -214,13 +210,15 @@ class Trainer:
         return Path(r)
 
     def load(self, path: Path) -> None:
-        meta = checkpoint.load(path, self.state_tensors())
+        state, exported = self.state_tensors()
+        meta = checkpoint.load(path, state)
         if meta.get("config", {}).get("model") and meta["config"]["model"] != self.cfg.to_dict()["model"]:
             raise UserError(f"checkpoint {path}: its model section differs from this config's")
+        self.zero.import_state(exported, int(meta["optimizer_step"]))
+        if "loss_scaler" in meta:
+            self.zero.scaler.load(meta["loss_scaler"])
         self.step = int(meta["step"])
         self.consumed_samples = int(meta["consumed_samples"])
-        for n, p in self.named_params:
-            self.optimizer.state[p]["step"] = torch.tensor(float(meta["optimizer_step"]))
 
     # ----- the loop ---------------------------------------------------------------------------
     def fit(self) -> list[dict]:

@@ -41,6 +41,15 @@ class CommRecord:
     numel: int  # elements this rank contributes (the input of the collective)
     bytes: int
     tag: str  # what travels: activation | grad | loss | param | ...
+    size: int = 1  # ranks in the group
+
+    @property
+    def wire(self) -> float:
+        """Elements this rank sends with a ring algorithm (Patarasuk & Yuan 2009): all-reduce 2(k-1)/k·n,
+        reduce-scatter (k-1)/k·n of its n-element input, all-gather (k-1)·n of its n-element shard."""
+        k = self.size
+        return {"all_reduce": 2 * (k - 1) / k * self.numel, "reduce_scatter": (k - 1) / k * self.numel,
+                "all_gather": (k - 1) * self.numel}.get(self.kind, float(self.numel))
 
 
 @dataclass
@@ -49,8 +58,9 @@ class CommCounter:
 
     records: list = field(default_factory=list)
 
-    def add(self, kind: str, group: str, tensor: Tensor, tag: str) -> None:
-        self.records.append(CommRecord(kind, group, tensor.numel(), tensor.numel() * tensor.element_size(), tag))
+    def add(self, kind: str, group: str, tensor: Tensor, tag: str, size: int = 1) -> None:
+        self.records.append(CommRecord(kind, group, tensor.numel(), tensor.numel() * tensor.element_size(), tag,
+                                       size))
 
     def reset(self) -> None:
         self.records.clear()
@@ -66,6 +76,10 @@ class CommCounter:
     def volume(self, kind: Optional[str] = None, group: Optional[str] = None, tag: Optional[str] = None) -> int:
         """Elements contributed by this rank over the selected collectives."""
         return sum(r.numel for r in self.select(kind, group, tag))
+
+    def wire(self, kind: Optional[str] = None, group: Optional[str] = None, tag: Optional[str] = None) -> float:
+        """Elements this rank put on the wire over the selected collectives (ring algorithms)."""
+        return sum(r.wire for r in self.select(kind, group, tag))
 
     def summary(self) -> dict[str, int]:
         return dict(Counter(f"{r.group}.{r.kind}.{r.tag}" for r in self.records))
@@ -86,14 +100,34 @@ class Comm:
 
     def _record(self, kind: str, tensor: Tensor, tag: str) -> None:
         if self.counter is not None:
-            self.counter.add(kind, self.name, tensor, tag)
+            self.counter.add(kind, self.name, tensor, tag, self.size)
 
-    def all_reduce(self, x: Tensor, op=dist.ReduceOp.SUM, tag: str = "activation") -> Tensor:
-        """In place; returns x."""
+    def all_reduce(self, x: Tensor, op=dist.ReduceOp.SUM, tag: str = "activation", async_op: bool = False):
+        """In place. Returns x, or the work handle with async_op (None at size 1)."""
         if self.size > 1:
             self._record("all_reduce", x, tag)
-            dist.all_reduce(x, op=op, group=self.group)
-        return x
+            work = dist.all_reduce(x, op=op, group=self.group, async_op=async_op)
+            if async_op:
+                return work
+        return None if async_op else x
+
+    def reduce_scatter_into(self, out: Tensor, x: Tensor, tag: str = "grad", async_op: bool = False):
+        """out = this rank's 1/size slice (dim 0) of the sum of every rank's x; a work handle with async_op."""
+        if self.size == 1:
+            out.copy_(x)
+            return None
+        self._record("reduce_scatter", x, tag)
+        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return fn(out, x, group=self.group, async_op=async_op)
+
+    def all_gather_into(self, out: Tensor, x: Tensor, tag: str = "param", async_op: bool = False):
+        """out = every rank's x concatenated (dim 0); a work handle with async_op."""
+        if self.size == 1:
+            out.copy_(x)
+            return None
+        self._record("all_gather", x, tag)
+        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return fn(out, x, group=self.group, async_op=async_op)
 
     def all_gather(self, x: Tensor, dim: int, tag: str = "activation") -> Tensor:
         """Concatenate every rank's x along dim (rank order)."""

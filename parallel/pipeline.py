@@ -67,6 +67,7 @@ class PipelineExecutor:
         self.pp, self.rank = grid.pp, grid.pp_rank
         self.last_vs = self.pp * len(chunks) - 1
         self.trace: list[tuple] = []
+        self.loss_scale = 1.0  # fp16: the loss is multiplied by the loss scale before backward
         self.peak_held_bytes = 0  # largest total of stage outputs kept between actions (measured)
 
     def _global_rank(self, pp_rank: int) -> int:
@@ -118,7 +119,7 @@ class PipelineExecutor:
             return torch.zeros((), device=self.device)
         loss_sum = token_loss.float().sum()
         if not forward_only:
-            outputs[key] = loss_sum / self.tokens_per_step
+            outputs[key] = loss_sum * (self.loss_scale / self.tokens_per_step)
         return loss_sum.detach()
 
     def _backward(self, a: Action, inputs, outputs, grads) -> None:

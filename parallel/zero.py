@@ -1,0 +1,474 @@
+"""ZeRO data parallelism (Rajbhandari et al., SC'20) over flat, bucketed buffers.
+
+Layout: this rank's parameters live in one contiguous buffer per step of the
+backward order, cut into buckets of ``zero.bucket_mb`` (stage 3: one bucket
+per transformer layer, plus a root bucket for embeddings and final norm).
+Every bucket is padded to a multiple of dp, so dp rank r owns the same
+contiguous slice [r·n/dp, (r+1)·n/dp) of every bucket; parameters are views
+into the buckets.
+
+- stage 0: gradients all-reduced bucket by bucket from backward hooks on the
+  last microbatch, overlapping the rest of backward; every rank steps all.
+- stage 1: fp32 master weights and Adam moments only for the own slice;
+  gradients reduce-scattered into it on the last microbatch; updated
+  parameters all-gathered after the step.
+- stage 2: as 1, but every microbatch's bucket gradient is reduce-scattered
+  as soon as it is complete and then freed: a rank keeps its slice only.
+- stage 3: parameters partitioned too (``parallel.zero_params``): a layer's
+  bucket is all-gathered before its forward (the next one prefetched), freed
+  after it, gathered again for its backward.
+
+Communication per step and rank in elements on the wire, m = 1 microbatch:
+2Ψ(dp−1)/dp for stages 0–2 (all-reduce = reduce-scatter + all-gather), and
+3Ψ(dp−1)/dp for stage 3 (two gathers and a reduce-scatter).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from kernels.adam import adamw_step
+from parallel.comm import Comm
+from parallel.loss_scale import LossScaler
+from parallel.topology import Grid
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Bucket:
+    """A contiguous piece of the parameter buffer and everything reduced or updated with it."""
+
+    params: list  # [(name, Parameter)]
+    offsets: list  # element offset of each parameter in the bucket
+    numel: int  # padded to a multiple of dp
+    full: Tensor = None  # the parameters (stage 3: storage freed while not gathered)
+    grad: Optional[Tensor] = None  # full gradient (stages 0-1: kept; 2-3: per microbatch)
+    shard_grad: Optional[Tensor] = None  # this rank's reduced slice (stages 1-3)
+    shard_param: Optional[Tensor] = None  # stage 3: this rank's slice of the parameters
+    master: Optional[Tensor] = None  # fp32 optimizer range (own slice; stage 0: whole bucket)
+    exp_avg: Optional[Tensor] = None
+    exp_avg_sq: Optional[Tensor] = None
+    decay_mask: Optional[Tensor] = None
+    norm_mask: Optional[Tensor] = None
+    sp_mask: Optional[Tensor] = None  # sequence-parallel parameters: gradients summed over tp
+    deferred: bool = False  # reduced after the schedule (tied embedding / stage-3 root)
+    unit: Optional[nn.Module] = None  # stage 3: the layer whose parameters these are
+    ready: int = 0
+    rounds: int = 0
+    pending: list = field(default_factory=list)  # (work, output) of in-flight reductions
+    gathered: bool = True
+    gather_work: object = None
+    in_backward: bool = False
+
+    @property
+    def shard(self) -> int:
+        return self.numel // self.dp
+
+    dp: int = 1
+
+
+class ZeroOptimizer:
+    """The stage's parameters, their gradients' reduction, and AdamW on this rank's share of them."""
+
+    def __init__(self, chunks: list[nn.Module], grid: Grid, stage: int, precision: str, lr: float,
+                 weight_decay: float, bucket_mb: float = 25.0, reshard_after_forward: bool = True,
+                 offload_optimizer: str = "none", offload_params: str = "none",
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8):
+        assert stage in (0, 1, 2, 3), stage
+        self.grid, self.stage, self.lr, self.weight_decay = grid, stage, lr, weight_decay
+        self.betas, self.eps = betas, eps
+        self.dtype = DTYPES[precision]
+        self.dp = grid.dp_comm.size
+        self.dp_rank = grid.dp_comm.rank
+        self.reshard_after_forward = reshard_after_forward
+        self.scaler = LossScaler(enabled=precision == "fp16")
+        self.step_count = 0
+        self.microbatches = 1
+        self.device = next(chunks[0].parameters()).device
+        self.state_device = torch.device("cpu") if offload_optimizer == "cpu" else self.device
+        self.param_device = torch.device("cpu") if offload_params == "cpu" else self.device
+        self.gathered_bytes = 0
+        self.peak_gathered_bytes = 0
+        self.world = Comm(dist.group.WORLD if dist.is_initialized() else None, "world", grid.counter)
+        self.buckets = self._make_buckets(chunks, bucket_mb)
+        self._materialise()
+        if stage == 3:
+            self._install_unit_hooks()
+        for b in self.buckets:
+            for _, p in b.params:
+                p.register_post_accumulate_grad_hook(self._grad_hook(b))
+
+    # ----- layout -----------------------------------------------------------------------------
+    def _make_buckets(self, chunks: list[nn.Module], bucket_mb: float) -> list[Bucket]:
+        """Backward order (last registered first), cut by size or, under stage 3, by layer."""
+        groups: list[tuple[list, Optional[nn.Module], bool]] = []
+        if self.stage == 3:
+            for chunk in reversed(chunks):
+                for _, layer in reversed(list(chunk.layers.items())):
+                    groups.append(([(n, p) for n, p in _named(chunk, layer)], layer, False))
+                root = [(n, p) for n, p in chunk.named_parameters() if not n.startswith("layers.")]
+                if root:
+                    groups.append((root[::-1], None, True))
+        else:
+            named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()][::-1]
+            tied = [(n, p) for n, p in named if n == "embed.tokens.weight"
+                    and any(c.shares_embedding_across_stages for c in chunks)]
+            rest = [(n, p) for n, p in named if all(p is not q for _, q in tied)]
+            limit = max(1, int(bucket_mb * 2 ** 20 / torch.tensor([], dtype=self.dtype).element_size()))
+            current, size = [], 0
+            for n, p in rest:
+                current.append((n, p))
+                size += p.numel()
+                if size >= limit:
+                    groups.append((current, None, False))
+                    current, size = [], 0
+            if current:
+                groups.append((current, None, False))
+            if tied:
+                groups.append((tied, None, True))
+        buckets = []
+        for params, unit, deferred in groups:
+            offsets, total = [], 0
+            for _, p in params:
+                offsets.append(total)
+                total += p.numel()
+            numel = -(-total // self.dp) * self.dp
+            buckets.append(Bucket(params=params, offsets=offsets, numel=numel, unit=unit, deferred=deferred,
+                                  dp=self.dp))
+        return buckets
+
+    def _materialise(self) -> None:
+        """Move the parameters into the bucket buffers; build master weights and moments for the own range."""
+        tp_rank = self.grid.tp_comm.rank
+        for b in self.buckets:
+            master_full = torch.zeros(b.numel, dtype=torch.float32, device=self.device)
+            decay = torch.zeros(b.numel, dtype=torch.bool, device=self.device)
+            count = torch.zeros(b.numel, dtype=torch.bool, device=self.device)
+            sp = torch.zeros(b.numel, dtype=torch.bool, device=self.device)
+            b.full = torch.zeros(b.numel, dtype=self.dtype, device=self.device)
+            for (name, p), off in zip(b.params, b.offsets):
+                n = p.numel()
+                master_full[off:off + n] = p.detach().reshape(-1).float()
+                decay[off:off + n] = p.dim() >= 2
+                count[off:off + n] = (getattr(p, "tp_split_dim", None) is not None or tp_rank == 0) \
+                    and not getattr(p, "tied_copy", False)
+                sp[off:off + n] = bool(getattr(p, "sequence_parallel", False))
+                b.full[off:off + n] = p.detach().reshape(-1).to(self.dtype)
+                p.data = b.full[off:off + n].view_as(p)
+            lo, hi = self._range(b)
+            keep_master = self.dtype != torch.float32 or self.state_device != self.device
+            if self.stage == 3:
+                b.shard_param = b.full[lo:hi].clone().to(self.param_device)
+            if keep_master:
+                b.master = master_full[lo:hi].clone().to(self.state_device)
+            else:  # fp32 on the device: the parameter slice itself is the master copy
+                b.master = (b.shard_param if self.stage == 3 else b.full[lo:hi])
+            b.exp_avg = torch.zeros(hi - lo, dtype=torch.float32, device=self.state_device)
+            b.exp_avg_sq = torch.zeros(hi - lo, dtype=torch.float32, device=self.state_device)
+            b.decay_mask, b.norm_mask, b.sp_mask = decay[lo:hi].clone(), count[lo:hi].clone(), sp[lo:hi].clone()
+            if self.state_device != self.device:
+                b.decay_mask = b.decay_mask.to(self.state_device)
+            if self.stage == 0 or self.stage == 1:
+                b.grad = torch.zeros(b.numel, dtype=self.dtype, device=self.device)
+            if self.stage >= 1:
+                b.shard_grad = torch.zeros(hi - lo, dtype=self.dtype, device=self.device)
+            if self.stage == 3:
+                self._free(b)
+
+    def _range(self, b: Bucket) -> tuple[int, int]:
+        """The optimizer's range of a bucket on this rank: all of it (stage 0) or the own slice."""
+        if self.stage == 0:
+            return 0, b.numel
+        return self.dp_rank * b.shard, (self.dp_rank + 1) * b.shard
+
+    # ----- gradients --------------------------------------------------------------------------
+    def begin_step(self, microbatches: int) -> None:
+        self.microbatches = microbatches
+        for b in self.buckets:
+            b.rounds = b.ready = 0
+        if self.stage == 3:
+            for b in self.buckets:
+                if b.deferred:
+                    self._gather(b)
+
+    def _grad_hook(self, b: Bucket):
+        def hook(p: Tensor) -> None:
+            if b.grad is None:
+                b.grad = torch.zeros(b.numel, dtype=self.dtype, device=self.device)
+            off = b.offsets[next(i for i, (_, q) in enumerate(b.params) if q is p)]
+            b.grad[off:off + p.numel()].add_(p.grad.reshape(-1))
+            p.grad = None
+            b.ready += 1
+            if b.ready == len(b.params):
+                b.ready = 0
+                b.rounds += 1
+                self._round_done(b)
+        return hook
+
+    def _round_done(self, b: Bucket) -> None:
+        """All of a bucket's gradients of one microbatch are in: reduce now if this stage does."""
+        if self.stage == 3 and b.unit is not None:
+            b.in_backward = False
+            if self.reshard_after_forward:
+                self._free(b)
+        if b.deferred:
+            return
+        last = b.rounds == self.microbatches
+        if self.stage == 0 and last:
+            b.pending.append((self.grid.dp_comm.all_reduce(b.grad, tag="grad", async_op=True), None))
+        elif self.stage == 1 and last:
+            out = torch.empty(b.shard, dtype=self.dtype, device=self.device)
+            b.pending.append((self.grid.dp_comm.reduce_scatter_into(out, b.grad, tag="grad", async_op=True), out))
+        elif self.stage >= 2:
+            out = torch.empty(b.shard, dtype=self.dtype, device=self.device)
+            b.pending.append((self.grid.dp_comm.reduce_scatter_into(out, b.grad, tag="grad", async_op=True), out))
+            b.grad = None  # the full gradient of this microbatch is no longer needed once sent
+
+    def _finish(self) -> None:
+        """Wait for the reductions started in backward; reduce the deferred buckets now."""
+        for b in self.buckets:
+            for work, out in b.pending:
+                if work is not None:
+                    work.wait()
+                if out is not None:
+                    b.shard_grad.add_(out)
+            b.pending.clear()
+            if b.deferred:
+                if b.grad is None:
+                    b.grad = torch.zeros(b.numel, dtype=self.dtype, device=self.device)
+                self.grid.embed_comm.all_reduce(b.grad, tag="grad")  # the tied embedding's two copies
+                if self.stage == 0:
+                    self.grid.dp_comm.all_reduce(b.grad, tag="grad")
+                else:
+                    out = torch.empty(b.shard, dtype=self.dtype, device=self.device)
+                    self.grid.dp_comm.reduce_scatter_into(out, b.grad, tag="grad")
+                    b.shard_grad.add_(out)
+                    if self.stage >= 2:
+                        b.grad = None
+            elif self.stage == 1:
+                b.grad.zero_()
+
+    def _range_grad(self, b: Bucket) -> Tensor:
+        return b.grad if self.stage == 0 else b.shard_grad
+
+    def _sequence_parallel_sum(self) -> None:
+        """Sequence-parallel parameters saw 1/tp of the tokens on each tp rank: sum their gradients."""
+        tp = self.grid.tp_comm
+        if tp.size == 1:
+            return
+        parts = [(b, self._range_grad(b)) for b in self.buckets if bool(b.sp_mask.any())]
+        if not parts:
+            return
+        flat = torch.cat([g[b.sp_mask] for b, g in parts])
+        tp.all_reduce(flat, tag="grad")
+        start = 0
+        for b, g in parts:
+            n = int(b.sp_mask.sum())
+            g[b.sp_mask] = flat[start:start + n]
+            start += n
+
+    def reduce(self) -> None:
+        """Complete this step's gradient reduction (waits for what backward started)."""
+        self._finish()
+        self._sequence_parallel_sum()
+
+    def full_gradients(self) -> dict[str, Tensor]:
+        """Stage 0: every parameter's reduced gradient, by name (for inspection and tests)."""
+        assert self.stage == 0, "only stage 0 keeps whole gradients"
+        return {n: b.grad[off:off + p.numel()].view(p.shape)
+                for b in self.buckets for (n, p), off in zip(b.params, b.offsets)}
+
+    # ----- the step ---------------------------------------------------------------------------
+    def step(self, lr: float, max_norm: float) -> tuple[float, bool]:
+        """Reduce, clip and update; returns (global grad norm, skipped because of an overflow)."""
+        self.reduce()
+        inv_scale = 1.0 / self.scaler.scale if self.scaler.enabled else 1.0
+        device = self.device
+        sumsq = torch.zeros((), dtype=torch.float32, device=device)
+        for b in self.buckets:
+            g = self._range_grad(b).float()
+            sumsq += (g * g * b.norm_mask).sum()
+        overflow = torch.isfinite(sumsq).logical_not().float()
+        self.world.all_reduce(overflow, op=dist.ReduceOp.MAX, tag="overflow")
+        if self.stage >= 1:
+            self.grid.dp_comm.all_reduce(sumsq, tag="grad_norm")
+        self.grid.tp_comm.all_reduce(sumsq, tag="grad_norm")
+        self.grid.pp_comm.all_reduce(sumsq, tag="grad_norm")
+        skipped = bool(overflow.item())
+        self.scaler.update(skipped)
+        norm = float(sumsq.sqrt()) * inv_scale
+        if skipped:
+            self.zero_grad()
+            return norm, True
+        self.step_count += 1
+        coef = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
+        b1, b2 = self.betas
+        for b in self.buckets:
+            lo, hi = self._range(b)
+            grad = self._range_grad(b).to(self.state_device)
+            target = b.shard_param if self.stage == 3 else b.full[lo:hi]
+            same = b.master.data_ptr() == target.data_ptr()
+            adamw_step(b.master, grad, b.exp_avg, b.exp_avg_sq, lr=lr, beta1=b1, beta2=b2, eps=self.eps,
+                       weight_decay=self.weight_decay, step=self.step_count, decay_mask=b.decay_mask,
+                       grad_scale=inv_scale * coef, model_copy=None if same else target)
+        self._gather_updated()
+        self.zero_grad()
+        return norm, False
+
+    def _gather_updated(self) -> None:
+        """Stages 1-2: every rank updated its slice; all-gather the buckets. Stage 3 keeps slices only."""
+        if self.stage in (1, 2):
+            for b in self.buckets:
+                self.grid.dp_comm.all_gather_into(b.full, b.full[self._range(b)[0]:self._range(b)[1]].clone(),
+                                                  tag="param")
+        elif self.stage == 3:
+            for b in self.buckets:
+                if b.gathered:
+                    self._free(b)
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            if b.grad is not None and self.stage <= 1:
+                b.grad.zero_()
+            elif self.stage >= 2:
+                b.grad = None
+            if b.shard_grad is not None:
+                b.shard_grad.zero_()
+
+    # ----- stage 3: gather and free layers ------------------------------------------------------
+    def _free(self, b: Bucket) -> None:
+        if b.gathered:
+            b.full.untyped_storage().resize_(0)
+            b.gathered = False
+            self.gathered_bytes -= b.numel * b.full.element_size()
+
+    def _gather(self, b: Bucket, async_op: bool = False) -> None:
+        if b.gathered:
+            return
+        if b.gather_work is not None:
+            b.gather_work.wait()
+            b.gather_work = None
+            b.gathered = True
+            return
+        b.full.untyped_storage().resize_(b.numel * b.full.element_size())
+        self.gathered_bytes += b.numel * b.full.element_size()
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+        work = self.grid.dp_comm.all_gather_into(b.full.data, b.shard_param.to(self.device), tag="param",
+                                                 async_op=async_op)
+        if async_op:
+            b.gather_work = work
+        else:
+            b.gathered = True
+
+    def _install_unit_hooks(self) -> None:
+        units = [b for b in self.buckets if b.unit is not None]
+        order = list(reversed(units))  # forward order within the stage
+        for i, b in enumerate(order):
+            nxt = order[i + 1] if i + 1 < len(order) else None
+            prev = order[i - 1] if i > 0 else None
+            b.unit.register_forward_pre_hook(self._pre_forward(b, nxt))
+            b.unit.register_forward_hook(self._post_forward(b, prev))
+
+    def _pre_forward(self, b: Bucket, nxt: Optional[Bucket]):
+        def hook(module, args):
+            self._gather(b)
+            if nxt is not None and not nxt.gathered and nxt.gather_work is None:
+                self._gather(nxt, async_op=True)  # prefetch the next layer
+        return hook
+
+    def _post_forward(self, b: Bucket, prev: Optional[Bucket]):
+        def hook(module, args, output):
+            if b.in_backward:  # recomputation under activation checkpointing: keep for the backward
+                return
+            if torch.is_grad_enabled() and output.requires_grad:
+                def pre_backward(grad):
+                    b.in_backward = True
+                    self._gather(b)
+                    if prev is not None and not prev.gathered and prev.gather_work is None:
+                        self._gather(prev, async_op=True)  # prefetch the layer before
+                    return None
+                output.register_hook(pre_backward)
+            if self.reshard_after_forward or not torch.is_grad_enabled():
+                self._free(b)
+        return hook
+
+    # ----- checkpoints: per logical parameter --------------------------------------------------
+    def _full(self, b: Bucket, local: Tensor) -> Tensor:
+        """A bucket-long tensor from this rank's range of it (gathered over dp unless stage 0)."""
+        if self.stage == 0:
+            return local.to(self.device).clone()
+        out = torch.empty(b.numel, dtype=local.dtype, device=self.device)
+        self.grid.dp_comm.all_gather_into(out, local.to(self.device).contiguous(), tag="checkpoint")
+        return out
+
+    def export_state(self) -> dict[str, dict[str, Tensor]]:
+        """name -> {param, master, exp_avg, exp_avg_sq} as whole (tp-local) tensors, bucket by bucket.
+
+        Used only for checkpoints: it holds this stage's optimizer state whole for the save.
+        """
+        out: dict[str, dict[str, Tensor]] = {}
+        for b in self.buckets:
+            params = b.full.clone() if self.stage < 3 else self._full(b, b.shard_param)
+            kinds = {"param": params, "exp_avg": self._full(b, b.exp_avg), "exp_avg_sq": self._full(b, b.exp_avg_sq),
+                     "master": self._full(b, b.master.float())}
+            for (name, p), off in zip(b.params, b.offsets):
+                out[name] = {k: v[off:off + p.numel()].view(p.shape) for k, v in kinds.items()}
+        return out
+
+    def import_state(self, state: dict[str, dict[str, Tensor]], step: int) -> None:
+        """Take back what export_state gave (after it was filled from a checkpoint): keep this rank's range."""
+        for b in self.buckets:
+            flat = {k: torch.zeros(b.numel, dtype=torch.float32 if k != "param" else self.dtype, device=self.device)
+                    for k in ("param", "master", "exp_avg", "exp_avg_sq")}
+            for (name, p), off in zip(b.params, b.offsets):
+                for k, t in flat.items():
+                    t[off:off + p.numel()] = state[name][k].reshape(-1).to(t.dtype)
+            lo, hi = self._range(b)
+            if self.stage < 3:
+                b.full.copy_(flat["param"])
+            else:
+                b.shard_param.copy_(flat["param"][lo:hi])
+            if b.master.data_ptr() != (b.shard_param if self.stage == 3 else b.full[lo:hi]).data_ptr():
+                b.master.copy_(flat["master"][lo:hi])
+            b.exp_avg.copy_(flat["exp_avg"][lo:hi])
+            b.exp_avg_sq.copy_(flat["exp_avg_sq"][lo:hi])
+        self.step_count = step
+
+    # ----- accounting -------------------------------------------------------------------------
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds persistently, by kind and place (what the dry-run plans)."""
+        dev = {"params": 0, "grads": 0, "optimizer": 0}
+        cpu = 0
+        for b in self.buckets:
+            lo, hi = self._range(b)
+            if self.stage == 3:
+                n = b.shard_param.numel() * b.shard_param.element_size()
+                if self.param_device.type == "cpu" and self.device.type != "cpu":
+                    cpu += n
+                else:
+                    dev["params"] += n
+            else:
+                dev["params"] += b.full.numel() * b.full.element_size()
+            grads = b.grad if self.stage <= 1 else b.shard_grad
+            dev["grads"] += grads.numel() * grads.element_size()
+            states = [b.exp_avg, b.exp_avg_sq]
+            if b.master.data_ptr() not in (b.full.data_ptr() + lo * b.full.element_size(),
+                                           b.shard_param.data_ptr() if b.shard_param is not None else -1):
+                states.append(b.master)
+            opt = sum(t.numel() * t.element_size() for t in states)
+            if self.state_device.type == "cpu" and self.device.type != "cpu":
+                cpu += opt
+            else:
+                dev["optimizer"] += opt
+        return {**dev, "cpu": cpu}
+
+
+def _named(chunk: nn.Module, layer: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """A layer's parameters under their global names."""
+    prefix = next(n for n, m in chunk.named_modules() if m is layer)
+    return [(f"{prefix}.{n}", p) for n, p in layer.named_parameters()][::-1]
