@@ -146,10 +146,12 @@ class Trainer:
         for m in self.chunks:
             m.eval()
         total = torch.zeros((), device=self.device)
+        self.zero.gather_root()
         for b in range(cfg.train.eval_batches):
             microbatches = self.data.val_microbatches(b, grid.dp_rank, grid.dp, cfg.train.micro_batch,
                                                       cfg.train.global_batch)
             total += self.executor.run(self.eval_schedule, microbatches, forward_only=True)
+        self.zero.release()
         grid.dp_comm.all_reduce(total, tag="loss")
         if not grid.is_last_stage:
             return {}

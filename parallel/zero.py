@@ -95,6 +95,7 @@ class ZeroOptimizer:
         self.gathered_bytes = 0
         self.peak_gathered_bytes = 0
         self.world = Comm(dist.group.WORLD if dist.is_initialized() else None, "world", grid.counter)
+        self.tied_embedding = any(c.shares_embedding_across_stages for c in chunks)
         self.buckets = self._make_buckets(chunks, bucket_mb)
         self._materialise()
         if stage == 3:
@@ -191,10 +192,21 @@ class ZeroOptimizer:
         self.microbatches = microbatches
         for b in self.buckets:
             b.rounds = b.ready = 0
+        self.gather_root()
+
+    def gather_root(self) -> None:
+        """Stage 3: gather the root bucket(s) (embeddings, final norm) for a forward outside a step."""
         if self.stage == 3:
             for b in self.buckets:
                 if b.deferred:
                     self._gather(b)
+
+    def release(self) -> None:
+        """Stage 3: free every gathered bucket (after evaluation)."""
+        if self.stage == 3:
+            for b in self.buckets:
+                if b.gathered:
+                    self._free(b)
 
     def _grad_hook(self, b: Bucket):
         def hook(p: Tensor) -> None:
@@ -241,7 +253,9 @@ class ZeroOptimizer:
             if b.deferred:
                 if b.grad is None:
                     b.grad = torch.zeros(b.numel, dtype=self.dtype, device=self.device)
-                self.grid.embed_comm.all_reduce(b.grad, tag="grad")  # the tied embedding's two copies
+                for (name, p), off in zip(b.params, b.offsets):
+                    if name == "embed.tokens.weight" and self.tied_embedding:  # sum the tied copies
+                        self.grid.embed_comm.all_reduce(b.grad[off:off + p.numel()], tag="grad")
                 if self.stage == 0:
                     self.grid.dp_comm.all_reduce(b.grad, tag="grad")
                 else:
