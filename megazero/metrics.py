@@ -87,6 +87,8 @@ _TB_TAGS = {
     "loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
     "tokens_per_s": "perf/tokens_per_s", "tflops": "perf/tflops_per_device", "mfu": "perf/mfu",
     "memory_gb": "perf/memory_gb", "val_loss": "val/loss", "val_ppl": "val/perplexity",
+    "params_gb": "memory/params_gb", "grads_gb": "memory/grads_gb", "optimizer_gb": "memory/optimizer_gb",
+    "offloaded_gb": "memory/offloaded_gb", "loss_scale": "train/loss_scale", "skipped": "train/skipped_steps",
 }
 
 

@@ -255,6 +255,10 @@ class Trainer:
                 record.update({"tokens_per_s": self.tokens_per_step / dt, "tflops": tflops,
                                "mfu": tflops / self.peak if self.peak else float("nan"),
                                "memory_gb": memory_gb(self.device)})
+                state = self.zero.model_state_bytes()  # this (the writing) rank's model states
+                record.update({f"{k}_gb": v / 1e9 for k, v in (("params", state["params"]),
+                               ("grads", state["grads"]), ("optimizer", state["optimizer"]),
+                               ("offloaded", state["cpu"]))})
                 logger.log(step, record)
                 window_time, window_steps = 0.0, 0
             history.append({"step": step, **record})

@@ -23,7 +23,8 @@ def write_corpus(folder: Path) -> Path:
 def small_overrides(corpus: Path, cache: Path, log_dir: Path, steps: int = 10, **extra) -> list[str]:
     """A 2-layer GPT that runs a step in well under a second on one core."""
     values = {
-        "parallel.tp": 1, "parallel.pp": 1, "parallel.sequence_parallel": "false",
+        "parallel.tp": 1, "parallel.pp": 1, "parallel.sequence_parallel": "false", "train.precision": "fp32",
+        "zero.stage": 0,
         "model.layers": 2, "model.hidden": 64, "model.heads": 4, "model.seq_len": 32, "model.vocab_size": 512,
         "train.steps": steps, "train.global_batch": 8, "train.micro_batch": 2, "train.lr": "1.0e-3",
         "train.min_lr": "1.0e-4", "train.warmup_steps": 2, "train.eval_every": 0, "train.save_every": 0,

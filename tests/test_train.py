@@ -72,7 +72,8 @@ def test_resume_is_exact_and_logs_are_complete(corpus, tmp_path):
     assert [r.get("val_loss") for r in straight] == [r.get("val_loss") for r in first + second]
     records = read_metrics(split_dir)
     assert [r["step"] for r in records] == list(range(1, 21))
-    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu"):
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "params_gb", "grads_gb",
+                "optimizer_gb"):
         assert all(isinstance(r[key], (int, float)) for r in records), key
     assert all("val_loss" in r for r in records if r["step"] % 5 == 0)
 
@@ -82,7 +83,8 @@ def test_resume_is_exact_and_logs_are_complete(corpus, tmp_path):
     acc = EventAccumulator(str(split_dir))
     acc.Reload()
     tags = acc.Tags()["scalars"]
-    for tag in ("train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/mfu", "val/loss"):
+    for tag in ("train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/mfu", "val/loss",
+                "memory/params_gb", "memory/optimizer_gb"):
         assert tag in tags, (tag, tags)
     tb_loss = {e.step: e.value for e in acc.Scalars("train/loss")}
     assert sorted(tb_loss) == list(range(1, 21))
