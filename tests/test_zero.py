@@ -35,10 +35,12 @@ DP2 = [(f"dp2_z{s}", [f"zero.stage={s}"]) for s in range(4)] + \
        ("dp2_z3_offload", ["zero.stage=3", "zero.offload_optimizer=cpu", "zero.offload_params=cpu"]),
        ("dp2_z3_keep", ["zero.stage=3", "zero.reshard_after_forward=false"]),
        ("dp2_z1_bf16", ["zero.stage=1", "train.precision=bf16"]),
-       ("dp2_z3_bf16", ["zero.stage=3", "train.precision=bf16"])]
+       ("dp2_z3_bf16", ["zero.stage=3", "train.precision=bf16"]),
+       # a dp=1 stage-0 checkpoint at step 10 resumed at dp=2 under stage 3: checkpoints are layout-free
+       ("dp1_then_dp2_z3", ["zero.stage=3", "train.resume=auto"])]
 DP4 = [(f"dp4_z{s}", [f"zero.stage={s}", "train.micro_batch=1"]) for s in range(4)]
 EIGHT = [(f"tp2_pp2_dp2_z{s}", [f"zero.stage={s}", "parallel.tp=2", "parallel.pp=2",
-                                "parallel.sequence_parallel=true"]) for s in (1, 2, 3)]
+                                "parallel.sequence_parallel=true"]) for s in (0, 1, 2, 3)]
 
 
 def _train(rank, world, text, cache, base, layouts):
@@ -114,6 +116,7 @@ def runs(tmp_path_factory):
     run(TINY, _over(text, cache, base / "dp1"))
     run(TINY, _over(text, cache, base / "dp1_mb1", ["train.micro_batch=1"]))
     run(TINY, _over(text, cache, base / "dp1_bf16", ["train.precision=bf16"]))
+    run(TINY, _over(text, cache, base / "dp1_then_dp2_z3", ["train.exit_after=10"]))
     run_ranks(2, _train, text, cache, base, DP2)
     overflow = run_ranks(2, _overflow, text, cache, base)
     measured = run_ranks(4, _measurements, text, cache, base)
