@@ -24,7 +24,6 @@ Communication per step and rank in elements on the wire, m = 1 microbatch:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -35,44 +34,12 @@ from kernels.adam import adamw_step
 from parallel.comm import Comm
 from parallel.loss_scale import LossScaler
 from parallel.topology import Grid
+from parallel.zero_params import Bucket, LayerGathering
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-@dataclass
-class Bucket:
-    """A contiguous piece of the parameter buffer and everything reduced or updated with it."""
-
-    params: list  # [(name, Parameter)]
-    offsets: list  # element offset of each parameter in the bucket
-    numel: int  # padded to a multiple of dp
-    full: Tensor = None  # the parameters (stage 3: storage freed while not gathered)
-    grad: Optional[Tensor] = None  # full gradient (stages 0-1: kept; 2-3: per microbatch)
-    shard_grad: Optional[Tensor] = None  # this rank's reduced slice (stages 1-3)
-    shard_param: Optional[Tensor] = None  # stage 3: this rank's slice of the parameters
-    master: Optional[Tensor] = None  # fp32 optimizer range (own slice; stage 0: whole bucket)
-    exp_avg: Optional[Tensor] = None
-    exp_avg_sq: Optional[Tensor] = None
-    decay_mask: Optional[Tensor] = None
-    norm_mask: Optional[Tensor] = None
-    sp_mask: Optional[Tensor] = None  # sequence-parallel parameters: gradients summed over tp
-    deferred: bool = False  # reduced after the schedule (tied embedding / stage-3 root)
-    unit: Optional[nn.Module] = None  # stage 3: the layer whose parameters these are
-    ready: int = 0
-    rounds: int = 0
-    pending: list = field(default_factory=list)  # (work, output) of in-flight reductions
-    gathered: bool = True
-    gather_work: object = None
-    in_backward: bool = False
-
-    @property
-    def shard(self) -> int:
-        return self.numel // self.dp
-
-    dp: int = 1
-
-
-class ZeroOptimizer:
+class ZeroOptimizer(LayerGathering):
     """The stage's parameters, their gradients' reduction, and AdamW on this rank's share of them."""
 
     def __init__(self, chunks: list[nn.Module], grid: Grid, stage: int, precision: str, lr: float,
@@ -162,15 +129,23 @@ class ZeroOptimizer:
                 b.full[off:off + n] = p.detach().reshape(-1).to(self.dtype)
                 p.data = b.full[off:off + n].view_as(p)
             lo, hi = self._range(b)
-            keep_master = self.dtype != torch.float32 or self.state_device != self.device
+            keep_master = self.dtype != torch.float32 or self.state_device != self.device \
+                or (self.stage == 3 and self.param_device != self.state_device)
             if self.stage == 3:
                 b.shard_param = b.full[lo:hi].clone().to(self.param_device)
+                if self.device.type == "cuda" and self.param_device.type == "cpu":
+                    b.shard_param = b.shard_param.pin_memory()
             if keep_master:
                 b.master = master_full[lo:hi].clone().to(self.state_device)
             else:  # fp32 on the device: the parameter slice itself is the master copy
                 b.master = (b.shard_param if self.stage == 3 else b.full[lo:hi])
             b.exp_avg = torch.zeros(hi - lo, dtype=torch.float32, device=self.state_device)
             b.exp_avg_sq = torch.zeros(hi - lo, dtype=torch.float32, device=self.state_device)
+            if self.device.type == "cuda":  # offloaded states in page-locked memory: fast, asynchronous copies
+                if self.state_device.type == "cpu":
+                    b.exp_avg, b.exp_avg_sq = b.exp_avg.pin_memory(), b.exp_avg_sq.pin_memory()
+                    if keep_master:
+                        b.master = b.master.pin_memory()
             b.decay_mask, b.norm_mask, b.sp_mask = decay[lo:hi].clone(), count[lo:hi].clone(), sp[lo:hi].clone()
             if self.state_device != self.device:
                 b.decay_mask = b.decay_mask.to(self.state_device)
@@ -193,20 +168,6 @@ class ZeroOptimizer:
         for b in self.buckets:
             b.rounds = b.ready = 0
         self.gather_root()
-
-    def gather_root(self) -> None:
-        """Stage 3: gather the root bucket(s) (embeddings, final norm) for a forward outside a step."""
-        if self.stage == 3:
-            for b in self.buckets:
-                if b.deferred:
-                    self._gather(b)
-
-    def release(self) -> None:
-        """Stage 3: free every gathered bucket (after evaluation)."""
-        if self.stage == 3:
-            for b in self.buckets:
-                if b.gathered:
-                    self._free(b)
 
     def _grad_hook(self, b: Bucket):
         def hook(p: Tensor) -> None:
@@ -353,63 +314,6 @@ class ZeroOptimizer:
                 b.grad = None
             if b.shard_grad is not None:
                 b.shard_grad.zero_()
-
-    # ----- stage 3: gather and free layers ------------------------------------------------------
-    def _free(self, b: Bucket) -> None:
-        if b.gathered:
-            b.full.untyped_storage().resize_(0)
-            b.gathered = False
-            self.gathered_bytes -= b.numel * b.full.element_size()
-
-    def _gather(self, b: Bucket, async_op: bool = False) -> None:
-        if b.gathered:
-            return
-        if b.gather_work is not None:
-            b.gather_work.wait()
-            b.gather_work = None
-            b.gathered = True
-            return
-        b.full.untyped_storage().resize_(b.numel * b.full.element_size())
-        self.gathered_bytes += b.numel * b.full.element_size()
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
-        work = self.grid.dp_comm.all_gather_into(b.full.data, b.shard_param.to(self.device), tag="param",
-                                                 async_op=async_op)
-        if async_op:
-            b.gather_work = work
-        else:
-            b.gathered = True
-
-    def _install_unit_hooks(self) -> None:
-        units = [b for b in self.buckets if b.unit is not None]
-        order = list(reversed(units))  # forward order within the stage
-        for i, b in enumerate(order):
-            nxt = order[i + 1] if i + 1 < len(order) else None
-            prev = order[i - 1] if i > 0 else None
-            b.unit.register_forward_pre_hook(self._pre_forward(b, nxt))
-            b.unit.register_forward_hook(self._post_forward(b, prev))
-
-    def _pre_forward(self, b: Bucket, nxt: Optional[Bucket]):
-        def hook(module, args):
-            self._gather(b)
-            if nxt is not None and not nxt.gathered and nxt.gather_work is None:
-                self._gather(nxt, async_op=True)  # prefetch the next layer
-        return hook
-
-    def _post_forward(self, b: Bucket, prev: Optional[Bucket]):
-        def hook(module, args, output):
-            if b.in_backward:  # recomputation under activation checkpointing: keep for the backward
-                return
-            if torch.is_grad_enabled() and output.requires_grad:
-                def pre_backward(grad):
-                    b.in_backward = True
-                    self._gather(b)
-                    if prev is not None and not prev.gathered and prev.gather_work is None:
-                        self._gather(prev, async_op=True)  # prefetch the layer before
-                    return None
-                output.register_hook(pre_backward)
-            if self.reshard_after_forward or not torch.is_grad_enabled():
-                self._free(b)
-        return hook
 
     # ----- checkpoints: per logical parameter --------------------------------------------------
     def _full(self, b: Bucket, local: Tensor) -> Tensor:
