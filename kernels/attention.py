@@ -1,17 +1,58 @@
-"""Attention entry point for the model.
+"""Attention for the model: torch SDPA or the Triton FlashAttention-2 kernel behind one function.
 
-One function so the model never chooses a backend: today it is torch's
-scaled_dot_product_attention (which picks FlashAttention, Dao et al. 2022, or
-memory-efficient kernels where available); a Triton flash-attention kernel
-can be put behind the same signature.
+``impl="torch"`` is torch's scaled_dot_product_attention; ``impl="triton"`` is
+``kernels.flash_attention`` (Dao 2023). ``kernels.attention: auto | triton |
+torch`` in the config chooses, through :func:`resolve_impl`.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels.flash_attention import DTYPES, HEAD_DIMS, FlashAttention, _interpreting, triton
+from megazero.errors import UserError
 
-def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> Tensor:
-    """softmax(q k^T / sqrt(head_dim)) v on (batch, heads, seq, head_dim) tensors."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, impl: str = "torch") -> Tensor:
+    """softmax(q k^T / sqrt(head_dim)) v on (batch, heads, seq, head_dim) tensors.
+
+    impl: "torch" (scaled_dot_product_attention) or "triton" (FlashAttention-2 above);
+    :func:`resolve_impl` turns a config value ("auto" | "torch" | "triton") into one.
+    """
+    if impl == "torch":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    if impl != "triton":
+        raise ValueError(f"attention impl must be 'torch' or 'triton', got {impl!r}")
+    if q.dim() != 4 or not q.shape == k.shape == v.shape or q.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"triton attention needs q, k, v of one (batch, heads, seq, head_dim) shape with head_dim "
+                         f"in {HEAD_DIMS}, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.dtype not in DTYPES or not q.dtype == k.dtype == v.dtype or not q.device == k.device == v.device:
+        raise ValueError(f"triton attention needs q, k, v of one fp16/bf16/fp32 dtype on one device, got "
+                         f"{q.dtype}, {k.dtype}, {v.dtype} on {q.device}, {k.device}, {v.device}")
+    if triton is None or (q.device.type != "cuda" and not _interpreting()):
+        raise ValueError(f"triton attention needs triton and CUDA tensors (or TRITON_INTERPRET=1), got {q.device}")
+    return FlashAttention.apply(q, k, v, causal)
+
+
+def triton_available() -> bool:
+    """Triton imports and can run here: a CUDA GPU, or TRITON_INTERPRET=1 (CPU interpreter)."""
+    return triton is not None and (torch.cuda.is_available() or _interpreting())
+
+
+def resolve_impl(requested: str, device_type: str) -> str:
+    """The attention impl for a run: "auto" -> "triton" on CUDA when triton imports, else "torch".
+
+    "auto" never picks the interpreter: it is for tests, orders of magnitude slower than SDPA.
+    """
+    if requested == "torch":
+        return "torch"
+    if requested == "auto":
+        return "triton" if device_type == "cuda" and triton is not None and torch.cuda.is_available() else "torch"
+    if requested == "triton":
+        if triton_available() and (device_type == "cuda" or _interpreting()):
+            return "triton"
+        raise UserError("kernels.attention='triton' needs a CUDA GPU with triton installed (or TRITON_INTERPRET=1 "
+                        "to run the kernels on the CPU interpreter); valid here: auto | torch")
+    raise UserError(f"kernels.attention={requested!r} is not an attention implementation; valid: auto | torch | triton")

@@ -109,6 +109,12 @@ class LogConfig:
 
 
 @dataclass
+class KernelsConfig:
+    attention: str = AUTO  # auto | triton | torch: auto = Triton on CUDA when importable, else torch SDPA
+    adam: str = AUTO  # auto | triton | torch: the optimizer step over flat buffers
+
+
+@dataclass
 class LaunchConfig:
     device: str = AUTO  # auto | cpu | cuda
 
@@ -122,6 +128,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
     name: str = "run"
     source: str = "<config>"  # the file it came from, for error messages
 
@@ -145,6 +152,7 @@ SECTIONS = {f.name: f.type for f in dataclasses.fields(Config) if f.name not in 
 _SECTION_CLASSES = {
     "model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig,
     "data": DataConfig, "log": LogConfig, "launch": LaunchConfig, "zero": ZeroConfig,
+    "kernels": KernelsConfig,
 }
 
 # Allowed values and ranges, per key. A key absent here only needs the right type.
@@ -153,6 +161,8 @@ _CHOICES = {
     ("zero", "stage"): (0, 1, 2, 3),
     ("zero", "offload_optimizer"): ("none", "cpu"),
     ("zero", "offload_params"): ("none", "cpu"),
+    ("kernels", "attention"): ("auto", "triton", "torch"),
+    ("kernels", "adam"): ("auto", "triton", "torch"),
     ("launch", "device"): ("auto", "cpu", "cuda"),
     ("parallel", "schedule"): ("gpipe", "1f1b", "interleaved"),
 }

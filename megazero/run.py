@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from kernels import resolve_kernels
 from megazero.config import load_config
 from megazero.errors import UserError
 
@@ -28,6 +29,7 @@ def run(config_path: str, overrides: list[str]) -> list[dict]:
     device = launch.pick_device(cfg.launch.device, info.local_rank, local_world)
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    resolve_kernels(cfg.kernels, device.type)  # before any process group: a refusal is a config error
     created = launch.init_distributed(info, device)
     try:
         grid = Grid.build(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, device.type)

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from kernels import resolve_kernels
 from megazero import checkpoint, optim
 from megazero.config import Config
 from megazero.data import GPTData, build_data
@@ -66,6 +67,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, grid: Grid, device: torch.device, is_builder: bool = True):
         self.cfg, self.grid, self.device = cfg, grid, device
+        resolve_kernels(cfg.kernels, device.type)
         self.data = load_data_everywhere(cfg, grid, is_builder)
         torch.manual_seed(cfg.train.seed)
         par = cfg.parallel
@@ -77,7 +79,8 @@ class Trainer:
             vs = virtual_stage(grid.pp_rank, c, grid.pp)
             self.chunks.append(build_gpt(cfg.model, cfg.train.seed, device=device, tp=grid.tp_comm,
                                          layer_ids=ranges[vs], first_stage=vs == 0, last_stage=vs == last_vs,
-                                         sequence_parallel=par.sequence_parallel))
+                                         sequence_parallel=par.sequence_parallel,
+                                         attention_impl=cfg.kernels.attention))
         self.named_params = [(n, p) for m in self.chunks for n, p in m.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named_params]
         # the tied embedding: held by the first and the last virtual stage; the last one's is a copy
@@ -88,7 +91,7 @@ class Trainer:
         z = cfg.zero
         self.zero = ZeroOptimizer(self.chunks, grid, z.stage, cfg.train.precision, cfg.train.lr,
                                   cfg.train.weight_decay, z.bucket_mb, z.reshard_after_forward,
-                                  z.offload_optimizer, z.offload_params)
+                                  z.offload_optimizer, z.offload_params, adam_impl=cfg.kernels.adam)
         self.executor = PipelineExecutor(self.chunks, grid, (cfg.train.micro_batch, seq, cfg.model.hidden),
                                          DTYPES[cfg.train.precision], device,
                                          cfg.train.global_batch * cfg.model.seq_len, self._autocast)

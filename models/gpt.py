@@ -50,8 +50,9 @@ def _ffn_hidden(cfg: Any) -> int:
 class _Parallel:
     """How a stage is split: the tp group, sequence parallelism, the per-rank random stream."""
 
-    def __init__(self, tp: Optional[Comm], sequence_parallel: bool, rng: TPRandom):
+    def __init__(self, tp: Optional[Comm], sequence_parallel: bool, rng: TPRandom, attention_impl: str = "torch"):
         self.tp = tp
+        self.attention_impl = attention_impl
         self.rank, self.size = tp_rank_and_size(tp)
         self.sp = sequence_parallel and self.size > 1
         self.rng = rng
@@ -76,13 +77,14 @@ class Attention(nn.Module):
         self.qkv = ColumnParallelLinear(cfg.hidden, 3 * cfg.hidden, cfg.bias, par.tp, sequence_parallel=par.sp)
         self.proj = RowParallelLinear(cfg.hidden, cfg.hidden, cfg.bias, par.tp, sequence_parallel=par.sp)
         self.dropout = ShardedDropout(cfg.dropout, par.rng, split=par.sp)
+        self.impl = par.attention_impl
 
     def forward(self, x: Tensor) -> Tensor:
         qkv = self.qkv(x)
         b, s, _ = qkv.shape
         qkv = qkv.view(b, s, self.local_heads, 3, self.head_dim)
         q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))  # (b, heads, s, d)
-        y = attention(q, k, v, causal=True)
+        y = attention(q, k, v, causal=True, impl=self.impl)
         y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
         return self.dropout(self.proj(y))
 
@@ -141,11 +143,12 @@ class GPT(nn.Module):
         first_stage: bool = True,
         last_stage: bool = True,
         sequence_parallel: bool = False,
+        attention_impl: str = "torch",
     ):
         super().__init__()
         self.cfg = cfg
         self.rng = TPRandom()
-        self.par = _Parallel(tp, sequence_parallel, self.rng)
+        self.par = _Parallel(tp, sequence_parallel, self.rng, attention_impl)
         self.tp, self.tp_rank, self.tp_size = tp, self.par.rank, self.par.size
         self.sequence_parallel = self.par.sp
         self.layer_ids = range(cfg.layers) if layer_ids is None else layer_ids
@@ -253,10 +256,11 @@ def build_gpt(
     first_stage: bool = True,
     last_stage: bool = True,
     sequence_parallel: bool = False,
+    attention_impl: str = "torch",
 ) -> GPT:
     """Build a stage on the meta device (no memory), materialise it on ``device``, initialise it."""
     with torch.device("meta"):
-        model = GPT(cfg, tp, layer_ids, first_stage, last_stage, sequence_parallel)
+        model = GPT(cfg, tp, layer_ids, first_stage, last_stage, sequence_parallel, attention_impl)
     attrs = {name: (p.tp_split_dim, p.sequence_parallel) for name, p in model.named_parameters()}
     model.to_empty(device=device)
     for name, p in model.named_parameters():  # materialising replaces the Parameter objects

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from kernels.adam import adamw_step
+from kernels.adam import adamw
 from parallel.comm import Comm
 from parallel.loss_scale import LossScaler
 from parallel.topology import Grid
@@ -45,7 +45,7 @@ class ZeroOptimizer(LayerGathering):
     def __init__(self, chunks: list[nn.Module], grid: Grid, stage: int, precision: str, lr: float,
                  weight_decay: float, bucket_mb: float = 25.0, reshard_after_forward: bool = True,
                  offload_optimizer: str = "none", offload_params: str = "none",
-                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8):
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, adam_impl: str = "torch"):
         assert stage in (0, 1, 2, 3), stage
         self.grid, self.stage, self.lr, self.weight_decay = grid, stage, lr, weight_decay
         self.betas, self.eps = betas, eps
@@ -58,6 +58,8 @@ class ZeroOptimizer(LayerGathering):
         self.microbatches = 1
         self.device = next(chunks[0].parameters()).device
         self.state_device = torch.device("cpu") if offload_optimizer == "cpu" else self.device
+        # the fused kernel runs where the optimizer states are; offloaded states step with torch on the CPU
+        self.adam_impl = adam_impl if self.state_device == self.device else "torch"
         self.param_device = torch.device("cpu") if offload_params == "cpu" else self.device
         self.gathered_bytes = 0
         self.peak_gathered_bytes = 0
@@ -288,7 +290,7 @@ class ZeroOptimizer(LayerGathering):
             grad = self._range_grad(b).to(self.state_device)
             target = b.shard_param if self.stage == 3 else b.full[lo:hi]
             same = b.master.data_ptr() == target.data_ptr()
-            adamw_step(b.master, grad, b.exp_avg, b.exp_avg_sq, lr=lr, beta1=b1, beta2=b2, eps=self.eps,
+            adamw(self.adam_impl, b.master, grad, b.exp_avg, b.exp_avg_sq, lr=lr, beta1=b1, beta2=b2, eps=self.eps,
                        weight_decay=self.weight_decay, step=self.step_count, decay_mask=b.decay_mask,
                        grad_scale=inv_scale * coef, model_copy=None if same else target)
         self._gather_updated()

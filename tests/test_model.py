@@ -1,7 +1,6 @@
 """GPT stage module: names, layout-free init, the math against a plain reference, pipeline and TP contracts."""
 
 import math
-from dataclasses import replace
 
 import pytest
 import torch
@@ -11,7 +10,6 @@ import torch.nn.functional as F
 
 from models.gpt import build_gpt, count_parameters
 from parallel.tensor import vocab_parallel_cross_entropy
-
 
 def Cfg(**overrides) -> ModelConfig:
     """A small model config; tests override what they exercise."""
