@@ -172,10 +172,12 @@ class ZeroOptimizer(LayerGathering):
         self.gather_root()
 
     def _grad_hook(self, b: Bucket):
+        offsets = {id(q): off for (_, q), off in zip(b.params, b.offsets)}
+
         def hook(p: Tensor) -> None:
             if b.grad is None:
                 b.grad = torch.zeros(b.numel, dtype=self.dtype, device=self.device)
-            off = b.offsets[next(i for i, (_, q) in enumerate(b.params) if q is p)]
+            off = offsets[id(p)]
             b.grad[off:off + p.numel()].add_(p.grad.reshape(-1))
             p.grad = None
             b.ready += 1
@@ -251,6 +253,7 @@ class ZeroOptimizer(LayerGathering):
 
     def reduce(self) -> None:
         """Complete this step's gradient reduction (waits for what backward started)."""
+        self.settle_gathers()
         self._finish()
         self._sequence_parallel_sum()
 
@@ -304,9 +307,7 @@ class ZeroOptimizer(LayerGathering):
                 self.grid.dp_comm.all_gather_into(b.full, b.full[self._range(b)[0]:self._range(b)[1]].clone(),
                                                   tag="param")
         elif self.stage == 3:
-            for b in self.buckets:
-                if b.gathered:
-                    self._free(b)
+            self.release()
 
     def zero_grad(self) -> None:
         for b in self.buckets:

@@ -60,11 +60,18 @@ class LayerGathering:
                     self._gather(b)
 
     def release(self) -> None:
-        """Stage 3: free every gathered bucket (after evaluation)."""
+        """Stage 3: free every gathered bucket (after evaluation, after the step)."""
         if self.stage == 3:
+            self.settle_gathers()
             for b in self.buckets:
                 if b.gathered:
                     self._free(b)
+
+    def settle_gathers(self) -> None:
+        """Complete prefetches nobody used, before the optimizer writes the slices they read."""
+        for b in self.buckets:
+            if b.gather_work is not None:
+                self._gather(b)
 
     # ----- stage 3: gather and free layers ------------------------------------------------------
     def _free(self, b: Bucket) -> None:
@@ -103,7 +110,8 @@ class LayerGathering:
     def _pre_forward(self, b: Bucket, nxt: Optional[Bucket]):
         def hook(module, args):
             self._gather(b)
-            if nxt is not None and not nxt.gathered and nxt.gather_work is None:
+            # not while recomputing under activation checkpointing: the next layer's backward is already done
+            if nxt is not None and not b.in_backward and not nxt.gathered and nxt.gather_work is None:
                 self._gather(nxt, async_op=True)  # prefetch the next layer
         return hook
 
