@@ -30,6 +30,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megazero.config import ModelConfig  # noqa: E402
+from bench.timing import timed_between_barriers  # noqa: E402
 from models.gpt import build_gpt  # noqa: E402
 from parallel.pipeline import PipelineExecutor, partition_layers  # noqa: E402
 from parallel.schedules import build_schedule, simulate  # noqa: E402
@@ -43,15 +44,6 @@ DATA_SEED, MODEL_SEED = 1234, 0
 
 def _model_cfg(pp: int) -> ModelConfig:
     return ModelConfig(layers=2 * pp, hidden=HIDDEN, heads=HEADS, seq_len=SEQ_LEN, vocab_size=VOCAB)
-
-
-def _timed(fn) -> float:
-    """Wall time of fn on this rank, between barriers of the whole world (the step's makespan)."""
-    dist.barrier()
-    t0 = time.perf_counter()
-    fn()
-    dist.barrier()
-    return time.perf_counter() - t0
 
 
 def _bench_rank(rank: int, world: int, pp: int, m: int, steps: int) -> dict:
@@ -118,10 +110,10 @@ def _bench_rank(rank: int, world: int, pp: int, m: int, steps: int) -> dict:
         return {n: p.grad.clone() for n, p in stage.named_parameters() if p.grad is not None}
 
     for _ in range(WARMUP):
-        _timed(mz_step)
+        timed_between_barriers(mz_step)
         if th_step is not None:
             try:
-                _timed(th_step)
+                timed_between_barriers(th_step)
             except Exception as e:
                 peer_error, th_step = f"{type(e).__name__}: {e}", None
                 dist.barrier()
@@ -129,7 +121,7 @@ def _bench_rank(rank: int, world: int, pp: int, m: int, steps: int) -> dict:
     mz_times, th_times, compute, comm, f_times, b_times = [], [], [], [], [], []
     first_losses, grad_diff = {}, None
     for i in range(steps):
-        mz_times.append(_timed(mz_step))
+        mz_times.append(timed_between_barriers(mz_step))
         spans = [(label, end - start) for kind, label, _, _, start, end in executor.trace if kind == "compute"]
         compute.append(sum(d for _, d in spans))
         comm.append(sum(end - start for kind, _, _, _, start, end in executor.trace if kind == "comm"))
@@ -139,7 +131,7 @@ def _bench_rank(rank: int, world: int, pp: int, m: int, steps: int) -> dict:
             first_losses["megazero"] = mz["loss"]
             mz_grads = grads()
         if th_step is not None:
-            th_times.append(_timed(th_step))
+            th_times.append(timed_between_barriers(th_step))
             if i == 0:
                 first_losses["torch"] = th["loss"]
                 th_grads = grads()

@@ -42,6 +42,7 @@ import torch.distributed as dist  # noqa: E402
 
 from megazero import plan  # noqa: E402
 from megazero.config import ModelConfig  # noqa: E402
+from bench.timing import timed_between_barriers  # noqa: E402
 from models.gpt import build_gpt  # noqa: E402
 from parallel.pipeline import PipelineExecutor  # noqa: E402
 from parallel.schedules import build_schedule  # noqa: E402
@@ -58,15 +59,6 @@ NAMES = ("megazero ZeRO-0", "torch DDP", "megazero ZeRO-3", "torch FSDP2")
 
 def _cfg() -> ModelConfig:
     return ModelConfig(layers=LAYERS, hidden=HIDDEN, heads=HEADS, seq_len=SEQ_LEN, vocab_size=VOCAB)
-
-
-def _timed(fn) -> float:
-    """Wall time of fn on this rank between barriers of the whole world (the step's makespan)."""
-    dist.barrier()
-    t0 = time.perf_counter()
-    fn()
-    dist.barrier()
-    return time.perf_counter() - t0
 
 
 def _data(step: int, dp_rank: int, dp: int) -> list[torch.Tensor]:
@@ -182,7 +174,7 @@ def _bench_rank(rank: int, world: int, steps: int) -> dict:
         mbs = _data(i, grid.dp_rank, grid.dp)
         for name in order[i % len(order):] + order[:i % len(order)]:
             out = []
-            t = _timed(lambda: out.append(contenders[name][0](mbs)))
+            t = timed_between_barriers(lambda: out.append(contenders[name][0](mbs)))
             if i >= WARMUP:
                 times[name].append(t)
                 losses.setdefault(name, out[0])
