@@ -268,22 +268,45 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, VISITS, qk_scale, sm_scale,
 
 # --- autotuning (Hopper: H100/H200) and launching -----------------------------------------------
 
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner tries, per kernel and head-dim class (head dims
+# up to 64 share the 64 set). Chosen by compiling a wider grid for sm_90 (``python -m kernels.aot``):
+# every entry fits Hopper's 227 KB of shared memory per block, lowers tl.dot to wgmma and spills no
+# registers; tests/test_attention_compile.py keeps it so. Candidates that failed: 128x128 tiles at
+# 4 warps (spill), 3-4 stage pipelines of 128-wide K/V tiles at head dim 128 (> 227 KB).
+HOPPER_CONFIGS = MappingProxyType({
+    ("fwd", 64): ((128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3),
+                  (64, 128, 8, 3)),
+    ("fwd", 128): ((128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 3), (64, 64, 8, 3)),
+    ("dkdv", 64): ((32, 64, 4, 3), (32, 128, 8, 3), (64, 64, 4, 3), (64, 64, 8, 3), (64, 128, 8, 2),
+                   (64, 128, 8, 3)),
+    ("dkdv", 128): ((32, 64, 4, 3), (32, 64, 8, 3), (32, 128, 8, 2), (32, 128, 8, 3), (64, 64, 8, 2),
+                    (64, 64, 8, 3)),
+    ("dq", 64): ((64, 32, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3), (128, 32, 4, 3), (128, 64, 8, 2),
+                 (128, 64, 8, 3)),
+    ("dq", 128): ((64, 32, 8, 3), (64, 64, 4, 3), (64, 64, 8, 3), (128, 32, 8, 3), (128, 64, 8, 2),
+                  (128, 64, 8, 3)),
+})
+# One small tile for GPUs with less shared memory than Hopper (the autotuner drops what does not fit).
+SMALL_CONFIG = (32, 32, 4, 2)
 
-def _configs(block_ms: tuple[int, ...], block_ns: tuple[int, ...], stages: tuple[int, ...]) -> list:
-    """A small Hopper grid, plus one small tile that fits the shared memory of older/smaller GPUs."""
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
-            for m in block_ms for n in block_ns for w in (4, 8) for s in stages] + [
-        triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=2)]
+
+def head_dim_class(head_dim: int) -> int:
+    """The HOPPER_CONFIGS column a head dim uses."""
+    return 64 if head_dim <= 64 else 128
 
 
+def configs_for(kind: str, head_dim: int) -> tuple[tuple[int, int, int, int], ...]:
+    """The (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates the autotuner times for one kernel."""
+    return (*HOPPER_CONFIGS[kind, head_dim_class(head_dim)], SMALL_CONFIG)
+
+
+_KERNELS = MappingProxyType({"fwd": _fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel})
 if triton is not None:
     _KEY = ["N_CTX", "HEAD_DIM", "CAUSAL"]
     _TUNED = MappingProxyType({
-        "fwd": triton.autotune(_configs((64, 128), (64, 128), (3, 4)), key=_KEY)(_fwd_kernel),
-        "dkdv": triton.autotune(_configs((32, 64), (64, 128), (2, 3)), key=_KEY)(_bwd_dkdv_kernel),
-        "dq": triton.autotune(_configs((64, 128), (32, 64), (2, 3)), key=_KEY)(_bwd_dq_kernel),
-    })
-_KERNELS = MappingProxyType({"fwd": _fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel})
+        (kind, d): triton.autotune([triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+                                    for m, n, w, s in configs_for(kind, d)], key=_KEY)(fn)
+        for kind, fn in _KERNELS.items() for d in (64, 128)})
 
 
 def _launch(kind: str, s: int, bh: int, args: tuple, rest: tuple, flags: dict, blocks: tuple[int, int] | None,
@@ -307,7 +330,8 @@ def _launch(kind: str, s: int, bh: int, args: tuple, rest: tuple, flags: dict, b
         return visits
     if blocks is None:
         name = ("BLOCK_M", "BLOCK_N")[held]
-        _TUNED[kind][lambda meta: (triton.cdiv(s, meta[name]), bh)](*args, **flags)
+        tuned = _TUNED[kind, head_dim_class(flags["HEAD_DIM"])]
+        tuned[lambda meta: (triton.cdiv(s, meta[name]), bh)](*args, **flags)
     else:
         grid = (triton.cdiv(s, blocks[held]), bh)
         _KERNELS[kind][grid](*args, **flags, BLOCK_M=blocks[0], BLOCK_N=blocks[1], num_warps=4, num_stages=2)

@@ -161,6 +161,30 @@ def test_kernels_visit_what_the_bounds_say(causal):
     assert q_visits.tolist() == [visits_forward(s, *dq_blocks, causal)] * bh
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_autotuned_launch_covers_every_block(monkeypatch, causal):
+    """The GPU launch path (autotuned, grid from the chosen config) with one config per kernel, so the
+    autotuner picks without timing: its grid must cover every query / key block, like explicit blocks do.
+    The held block (queries for fwd and dQ, keys for dK/dV) is the smaller one, so a grid counted in the
+    other block size launches too few programs and leaves rows unwritten."""
+    blocks = {"fwd": (16, 32), "dkdv": (32, 16), "dq": (16, 32)}
+    tuned = {(kind, d): triton.autotune([triton.Config({"BLOCK_M": blocks[kind][0], "BLOCK_N": blocks[kind][1]})],
+                                        key=FA._KEY)(FA._KERNELS[kind]) for kind in blocks for d in (64, 128)}
+    s, d = 100, 64
+    torch.manual_seed(5)
+    q, k, v, do = (torch.randn(2, 2, s, d) for _ in range(4))
+    o_ref, lse_ref, _ = FA.flash_forward(q, k, v, causal, blocks=blocks["fwd"])
+    grads_ref = FA.flash_backward(q, k, v, o_ref, lse_ref, do, causal, blocks=(blocks["dkdv"], blocks["dq"]))[:3]
+    monkeypatch.setattr(FA, "_TUNED", tuned)
+    monkeypatch.setattr(FA, "_interpreting", lambda: False)  # take the autotuned branch of _launch
+    o, lse, _ = FA.flash_forward(q, k, v, causal)
+    grads = FA.flash_backward(q, k, v, o, lse, do, causal)[:3]
+    for name, got, want in zip(("O", "LSE", "dQ", "dK", "dV"), (o, lse, *grads), (o_ref, lse_ref, *grads_ref)):
+        assert torch.equal(got, want), name
+    _, expected, _ = reference(q, k, v, causal)
+    close(o, expected, TOL[torch.float32], "O")
+
+
 # --- choosing the implementation -----------------------------------------------------------------
 
 
