@@ -1,0 +1,45 @@
+"""bench/kernels.py runs end to end (--smoke: toy sizes, CPU, Triton interpreter), so a GPU session spends its
+minutes measuring, not debugging the script. What is checked is the script's output, not speed."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "bench" / "kernels.py"
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # --smoke must set it itself
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_smoke_prints_every_table_and_target():
+    proc = run("--smoke")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    for heading in ("### Attention, float32, causal: TFLOP/s", "### Attention, float32: max |error|",
+                    "### AdamW over 4099 elements", "### Targets"):
+        assert heading in out, heading
+    # every head dim timed for megazero (a number, not n/a) and checked against the fp32 reference
+    timed = re.findall(r"^\| 64 \| (64|128) \| \d+ x \d+ \| ([^|]+) \|", out, re.M)
+    assert sorted(d for d, _ in timed) == ["128", "64"] and all(cell.strip() != "n/a" for _, cell in timed)
+    errors = re.findall(r"^\| 64 \| (64|128) \| megazero triton \| (.+) \|$", out, re.M)
+    assert len(errors) == 2
+    for _, cells in errors:
+        values = [float(c) for c in cells.split("|")]
+        assert len(values) == 4 and max(values) < 1e-4  # fp32 kernels against the fp32 math backend
+    adam = re.findall(r"^\| (megazero triton AdamW|megazero torch adamw_step|torch.optim.AdamW)[^|]*\| 28 \| "
+                      r"([0-9.]+) \|", out, re.M)
+    assert len(adam) == 3
+    targets = out.split("### Targets")[1]
+    assert len(re.findall(r"^- AdamW: .*: (MET|MISSED)$", targets, re.M)) == 2
+    assert len(re.findall(r"^- float32 errors, head_dim (64|128), seq 64: .*: (MET|MISSED)$", targets, re.M)) == 2
+
+
+def test_needs_a_gpu_without_smoke():
+    proc = run()
+    assert proc.returncode == 2
+    assert proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1 and "CUDA" in proc.stderr
