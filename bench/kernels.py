@@ -20,7 +20,7 @@ fp32 tensors of the same total size (fp32 grads, no model copy: 28 bytes/element
 
     python bench/kernels.py [--seqs 1024,2048,4096,8192,16384] [--adam-elements 268435456]
 
-Prints markdown tables for docs/benchmarks.md, then the issue's targets as measured ratios (attention
+Prints markdown tables for docs/benchmarks.md, then the kernel targets as measured ratios (attention
 forward+backward against SDPA flash at head dim 128 and seq >= 4096; AdamW against the copy bandwidth
 and against fused torch AdamW; bf16 errors against SDPA flash's own). Not a test: nothing here
 asserts. Exits with code 2 and one line when there is no CUDA GPU.
@@ -55,7 +55,7 @@ import torch.nn.functional as F  # noqa: E402
 ADAM = dict(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 ADAM_BYTES = 2 + 4 + 4 + 4 + 4 + 4 + 4 + 2  # per element, see the module docstring
 ADAM_TENSORS = 64
-# The issue's targets: attention forward+backward >= SDPA flash at head dim 128 and seq >= 4096;
+# The kernels' targets on Hopper: attention forward+backward >= SDPA flash at head dim 128 and seq >= 4096;
 # AdamW >= 85% of the copy bandwidth and no slower than fused torch AdamW.
 TARGET_HEAD_DIM, TARGET_MIN_SEQ, TARGET_COPY_SHARE = 128, 4096, 0.85
 # bf16 errors: megazero's and SDPA flash's outputs both round to bf16 after fp32 accumulation, so against
@@ -242,7 +242,7 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
 
 
 def targets(sz: Sizes, attn: dict, errors: dict, adam: dict, dtype_name: str) -> list[str]:
-    """One line per target of the issue: the measured ratio and whether it is met (MET / MISSED / n/a)."""
+    """One line per kernel target: the measured ratio and whether it is met (MET / MISSED / n/a)."""
     def verdict(ok: Optional[bool]) -> str:
         return "n/a" if ok is None else ("MET" if ok else "MISSED")
 

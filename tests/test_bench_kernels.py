@@ -43,3 +43,20 @@ def test_needs_a_gpu_without_smoke():
     proc = run()
     assert proc.returncode == 2
     assert proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1 and "CUDA" in proc.stderr
+
+
+def test_gpu_checks_smoke(tmp_path):
+    """bench/gpu_checks.py (the one script a GPU session runs) end to end at toy sizes on the CPU: every
+    step runs, the loss comparisons are made, and only its three files are written."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.pop("OUT", None)
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_checks.py"), "--smoke", "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    summary = (tmp_path / "summary.md").read_text() if (tmp_path / "summary.md").exists() else proc.stderr[-2000:]
+    assert proc.returncode == 0, summary
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kernels.md", "log.txt", "summary.md"]
+    assert summary.startswith("# GPU checks (smoke, CPU): all checks passed")
+    assert len(re.findall(r"^- ok triton kernels follow torch kernels over 4 steps", summary, re.M)) == 1
+    assert len(re.findall(r"^- ok offloaded optimizer follows the on-device one", summary, re.M)) == 1
+    assert len(re.findall(r"^- (torch|triton) kernels: [0-9,]+ tokens/s", summary, re.M)) == 2
+    assert "### Targets" in (tmp_path / "kernels.md").read_text()

@@ -1,0 +1,189 @@
+"""Every check that needs a CUDA GPU, in one run: for a session that has one GPU for a few minutes.
+
+1. ``bench/kernels.py``: attention and AdamW kernel tables, bf16 errors, and the kernel targets.
+2. Training on the GPU, one process (configs/tiny.yaml at tp = pp = dp = 1, bf16):
+   - ``torch``: kernels.attention = kernels.adam = torch (SDPA, torch AdamW), the reference curve;
+   - ``triton``: both Triton kernels; its loss must follow ``torch``'s (bf16 tolerance below);
+   - ``offload``: ``triton`` with ZeRO-1's optimizer states in pinned CPU memory (stepped by torch
+     there); its loss must follow ``triton``'s.
+3. Throughput of a GPT-2-small-shaped model (12 layers, hidden 768, seq 1024, the tiny vocabulary)
+   with the torch kernels and with the Triton kernels: tokens/s and MFU, and their ratio.
+
+    python bench/gpu_checks.py [--out DIR] [--smoke]
+
+Writes DIR/summary.md (the verdicts and figures), DIR/kernels.md (bench/kernels.py's tables), and
+DIR/log.txt (every command's output), at most those three files. ``--smoke`` runs the same
+sequence on the CPU at toy sizes (the Triton kernels under the interpreter) to check the script.
+Exits 1 when a check fails, 0 otherwise; numbers are for people, the verdicts for the exit code.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# bf16 loss curves of two kernel sets: each rounds differently (~2^-8 relative per op), and 60 steps of
+# training amplify that; the bf16 ZeRO tests use the same 2e-2 relative bound.
+BF16_LOSS_RTOL = 2e-2
+# Offloaded vs on-GPU optimizer: the same fp32 AdamW arithmetic, on the CPU by torch vs on the GPU by
+# Triton (FMA contraction may differ in the last bit): fp32-level differences, amplified through bf16.
+OFFLOAD_LOSS_RTOL = 2e-2
+TINY_1GPU = ["parallel.tp=1", "parallel.sequence_parallel=false", "parallel.pp=1", "parallel.dp=1",
+             "train.eval_every=0", "log.tensorboard=false", "train.precision=bf16"]
+GPT2_SMALL_BODY = ["model.layers=12", "model.hidden=768", "model.heads=12", "model.seq_len=1024",
+                   "train.global_batch=16", "train.micro_batch=16"]
+
+
+class Checks:
+    """Collects commands' output into one log and the verdicts into one summary."""
+
+    def __init__(self, out: Path, smoke: bool):
+        self.out, self.smoke = out, smoke
+        self.log = open(out / "log.txt", "w")
+        self.lines: list[str] = []
+        self.failed: list[str] = []
+
+    def run(self, name: str, cmd: list[str], env: dict | None = None, timeout: int = 1200) -> str | None:
+        """Run one command; its output goes to the log; returns stdout, or None if it failed."""
+        t0 = time.time()
+        self.log.write(f"\n===== {name}: {' '.join(cmd)}\n")
+        self.log.flush()
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as err:
+            self.log.write(f"timed out after {timeout} s\n{err.stdout or ''}{err.stderr or ''}")
+            return self.fail(f"{name}: timed out after {timeout} s")
+        self.log.write(proc.stdout + proc.stderr + f"\n===== {name}: exit {proc.returncode} in "
+                       f"{time.time() - t0:.0f} s\n")
+        self.log.flush()
+        if proc.returncode != 0:
+            tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1][:200]
+            return self.fail(f"{name}: exit {proc.returncode}: {tail}")
+        return proc.stdout
+
+    def fail(self, why: str) -> None:
+        self.failed.append(why)
+        self.lines.append(f"- FAILED {why}")
+        return None
+
+    def verdict(self, ok: bool, text: str) -> None:
+        if ok:
+            self.lines.append(f"- ok {text}")
+        else:
+            self.fail(text)
+
+
+def _losses(run_dir: Path) -> dict[int, dict]:
+    path = run_dir / "metrics.jsonl"
+    return {r["step"]: r for r in map(json.loads, path.read_text().splitlines())} if path.exists() else {}
+
+
+def _worst_rel(a: dict[int, dict], b: dict[int, dict]) -> float:
+    steps = sorted(set(a) & set(b))
+    assert steps, "no common logged steps"
+    return max(abs(a[s]["loss"] - b[s]["loss"]) / abs(b[s]["loss"]) for s in steps)
+
+
+def _pretrain(checks: Checks, name: str, run_dir: Path, sets: list[str], env: dict) -> dict[int, dict]:
+    cmd = [sys.executable, "pretrain.py", "--config", "configs/tiny.yaml"]
+    for s in sets + [f"log.dir={run_dir}"]:
+        cmd += ["--set", s]
+    checks.run(name, cmd, env=env)
+    return _losses(run_dir)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "runs" / "gpu-checks"))
+    ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU: checks the script")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    checks = Checks(out, args.smoke)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    if args.smoke:
+        env["TRITON_INTERPRET"] = "1"
+        device, steps, tput_steps, every = "cpu", 4, 2, 2
+        body = ["model.layers=2", "model.hidden=64", "model.heads=1", "model.seq_len=64",
+                "train.global_batch=2", "train.micro_batch=2"]
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("bench/gpu_checks.py needs a CUDA GPU (--smoke runs the script on the CPU)", file=sys.stderr)
+            return 2
+        device, steps, tput_steps, every = "cuda", 60, 30, 5
+        body = GPT2_SMALL_BODY
+    checks.run("environment", [sys.executable, "-c", "import torch, triton; print(torch.__version__, "
+               "triton.__version__, torch.version.cuda, torch.cuda.get_device_name() "
+               "if torch.cuda.is_available() else 'cpu')"], env=env)
+
+    # 1. kernels
+    kernels_md = checks.run("bench/kernels.py", [sys.executable, "bench/kernels.py"]
+                            + (["--smoke"] if args.smoke else []), env=env, timeout=1500)
+    if kernels_md is not None:
+        (out / "kernels.md").write_text(kernels_md)
+        targets = kernels_md.split("### Targets")[-1].strip().splitlines()
+        checks.lines += ["", "Kernel targets (bench/kernels.py):", *targets, ""]
+        if any(line.endswith("MISSED") and "errors" in line for line in targets):
+            checks.fail("attention errors above the bar (see kernels.md)")
+
+    # 2. training on one device
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = Path(tmp)
+        base = TINY_1GPU + [f"launch.device={device}", f"train.steps={steps}", f"log.every={every}"]
+        if args.smoke:
+            base += body
+        torch_k = ["kernels.attention=torch", "kernels.adam=torch"]
+        triton_k = ["kernels.attention=triton", "kernels.adam=triton"]
+        ref = _pretrain(checks, "train torch kernels", runs / "torch", base + torch_k, env)
+        fused = _pretrain(checks, "train triton kernels", runs / "triton", base + triton_k, env)
+        offload = _pretrain(checks, "train triton kernels, optimizer offloaded", runs / "offload",
+                            base + triton_k + ["zero.stage=1", "zero.offload_optimizer=cpu"], env)
+        if ref and fused:
+            worst = _worst_rel(fused, ref)
+            checks.verdict(worst <= BF16_LOSS_RTOL, f"triton kernels follow torch kernels over {steps} steps: worst "
+                           f"relative loss difference {worst:.2e} (bound {BF16_LOSS_RTOL:g}); final loss "
+                           f"{fused[max(fused)]['loss']:.4f} vs {ref[max(ref)]['loss']:.4f}")
+        if fused and offload:
+            worst = _worst_rel(offload, fused)
+            checks.verdict(worst <= OFFLOAD_LOSS_RTOL, f"offloaded optimizer follows the on-device one: worst "
+                           f"relative loss difference {worst:.2e} (bound {OFFLOAD_LOSS_RTOL:g}); offloaded "
+                           f"{offload[max(offload)].get('offloaded_gb', float('nan')):.3f} GB")
+
+        # 3. throughput
+        speed = {}
+        for name, kset in (("torch", torch_k), ("triton", triton_k)):
+            tput = [f"launch.device={device}", f"train.steps={tput_steps}", f"log.every={max(1, tput_steps // 3)}",
+                    *TINY_1GPU, *body, *kset]
+            metrics = _pretrain(checks, f"throughput {name} kernels", runs / f"tput-{name}", tput, env)
+            timed = [r for s, r in sorted(metrics.items())][1:]  # the first interval holds compilation
+            if timed:
+                speed[name] = (statistics.median(r["tokens_per_s"] for r in timed),
+                               statistics.median(r["mfu"] for r in timed),
+                               max(r["memory_gb"] for r in timed))
+        if speed:
+            checks.lines += ["", "Throughput, " + " ".join(body) + ":"]
+            checks.lines += [f"- {n} kernels: {t:,.0f} tokens/s, MFU {m:.1%}, peak memory {g:.1f} GB"
+                             for n, (t, m, g) in speed.items()]
+            if len(speed) == 2:
+                checks.lines.append(f"- triton / torch tokens/s: {speed['triton'][0] / speed['torch'][0]:.2f}")
+
+    status = "FAILED: " + "; ".join(checks.failed) if checks.failed else "all checks passed"
+    (out / "summary.md").write_text(f"# GPU checks ({'smoke, CPU' if args.smoke else device}): {status}\n\n"
+                                    + "\n".join(checks.lines) + "\n")
+    checks.log.close()
+    print((out / "summary.md").read_text())
+    return 1 if checks.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
