@@ -1,9 +1,10 @@
 """Fused kernels (Triton) with torch fallbacks: attention and AdamW over flat buffers."""
 
 
-def resolve_kernels(kernels_cfg, device_type: str) -> None:
-    """Turn kernels.* = auto into the implementation this machine runs; refuse 'triton' where it cannot."""
+def resolve_kernels(kernels_cfg, device_type: str, head_dim: int | None = None) -> None:
+    """Turn kernels.* = auto into the implementation this machine (and model: its attention head dim) runs;
+    refuse 'triton' where it cannot."""
     from kernels import adam, attention
 
     kernels_cfg.adam = adam.resolve_impl(kernels_cfg.adam, device_type)
-    kernels_cfg.attention = attention.resolve_impl(kernels_cfg.attention, device_type)
+    kernels_cfg.attention = attention.resolve_impl(kernels_cfg.attention, device_type, head_dim)

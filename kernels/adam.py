@@ -45,8 +45,9 @@ def adamw_step(master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor
     bias_correction2_sqrt = math.sqrt(1.0 - beta2 ** step)
     denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
     master.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
-    if model_copy is not None:
-        model_copy.copy_(master)
+    if model_copy is not None:  # host-to-device from pinned (offloaded) master: nothing to wait for; the next
+        # host write to master comes after the next step's overflow check has synchronised the stream
+        model_copy.copy_(master, non_blocking=model_copy.device.type == "cuda")
 
 
 # --------------------------------------------------------------------------------------------------------------------

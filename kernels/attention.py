@@ -41,16 +41,22 @@ def triton_available() -> bool:
     return triton is not None and (torch.cuda.is_available() or _interpreting())
 
 
-def resolve_impl(requested: str, device_type: str) -> str:
-    """The attention impl for a run: "auto" -> "triton" on CUDA when triton imports, else "torch".
+def resolve_impl(requested: str, device_type: str, head_dim: int | None = None) -> str:
+    """The attention impl for a run: "auto" -> "triton" on CUDA when triton imports and the kernel has the
+    model's head dim (``model.hidden / model.heads``), else "torch".
 
     "auto" never picks the interpreter: it is for tests, orders of magnitude slower than SDPA.
     """
     if requested == "torch":
         return "torch"
+    has_head_dim = head_dim is None or head_dim in HEAD_DIMS
     if requested == "auto":
-        return "triton" if device_type == "cuda" and triton is not None and torch.cuda.is_available() else "torch"
+        return "triton" if (device_type == "cuda" and has_head_dim and triton is not None
+                            and torch.cuda.is_available()) else "torch"
     if requested == "triton":
+        if not has_head_dim:
+            raise UserError(f"kernels.attention='triton' supports head dims {', '.join(map(str, HEAD_DIMS))} "
+                            f"(model.hidden / model.heads), this model's is {head_dim}; valid here: auto | torch")
         if triton_available() and (device_type == "cuda" or _interpreting()):
             return "triton"
         raise UserError("kernels.attention='triton' needs a CUDA GPU with triton installed (or TRITON_INTERPRET=1 "

@@ -65,8 +65,10 @@ def pick_device(requested: str, local_rank: int, local_world: int = 1) -> torch.
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise UserError(f"launch.device={requested!r} but no CUDA device is visible; valid here: auto | cpu")
-    n = torch.cuda.device_count()
-    device = torch.device("cuda", local_rank % n)
+    if gpus < local_world:  # NCCL refuses two ranks on one GPU ("Duplicate GPU detected")
+        raise UserError(f"launch.device={requested!r} with {local_world} processes on this node but {gpus} GPU(s) "
+                        f"visible: one process per GPU (torchrun --nproc-per-node {gpus}); valid here: auto | cpu")
+    device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)
     return device
 

@@ -27,9 +27,12 @@ def run(config_path: str, overrides: list[str]) -> list[dict]:
     resolve_world(cfg, info.world_size)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     device = launch.pick_device(cfg.launch.device, info.local_rank, local_world)
-    if device.type == "cpu":
+    if device.type == "cpu" or "cpu" in (cfg.zero.offload_optimizer, cfg.zero.offload_params):
+        # the CPU computes (the model, or the offloaded AdamW): a fair share of the node's cores each, not
+        # torchrun's OMP_NUM_THREADS=1
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    resolve_kernels(cfg.kernels, device.type)  # before any process group: a refusal is a config error
+    # before any process group: a refusal is a config error
+    resolve_kernels(cfg.kernels, device.type, cfg.model.head_dim)
     created = launch.init_distributed(info, device)
     try:
         grid = Grid.build(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, device.type)

@@ -67,7 +67,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, grid: Grid, device: torch.device, is_builder: bool = True):
         self.cfg, self.grid, self.device = cfg, grid, device
-        resolve_kernels(cfg.kernels, device.type)
+        resolve_kernels(cfg.kernels, device.type, cfg.model.head_dim)
         self.data = load_data_everywhere(cfg, grid, is_builder)
         torch.manual_seed(cfg.train.seed)
         par = cfg.parallel

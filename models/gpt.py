@@ -58,8 +58,24 @@ class _Parallel:
         self.rng = rng
 
 
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm whose output has autocast's dtype.
+
+    CUDA autocast computes layer_norm in fp32 (as it should) but also returns fp32, and the tensor-parallel
+    collectives right after a norm (sequence parallelism's all-gather, the column-parallel input's backward
+    all-reduce) would then move twice the bytes of a bf16 run. Megatron's fused norm returns the input
+    dtype; this returns the autocast dtype. Outside autocast it is nn.LayerNorm.
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = super().forward(x)
+        if torch.is_autocast_enabled(x.device.type):
+            y = y.to(torch.get_autocast_dtype(x.device.type))
+        return y
+
+
 def _norm(cfg: Any, par: _Parallel) -> nn.LayerNorm:
-    norm = nn.LayerNorm(cfg.hidden, eps=LN_EPS, bias=cfg.bias)
+    norm = LayerNorm(cfg.hidden, eps=LN_EPS, bias=cfg.bias)
     if par.sp:
         mark_sequence_parallel(norm)
     return norm

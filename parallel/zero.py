@@ -148,7 +148,9 @@ class ZeroOptimizer(LayerGathering):
                     b.exp_avg, b.exp_avg_sq = b.exp_avg.pin_memory(), b.exp_avg_sq.pin_memory()
                     if keep_master:
                         b.master = b.master.pin_memory()
-            b.decay_mask, b.norm_mask, b.sp_mask = decay[lo:hi].clone(), count[lo:hi].clone(), sp[lo:hi].clone()
+            b.decay_mask, b.norm_mask = decay[lo:hi].clone(), count[lo:hi].clone()
+            sp_index = sp[lo:hi].nonzero().squeeze(1)  # once here, so the step indexes without a host sync
+            b.sp_index = sp_index if sp_index.numel() else None
             if self.state_device != self.device:
                 b.decay_mask = b.decay_mask.to(self.state_device)
             if self.stage == 0 or self.stage == 1:
@@ -240,15 +242,15 @@ class ZeroOptimizer(LayerGathering):
         tp = self.grid.tp_comm
         if tp.size == 1:
             return
-        parts = [(b, self._range_grad(b)) for b in self.buckets if bool(b.sp_mask.any())]
+        parts = [(b, self._range_grad(b)) for b in self.buckets if b.sp_index is not None]
         if not parts:
             return
-        flat = torch.cat([g[b.sp_mask] for b, g in parts])
+        flat = torch.cat([g.index_select(0, b.sp_index) for b, g in parts])
         tp.all_reduce(flat, tag="grad")
         start = 0
         for b, g in parts:
-            n = int(b.sp_mask.sum())
-            g[b.sp_mask] = flat[start:start + n]
+            n = b.sp_index.numel()
+            g.index_copy_(0, b.sp_index, flat[start:start + n])
             start += n
 
     def reduce(self) -> None:
@@ -288,9 +290,13 @@ class ZeroOptimizer(LayerGathering):
         self.step_count += 1
         coef = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
         b1, b2 = self.betas
-        for b in self.buckets:
+        # Offloaded states: every bucket's gradient leaves the device at once (asynchronous copies into pinned
+        # memory), then one wait, not one blocking copy per bucket. On the device this is a no-op.
+        grads = [self._range_grad(b).to(self.state_device, non_blocking=True) for b in self.buckets]
+        if self.state_device != device and device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        for b, grad in zip(self.buckets, grads):
             lo, hi = self._range(b)
-            grad = self._range_grad(b).to(self.state_device)
             target = b.shard_param if self.stage == 3 else b.full[lo:hi]
             same = b.master.data_ptr() == target.data_ptr()
             adamw(self.adam_impl, b.master, grad, b.exp_avg, b.exp_avg_sq, lr=lr, beta1=b1, beta2=b2, eps=self.eps,

@@ -33,7 +33,7 @@ class Bucket:
     exp_avg_sq: Optional[Tensor] = None
     decay_mask: Optional[Tensor] = None
     norm_mask: Optional[Tensor] = None
-    sp_mask: Optional[Tensor] = None  # sequence-parallel parameters: gradients summed over tp
+    sp_index: Optional[Tensor] = None  # where sequence-parallel parameters' gradients (summed over tp) are
     deferred: bool = False  # reduced after the schedule (tied embedding / stage-3 root)
     unit: Optional[nn.Module] = None  # stage 3: the layer whose parameters these are
     ready: int = 0
@@ -91,8 +91,10 @@ class LayerGathering:
         b.full.untyped_storage().resize_(b.numel * b.full.element_size())
         self.gathered_bytes += b.numel * b.full.element_size()
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
-        work = self.grid.dp_comm.all_gather_into(b.full.data, b.shard_param.to(self.device), tag="param",
-                                                 async_op=async_op)
+        # From pinned memory when offloaded: an asynchronous copy, ordered before the gather on the stream; the
+        # host writes shard_param only in the step, after the gathers settle and the overflow check syncs.
+        shard = b.shard_param.to(self.device, non_blocking=True)
+        work = self.grid.dp_comm.all_gather_into(b.full.data, shard, tag="param", async_op=async_op)
         if async_op:
             b.gather_work = work
         else:

@@ -195,6 +195,11 @@ def test_resolve_impl(monkeypatch):
     assert A.resolve_impl("triton", "cpu") == "triton"  # TRITON_INTERPRET=1
     with pytest.raises(UserError, match="kernels.attention='cuda'"):
         A.resolve_impl("cuda", "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU: auto picks the kernel it has
+    assert A.resolve_impl("auto", "cuda", head_dim=128) == "triton"
+    assert A.resolve_impl("auto", "cuda", head_dim=80) == "torch"  # no kernel for it: SDPA, not a crash
+    with pytest.raises(UserError, match=r"this model's is 80; valid here: auto \| torch$"):
+        A.resolve_impl("triton", "cuda", head_dim=80)
     monkeypatch.delenv("TRITON_INTERPRET")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert not A.triton_available()

@@ -46,3 +46,19 @@ def test_device_choice():
         assert pick_device("auto", 0).type == "cpu"
         with pytest.raises(UserError, match="launch.device='cuda'"):
             pick_device("cuda", 0)
+
+
+def test_gpus_per_node(monkeypatch):
+    """One process per GPU: auto falls back to the CPU with too few GPUs; launch.device=cuda refuses (NCCL would
+    fail later with two ranks on one GPU), with the torchrun flag that fits."""
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    assert pick_device("auto", 3, local_world=8).type == "cpu"
+    with pytest.raises(UserError, match=r"8 processes on this node but 2 GPU\(s\) visible.*--nproc-per-node 2"):
+        pick_device("cuda", 3, local_world=8)
+    assert chosen == []
+    assert pick_device("cuda", 1, local_world=2) == torch.device("cuda", 1)
+    assert pick_device("auto", 0, local_world=2) == torch.device("cuda", 0)
+    assert chosen == [torch.device("cuda", 1), torch.device("cuda", 0)]

@@ -263,3 +263,21 @@ def test_pipeline_stages_chain_to_the_whole_model():
 
 
 # --- tensor parallel (2 gloo ranks) ------------------------------------------------------------
+
+
+def test_layer_norm_returns_the_autocast_dtype():
+    """CUDA autocast runs layer_norm in fp32 and returns fp32; the model's norm must hand bf16 to the tensor-parallel
+    collectives that follow. An fp32 input under CPU autocast is the same situation (the norm computes in fp32)."""
+    from models.gpt import LayerNorm
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 16)
+    norm = LayerNorm(16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = torch.nn.functional.layer_norm(x, (16,), norm.weight, norm.bias)
+        y = norm(x)
+    assert plain.dtype == torch.float32  # the situation: the norm itself computed and returned fp32
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, plain.to(torch.bfloat16))  # the same values, rounded once
+    assert norm(x).dtype == torch.float32  # no autocast: a plain LayerNorm
+    assert isinstance(norm, torch.nn.LayerNorm) and [n for n, _ in norm.named_parameters()] == ["weight", "bias"]
