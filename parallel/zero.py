@@ -66,6 +66,7 @@ class ZeroOptimizer(LayerGathering):
         self.world = Comm(dist.group.WORLD if dist.is_initialized() else None, "world", grid.counter)
         self.tied_embedding = any(c.shares_embedding_across_stages for c in chunks)
         self.buckets = self._make_buckets(chunks, bucket_mb)
+        self.owner = self._checkpoint_owners()
         self._materialise()
         if stage == 3:
             self._install_unit_hooks()
@@ -111,6 +112,17 @@ class ZeroOptimizer(LayerGathering):
             buckets.append(Bucket(params=params, offsets=offsets, numel=numel, unit=unit, deferred=deferred,
                                   dp=self.dp))
         return buckets
+
+    def _checkpoint_owners(self) -> dict[str, int]:
+        """The dp rank that holds each parameter's whole state for a checkpoint: the least loaded so far, in
+        bucket order. Every rank of the stage computes the same map (tp ranks too: their shards are equal)."""
+        load, owner = [0] * self.dp, {}
+        for b in self.buckets:
+            for name, p in b.params:
+                r = min(range(self.dp), key=lambda i: (load[i], i))
+                owner[name] = r
+                load[r] += p.numel()
+        return owner
 
     def _materialise(self) -> None:
         """Move the parameters into the bucket buffers; build master weights and moments for the own range."""
@@ -334,36 +346,52 @@ class ZeroOptimizer(LayerGathering):
         return out
 
     def export_state(self) -> dict[str, dict[str, Tensor]]:
-        """name -> {param, master, exp_avg, exp_avg_sq} as whole (tp-local) tensors, bucket by bucket.
+        """name -> {param, master, exp_avg, exp_avg_sq} as whole (tp-local) tensors, for the parameters this dp
+        rank owns (:attr:`owner`): every rank holds ~1/dp of the stage's state, plus one gathered bucket at a time.
 
-        Used only for checkpoints: it holds this stage's optimizer state whole for the save.
+        Used only for checkpoints (DCP writes each owner's tensors; the dp ranks together write everything).
         """
         out: dict[str, dict[str, Tensor]] = {}
         for b in self.buckets:
-            params = b.full.clone() if self.stage < 3 else self._full(b, b.shard_param)
-            kinds = {"param": params, "exp_avg": self._full(b, b.exp_avg), "exp_avg_sq": self._full(b, b.exp_avg_sq),
-                     "master": self._full(b, b.master.float())}
-            for (name, p), off in zip(b.params, b.offsets):
-                out[name] = {k: v[off:off + p.numel()].view(p.shape) for k, v in kinds.items()}
+            owned = [(name, p, off) for (name, p), off in zip(b.params, b.offsets) if self.owner[name] == self.dp_rank]
+            if self.stage == 0:  # nothing to gather: views of this rank's own buffers
+                kinds = {"param": b.full, "master": b.master, "exp_avg": b.exp_avg, "exp_avg_sq": b.exp_avg_sq}
+            else:  # every rank takes part in the gathers, owner or not
+                kinds = {"param": b.full if self.stage < 3 else self._full(b, b.shard_param),
+                         "exp_avg": self._full(b, b.exp_avg), "exp_avg_sq": self._full(b, b.exp_avg_sq),
+                         "master": self._full(b, b.master.float())}
+            for name, p, off in owned:
+                out[name] = {k: v[off:off + p.numel()].view(p.shape).clone() for k, v in kinds.items()}
         return out
 
     def import_state(self, state: dict[str, dict[str, Tensor]], step: int) -> None:
-        """Take back what export_state gave (after it was filled from a checkpoint): keep this rank's range."""
+        """Take back what export_state gave (after a checkpoint filled it): the owners' whole tensors go into
+        bucket-long buffers, zero elsewhere; a sum over dp then hands every rank its range (exact: one term)."""
         for b in self.buckets:
             flat = {k: torch.zeros(b.numel, dtype=torch.float32 if k != "param" else self.dtype, device=self.device)
                     for k in ("param", "master", "exp_avg", "exp_avg_sq")}
             for (name, p), off in zip(b.params, b.offsets):
-                for k, t in flat.items():
-                    t[off:off + p.numel()] = state[name][k].reshape(-1).to(t.dtype)
+                if name in state:
+                    for k, t in flat.items():
+                        t[off:off + p.numel()] = state[name][k].reshape(-1).to(device=t.device, dtype=t.dtype)
             lo, hi = self._range(b)
+            mine = {}
+            for k, t in flat.items():
+                whole = k == "param" and self.stage < 3  # stages 0-2 hold every parameter
+                if whole or self.stage == 0:
+                    self.grid.dp_comm.all_reduce(t, tag="checkpoint")
+                    mine[k] = t if whole else t[lo:hi]
+                else:
+                    mine[k] = torch.empty(hi - lo, dtype=t.dtype, device=self.device)
+                    self.grid.dp_comm.reduce_scatter_into(mine[k], t, tag="checkpoint")
             if self.stage < 3:
-                b.full.copy_(flat["param"])
+                b.full.copy_(mine["param"])
             else:
-                b.shard_param.copy_(flat["param"][lo:hi])
+                b.shard_param.copy_(mine["param"])
             if b.master.data_ptr() != (b.shard_param if self.stage == 3 else b.full[lo:hi]).data_ptr():
-                b.master.copy_(flat["master"][lo:hi])
-            b.exp_avg.copy_(flat["exp_avg"][lo:hi])
-            b.exp_avg_sq.copy_(flat["exp_avg_sq"][lo:hi])
+                b.master.copy_(mine["master"])
+            b.exp_avg.copy_(mine["exp_avg"])
+            b.exp_avg_sq.copy_(mine["exp_avg_sq"])
         self.step_count = step
 
     # ----- accounting -------------------------------------------------------------------------

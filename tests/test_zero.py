@@ -38,10 +38,14 @@ DP2 = [(f"dp2_z{s}", [f"zero.stage={s}"]) for s in range(4)] + \
        ("dp2_z1_bf16", ["zero.stage=1", "train.precision=bf16"]),
        ("dp2_z3_bf16", ["zero.stage=3", "train.precision=bf16"]),
        # a dp=1 stage-0 checkpoint at step 10 resumed at dp=2 under stage 3: checkpoints are layout-free
-       ("dp1_then_dp2_z3", ["zero.stage=3", "train.resume=auto"])]
+       ("dp1_then_dp2_z3", ["zero.stage=3", "train.resume=auto"]),
+       # and back: a dp=2 stage-2 checkpoint (each rank wrote the half it owns) resumed at dp=1 (fixture)
+       ("dp2_z2_then_dp1", ["zero.stage=2", "train.exit_after=10"])]
 DP4 = [(f"dp4_z{s}", [f"zero.stage={s}", "train.micro_batch=1"]) for s in range(4)]
 EIGHT = [(f"tp2_pp2_dp2_z{s}", [f"zero.stage={s}", "parallel.tp=2", "parallel.pp=2",
-                                "parallel.sequence_parallel=true"]) for s in (0, 1, 2, 3)]
+                                "parallel.sequence_parallel=true"]) for s in (0, 1, 2, 3)] + \
+        [("tp2_pp2_dp2_z3_then_dp1", ["zero.stage=3", "parallel.tp=2", "parallel.pp=2", "train.exit_after=10"])]
+THEN_DP1 = ("dp2_z2_then_dp1", "tp2_pp2_dp2_z3_then_dp1")  # finished at dp=1, stage 0, from their step-10 save
 
 
 def _train(rank, world, text, cache, base, layouts):
@@ -81,12 +85,15 @@ def _measurements(rank, world, text, cache, base):
         _one_step(tr, cfg, grid)  # m = 1 microbatch per rank
         tr.zero.step(1e-3, 1.0)
         wire = grid.counter.wire(group="dp", tag="grad") + grid.counter.wire(group="dp", tag="param")
+        exported = tr.zero.export_state()  # what this rank holds for a checkpoint
+        owned = {n: p.numel() for n, p in tr.named_params if n in exported}
         root = sum(b.numel for b in tr.zero.buckets if b.unit is None)
         layers = sum(b.numel for b in tr.zero.buckets if b.unit is not None)
         out[stage] = {"psi": psi, "measured": measured, "formula": formula, "planned": planned, "wire": wire,
                       "root": root, "layers": layers, "peak_gathered": tr.zero.peak_gathered_bytes,
                       "layer_bytes": max((b.numel for b in tr.zero.buckets if b.unit is not None), default=0) * 2,
-                      "param_bytes": psi * 2}
+                      "param_bytes": psi * 2, "owned": owned,
+                      "largest": max(p.numel() for _, p in tr.named_params)}
     return out
 
 
@@ -123,6 +130,8 @@ def runs(tmp_path_factory):
     measured = run_ranks(4, _measurements, text, cache, base)
     run_ranks(4, _train, text, cache, base, DP4)
     run_ranks(8, _train, text, cache, base, EIGHT)
+    for name in THEN_DP1:
+        run(TINY, _over(text, cache, base / name, ["zero.stage=0", "train.resume=auto"]))
     return base, overflow, measured
 
 
@@ -173,6 +182,19 @@ def test_communication_volume(runs, stage):
         assert m["wire"] == pytest.approx(want, rel=1e-9), (stage, m["wire"], want)
         ideal = (2 if stage < 3 else 3) * m["psi"] * (dp - 1) / dp
         assert 0.75 * ideal <= m["wire"] <= 1.05 * ideal
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_checkpoint_state_is_split_over_dp(runs, stage):
+    """A save holds each parameter's whole state on one dp rank only: the ranks' shares are disjoint, cover the
+    stage, and are balanced to within one parameter (~1/dp of the state each, not all of it on every rank)."""
+    shares = [r[stage]["owned"] for r in runs[2]]
+    names = [n for share in shares for n in share]
+    assert len(names) == len(set(names))
+    psi, largest = runs[2][0][stage]["psi"], runs[2][0][stage]["largest"]
+    assert sum(sum(share.values()) for share in shares) == psi
+    for share in shares:
+        assert sum(share.values()) <= psi / len(shares) + largest
 
 
 def test_stage3_never_gathers_more_than_a_few_layers(runs):
