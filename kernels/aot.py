@@ -114,24 +114,31 @@ def candidates(kind: str, head_dim: int, wide: bool) -> list[tuple[int, int, int
             for w in (4, 8) for s in (2, 3, 4)]
 
 
+def _describe(job: tuple[str, int, tuple[int, int, int, int], int]) -> dict:
+    kind, d, config, arch = job
+    try:
+        return asdict(compile_attention(kind, d, config, arch=arch))
+    except Exception as err:  # noqa: BLE001 -- one configuration failing must not end the table
+        return {"kind": kind, "head_dim": d, "config": config,
+                "error": (str(err).splitlines() or [type(err).__name__])[0][:200]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--head-dims", default="64,128")
     parser.add_argument("--all", action="store_true", help="the wider grid, not only the autotune sets")
     parser.add_argument("--kinds", default="fwd,dkdv,dq")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiles in parallel")
     args = parser.parse_args()
     import json
+    from concurrent.futures import ProcessPoolExecutor
 
-    for kind in args.kinds.split(","):
-        for d in (int(x) for x in args.head_dims.split(",")):
-            for config in candidates(kind, d, args.all):
-                try:
-                    print(json.dumps(asdict(compile_attention(kind, d, config, arch=args.arch))), flush=True)
-                except Exception as err:  # noqa: BLE001 -- one configuration failing must not end the table
-                    print(json.dumps({"kind": kind, "head_dim": d, "config": config,
-                                      "error": (str(err).splitlines() or [type(err).__name__])[0][:200]}),
-                          flush=True)
+    jobs = [(kind, d, config, args.arch) for kind in args.kinds.split(",")
+            for d in (int(x) for x in args.head_dims.split(",")) for config in candidates(kind, d, args.all)]
+    with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        for row in pool.map(_describe, jobs):  # in order
+            print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from megazero.config import Config
 from megazero.data import GPTData, build_data
 from megazero.errors import UserError
 from megazero.metrics import MetricsLogger, memory_gb, model_flops_per_token, peak_tflops
-from models.gpt import build_gpt
+from models.gpt import build_gpt, initial_tp_value
 from parallel.pipeline import PipelineExecutor, partition_layers
 from parallel.schedules import build_schedule, virtual_stage
 from parallel.topology import Grid, coords_to_rank
@@ -75,12 +75,14 @@ class Trainer:
         ranges = partition_layers(cfg.model.layers, grid.pp * v, par.pp_layers)
         last_vs = grid.pp * v - 1
         self.chunks = []
+        lazy = cfg.zero.stage == 3  # ZeRO-3 creates the parameters itself, one bucket at a time
         for c in range(v):  # model chunk c of this rank is virtual stage c*pp + pp_rank
             vs = virtual_stage(grid.pp_rank, c, grid.pp)
             self.chunks.append(build_gpt(cfg.model, cfg.train.seed, device=device, tp=grid.tp_comm,
                                          layer_ids=ranges[vs], first_stage=vs == 0, last_stage=vs == last_vs,
                                          sequence_parallel=par.sequence_parallel,
-                                         attention_impl=cfg.kernels.attention))
+                                         attention_impl=cfg.kernels.attention, materialise=not lazy))
+        origin = {p: (m, n) for m in self.chunks for n, p in m.named_parameters()}
         self.named_params = [(n, p) for m in self.chunks for n, p in m.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named_params]
         # the tied embedding: held by the first and the last virtual stage; the last one's is a copy
@@ -91,7 +93,8 @@ class Trainer:
         z = cfg.zero
         self.zero = ZeroOptimizer(self.chunks, grid, z.stage, cfg.train.precision, cfg.train.lr,
                                   cfg.train.weight_decay, z.bucket_mb, z.reshard_after_forward,
-                                  z.offload_optimizer, z.offload_params, adam_impl=cfg.kernels.adam)
+                                  z.offload_optimizer, z.offload_params, adam_impl=cfg.kernels.adam, device=device,
+                                  initial_value=lambda p: initial_tp_value(*origin[p], cfg.train.seed))
         self.executor = PipelineExecutor(self.chunks, grid, (cfg.train.micro_batch, seq, cfg.model.hidden),
                                          DTYPES[cfg.train.precision], device,
                                          cfg.train.global_batch * cfg.model.seq_len, self._autocast)
@@ -132,7 +135,7 @@ class Trainer:
         self.zero.begin_step(len(microbatches))
         self.executor.loss_scale = self.zero.scaler.scale if self.zero.scaler.enabled else 1.0
         loss_sum = self.executor.run(self.schedule, microbatches)
-        self.train_trace = self.executor.chrome_trace(grid.rank)
+        self.train_trace = (self.executor.trace, self.executor.trace_origin)  # the last training run's timeline
         norm, skipped = self.zero.step(lr, cfg.train.grad_clip)
         grid.dp_comm.all_reduce(loss_sum, tag="loss")
         self.step += 1
@@ -163,7 +166,7 @@ class Trainer:
 
     def write_pipeline_trace(self) -> None:
         """Every rank's timeline of the last step in one Chrome-trace/Perfetto file (pid = rank)."""
-        events = self.train_trace
+        events = self.executor.chrome_trace(self.grid.rank, *self.train_trace)
         if dist.is_initialized():
             gathered = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, events)

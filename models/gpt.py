@@ -246,21 +246,27 @@ def initial_value(name: str, full_shape: tuple[int, ...], seed: int, cfg: Any) -
     return torch.empty(full_shape).normal_(0.0, std, generator=_generator(seed, name))
 
 
+def initial_tp_value(model: GPT, name: str, seed: int) -> Tensor:
+    """This tp rank's slice of the initial value of the parameter ``name`` of ``model`` (CPU, float32)."""
+    module_name, _, pname = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    tp_rank, tp_size = getattr(module, "tp_rank", 0), getattr(module, "tp_size", 1)
+    p = getattr(module, pname)
+    dim = p.tp_split_dim
+    full_shape = list(p.shape)
+    if dim is not None:
+        full_shape[dim] *= tp_size
+    value = initial_value(name, tuple(full_shape), seed, model.cfg)
+    if dim is not None and tp_size > 1:
+        value = value.chunk(tp_size, dim=dim)[tp_rank]
+    return value
+
+
 @torch.no_grad()
 def init_parameters(model: GPT, seed: int) -> None:
     """Set every parameter to its layout-independent initial value (this rank's tp slice of it)."""
-    for module_name, module in model.named_modules():
-        tp_rank, tp_size = getattr(module, "tp_rank", 0), getattr(module, "tp_size", 1)
-        for pname, p in module.named_parameters(recurse=False):
-            name = f"{module_name}.{pname}" if module_name else pname
-            dim = p.tp_split_dim
-            full_shape = list(p.shape)
-            if dim is not None:
-                full_shape[dim] *= tp_size
-            value = initial_value(name, tuple(full_shape), seed, model.cfg)
-            if dim is not None and tp_size > 1:
-                value = value.chunk(tp_size, dim=dim)[tp_rank]
-            p.copy_(value)
+    for name, p in model.named_parameters():
+        p.copy_(initial_tp_value(model, name, seed))
 
 
 def build_gpt(
@@ -273,15 +279,22 @@ def build_gpt(
     last_stage: bool = True,
     sequence_parallel: bool = False,
     attention_impl: str = "torch",
+    materialise: bool = True,
 ) -> GPT:
-    """Build a stage on the meta device (no memory), materialise it on ``device``, initialise it."""
+    """Build a stage on the meta device (no memory), materialise it on ``device``, initialise it.
+
+    materialise=False leaves the parameters on the meta device for their owner (ZeRO-3) to create one
+    bucket at a time from :func:`initial_tp_value`; the model still computes on ``device``.
+    """
     with torch.device("meta"):
         model = GPT(cfg, tp, layer_ids, first_stage, last_stage, sequence_parallel, attention_impl)
+    model.rng.device = torch.device(device)
+    if not materialise:
+        return model
     attrs = {name: (p.tp_split_dim, p.sequence_parallel) for name, p in model.named_parameters()}
     model.to_empty(device=device)
     for name, p in model.named_parameters():  # materialising replaces the Parameter objects
         p.tp_split_dim, p.sequence_parallel = attrs[name]
-    model.rng.device = torch.device(device)
     init_parameters(model, seed)
     return model
 

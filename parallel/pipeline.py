@@ -11,7 +11,7 @@ backward needs only its autograd graph, not its values.
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -66,7 +66,8 @@ class PipelineExecutor:
         self.autocast = autocast
         self.pp, self.rank = grid.pp, grid.pp_rank
         self.last_vs = self.pp * len(chunks) - 1
-        self.trace: list[tuple] = []
+        self.trace: list[tuple] = []  # (kind, label, mb, chunk, start stamp, end stamp) of the last run
+        self.trace_origin: object = 0.0  # the stamp the last run started at
         self.loss_scale = 1.0  # fp16: the loss is multiplied by the loss scale before backward
         self.peak_held_bytes = 0  # largest total of stage outputs kept between actions (measured)
 
@@ -82,9 +83,9 @@ class PipelineExecutor:
         total = torch.zeros((), device=self.device)
         self.trace = []
         self.peak_held_bytes = 0
-        t0 = time.perf_counter()
+        self.trace_origin = self._stamp()
         for kind, items in batches(actions):
-            start = time.perf_counter()
+            start = self._stamp()
             if kind == "comm":
                 self._communicate(items, inputs, outputs, grads, forward_only)
                 label = "+".join(str(a) for a in items)
@@ -95,7 +96,7 @@ class PipelineExecutor:
                 else:
                     self._backward(a, inputs, outputs, grads)
                 label = str(a)
-            self.trace.append((kind, label, items[0].mb, items[0].chunk, start - t0, time.perf_counter() - t0))
+            self.trace.append((kind, label, items[0].mb, items[0].chunk, start, self._stamp()))
             held = sum(t.numel() * t.element_size() for t in outputs.values())
             self.peak_held_bytes = max(self.peak_held_bytes, held)
         assert not outputs or forward_only, f"outputs never consumed: {list(outputs)[:4]}"
@@ -168,11 +169,30 @@ class PipelineExecutor:
             elif a.kind == "send_f" and not forward_only:
                 _release(outputs[key])  # backward needs the graph, not the values
 
-    def chrome_trace(self, pid: int) -> list[dict]:
-        """This rank's last run as Chrome-trace/Perfetto 'complete' events (microseconds)."""
+    def _stamp(self) -> object:
+        """Now: on CUDA an event recorded on the current stream (kernels and NCCL waits are asynchronous, so
+        the host clock would time their launches), else the host clock. Recording syncs nothing."""
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def chrome_trace(self, pid: int, trace: Optional[list] = None, origin: object = None) -> list[dict]:
+        """A run (default: the last) as Chrome-trace/Perfetto 'complete' events (microseconds).
+
+        On CUDA this waits for the device to reach the run's last event: call it when writing the trace."""
+        trace, origin = (self.trace, self.trace_origin) if trace is None else (trace, origin)
+        if trace and not isinstance(origin, float):
+            trace[-1][-1].synchronize()
+
+        def seconds(stamp) -> float:
+            return stamp - origin if isinstance(stamp, float) else origin.elapsed_time(stamp) / 1e3
+
         events = []
-        for kind, label, mb, chunk, start, end in self.trace:
+        for kind, label, mb, chunk, start, end in trace:
+            t0, t1 = seconds(start), seconds(end)
             events.append({"name": label, "cat": kind, "ph": "X", "pid": pid, "tid": 0,
-                           "ts": start * 1e6, "dur": (end - start) * 1e6, "args": {"mb": mb, "chunk": chunk}})
+                           "ts": t0 * 1e6, "dur": (t1 - t0) * 1e6, "args": {"mb": mb, "chunk": chunk}})
         return events
 

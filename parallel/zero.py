@@ -24,7 +24,7 @@ Communication per step and rank in elements on the wire, m = 1 microbatch:
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,7 +45,12 @@ class ZeroOptimizer(LayerGathering):
     def __init__(self, chunks: list[nn.Module], grid: Grid, stage: int, precision: str, lr: float,
                  weight_decay: float, bucket_mb: float = 25.0, reshard_after_forward: bool = True,
                  offload_optimizer: str = "none", offload_params: str = "none",
-                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, adam_impl: str = "torch"):
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, adam_impl: str = "torch",
+                 device: Optional[torch.device] = None,
+                 initial_value: Optional[Callable[[nn.Parameter], Tensor]] = None):
+        """device: where the model computes (default: where its parameters are). Parameters still on the meta
+        device (stage 3's lazily built model) are created bucket by bucket from ``initial_value(param)``, so
+        the whole stage never exists unsharded."""
         assert stage in (0, 1, 2, 3), stage
         self.grid, self.stage, self.lr, self.weight_decay = grid, stage, lr, weight_decay
         self.betas, self.eps = betas, eps
@@ -56,7 +61,8 @@ class ZeroOptimizer(LayerGathering):
         self.scaler = LossScaler(enabled=precision == "fp16")
         self.step_count = 0
         self.microbatches = 1
-        self.device = next(chunks[0].parameters()).device
+        self.device = device if device is not None else next(chunks[0].parameters()).device
+        self.initial_value = initial_value
         self.state_device = torch.device("cpu") if offload_optimizer == "cpu" else self.device
         # the fused kernel runs where the optimizer states are; offloaded states step with torch on the CPU
         self.adam_impl = adam_impl if self.state_device == self.device else "torch"
@@ -135,13 +141,19 @@ class ZeroOptimizer(LayerGathering):
             b.full = torch.zeros(b.numel, dtype=self.dtype, device=self.device)
             for (name, p), off in zip(b.params, b.offsets):
                 n = p.numel()
-                master_full[off:off + n] = p.detach().reshape(-1).float()
+                value = p.detach() if not p.is_meta else self.initial_value(p)
+                master_full[off:off + n] = value.reshape(-1).float()
                 decay[off:off + n] = p.dim() >= 2
                 count[off:off + n] = (getattr(p, "tp_split_dim", None) is not None or tp_rank == 0) \
                     and not getattr(p, "tied_copy", False)
                 sp[off:off + n] = bool(getattr(p, "sequence_parallel", False))
-                b.full[off:off + n] = p.detach().reshape(-1).to(self.dtype)
-                p.data = b.full[off:off + n].view_as(p)
+                b.full[off:off + n] = value.reshape(-1).to(self.dtype)
+                if p.is_meta:  # becomes a real tensor in place (same Parameter object, its attributes kept)
+                    real = nn.Parameter(b.full[off:off + n].view(p.shape), requires_grad=p.requires_grad)
+                    real.__dict__.update(p.__dict__)
+                    torch.utils.swap_tensors(p, real)
+                else:
+                    p.data = b.full[off:off + n].view_as(p)
             lo, hi = self._range(b)
             keep_master = self.dtype != torch.float32 or self.state_device != self.device \
                 or (self.stage == 3 and self.param_device != self.state_device)

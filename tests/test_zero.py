@@ -220,3 +220,37 @@ def test_offloaded_runs_equal_the_others(runs):
     base = runs[0]
     for off, plain in (("dp2_z1_offload", "dp2_z1"), ("dp2_z3_offload", "dp2_z3")):
         assert [r["loss"] for r in _curve(base, off)] == [r["loss"] for r in _curve(base, plain)]
+
+
+def test_stage3_creates_the_model_one_bucket_at_a_time():
+    """ZeRO-3 builds the model on the meta device and creates the parameters bucket by bucket (DeepSpeed's
+    zero.Init): while it creates any parameter, the only parameter storage alive is the bucket being filled, not
+    the whole stage. Values are the same as an eagerly built model's."""
+    from models.gpt import build_gpt, initial_tp_value
+    from parallel.zero import ZeroOptimizer
+
+    cfg = load_config(TINY, ["parallel.tp=1", "parallel.pp=1", "model.layers=4"]).model
+    grid = Grid.build(1, 1, 1, "cpu")
+    model = build_gpt(cfg, 7, tp=grid.tp_comm, materialise=False)
+    params = dict(model.named_parameters())
+    assert all(p.is_meta for p in params.values())
+    names = {p: n for n, p in params.items()}
+    live = []
+
+    def probe(p):
+        storages = {q.untyped_storage().data_ptr(): q.untyped_storage().nbytes() for q in params.values()
+                    if not q.is_meta}
+        live.append(sum(storages.values()))
+        return initial_tp_value(model, names[p], 7)
+
+    zero = ZeroOptimizer([model], grid, 3, "fp32", 1e-3, 0.1, device=torch.device("cpu"), initial_value=probe)
+    assert len(live) == len(params)  # every parameter was created by the optimizer, none before
+    biggest = max(b.numel for b in zero.buckets) * 4
+    whole = sum(p.numel() for p in params.values()) * 4
+    assert max(live) <= biggest < whole / 3, (max(live), biggest, whole)
+    eager = dict(build_gpt(cfg, 7, tp=grid.tp_comm).named_parameters())
+    for b in zero.buckets:
+        zero._gather(b)  # the model's own Parameter objects now view the gathered bucket
+        for n, p in b.params:
+            assert p is params[n] and not p.is_meta and torch.equal(p, eager[n]), n
+            assert p.tp_split_dim == eager[n].tp_split_dim  # attributes survive the swap
