@@ -5,7 +5,10 @@
    - ``torch``: kernels.attention = kernels.adam = torch (SDPA, torch AdamW), the reference curve;
    - ``triton``: both Triton kernels; its loss must follow ``torch``'s (bf16 tolerance below);
    - ``offload``: ``triton`` with ZeRO-1's optimizer states in pinned CPU memory (stepped by torch
-     there); its loss must follow ``triton``'s.
+     there); its loss must follow ``triton``'s;
+   - ``zero3``: ``triton`` under ZeRO-3 (parameters created bucket by bucket) with parameters and
+     optimizer states offloaded, writing the pipeline trace (CUDA-event timings); its loss must
+     follow ``triton``'s, and the trace must hold positive durations.
 3. Throughput of a GPT-2-small-shaped model (12 layers, hidden 768, seq 1024, the tiny vocabulary)
    with the torch kernels and with the Triton kernels: tokens/s and MFU, and their ratio.
 
@@ -153,11 +156,20 @@ def main() -> int:
             checks.verdict(worst <= BF16_LOSS_RTOL, f"triton kernels follow torch kernels over {steps} steps: worst "
                            f"relative loss difference {worst:.2e} (bound {BF16_LOSS_RTOL:g}); final loss "
                            f"{fused[max(fused)]['loss']:.4f} vs {ref[max(ref)]['loss']:.4f}")
-        if fused and offload:
-            worst = _worst_rel(offload, fused)
-            checks.verdict(worst <= OFFLOAD_LOSS_RTOL, f"offloaded optimizer follows the on-device one: worst "
-                           f"relative loss difference {worst:.2e} (bound {OFFLOAD_LOSS_RTOL:g}); offloaded "
-                           f"{offload[max(offload)].get('offloaded_gb', float('nan')):.3f} GB")
+        zero3 = _pretrain(checks, "train triton kernels, ZeRO-3, everything offloaded, traced", runs / "zero3",
+                          base + triton_k + ["zero.stage=3", "zero.offload_optimizer=cpu", "zero.offload_params=cpu",
+                                             "log.pipeline_trace=true"], env)
+        for name, got in (("offloaded optimizer", offload), ("ZeRO-3 offloaded", zero3)):
+            if fused and got:
+                worst = _worst_rel(got, fused)
+                checks.verdict(worst <= OFFLOAD_LOSS_RTOL, f"{name} follows the on-device run: worst relative loss "
+                               f"difference {worst:.2e} (bound {OFFLOAD_LOSS_RTOL:g}); offloaded "
+                               f"{got[max(got)].get('offloaded_gb', float('nan')):.3f} GB")
+        trace_path = runs / "zero3" / "pipeline_trace.json"
+        if trace_path.exists():
+            spans = [e for e in json.loads(trace_path.read_text())["traceEvents"] if e.get("ph") == "X"]
+            checks.verdict(bool(spans) and all(e["dur"] > 0 for e in spans),
+                           f"pipeline trace: {len(spans)} spans, total {sum(e['dur'] for e in spans) / 1e3:.1f} ms")
 
         # 3. throughput
         speed = {}

@@ -86,7 +86,7 @@ def _megazero(stage: int, grid: Grid, tokens: int):
     def params() -> dict:
         if stage == 0:
             return {n: p.detach().clone() for n, p in model.named_parameters()}
-        return {n: k["param"].clone() for n, k in zero.export_state().items()}  # gathers over dp
+        return zero.full_parameters()  # gathers over dp under stage 3
 
     return step, params, zero
 

@@ -357,6 +357,17 @@ class ZeroOptimizer(LayerGathering):
         self.grid.dp_comm.all_gather_into(out, local.to(self.device).contiguous(), tag="checkpoint")
         return out
 
+    def full_parameters(self) -> dict[str, Tensor]:
+        """Every parameter of the stage by name, whole (tp-local) copies; gathered over dp under stage 3.
+
+        For inspection and benchmarks: it holds the whole stage at once."""
+        out = {}
+        for b in self.buckets:
+            flat = b.full if self.stage < 3 else self._full(b, b.shard_param)
+            for (name, p), off in zip(b.params, b.offsets):
+                out[name] = flat[off:off + p.numel()].view(p.shape).clone()
+        return out
+
     def export_state(self) -> dict[str, dict[str, Tensor]]:
         """name -> {param, master, exp_avg, exp_avg_sq} as whole (tp-local) tensors, for the parameters this dp
         rank owns (:attr:`owner`): every rank holds ~1/dp of the stage's state, plus one gathered bucket at a time.
