@@ -305,9 +305,10 @@ class ZeroOptimizer(LayerGathering):
             self.grid.dp_comm.all_reduce(sumsq, tag="grad_norm")
         self.grid.tp_comm.all_reduce(sumsq, tag="grad_norm")
         self.grid.pp_comm.all_reduce(sumsq, tag="grad_norm")
-        skipped = bool(overflow.item())
+        flag, root = torch.stack([overflow, sumsq.sqrt()]).tolist()  # the step's one wait for the device
+        skipped = bool(flag)
         self.scaler.update(skipped)
-        norm = float(sumsq.sqrt()) * inv_scale
+        norm = root * inv_scale
         if skipped:
             self.zero_grad()
             return norm, True
