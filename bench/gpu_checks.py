@@ -12,12 +12,15 @@
 3. Throughput of a GPT-2-small-shaped model (12 layers, hidden 768, seq 1024, the tiny vocabulary)
    with the torch kernels and with the Triton kernels: tokens/s and MFU, and their ratio.
 
-    python bench/gpu_checks.py [--out DIR] [--smoke]
+    python bench/gpu_checks.py [--out DIR] [--budget SECONDS] [--seqs 1024,...] [--smoke]
 
 Writes DIR/summary.md (the verdicts and figures), DIR/kernels.md (bench/kernels.py's tables), and
-DIR/log.txt (every command's output), at most those three files. ``--smoke`` runs the same
-sequence on the CPU at toy sizes (the Triton kernels under the interpreter) to check the script.
-Exits 1 when a check fails, 0 otherwise; numbers are for people, the verdicts for the exit code.
+DIR/log.txt (every command's output), at most those three files, as it goes: a run stopped from
+outside keeps what it measured. Each command gets what is left of ``--budget`` (default 540 s, to
+fit a 10-minute slot with room to copy results); a check with no time left is reported as not run.
+``--smoke`` runs the same sequence on the CPU at toy sizes (the Triton kernels under the
+interpreter) to check the script. Exits 1 when a check fails or did not run, 0 otherwise; numbers
+are for people, the verdicts for the exit code.
 """
 from __future__ import annotations
 
@@ -45,42 +48,64 @@ GPT2_SMALL_BODY = ["model.layers=12", "model.hidden=768", "model.heads=12", "mod
 
 
 class Checks:
-    """Collects commands' output into one log and the verdicts into one summary."""
+    """Runs commands within a time budget; their output goes to one log, the verdicts to a summary that is
+    rewritten after every check."""
 
-    def __init__(self, out: Path, smoke: bool):
-        self.out, self.smoke = out, smoke
-        self.log = open(out / "log.txt", "w")
+    def __init__(self, out: Path, title: str, budget: float):
+        self.out, self.title = out, title
+        self.deadline = time.monotonic() + budget
+        self.log_path = out / "log.txt"
+        self.log_path.write_text("")
         self.lines: list[str] = []
         self.failed: list[str] = []
 
-    def run(self, name: str, cmd: list[str], env: dict | None = None, timeout: int = 1200) -> str | None:
-        """Run one command; its output goes to the log; returns stdout, or None if it failed."""
-        t0 = time.time()
-        self.log.write(f"\n===== {name}: {' '.join(cmd)}\n")
-        self.log.flush()
-        try:
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired as err:
-            self.log.write(f"timed out after {timeout} s\n{err.stdout or ''}{err.stderr or ''}")
-            return self.fail(f"{name}: timed out after {timeout} s")
-        self.log.write(proc.stdout + proc.stderr + f"\n===== {name}: exit {proc.returncode} in "
-                       f"{time.time() - t0:.0f} s\n")
-        self.log.flush()
-        if proc.returncode != 0:
-            tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1][:200]
-            return self.fail(f"{name}: exit {proc.returncode}: {tail}")
-        return proc.stdout
+    def run(self, name: str, cmd: list[str], env: dict, stdout: Path | None = None) -> str | None:
+        """Run one command until it ends or the budget does; stderr (and stdout, unless it goes to ``stdout``)
+        is appended to the log as it is written. Returns stdout, or None if it failed or could not run."""
+        left = self.deadline - time.monotonic() - 5
+        if left < 15:
+            return self.fail(f"{name}: not run, the time budget is spent")
+        t0 = time.monotonic()
+        with open(self.log_path, "a") as log:
+            log.write(f"\n===== {name}: {' '.join(cmd)}\n")
+            log.flush()
+            with tempfile.TemporaryFile("w+") if stdout is None else open(stdout, "w+") as out:
+                try:
+                    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=log, text=True, timeout=left)
+                    code = proc.returncode
+                except subprocess.TimeoutExpired:
+                    code = None
+                out.seek(0)
+                text = out.read()
+            if stdout is None:
+                log.write(text)
+            log.write(f"\n===== {name}: {'timed out' if code is None else f'exit {code}'} after "
+                      f"{time.monotonic() - t0:.0f} s\n")
+        if code != 0:
+            return self.fail(f"{name}: " + (f"stopped after {left:.0f} s, the time left" if code is None
+                                            else f"exit {code} (see log.txt)"))
+        return text
 
     def fail(self, why: str) -> None:
         self.failed.append(why)
-        self.lines.append(f"- FAILED {why}")
+        self.note(f"- FAILED {why}")
         return None
 
     def verdict(self, ok: bool, text: str) -> None:
-        if ok:
-            self.lines.append(f"- ok {text}")
-        else:
-            self.fail(text)
+        self.fail(text) if not ok else self.note(f"- ok {text}")
+
+    def note(self, *lines: str) -> None:
+        self.lines += lines
+        status = "FAILED: " + "; ".join(self.failed) if self.failed else "all checks passed so far"
+        (self.out / "summary.md").write_text(f"# GPU checks ({self.title}): {status}\n\n" + "\n".join(self.lines)
+                                             + "\n")
+
+    def finish(self) -> int:
+        status = "FAILED: " + "; ".join(self.failed) if self.failed else "all checks passed"
+        text = f"# GPU checks ({self.title}): {status}\n\n" + "\n".join(self.lines) + "\n"
+        (self.out / "summary.md").write_text(text)
+        print(text)
+        return 1 if self.failed else 0
 
 
 def _losses(run_dir: Path) -> dict[int, dict]:
@@ -95,21 +120,23 @@ def _worst_rel(a: dict[int, dict], b: dict[int, dict]) -> float:
 
 
 def _pretrain(checks: Checks, name: str, run_dir: Path, sets: list[str], env: dict) -> dict[int, dict]:
+    """Run pretrain.py on configs/tiny.yaml with these overrides; its logged metrics by step."""
     cmd = [sys.executable, "pretrain.py", "--config", "configs/tiny.yaml"]
     for s in sets + [f"log.dir={run_dir}"]:
         cmd += ["--set", s]
-    checks.run(name, cmd, env=env)
+    checks.run(name, cmd, env)
     return _losses(run_dir)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "runs" / "gpu-checks"))
+    ap.add_argument("--budget", type=float, default=540.0, help="seconds for everything")
+    ap.add_argument("--seqs", default=None, help="attention sequence lengths for bench/kernels.py")
     ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU: checks the script")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    checks = Checks(out, args.smoke)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("TRITON_INTERPRET", None)
     if args.smoke:
@@ -125,17 +152,19 @@ def main() -> int:
             return 2
         device, steps, tput_steps, every = "cuda", 60, 30, 5
         body = GPT2_SMALL_BODY
-    checks.run("environment", [sys.executable, "-c", "import torch, triton; print(torch.__version__, "
-               "triton.__version__, torch.version.cuda, torch.cuda.get_device_name() "
-               "if torch.cuda.is_available() else 'cpu')"], env=env)
+    checks = Checks(out, "smoke, CPU" if args.smoke else device, args.budget)
+    version = checks.run("environment", [sys.executable, "-c", "import torch, triton; print('torch', "
+                         "torch.__version__, 'triton', triton.__version__, 'CUDA', torch.version.cuda, "
+                         "torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')"], env)
+    checks.note(f"Environment: {(version or '?').strip()}", "")
 
-    # 1. kernels
-    kernels_md = checks.run("bench/kernels.py", [sys.executable, "bench/kernels.py"]
-                            + (["--smoke"] if args.smoke else []), env=env, timeout=1500)
+    # 1. kernels: tables straight into kernels.md as they are measured
+    kernels_cmd = [sys.executable, "bench/kernels.py"] + (["--smoke"] if args.smoke else []) \
+        + (["--seqs", args.seqs] if args.seqs else [])
+    kernels_md = checks.run("bench/kernels.py", kernels_cmd, env, stdout=out / "kernels.md")
     if kernels_md is not None:
-        (out / "kernels.md").write_text(kernels_md)
         targets = kernels_md.split("### Targets")[-1].strip().splitlines()
-        checks.lines += ["", "Kernel targets (bench/kernels.py):", *targets, ""]
+        checks.note("Kernel targets (bench/kernels.py):", *targets, "")
         if any(line.endswith("MISSED") and "errors" in line for line in targets):
             checks.fail("attention errors above the bar (see kernels.md)")
 
@@ -149,13 +178,13 @@ def main() -> int:
         triton_k = ["kernels.attention=triton", "kernels.adam=triton"]
         ref = _pretrain(checks, "train torch kernels", runs / "torch", base + torch_k, env)
         fused = _pretrain(checks, "train triton kernels", runs / "triton", base + triton_k, env)
-        offload = _pretrain(checks, "train triton kernels, optimizer offloaded", runs / "offload",
-                            base + triton_k + ["zero.stage=1", "zero.offload_optimizer=cpu"], env)
         if ref and fused:
             worst = _worst_rel(fused, ref)
             checks.verdict(worst <= BF16_LOSS_RTOL, f"triton kernels follow torch kernels over {steps} steps: worst "
                            f"relative loss difference {worst:.2e} (bound {BF16_LOSS_RTOL:g}); final loss "
                            f"{fused[max(fused)]['loss']:.4f} vs {ref[max(ref)]['loss']:.4f}")
+        offload = _pretrain(checks, "train triton kernels, optimizer offloaded", runs / "offload",
+                            base + triton_k + ["zero.stage=1", "zero.offload_optimizer=cpu"], env)
         zero3 = _pretrain(checks, "train triton kernels, ZeRO-3, everything offloaded, traced", runs / "zero3",
                           base + triton_k + ["zero.stage=3", "zero.offload_optimizer=cpu", "zero.offload_params=cpu",
                                              "log.pipeline_trace=true"], env)
@@ -183,18 +212,12 @@ def main() -> int:
                                statistics.median(r["mfu"] for r in timed),
                                max(r["memory_gb"] for r in timed))
         if speed:
-            checks.lines += ["", "Throughput, " + " ".join(body) + ":"]
-            checks.lines += [f"- {n} kernels: {t:,.0f} tokens/s, MFU {m:.1%}, peak memory {g:.1f} GB"
-                             for n, (t, m, g) in speed.items()]
+            lines = [f"- {n} kernels: {t:,.0f} tokens/s, MFU {m:.1%}, peak memory {g:.1f} GB"
+                     for n, (t, m, g) in speed.items()]
             if len(speed) == 2:
-                checks.lines.append(f"- triton / torch tokens/s: {speed['triton'][0] / speed['torch'][0]:.2f}")
-
-    status = "FAILED: " + "; ".join(checks.failed) if checks.failed else "all checks passed"
-    (out / "summary.md").write_text(f"# GPU checks ({'smoke, CPU' if args.smoke else device}): {status}\n\n"
-                                    + "\n".join(checks.lines) + "\n")
-    checks.log.close()
-    print((out / "summary.md").read_text())
-    return 1 if checks.failed else 0
+                lines.append(f"- triton / torch tokens/s: {speed['triton'][0] / speed['torch'][0]:.2f}")
+            checks.note("", "Throughput, " + " ".join(body) + ":", *lines)
+    return checks.finish()
 
 
 if __name__ == "__main__":

@@ -132,16 +132,20 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def _emit(*lines: str) -> None:
+    """Print now: a run cut short by a time limit keeps every row measured so far."""
+    print("\n".join(lines), flush=True)
+
+
 def _fmt(x: Optional[float], spec: str = ".0f") -> str:
     return "n/a" if x is None else format(x, spec)
 
 
-def bench_attention(sz: Sizes, dtype: torch.dtype) -> tuple[list[str], dict]:
-    """(table rows, {(head_dim, seq, name, "fwd" | "fwd+bwd"): TFLOP/s or None})."""
+def bench_attention(sz: Sizes, dtype: torch.dtype) -> dict:
+    """Prints the table; returns {(head_dim, seq, name, "fwd" | "fwd+bwd"): TFLOP/s or None}."""
     names = list(_contenders())
-    rows = ["| seq | head_dim | batch x heads | " + " | ".join(f"{n} fwd" for n in names) + " | "
-            + " | ".join(f"{n} fwd+bwd" for n in names) + " |",
-            "|" + "---|" * (3 + 2 * len(names))]
+    _emit("| seq | head_dim | batch x heads | " + " | ".join(f"{n} fwd" for n in names) + " | "
+          + " | ".join(f"{n} fwd+bwd" for n in names) + " |", "|" + "---|" * (3 + 2 * len(names)))
     results = {}
     for d in sz.head_dims:
         for s in sz.seqs:
@@ -155,20 +159,20 @@ def bench_attention(sz: Sizes, dtype: torch.dtype) -> tuple[list[str], dict]:
                 ms = _bench(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout), sz.device)
                 results[d, s, name, "fwd+bwd"] = None if ms is None else flops_all / ms / 1e9
             cells = [results[d, s, n, w] for w in ("fwd", "fwd+bwd") for n in names]
-            rows.append(f"| {s} | {d} | {b} x {h} | " + " | ".join(_fmt(x) for x in cells) + " |")
+            _emit(f"| {s} | {d} | {b} x {h} | " + " | ".join(_fmt(x) for x in cells) + " |")
             del q, k, v, dout
             _release(sz.device)
-    return rows, results
+    return results
 
 
-def check_attention(sz: Sizes, dtype: torch.dtype) -> tuple[list[str], dict]:
+def check_attention(sz: Sizes, dtype: torch.dtype) -> dict:
     """Max |error| of O, dQ, dK, dV against SDPA's math backend in fp32 on one sequence and two heads.
 
-    Returns (table rows, {(head_dim, seq, name): [errors] or None where it failed})."""
+    Prints the table; returns {(head_dim, seq, name): [errors] or None where it failed}."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     contenders = {k: v for k, v in _contenders().items() if k in ("megazero triton", "sdpa flash")}
-    rows = ["| seq | head_dim | impl | O | dQ | dK | dV |", "|---|---|---|---|---|---|---|"]
+    _emit("| seq | head_dim | impl | O | dQ | dK | dV |", "|---|---|---|---|---|---|---|")
     errors = {}
     for d in sz.head_dims:
         for s in sz.seqs:
@@ -187,23 +191,23 @@ def check_attention(sz: Sizes, dtype: torch.dtype) -> tuple[list[str], dict]:
                 except Exception as err:  # noqa: BLE001
                     errors[d, s, name] = None
                     cells = [f"failed: {(str(err).splitlines() or [type(err).__name__])[0][:60]}"] + [""] * 3
-                rows.append(f"| {s} | {d} | {name} | " + " | ".join(cells) + " |")
+                _emit(f"| {s} | {d} | {name} | " + " | ".join(cells) + " |")
             del ref
             _release(sz.device)
-    return rows, errors
+    return errors
 
 
-def bench_adam(sz: Sizes) -> tuple[list[str], dict]:
-    """(table rows, {"copy" | "triton" | "torch" | "fused": GB/s or None, and "<same>_ms"})."""
+def bench_adam(sz: Sizes) -> dict:
+    """Prints the table; returns {"copy" | "triton" | "torch" | "fused": GB/s or None, and "<same>_ms"}."""
     n, device = sz.adam_elements, sz.device
-    rows = ["| what | bytes/element | ms | GB/s | of copy bandwidth |", "|---|---|---|---|---|"]
+    _emit("| what | bytes/element | ms | GB/s | of copy bandwidth |", "|---|---|---|---|---|")
     copy_bytes = 1 << 30 if device.type == "cuda" else 1 << 20
     src = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     copy_ms = _bench(lambda: dst.copy_(src), device)
     copy_gbs = 2 * src.numel() / copy_ms / 1e6
     out = {"copy": copy_gbs, "copy_ms": copy_ms}
-    rows.append(f"| device-to-device copy ({copy_bytes / 2**20:.0f} MiB) | - | {copy_ms:.2f} | {copy_gbs:.0f} | 100% |")
+    _emit(f"| device-to-device copy ({copy_bytes / 2**20:.0f} MiB) | - | {copy_ms:.2f} | {copy_gbs:.0f} | 100% |")
     del src, dst
 
     def row(key: str, what: str, ms: Optional[float], bytes_per: int = ADAM_BYTES) -> str:
@@ -219,9 +223,9 @@ def bench_adam(sz: Sizes) -> tuple[list[str], dict]:
     exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
     model = torch.empty(n, device=device, dtype=torch.bfloat16)
     args = (master, grad, exp_avg, exp_avg_sq)
-    rows.append(row("triton", "megazero triton AdamW, flat, bf16 grad + bf16 copy", _bench(
+    _emit(row("triton", "megazero triton AdamW, flat, bf16 grad + bf16 copy", _bench(
         lambda: adam.adamw_step_triton(*args, **ADAM, step=10, model_copy=model), device)))
-    rows.append(row("torch", "megazero torch adamw_step, flat, bf16 grad + bf16 copy", _bench(
+    _emit(row("torch", "megazero torch adamw_step, flat, bf16 grad + bf16 copy", _bench(
         lambda: adam.adamw_step(*args, **ADAM, step=10, model_copy=model), device)))
     del master, grad, exp_avg, exp_avg_sq, model, args
     _release(device)
@@ -232,9 +236,9 @@ def bench_adam(sz: Sizes) -> tuple[list[str], dict]:
         p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW(params, lr=ADAM["lr"], betas=(ADAM["beta1"], ADAM["beta2"]), eps=ADAM["eps"],
                             weight_decay=ADAM["weight_decay"], fused=True)
-    rows.append(row("fused", f"torch.optim.AdamW(fused=True), {ADAM_TENSORS} fp32 tensors",
+    _emit(row("fused", f"torch.optim.AdamW(fused=True), {ADAM_TENSORS} fp32 tensors",
                     _bench(opt.step, device), 4 + 4 + 4 + 4 + 4 + 4 + 4))
-    return rows, out
+    return out
 
 
 def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
@@ -300,21 +304,17 @@ def main() -> None:
         dtype = torch.bfloat16
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be fp32
 
-    attn_rows, attn = bench_attention(sz, dtype)
-    check_rows, errors = check_attention(sz, dtype)
-    adam_rows, adam = bench_adam(sz)
     where = torch.cuda.get_device_name() if sz.device.type == "cuda" else "CPU (--smoke: Triton interpreter)"
     dt = str(dtype).replace("torch.", "")
-    print(f"## Kernels: {where}, {datetime.date.today().isoformat()}")
-    print(f"\ntorch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}\n")
-    print(f"### Attention, {dt}, causal: TFLOP/s (batch = {sz.tokens} // seq, heads = {sz.hidden} // head_dim)\n")
-    print("\n".join(attn_rows))
-    print(f"\n### Attention, {dt}: max |error| against SDPA math in fp32 (1 sequence, 2 heads)\n")
-    print("\n".join(check_rows))
-    print(f"\n### AdamW over {sz.adam_elements} elements ({sz.adam_elements / 2**20:.0f} Mi)\n")
-    print("\n".join(adam_rows))
-    print("\n### Targets\n")
-    print("\n".join(targets(sz, attn, errors, adam, dt)))
+    _emit(f"## Kernels: {where}, {datetime.date.today().isoformat()}",
+          f"\ntorch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}\n",
+          f"### Attention, {dt}, causal: TFLOP/s (batch = {sz.tokens} // seq, heads = {sz.hidden} // head_dim)\n")
+    attn = bench_attention(sz, dtype)
+    _emit(f"\n### Attention, {dt}: max |error| against SDPA math in fp32 (1 sequence, 2 heads)\n")
+    errors = check_attention(sz, dtype)
+    _emit(f"\n### AdamW over {sz.adam_elements} elements ({sz.adam_elements / 2**20:.0f} Mi)\n")
+    adam = bench_adam(sz)
+    _emit("\n### Targets\n", *targets(sz, attn, errors, adam, dt))
 
 
 if __name__ == "__main__":

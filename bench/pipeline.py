@@ -122,9 +122,10 @@ def _bench_rank(rank: int, world: int, pp: int, m: int, steps: int) -> dict:
     first_losses, grad_diff = {}, None
     for i in range(steps):
         mz_times.append(timed_between_barriers(mz_step))
-        spans = [(label, end - start) for kind, label, _, _, start, end in executor.trace if kind == "compute"]
+        events = executor.chrome_trace(rank)  # durations in microseconds, host clock or CUDA events alike
+        spans = [(e["name"], e["dur"] / 1e6) for e in events if e["cat"] == "compute"]
         compute.append(sum(d for _, d in spans))
-        comm.append(sum(end - start for kind, _, _, _, start, end in executor.trace if kind == "comm"))
+        comm.append(sum(e["dur"] / 1e6 for e in events if e["cat"] == "comm"))
         f_times += [d for label, d in spans if label.startswith("F")]
         b_times += [d for label, d in spans if label.startswith("B")]
         if i == 0:

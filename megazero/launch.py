@@ -65,10 +65,11 @@ def pick_device(requested: str, local_rank: int, local_world: int = 1) -> torch.
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise UserError(f"launch.device={requested!r} but no CUDA device is visible; valid here: auto | cpu")
-    if gpus < local_world:  # NCCL refuses two ranks on one GPU ("Duplicate GPU detected")
-        raise UserError(f"launch.device={requested!r} with {local_world} processes on this node but {gpus} GPU(s) "
+    if 1 < gpus < local_world:  # NCCL refuses two ranks on one GPU ("Duplicate GPU detected")
+        raise UserError(f"launch.device={requested!r} with {local_world} processes on this node but {gpus} GPUs "
                         f"visible: one process per GPU (torchrun --nproc-per-node {gpus}); valid here: auto | cpu")
-    device = torch.device("cuda", local_rank)
+    # one visible GPU: this process's own when the launcher binds a GPU per task (srun --gpus-per-task=1)
+    device = torch.device("cuda", local_rank % gpus)
     torch.cuda.set_device(device)
     return device
 

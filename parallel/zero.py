@@ -378,8 +378,10 @@ class ZeroOptimizer(LayerGathering):
         out: dict[str, dict[str, Tensor]] = {}
         for b in self.buckets:
             owned = [(name, p, off) for (name, p), off in zip(b.params, b.offsets) if self.owner[name] == self.dp_rank]
-            if self.stage == 0:  # nothing to gather: views of this rank's own buffers
-                kinds = {"param": b.full, "master": b.master, "exp_avg": b.exp_avg, "exp_avg_sq": b.exp_avg_sq}
+            if self.stage == 0:  # nothing to gather: this rank's own buffers (offloaded ones come to the device,
+                # where the checkpoint's tp-mesh DTensors live: DCP must fill these very tensors on a load)
+                kinds = {"param": b.full, "master": b.master.to(self.device), "exp_avg": b.exp_avg.to(self.device),
+                         "exp_avg_sq": b.exp_avg_sq.to(self.device)}
             else:  # every rank takes part in the gathers, owner or not
                 kinds = {"param": b.full if self.stage < 3 else self._full(b, b.shard_param),
                          "exp_avg": self._full(b, b.exp_avg), "exp_avg_sq": self._full(b, b.exp_avg_sq),

@@ -95,9 +95,9 @@ class LayerGathering:
         # host writes shard_param only in the step, after the gathers settle and the overflow check syncs.
         shard = b.shard_param.to(self.device, non_blocking=True)
         work = self.grid.dp_comm.all_gather_into(b.full.data, shard, tag="param", async_op=async_op)
-        if async_op:
+        if work is not None:  # in flight (async_op): settled by the next _gather or settle_gathers
             b.gather_work = work
-        else:
+        else:  # done (synchronous, or dp = 1: a local copy)
             b.gathered = True
 
     def _install_unit_hooks(self) -> None:

@@ -61,3 +61,14 @@ def test_gpu_checks_smoke(tmp_path):
     assert len(re.findall(r"^- ok pipeline trace: [1-9][0-9]* spans", summary, re.M)) == 1
     assert len(re.findall(r"^- (torch|triton) kernels: [0-9,]+ tokens/s", summary, re.M)) == 2
     assert "### Targets" in (tmp_path / "kernels.md").read_text()
+
+
+def test_gpu_checks_report_what_the_budget_left_out(tmp_path):
+    """With no time left nothing runs, and the summary says so: a check that did not run is a failure."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_checks.py"), "--smoke", "--budget", "1",
+                           "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    summary = (tmp_path / "summary.md").read_text()
+    assert summary.startswith("# GPU checks (smoke, CPU): FAILED: environment: not run, the time budget is spent")
+    assert len(re.findall(r"^- FAILED .*: not run, the time budget is spent$", summary, re.M)) == 8

@@ -56,9 +56,11 @@ def test_gpus_per_node(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
     assert pick_device("auto", 3, local_world=8).type == "cpu"
-    with pytest.raises(UserError, match=r"8 processes on this node but 2 GPU\(s\) visible.*--nproc-per-node 2"):
+    with pytest.raises(UserError, match=r"8 processes on this node but 2 GPUs visible.*--nproc-per-node 2"):
         pick_device("cuda", 3, local_world=8)
     assert chosen == []
     assert pick_device("cuda", 1, local_world=2) == torch.device("cuda", 1)
     assert pick_device("auto", 0, local_world=2) == torch.device("cuda", 0)
-    assert chosen == [torch.device("cuda", 1), torch.device("cuda", 0)]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # a GPU bound to each task: its own is cuda:0
+    assert pick_device("cuda", 5, local_world=8) == torch.device("cuda", 0)
+    assert chosen == [torch.device("cuda", 1), torch.device("cuda", 0), torch.device("cuda", 0)]
