@@ -4,7 +4,7 @@ Triton compiles for any NVIDIA target without a device (``triton.compile`` with 
 the cubin it produces tells, before any GPU run, whether a block configuration fits the shared
 memory of the target, spills registers to local memory, and lowers ``tl.dot`` to Hopper's
 asynchronous warpgroup MMA (``wgmma``) or to the older ``mma.sync``. That is how the autotune
-sets in ``kernels.flash_attention.HOPPER_CONFIGS`` were chosen, and how the tests keep them valid.
+sets in ``kernels.attention_configs`` were chosen, and how the tests keep them valid.
 
     python -m kernels.aot [--arch 90] [--head-dims 64,128] [--all]
 
@@ -23,6 +23,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 
 import kernels.flash_attention as FA
+from kernels.attention_configs import configs_for
 
 # Shared memory one block may use (dynamic, opt-in) on sm_90: 227 KB (CUDA C Programming Guide, "Compute
 # Capabilities", technical specifications per compute capability).
@@ -31,7 +32,7 @@ _POINTERS = {"fwd": ("Q", "K", "V", "O", "LSE", "VISITS"),
              "dkdv": ("Q", "K", "V", "DO", "DK", "DV", "LSE", "DELTA", "VISITS"),
              "dq": ("Q", "K", "V", "DO", "DQ", "LSE", "DELTA", "VISITS")}
 _SCALARS = {"fwd": ("qk_scale",), "dkdv": ("qk_scale", "sm_scale"), "dq": ("qk_scale", "sm_scale")}
-_FLAGS = ("HEAD_DIM", "CAUSAL", "PRECISION", "COUNT_VISITS", "BLOCK_M", "BLOCK_N")
+_FLAGS = ("HEAD_DIM", "CAUSAL", "PRECISION", "COUNT_VISITS", "BLOCK_M", "BLOCK_N", "BLOCK_D")
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ def compile_attention(kind: str, head_dim: int, config: tuple[int, int, int, int
     block_m, block_n, warps, stages = config
     sig, constexprs, attrs = _signature(kind, dtype)
     constexprs.update(HEAD_DIM=head_dim, CAUSAL=causal, PRECISION="ieee", COUNT_VISITS=False,
-                      BLOCK_M=block_m, BLOCK_N=block_n)
+                      BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=FA.block_d(head_dim))
     src = ASTSource(FA._KERNELS[kind], signature=sig, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": warps, "num_stages": stages})
@@ -109,7 +110,7 @@ def compile_attention(kind: str, head_dim: int, config: tuple[int, int, int, int
 def candidates(kind: str, head_dim: int, wide: bool) -> list[tuple[int, int, int, int]]:
     """The autotune set for (kind, head_dim), or with ``wide`` the grid it was chosen from."""
     if not wide:
-        return list(FA.configs_for(kind, head_dim))
+        return list(configs_for(kind, head_dim))
     return [(m, n, w, s) for m, n in itertools.product((32, 64, 128), repeat=2) if m * n >= 64 * 32
             for w in (4, 8) for s in (2, 3, 4)]
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.flash_attention import DTYPES, HEAD_DIMS, FlashAttention, _interpreting, triton
+from kernels.flash_attention import DTYPES, MAX_HEAD_DIM, FlashAttention, _interpreting, supports_head_dim, triton
 from megazero.errors import UserError
 
 
@@ -25,9 +25,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, impl: str = 
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     if impl != "triton":
         raise ValueError(f"attention impl must be 'torch' or 'triton', got {impl!r}")
-    if q.dim() != 4 or not q.shape == k.shape == v.shape or q.shape[-1] not in HEAD_DIMS:
+    if q.dim() != 4 or not q.shape == k.shape == v.shape or not supports_head_dim(q.shape[-1]):
         raise ValueError(f"triton attention needs q, k, v of one (batch, heads, seq, head_dim) shape with head_dim "
-                         f"in {HEAD_DIMS}, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+                         f"<= {MAX_HEAD_DIM}, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if q.dtype not in DTYPES or not q.dtype == k.dtype == v.dtype or not q.device == k.device == v.device:
         raise ValueError(f"triton attention needs q, k, v of one fp16/bf16/fp32 dtype on one device, got "
                          f"{q.dtype}, {k.dtype}, {v.dtype} on {q.device}, {k.device}, {v.device}")
@@ -49,14 +49,14 @@ def resolve_impl(requested: str, device_type: str, head_dim: int | None = None) 
     """
     if requested == "torch":
         return "torch"
-    has_head_dim = head_dim is None or head_dim in HEAD_DIMS
+    has_head_dim = head_dim is None or supports_head_dim(head_dim)
     if requested == "auto":
         return "triton" if (device_type == "cuda" and has_head_dim and triton is not None
                             and torch.cuda.is_available()) else "torch"
     if requested == "triton":
         if not has_head_dim:
-            raise UserError(f"kernels.attention='triton' supports head dims {', '.join(map(str, HEAD_DIMS))} "
-                            f"(model.hidden / model.heads), this model's is {head_dim}; valid here: auto | torch")
+            raise UserError(f"kernels.attention='triton' supports head dims up to {MAX_HEAD_DIM} (model.hidden / "
+                            f"model.heads), this model's is {head_dim}; valid here: auto | torch")
         if triton_available() and (device_type == "cuda" or _interpreting()):
             return "triton"
         raise UserError("kernels.attention='triton' needs a CUDA GPU with triton installed (or TRITON_INTERPRET=1 "

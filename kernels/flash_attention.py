@@ -11,7 +11,9 @@ Parallelism and Work Partitioning") in Triton, behind ``kernels.attention``:
   the loop bounds; only diagonal (and ragged-end) blocks pay for a mask.
   :func:`forward_key_range` and :func:`backward_query_range` are those bounds in Python.
 
-Scores are kept in base 2 (the softmax scale folded with log2(e), every exponential an
+Head dims up to 128: a head dim that is not a power of two (80, 96, ...) is padded up to one in
+registers, its extra lanes loaded as zero and never stored; powers of two compile exactly as
+without the padding. Scores are kept in base 2 (the softmax scale folded with log2(e), every exponential an
 ``exp2``); accumulation is fp32 for every input dtype. q/k/v/dO are read through
 their strides (the model's views of its fused qkv projection are not contiguous).
 
@@ -26,6 +28,8 @@ import math
 import os
 from types import MappingProxyType
 
+from kernels.attention_configs import configs_for, head_dim_class
+
 import torch
 from torch import Tensor
 
@@ -37,7 +41,7 @@ except ImportError:  # torch-only installs: impl="torch" still works; resolve_im
     tl = None
 
 LOG2E = 1.4426950408889634
-HEAD_DIMS = (16, 32, 64, 128)
+MAX_HEAD_DIM = 128  # any head dim up to this (larger ones: torch SDPA, see kernels.attention.resolve_impl)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Fixed (BLOCK_M, BLOCK_N) per kernel under the interpreter; uneven on purpose so the
 # bound arithmetic for BLOCK_M != BLOCK_N is what the CPU tests exercise.
@@ -46,6 +50,15 @@ INTERPRETER_BLOCKS = MappingProxyType({"fwd": (32, 16), "dkdv": (16, 32), "dq": 
 
 def _jit(fn):  # without triton the kernels stay plain (never called) functions
     return triton.jit(fn) if triton is not None else fn
+
+
+def block_d(head_dim: int) -> int:
+    """The power of two (at least 16, tl.dot's minimum) a head dim is padded to inside the kernels."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def supports_head_dim(head_dim: int) -> bool:
+    return 1 <= head_dim <= MAX_HEAD_DIM
 
 
 def _interpreting() -> bool:
@@ -83,6 +96,15 @@ def _fwd_bounds(pid, N_CTX, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N
 
 
 @_jit
+def _lanes(offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Head-dim lanes that exist: a constant all-true mask (folded away: loads stay vectorised) unless the head
+    dim was padded up to BLOCK_D, whose extra lanes load as 0 and are never stored."""
+    if HEAD_DIM == BLOCK_D:
+        return tl.full([BLOCK_D], 1, tl.int1)
+    return offs_d < HEAD_DIM
+
+
+@_jit
 def _keep(offs_m, offs_n, N_CTX, CAUSAL: tl.constexpr):
     """Scores that exist: key inside the sequence and, causal, not after the query."""
     keep = offs_n[None, :] < N_CTX
@@ -97,14 +119,17 @@ def _keep(offs_m, offs_n, N_CTX, CAUSAL: tl.constexpr):
 @_jit
 def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, skd, svn, svd, offs_m, lo, hi, N_CTX, qk_scale,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-               PRECISION: tl.constexpr):
-    offs_d = tl.arange(0, HEAD_DIM)
+               PRECISION: tl.constexpr, BLOCK_D: tl.constexpr):
+    offs_d = tl.arange(0, BLOCK_D)
+    lanes = _lanes(offs_d, HEAD_DIM, BLOCK_D)
     visits = 0
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         cols = offs_n < N_CTX  # row-constant masks keep the loads vectorised along head_dim
-        kt = tl.load(k_base + offs_n[None, :] * skn + offs_d[:, None] * skd, mask=cols[None, :], other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=cols[:, None], other=0.0)
+        kt = tl.load(k_base + offs_n[None, :] * skn + offs_d[:, None] * skd, mask=cols[None, :] & lanes[:, None],
+                     other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=cols[:, None] & lanes[None, :],
+                    other=0.0)
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # log2-domain scores, fp32
         if MASKED:
             s = tl.where(_keep(offs_m, offs_n, N_CTX, CAUSAL), s, float("-inf"))
@@ -122,26 +147,27 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, skd, svn, svd, offs_m, lo,
 def _fwd_kernel(Q, K, V, O, LSE, VISITS, qk_scale,
                 sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod, H, N_CTX,
                 HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-                COUNT_VISITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                COUNT_VISITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """O and L for one query block (Algorithm 1; §3.2: one program per block, no cross-block sync)."""
     pid, hz = tl.program_id(0), tl.program_id(1)
     b, h = (hz // H).to(tl.int64), (hz % H).to(tl.int64)
     offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     rows = offs_m < N_CTX
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, mask=rows[:, None], other=0.0)
+    tile = rows[:, None] & _lanes(offs_d, HEAD_DIM, BLOCK_D)[None, :]
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, mask=tile, other=0.0)
     k_base, v_base = K + b * skb + h * skh, V + b * svb + h * svh
     m_i, l_i = tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     split, end = _fwd_bounds(pid, N_CTX, CAUSAL, BLOCK_M, BLOCK_N)
     acc, l_i, m_i, n1 = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, skd, svn, svd, offs_m, 0, split, N_CTX,
-                                   qk_scale, False, CAUSAL, HEAD_DIM, BLOCK_N, PRECISION)
+                                   qk_scale, False, CAUSAL, HEAD_DIM, BLOCK_N, PRECISION, BLOCK_D)
     acc, l_i, m_i, n2 = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, skd, svn, svd, offs_m, split, end, N_CTX,
-                                   qk_scale, True, CAUSAL, HEAD_DIM, BLOCK_N, PRECISION)
+                                   qk_scale, True, CAUSAL, HEAD_DIM, BLOCK_N, PRECISION, BLOCK_D)
     acc = acc / l_i[:, None]  # §3.1.1: one rescale at the end, not per block
     tl.store(LSE + hz.to(tl.int64) * N_CTX + offs_m, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=rows)
     o_ptrs = O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod
-    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=rows[:, None])
+    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=tile)
     if COUNT_VISITS:
         tl.store(VISITS + hz * tl.num_programs(0) + pid, n1 + n2)
 
@@ -151,29 +177,33 @@ def _fwd_kernel(Q, K, V, O, LSE, VISITS, qk_scale,
 
 @_jit
 def _bwd_delta_kernel(O, DO, DELTA, sob, soh, som, sod, sdb, sdh, sdm, sdd, H, N_CTX,
-                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """delta = rowsum(dO * O) (Algorithm 2): the P^T dP term of dS, once per row."""
     hz = tl.program_id(1)
     b, h = (hz // H).to(tl.int64), (hz % H).to(tl.int64)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     rows = offs_m < N_CTX
-    o = tl.load(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, mask=rows[:, None], other=0.0)
-    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_d[None, :] * sdd, mask=rows[:, None], other=0.0)
+    tile = rows[:, None] & _lanes(offs_d, HEAD_DIM, BLOCK_D)[None, :]
+    o = tl.load(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, mask=tile, other=0.0)
+    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_d[None, :] * sdd, mask=tile, other=0.0)
     tl.store(DELTA + hz.to(tl.int64) * N_CTX + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rows)
 
 
 @_jit
 def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdm, sdd, offs_n, lo, hi,
                     N_CTX, qk_scale, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                    PRECISION: tl.constexpr):
-    offs_d = tl.arange(0, HEAD_DIM)
+                    PRECISION: tl.constexpr, BLOCK_D: tl.constexpr):
+    offs_d = tl.arange(0, BLOCK_D)
+    lanes = _lanes(offs_d, HEAD_DIM, BLOCK_D)
     visits = 0
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         rows = offs_m < N_CTX
-        qt = tl.load(q_base + offs_m[None, :] * sqm + offs_d[:, None] * sqd, mask=rows[None, :], other=0.0)
-        do = tl.load(do_base + offs_m[:, None] * sdm + offs_d[None, :] * sdd, mask=rows[:, None], other=0.0)
+        qt = tl.load(q_base + offs_m[None, :] * sqm + offs_d[:, None] * sqd, mask=rows[None, :] & lanes[:, None],
+                     other=0.0)
+        do = tl.load(do_base + offs_m[:, None] * sdm + offs_d[None, :] * sdd, mask=rows[:, None] & lanes[None, :],
+                     other=0.0)
         lse = tl.load(lse_base + offs_m, mask=rows, other=float("inf"))  # +inf: padded rows get P = 0
         delta = tl.load(delta_base + offs_m, mask=rows, other=0.0)
         pt = tl.math.exp2(tl.dot(k, qt, input_precision=PRECISION) * qk_scale - lse[None, :] * 1.4426950408889634)
@@ -192,27 +222,28 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, VISITS, qk_scale, sm_scale
                      sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
                      sgb, sgh, sgm, sgd, H, N_CTX, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
                      PRECISION: tl.constexpr, COUNT_VISITS: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """dK, dV of one key block, over its query blocks (Algorithm 2's outer loop; §3.2 parallel over keys)."""
     pid, hz = tl.program_id(0), tl.program_id(1)
     b, h = (hz // H).to(tl.int64), (hz % H).to(tl.int64)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     cols = offs_n < N_CTX
-    k = tl.load(K + b * skb + h * skh + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=cols[:, None], other=0.0)
-    v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=cols[:, None], other=0.0)
+    tile = cols[:, None] & _lanes(offs_d, HEAD_DIM, BLOCK_D)[None, :]
+    k = tl.load(K + b * skb + h * skh + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=tile, other=0.0)
+    v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=tile, other=0.0)
     q_base, do_base = Q + b * sqb + h * sqh, DO + b * sdb + h * sdh
     lse_base, delta_base = LSE + hz.to(tl.int64) * N_CTX, DELTA + hz.to(tl.int64) * N_CTX
-    dk, dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32), tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dk, dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32), tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     begin = (pid * BLOCK_N) // BLOCK_M * BLOCK_M if CAUSAL else 0
     split = tl.minimum(tl.cdiv(pid * BLOCK_N + BLOCK_N, BLOCK_M) * BLOCK_M, N_CTX) if CAUSAL else 0
     dk, dv, n1 = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdm, sdd, offs_n,
-                                 begin, split, N_CTX, qk_scale, True, HEAD_DIM, BLOCK_M, PRECISION)
+                                 begin, split, N_CTX, qk_scale, True, HEAD_DIM, BLOCK_M, PRECISION, BLOCK_D)
     dk, dv, n2 = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdm, sdd, offs_n,
-                                 split, N_CTX, N_CTX, qk_scale, False, HEAD_DIM, BLOCK_M, PRECISION)
+                                 split, N_CTX, N_CTX, qk_scale, False, HEAD_DIM, BLOCK_M, PRECISION, BLOCK_D)
     g = b * sgb + h * sgh + offs_n[:, None] * sgm + offs_d[None, :] * sgd
-    tl.store(DK + g, (dk * sm_scale).to(DK.dtype.element_ty), mask=cols[:, None])
-    tl.store(DV + g, dv.to(DV.dtype.element_ty), mask=cols[:, None])
+    tl.store(DK + g, (dk * sm_scale).to(DK.dtype.element_ty), mask=tile)
+    tl.store(DV + g, dv.to(DV.dtype.element_ty), mask=tile)
     if COUNT_VISITS:
         tl.store(VISITS + hz * tl.num_programs(0) + pid, n1 + n2)
 
@@ -220,12 +251,13 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, VISITS, qk_scale, sm_scale
 @_jit
 def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, skd, svn, svd, offs_m, lo, hi, N_CTX, qk_scale,
                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                  PRECISION: tl.constexpr):
-    offs_d = tl.arange(0, HEAD_DIM)
+                  PRECISION: tl.constexpr, BLOCK_D: tl.constexpr):
+    offs_d = tl.arange(0, BLOCK_D)
+    lanes = _lanes(offs_d, HEAD_DIM, BLOCK_D)
     visits = 0
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        cols = offs_n[None, :] < N_CTX
+        cols = (offs_n[None, :] < N_CTX) & lanes[:, None]
         kt = tl.load(k_base + offs_n[None, :] * skn + offs_d[:, None] * skd, mask=cols, other=0.0)
         vt = tl.load(v_base + offs_n[None, :] * svn + offs_d[:, None] * svd, mask=cols, other=0.0)
         p = tl.math.exp2(tl.dot(q, kt, input_precision=PRECISION) * qk_scale - lse[:, None])
@@ -242,63 +274,32 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, VISITS, qk_scale, sm_scale,
                    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
                    sgb, sgh, sgm, sgd, H, N_CTX, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
                    PRECISION: tl.constexpr, COUNT_VISITS: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """dQ of one query block: a second pass in place of Algorithm 2's atomic adds (§3.2), so deterministic."""
     pid, hz = tl.program_id(0), tl.program_id(1)
     b, h = (hz // H).to(tl.int64), (hz % H).to(tl.int64)
     offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     rows = offs_m < N_CTX
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, mask=rows[:, None], other=0.0)
-    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_d[None, :] * sdd, mask=rows[:, None], other=0.0)
+    tile = rows[:, None] & _lanes(offs_d, HEAD_DIM, BLOCK_D)[None, :]
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, mask=tile, other=0.0)
+    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_d[None, :] * sdd, mask=tile, other=0.0)
     lse = tl.load(LSE + hz.to(tl.int64) * N_CTX + offs_m, mask=rows, other=float("inf")) * 1.4426950408889634
     delta = tl.load(DELTA + hz.to(tl.int64) * N_CTX + offs_m, mask=rows, other=0.0)
     k_base, v_base = K + b * skb + h * skh, V + b * svb + h * svh
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     split, end = _fwd_bounds(pid, N_CTX, CAUSAL, BLOCK_M, BLOCK_N)
     dq, n1 = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, skd, svn, svd, offs_m, 0, split, N_CTX,
-                           qk_scale, False, CAUSAL, HEAD_DIM, BLOCK_N, PRECISION)
+                           qk_scale, False, CAUSAL, HEAD_DIM, BLOCK_N, PRECISION, BLOCK_D)
     dq, n2 = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, skd, svn, svd, offs_m, split, end, N_CTX,
-                           qk_scale, True, CAUSAL, HEAD_DIM, BLOCK_N, PRECISION)
+                           qk_scale, True, CAUSAL, HEAD_DIM, BLOCK_N, PRECISION, BLOCK_D)
     g = b * sgb + h * sgh + offs_m[:, None] * sgm + offs_d[None, :] * sgd
-    tl.store(DQ + g, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rows[:, None])
+    tl.store(DQ + g, (dq * sm_scale).to(DQ.dtype.element_ty), mask=tile)
     if COUNT_VISITS:
         tl.store(VISITS + hz * tl.num_programs(0) + pid, n1 + n2)
 
 
 # --- autotuning (Hopper: H100/H200) and launching -----------------------------------------------
-
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner tries, per kernel and head-dim class (head dims
-# up to 64 share the 64 set). Chosen by compiling a wider grid for sm_90 (``python -m kernels.aot``):
-# every entry fits Hopper's 227 KB of shared memory per block, lowers tl.dot to wgmma and spills no
-# registers; tests/test_attention_compile.py keeps it so. Candidates that failed: 128x128 tiles at
-# 4 warps (spill), 3-4 stage pipelines of 128-wide K/V tiles at head dim 128 (> 227 KB).
-HOPPER_CONFIGS = MappingProxyType({
-    ("fwd", 64): ((128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3),
-                  (64, 128, 8, 3)),
-    ("fwd", 128): ((128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 3), (64, 64, 8, 3)),
-    ("dkdv", 64): ((32, 64, 4, 3), (32, 128, 8, 3), (64, 64, 4, 3), (64, 64, 8, 3), (64, 128, 8, 2),
-                   (64, 128, 8, 3)),
-    ("dkdv", 128): ((32, 64, 4, 3), (32, 64, 8, 3), (32, 128, 8, 2), (32, 128, 8, 3), (64, 64, 8, 2),
-                    (64, 64, 8, 3)),
-    ("dq", 64): ((64, 32, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3), (128, 32, 4, 3), (128, 64, 8, 2),
-                 (128, 64, 8, 3)),
-    ("dq", 128): ((64, 32, 8, 3), (64, 64, 4, 3), (64, 64, 8, 3), (128, 32, 8, 3), (128, 64, 8, 2),
-                  (128, 64, 8, 3)),
-})
-# One small tile for GPUs with less shared memory than Hopper (the autotuner drops what does not fit).
-SMALL_CONFIG = (32, 32, 4, 2)
-
-
-def head_dim_class(head_dim: int) -> int:
-    """The HOPPER_CONFIGS column a head dim uses."""
-    return 64 if head_dim <= 64 else 128
-
-
-def configs_for(kind: str, head_dim: int) -> tuple[tuple[int, int, int, int], ...]:
-    """The (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates the autotuner times for one kernel."""
-    return (*HOPPER_CONFIGS[kind, head_dim_class(head_dim)], SMALL_CONFIG)
-
 
 _KERNELS = MappingProxyType({"fwd": _fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel})
 if triton is not None:
@@ -347,7 +348,8 @@ def _empty_bshd(q: Tensor) -> Tensor:
 def _flags(q: Tensor, causal: bool) -> dict:
     """fp32 inputs use IEEE dot products unless torch matmuls may use TF32 too (allow_tf32)."""
     tf32 = q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
-    return dict(HEAD_DIM=q.shape[-1], CAUSAL=causal, PRECISION="tf32" if tf32 else "ieee")
+    d = q.shape[-1]
+    return dict(HEAD_DIM=d, BLOCK_D=block_d(d), CAUSAL=causal, PRECISION="tf32" if tf32 else "ieee")
 
 
 def flash_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, blocks: tuple[int, int] | None = None,
@@ -371,7 +373,7 @@ def flash_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: 
     delta = torch.empty_like(lse)
     if s > 0:
         _bwd_delta_kernel[(triton.cdiv(s, 64), b * h)](o, do, delta, *o.stride(), *do.stride(), h, s,
-                                                       HEAD_DIM=d, BLOCK_M=64)
+                                                       HEAD_DIM=d, BLOCK_M=64, BLOCK_D=block_d(d))
     dq, dk, dv = _empty_bshd(q), _empty_bshd(q), _empty_bshd(q)
     kv_blocks, q_blocks = blocks if blocks is not None else (None, None)
     rest = (1.0 / math.sqrt(d) * LOG2E, 1.0 / math.sqrt(d),

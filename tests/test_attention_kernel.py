@@ -87,13 +87,18 @@ def test_matches_float64_reference(shape, d, causal, dtype):
 
 @pytest.mark.parametrize("d,dtype,causal,layout", [(16, torch.float32, True, "model"),
                                                    (32, torch.float16, False, "model"),
-                                                   (64, torch.float32, True, "contiguous")])
-def test_small_head_dims_and_contiguous_inputs(d, dtype, causal, layout):
+                                                   (64, torch.float32, True, "contiguous"),
+                                                   # padded to a power of two inside the kernels:
+                                                   (80, torch.float32, True, "model"),
+                                                   (96, torch.float16, False, "model"),
+                                                   (40, torch.float32, False, "contiguous"),
+                                                   (8, torch.float16, True, "model")])
+def test_other_head_dims_and_contiguous_inputs(d, dtype, causal, layout):
     check(2, 2, 33, d, dtype, causal, layout)
 
 
 def test_rejects_unsupported_inputs():
-    q = torch.randn(1, 1, 8, 48)
+    q = torch.randn(1, 1, 8, 160)
     with pytest.raises(ValueError, match="head_dim"):
         A.attention(q, q, q, impl="triton")
     with pytest.raises(ValueError, match="impl"):
@@ -197,9 +202,10 @@ def test_resolve_impl(monkeypatch):
         A.resolve_impl("cuda", "cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU: auto picks the kernel it has
     assert A.resolve_impl("auto", "cuda", head_dim=128) == "triton"
-    assert A.resolve_impl("auto", "cuda", head_dim=80) == "torch"  # no kernel for it: SDPA, not a crash
-    with pytest.raises(UserError, match=r"this model's is 80; valid here: auto \| torch$"):
-        A.resolve_impl("triton", "cuda", head_dim=80)
+    assert A.resolve_impl("auto", "cuda", head_dim=80) == "triton"  # padded to 128 inside the kernel
+    assert A.resolve_impl("auto", "cuda", head_dim=256) == "torch"  # no kernel for it: SDPA, not a crash
+    with pytest.raises(UserError, match=r"this model's is 256; valid here: auto \| torch$"):
+        A.resolve_impl("triton", "cuda", head_dim=256)
     monkeypatch.delenv("TRITON_INTERPRET")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert not A.triton_available()
