@@ -64,6 +64,8 @@ class ZeroOptimizer(LayerGathering, ZeroCheckpointing):
         self.microbatches = 1
         self.device = device if device is not None else next(chunks[0].parameters()).device
         self.initial_value = initial_value
+        assert initial_value is not None or not any(p.is_meta for c in chunks for p in c.parameters()), \
+            "parameters on the meta device need initial_value"
         self.state_device = torch.device("cpu") if offload_optimizer == "cpu" else self.device
         # the fused kernel runs where the optimizer states are; offloaded states step with torch on the CPU
         self.adam_impl = adam_impl if self.state_device == self.device else "torch"
