@@ -1,8 +1,8 @@
 """Kernel benchmark: megazero's Triton attention and AdamW against torch's own kernels, on one CUDA GPU.
 
 Attention (bf16, causal, head_dim 64 and 128, seq 1024..16384): megazero's FlashAttention-2
-(``kernels.attention``, impl="triton") next to torch SDPA's FlashAttention backend and its cuDNN
-backend. Every contender gets the same inputs, laid out as the model makes them (q, k, v strided
+(``kernels.attention``, impl="triton"; with its default deterministic dQ pass and with dQ by atomic
+adds) next to torch SDPA's FlashAttention backend and its cuDNN backend. Every contender gets the same inputs, laid out as the model makes them (q, k, v strided
 views of one (batch, seq, heads, 3, head_dim) qkv projection). batch = 16384 // seq and
 heads = 2048 // head_dim, so every row is 16k tokens of a 2048-wide model. FLOPs are counted as
 Dao 2023 (FlashAttention-2, §4.1) does: forward 4*b*h*s^2*d, halved when causal; forward +
@@ -115,6 +115,7 @@ def _contenders() -> dict[str, Callable]:
         return run
 
     return {"megazero triton": lambda q, k, v: attention(q, k, v, causal=True, impl="triton"),
+            "megazero atomic dQ": lambda q, k, v: attention(q, k, v, causal=True, impl="triton", dq_mode="atomic"),
             "sdpa flash": sdpa(SDPBackend.FLASH_ATTENTION),
             "sdpa cudnn": sdpa(SDPBackend.CUDNN_ATTENTION)}
 
@@ -171,7 +172,7 @@ def check_attention(sz: Sizes, dtype: torch.dtype) -> dict:
     Prints the table; returns {(head_dim, seq, name): [errors] or None where it failed}."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    contenders = {k: v for k, v in _contenders().items() if k in ("megazero triton", "sdpa flash")}
+    contenders = {k: v for k, v in _contenders().items() if k != "sdpa cudnn"}
     _emit("| seq | head_dim | impl | O | dQ | dK | dV |", "|---|---|---|---|---|---|---|")
     errors = {}
     for d in sz.head_dims:
@@ -254,10 +255,11 @@ def targets(sz: Sizes, attn: dict, errors: dict, adam: dict, dtype_name: str) ->
     for s in sz.seqs:
         if s < TARGET_MIN_SEQ or TARGET_HEAD_DIM not in sz.head_dims:
             continue
-        r = _ratio(attn.get((TARGET_HEAD_DIM, s, "megazero triton", "fwd+bwd")),
-                   attn.get((TARGET_HEAD_DIM, s, "sdpa flash", "fwd+bwd")))
-        lines.append(f"- attention fwd+bwd, head_dim {TARGET_HEAD_DIM}, seq {s}: megazero / sdpa flash = "
-                     f"{_fmt(r, '.2f')} (target >= 1.00): {verdict(None if r is None else r >= 1.0)}")
+        for name in ("megazero triton", "megazero atomic dQ"):
+            r = _ratio(attn.get((TARGET_HEAD_DIM, s, name, "fwd+bwd")),
+                       attn.get((TARGET_HEAD_DIM, s, "sdpa flash", "fwd+bwd")))
+            lines.append(f"- attention fwd+bwd, {name}, head_dim {TARGET_HEAD_DIM}, seq {s}: / sdpa flash = "
+                         f"{_fmt(r, '.2f')} (target >= 1.00): {verdict(None if r is None else r >= 1.0)}")
     share = _ratio(adam.get("triton"), adam.get("copy"))
     lines.append(f"- AdamW: megazero triton / copy bandwidth = {_fmt(share, '.2f')} (target >= "
                  f"{TARGET_COPY_SHARE:.2f}): {verdict(None if share is None else share >= TARGET_COPY_SHARE)}")
@@ -265,14 +267,14 @@ def targets(sz: Sizes, attn: dict, errors: dict, adam: dict, dtype_name: str) ->
     lines.append(f"- AdamW: fused torch time / megazero triton time = {_fmt(speed, '.2f')} (target >= 1.00): "
                  f"{verdict(None if speed is None else speed >= 1.0)}")
     for (d, s, name), errs in sorted(errors.items()):
-        if name != "megazero triton":
+        if not name.startswith("megazero"):
             continue
         ref = errors.get((d, s, "sdpa flash"))
         if errs is None or ref is None:
-            lines.append(f"- {dtype_name} errors, head_dim {d}, seq {s}: n/a (a contender failed)")
+            lines.append(f"- {dtype_name} errors, {name}, head_dim {d}, seq {s}: n/a (a contender failed)")
             continue
         worst = max(e / max(r, 1e-6) for e, r in zip(errs, ref))
-        lines.append(f"- {dtype_name} errors, head_dim {d}, seq {s}: worst of O/dQ/dK/dV megazero / sdpa flash = "
+        lines.append(f"- {dtype_name} errors, {name}, head_dim {d}, seq {s}: worst of O/dQ/dK/dV / sdpa flash = "
                      f"{worst:.2f} (target <= {ERROR_FACTOR:.1f}): {verdict(worst <= ERROR_FACTOR)}")
     return lines
 

@@ -30,8 +30,10 @@ from kernels.attention_configs import configs_for
 HOPPER_SHARED_BYTES = 227 * 1024
 _POINTERS = {"fwd": ("Q", "K", "V", "O", "LSE", "VISITS"),
              "dkdv": ("Q", "K", "V", "DO", "DK", "DV", "LSE", "DELTA", "VISITS"),
-             "dq": ("Q", "K", "V", "DO", "DQ", "LSE", "DELTA", "VISITS")}
-_SCALARS = {"fwd": ("qk_scale",), "dkdv": ("qk_scale", "sm_scale"), "dq": ("qk_scale", "sm_scale")}
+             "dq": ("Q", "K", "V", "DO", "DQ", "LSE", "DELTA", "VISITS"),
+             "dkdvq": ("Q", "K", "V", "DO", "DK", "DV", "DQ_ACC", "LSE", "DELTA", "VISITS")}
+_SCALARS = {"fwd": ("qk_scale",), "dkdv": ("qk_scale", "sm_scale"), "dq": ("qk_scale", "sm_scale"),
+            "dkdvq": ("qk_scale", "sm_scale")}
 _FLAGS = ("HEAD_DIM", "CAUSAL", "PRECISION", "COUNT_VISITS", "BLOCK_M", "BLOCK_N", "BLOCK_D")
 
 
@@ -54,7 +56,7 @@ def _signature(kind: str, dtype: str) -> tuple[dict, dict, dict]:
     sig, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(FA._KERNELS[kind].arg_names):
         if name in _POINTERS[kind]:
-            sig[name] = "*fp32" if name in ("LSE", "DELTA") else f"*{dtype}"
+            sig[name] = "*fp32" if name in ("LSE", "DELTA", "DQ_ACC") else f"*{dtype}"
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in _SCALARS[kind]:
             sig[name] = "fp32"
@@ -129,7 +131,7 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--head-dims", default="64,128")
     parser.add_argument("--all", action="store_true", help="the wider grid, not only the autotune sets")
-    parser.add_argument("--kinds", default="fwd,dkdv,dq")
+    parser.add_argument("--kinds", default="fwd,dkdv,dq,dkdvq")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiles in parallel")
     args = parser.parse_args()
     import json

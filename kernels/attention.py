@@ -11,15 +11,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.flash_attention import DTYPES, MAX_HEAD_DIM, FlashAttention, _interpreting, supports_head_dim, triton
+from kernels.flash_attention import FlashAttention
+from kernels.flash_blocks import DTYPES, MAX_HEAD_DIM, _interpreting, supports_head_dim, triton
 from megazero.errors import UserError
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, impl: str = "torch") -> Tensor:
+def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, impl: str = "torch",
+              dq_mode: str = "separate") -> Tensor:
     """softmax(q k^T / sqrt(head_dim)) v on (batch, heads, seq, head_dim) tensors.
 
     impl: "torch" (scaled_dot_product_attention) or "triton" (FlashAttention-2 above);
     :func:`resolve_impl` turns a config value ("auto" | "torch" | "triton") into one.
+    dq_mode (triton): how the backward gets dQ, "separate" (deterministic) or "atomic"
+    (see ``kernels.flash_backward``).
     """
     if impl == "torch":
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
@@ -33,7 +37,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, impl: str = 
                          f"{q.dtype}, {k.dtype}, {v.dtype} on {q.device}, {k.device}, {v.device}")
     if triton is None or (q.device.type != "cuda" and not _interpreting()):
         raise ValueError(f"triton attention needs triton and CUDA tensors (or TRITON_INTERPRET=1), got {q.device}")
-    return FlashAttention.apply(q, k, v, causal)
+    return FlashAttention.apply(q, k, v, causal, dq_mode)
 
 
 def triton_available() -> bool:

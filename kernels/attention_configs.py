@@ -13,7 +13,8 @@ from types import MappingProxyType
 # up to 64 share the 64 set, larger ones the 128 set). Chosen by compiling a wider grid for sm_90 (``python -m kernels.aot``):
 # every entry fits Hopper's 227 KB of shared memory per block, lowers tl.dot to wgmma and spills no
 # registers; tests/test_attention_compile.py keeps it so. Candidates that failed: 128x128 tiles at
-# 4 warps (spill), 3-4 stage pipelines of 128-wide K/V tiles at head dim 128 (> 227 KB).
+# 4 warps (spill), 3-4 stage pipelines of 128-wide K/V tiles at head dim 128 (> 227 KB); for the
+# atomic-dQ backward ("dkdvq", which also holds a dQ tile) every 64-row key block at head dim 128 spills.
 HOPPER_CONFIGS = MappingProxyType({
     ("fwd", 64): ((128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3),
                   (64, 128, 8, 3)),
@@ -22,6 +23,10 @@ HOPPER_CONFIGS = MappingProxyType({
                    (64, 128, 8, 3)),
     ("dkdv", 128): ((32, 64, 4, 3), (32, 64, 8, 3), (32, 128, 8, 2), (32, 128, 8, 3), (64, 64, 8, 2),
                     (64, 64, 8, 3)),
+    ("dkdvq", 64): ((32, 64, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (64, 64, 8, 3), (64, 128, 8, 2),
+                    (64, 128, 8, 3)),
+    ("dkdvq", 128): ((32, 64, 8, 2), (32, 64, 8, 3), (32, 128, 8, 2), (32, 128, 8, 3), (64, 32, 8, 3),
+                     (128, 32, 8, 2)),
     ("dq", 64): ((64, 32, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3), (128, 32, 4, 3), (128, 64, 8, 2),
                  (128, 64, 8, 3)),
     ("dq", 128): ((64, 32, 8, 3), (64, 64, 4, 3), (64, 64, 8, 3), (128, 32, 8, 3), (128, 64, 8, 2),

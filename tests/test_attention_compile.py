@@ -37,7 +37,7 @@ def autotune_sets(tmp_path_factory):
 def test_every_autotune_config_fits_hopper(autotune_sets):
     from kernels.attention_configs import SMALL_CONFIG, configs_for
 
-    expected = {(kind, d, tuple(c)) for kind in ("fwd", "dkdv", "dq") for d in (64, 80, 128)  # 80: padded to 128
+    expected = {(kind, d, tuple(c)) for kind in ("fwd", "dkdv", "dq", "dkdvq") for d in (64, 80, 128)  # 80: padded
                 for c in configs_for(kind, d)}
     assert {(r["kind"], r["head_dim"], tuple(r["config"])) for r in autotune_sets} == expected, \
         [r for r in autotune_sets if "error" in r]
@@ -49,6 +49,10 @@ def test_every_autotune_config_fits_hopper(autotune_sets):
         assert r["registers"] <= 255
         if tuple(r["config"]) == small:  # the fallback for smaller GPUs: fits anywhere, still tensor cores
             assert r["shared_bytes"] <= SMALL_GPU_SHARED_BYTES and r["mma_sync"] + r["wgmma"] > 0, where
+        elif r["kind"] == "dkdvq":  # its products have key rows (dK, dV) and query rows (dQ): a 32-row side,
+            # needed at head dim 128 to keep registers, goes to mma.sync (wgmma takes 64 rows per warpgroup)
+            assert r["wgmma"] > 0, where
+            assert r["mma_sync"] == 0 or min(r["config"][:2]) < 64, where
         else:  # Hopper's asynchronous warpgroup MMA, not the sm_80 mma.sync path
             assert r["wgmma"] > 0 and r["mma_sync"] == 0, where
 

@@ -19,6 +19,7 @@ assert isinstance(triton.language.zeros, InterpretedFunction), "the kernel tests
 
 import kernels.attention as A  # noqa: E402
 import kernels.flash_attention as FA  # noqa: E402
+import kernels.flash_blocks as FB  # noqa: E402
 from megazero.errors import UserError  # noqa: E402
 
 assert isinstance(FA._fwd_kernel, InterpretedFunction)
@@ -58,10 +59,10 @@ def qkv_like_model(b, h, s, d, dtype, layout):
     return [qkv[:, :, :, i].transpose(1, 2) for i in range(3)], qkv
 
 
-def check(b, h, s, d, dtype, causal, layout="model"):
+def check(b, h, s, d, dtype, causal, layout="model", dq_mode="separate"):
     torch.manual_seed(1000 * s + d)
     (q, k, v), leaf = qkv_like_model(b, h, s, d, dtype, layout)
-    out = A.attention(q, k, v, causal=causal, impl="triton")
+    out = A.attention(q, k, v, causal=causal, impl="triton", dq_mode=dq_mode)
     assert out.shape == q.shape and out.dtype == dtype
     lse = out.grad_fn.saved_tensors[4]  # what the forward saved for the backward (freed by backward())
     dout = torch.randn(b, s, h, d, dtype=dtype).transpose(1, 2)  # a strided dO, too
@@ -97,6 +98,15 @@ def test_other_head_dims_and_contiguous_inputs(d, dtype, causal, layout):
     check(2, 2, 33, d, dtype, causal, layout)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("d", [64, 80, 128])
+@pytest.mark.parametrize("shape", [(2, 2, 17), (1, 2, 100)], ids=lambda s: "x".join(map(str, s)))
+def test_atomic_dq_matches_float64_reference(shape, d, causal, dtype):
+    """The one-pass backward (dQ by atomic adds, Dao 2023 §3.2) against the same float64 reference."""
+    check(*shape, d, dtype, causal, dq_mode="atomic")
+
+
 def test_rejects_unsupported_inputs():
     q = torch.randn(1, 1, 8, 160)
     with pytest.raises(ValueError, match="head_dim"):
@@ -112,7 +122,7 @@ def visits_forward(s, bm, bn, causal):
     """Per query block, how many key blocks the bounds make the forward / dQ pass visit."""
     out = []
     for i in range(-(-s // bm)):
-        split, end = FA.forward_key_range(i, bm, bn, s, causal)
+        split, end = FB.forward_key_range(i, bm, bn, s, causal)
         out.append(len(range(0, split, bn)) + len(range(split, end, bn)))
     return out
 
@@ -121,7 +131,7 @@ def visits_backward(s, bm, bn, causal):
     """Per key block, how many query blocks the bounds make the dK/dV pass visit."""
     out = []
     for j in range(-(-s // bn)):
-        begin, split, end = FA.backward_query_range(j, bm, bn, s, causal)
+        begin, split, end = FB.backward_query_range(j, bm, bn, s, causal)
         out.append(len(range(begin, split, bm)) + len(range(split, end, bm)))
     return out
 
@@ -164,6 +174,9 @@ def test_kernels_visit_what_the_bounds_say(causal):
                                                  blocks=(kv, dq_blocks), count_visits=True)
     assert kv_visits.tolist() == [visits_backward(s, *kv, causal)] * bh
     assert q_visits.tolist() == [visits_forward(s, *dq_blocks, causal)] * bh
+    *_, (fused_visits, none) = FA.flash_backward(q, k, v, o, lse, torch.randn_like(o), causal, blocks=(kv, None),
+                                                count_visits=True, dq_mode="atomic")
+    assert fused_visits.tolist() == [visits_backward(s, *kv, causal)] * bh and none is None
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -172,7 +185,7 @@ def test_autotuned_launch_covers_every_block(monkeypatch, causal):
     autotuner picks without timing: its grid must cover every query / key block, like explicit blocks do.
     The held block (queries for fwd and dQ, keys for dK/dV) is the smaller one, so a grid counted in the
     other block size launches too few programs and leaves rows unwritten."""
-    blocks = {"fwd": (16, 32), "dkdv": (32, 16), "dq": (16, 32)}
+    blocks = {"fwd": (16, 32), "dkdv": (32, 16), "dq": (16, 32), "dkdvq": (32, 16)}
     tuned = {(kind, d): triton.autotune([triton.Config({"BLOCK_M": blocks[kind][0], "BLOCK_N": blocks[kind][1]})],
                                         key=FA._KEY)(FA._KERNELS[kind]) for kind in blocks for d in (64, 128)}
     s, d = 100, 64
@@ -186,6 +199,9 @@ def test_autotuned_launch_covers_every_block(monkeypatch, causal):
     grads = FA.flash_backward(q, k, v, o, lse, do, causal)[:3]
     for name, got, want in zip(("O", "LSE", "dQ", "dK", "dV"), (o, lse, *grads), (o_ref, lse_ref, *grads_ref)):
         assert torch.equal(got, want), name
+    atomic = FA.flash_backward(q, k, v, o, lse, do, causal, dq_mode="atomic")[:3]  # dK/dV identical, dQ summed
+    torch.testing.assert_close(atomic[0], grads_ref[0], rtol=0, atol=1e-5)  # in another order
+    assert torch.equal(atomic[1], grads_ref[1]) and torch.equal(atomic[2], grads_ref[2])
     _, expected, _ = reference(q, k, v, causal)
     close(o, expected, TOL[torch.float32], "O")
 

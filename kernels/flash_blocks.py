@@ -1,0 +1,86 @@
+"""What the FlashAttention-2 kernels (``kernels.flash_attention``, ``kernels.flash_backward``) share:
+the optional triton import, head-dim padding, and the causal loop bounds.
+
+Causal blocks entirely above the diagonal are skipped by the loop bounds (Dao 2023, §3.1.1,
+"Causal masking"); only diagonal (and ragged-end) blocks pay for a mask. :func:`forward_key_range`
+and :func:`backward_query_range` are those bounds in Python, for the tests.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # torch-only installs: impl="torch" still works; kernels.attention.resolve_impl explains
+    triton = None
+    tl = None
+
+LOG2E = 1.4426950408889634
+MAX_HEAD_DIM = 128  # any head dim up to this (larger ones: torch SDPA, see kernels.attention.resolve_impl)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+def _jit(fn):  # without triton the kernels stay plain (never called) functions
+    return triton.jit(fn) if triton is not None else fn
+
+
+def block_d(head_dim: int) -> int:
+    """The power of two (at least 16, tl.dot's minimum) a head dim is padded to inside the kernels."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def supports_head_dim(head_dim: int) -> bool:
+    return 1 <= head_dim <= MAX_HEAD_DIM
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# --- loop bounds (Python mirror of the @jit versions below) ------------------------------------
+
+
+def forward_key_range(block: int, block_m: int, block_n: int, seq_len: int, causal: bool) -> tuple[int, int]:
+    """Keys a query block (forward, dQ pass) visits: [0, split) unmasked, [split, end) masked.
+
+    Causal: keys after the block's last row are never loaded. Non-causal: only the ragged end is masked."""
+    if causal:
+        return (block * block_m) // block_n * block_n, min((block + 1) * block_m, seq_len)
+    return seq_len // block_n * block_n, seq_len
+
+
+def backward_query_range(block: int, block_m: int, block_n: int, seq_len: int, causal: bool) -> tuple[int, int, int]:
+    """Queries a key block (dK/dV pass) visits: [begin, split) causally masked, [split, end) unmasked.
+
+    Causal: query rows before ``begin`` are skipped. Ragged rows load as 0 with L = +inf: they add 0."""
+    if causal:
+        start_n = block * block_n
+        begin = start_n // block_m * block_m
+        return begin, min(-(-(start_n + block_n) // block_m) * block_m, seq_len), seq_len
+    return 0, 0, seq_len
+
+
+@_jit
+def _fwd_bounds(pid, N_CTX, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    split = (pid * BLOCK_M) // BLOCK_N * BLOCK_N if CAUSAL else N_CTX // BLOCK_N * BLOCK_N
+    end = tl.minimum((pid + 1) * BLOCK_M, N_CTX) if CAUSAL else N_CTX
+    return split, end
+
+
+@_jit
+def _lanes(offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Head-dim lanes that exist: a constant all-true mask (folded away: loads stay vectorised) unless the head
+    dim was padded up to BLOCK_D, whose extra lanes load as 0 and are never stored."""
+    if HEAD_DIM == BLOCK_D:
+        return tl.full([BLOCK_D], 1, tl.int1)
+    return offs_d < HEAD_DIM
+
+
+@_jit
+def _keep(offs_m, offs_n, N_CTX, CAUSAL: tl.constexpr):
+    """Scores that exist: key inside the sequence and, causal, not after the query."""
+    keep = offs_n[None, :] < N_CTX
+    if CAUSAL:
+        keep = keep & (offs_m[:, None] >= offs_n[None, :])
+    return keep
