@@ -29,12 +29,12 @@ from kernels.attention_configs import configs_for
 # Capabilities", technical specifications per compute capability).
 HOPPER_SHARED_BYTES = 227 * 1024
 _POINTERS = {"fwd": ("Q", "K", "V", "O", "LSE", "VISITS"),
-             "dkdv": ("Q", "K", "V", "DO", "DK", "DV", "LSE", "DELTA", "VISITS"),
+             "dkdv": ("Q", "K", "V", "DO", "DK", "DV", "DQ_ACC", "LSE", "DELTA", "VISITS"),
              "dq": ("Q", "K", "V", "DO", "DQ", "LSE", "DELTA", "VISITS"),
              "dkdvq": ("Q", "K", "V", "DO", "DK", "DV", "DQ_ACC", "LSE", "DELTA", "VISITS")}
 _SCALARS = {"fwd": ("qk_scale",), "dkdv": ("qk_scale", "sm_scale"), "dq": ("qk_scale", "sm_scale"),
             "dkdvq": ("qk_scale", "sm_scale")}
-_FLAGS = ("HEAD_DIM", "CAUSAL", "PRECISION", "COUNT_VISITS", "BLOCK_M", "BLOCK_N", "BLOCK_D")
+_FLAGS = ("HEAD_DIM", "CAUSAL", "PRECISION", "COUNT_VISITS", "ATOMIC_DQ", "BLOCK_M", "BLOCK_N", "BLOCK_D")
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,8 @@ def compile_attention(kind: str, head_dim: int, config: tuple[int, int, int, int
     sig, constexprs, attrs = _signature(kind, dtype)
     constexprs.update(HEAD_DIM=head_dim, CAUSAL=causal, PRECISION="ieee", COUNT_VISITS=False,
                       BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=FA.block_d(head_dim))
+    if "ATOMIC_DQ" in sig:
+        constexprs["ATOMIC_DQ"] = kind == "dkdvq"
     src = ASTSource(FA._KERNELS[kind], signature=sig, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": warps, "num_stages": stages})

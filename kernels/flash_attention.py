@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from kernels.attention_configs import configs_for, head_dim_class
-from kernels.flash_backward import _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel, _bwd_fused_kernel
+from kernels.flash_backward import _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel
 from kernels.flash_blocks import LOG2E, _fwd_bounds, _interpreting, _jit, _keep, _lanes, block_d, tl, triton
 
 # Fixed (BLOCK_M, BLOCK_N) per kernel under the interpreter; uneven on purpose so the
@@ -99,8 +99,9 @@ def _fwd_kernel(Q, K, V, O, LSE, VISITS, qk_scale,
 
 # --- autotuning (Hopper: H100/H200) and launching -----------------------------------------------
 
+# "dkdvq": the dK/dV kernel with ATOMIC_DQ, autotuned on its own (it holds a dQ tile too)
 _KERNELS = MappingProxyType({"fwd": _fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel,
-                             "dkdvq": _bwd_fused_kernel})
+                             "dkdvq": _bwd_dkdv_kernel})
 if triton is not None:
     _KEY = ["N_CTX", "HEAD_DIM", "CAUSAL"]
     _TUNED = MappingProxyType({
@@ -186,13 +187,14 @@ def flash_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: 
     if dq_mode == "atomic":
         dq_acc = torch.zeros((b, h, s, d), dtype=torch.float32, device=q.device)
         rest = (*scales, *strides, *dq_acc.stride()[:3], h, s)
-        kv_visits = _launch("dkdvq", s, b * h, (q, k, v, do, dk, dv, dq_acc, lse, delta), rest, flags, kv_blocks,
-                            count_visits)
+        kv_visits = _launch("dkdvq", s, b * h, (q, k, v, do, dk, dv, dq_acc, lse, delta), rest,
+                            dict(flags, ATOMIC_DQ=True), kv_blocks, count_visits)
         return (dq_acc * scales[1]).to(q.dtype), dk, dv, (kv_visits, None) if count_visits else None
     dq = _empty_bshd(q)
-    rest = (*scales, *strides, h, s)
-    kv_visits = _launch("dkdv", s, b * h, (q, k, v, do, dk, dv, lse, delta), rest, flags, kv_blocks, count_visits)
-    q_visits = _launch("dq", s, b * h, (q, k, v, do, dq, lse, delta), rest, flags, q_blocks, count_visits)
+    kv_visits = _launch("dkdv", s, b * h, (q, k, v, do, dk, dv, q, lse, delta), (*scales, *strides, 0, 0, 0, h, s),
+                        dict(flags, ATOMIC_DQ=False), kv_blocks, count_visits)  # q: an unused DQ_ACC
+    q_visits = _launch("dq", s, b * h, (q, k, v, do, dq, lse, delta), (*scales, *strides, h, s), flags, q_blocks,
+                       count_visits)
     return dq, dk, dv, (kv_visits, q_visits) if count_visits else None
 
 

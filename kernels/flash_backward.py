@@ -30,9 +30,9 @@ def _bwd_delta_kernel(O, DO, DELTA, sob, soh, som, sod, sdb, sdh, sdm, sdd, H, N
 
 
 @_jit
-def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdm, sdd, offs_n, lo, hi,
-                    N_CTX, qk_scale, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                    PRECISION: tl.constexpr, BLOCK_D: tl.constexpr):
+def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqm, sqd, sdm, sdd, sam, offs_n,
+                    lo, hi, N_CTX, qk_scale, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                    PRECISION: tl.constexpr, BLOCK_D: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     lanes = _lanes(offs_d, HEAD_DIM, BLOCK_D)
     visits = 0
@@ -52,17 +52,23 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sq
         dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         dst = pt * (dpt - delta[None, :])
         dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=PRECISION)
+        if ATOMIC_DQ:  # this key block's share of the rows' dQ, added into the fp32 buffer
+            dq = tl.dot(tl.trans(dst.to(k.dtype)), k, input_precision=PRECISION)
+            tl.atomic_add(dq_base + offs_m[:, None] * sam + offs_d[None, :], dq, mask=rows[:, None] & lanes[None, :])
         visits += 1
     return dk, dv, visits
 
 
 @_jit
-def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, VISITS, qk_scale, sm_scale,
+def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, VISITS, qk_scale, sm_scale,
                      sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
-                     sgb, sgh, sgm, sgd, H, N_CTX, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-                     PRECISION: tl.constexpr, COUNT_VISITS: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """dK, dV of one key block, over its query blocks (Algorithm 2's outer loop; §3.2 parallel over keys)."""
+                     sgb, sgh, sgm, sgd, sab, sah, sam, H, N_CTX, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+                     PRECISION: tl.constexpr, COUNT_VISITS: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """dK, dV of one key block, over its query blocks (Algorithm 2's outer loop; §3.2 parallel over keys).
+
+    ATOMIC_DQ: also add the block's share of dQ into DQ_ACC (fp32, (b, h, s, head_dim) with strides
+    sab, sah, sam), so no dQ pass is needed; otherwise DQ_ACC and its strides are unused."""
     pid, hz = tl.program_id(0), tl.program_id(1)
     b, h = (hz // H).to(tl.int64), (hz % H).to(tl.int64)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -71,15 +77,17 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, VISITS, qk_scale, sm_scale
     tile = cols[:, None] & _lanes(offs_d, HEAD_DIM, BLOCK_D)[None, :]
     k = tl.load(K + b * skb + h * skh + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=tile, other=0.0)
     v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=tile, other=0.0)
-    q_base, do_base = Q + b * sqb + h * sqh, DO + b * sdb + h * sdh
+    q_base, do_base, dq_base = Q + b * sqb + h * sqh, DO + b * sdb + h * sdh, DQ_ACC + b * sab + h * sah
     lse_base, delta_base = LSE + hz.to(tl.int64) * N_CTX, DELTA + hz.to(tl.int64) * N_CTX
     dk, dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32), tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     begin = (pid * BLOCK_N) // BLOCK_M * BLOCK_M if CAUSAL else 0
     split = tl.minimum(tl.cdiv(pid * BLOCK_N + BLOCK_N, BLOCK_M) * BLOCK_M, N_CTX) if CAUSAL else 0
-    dk, dv, n1 = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdm, sdd, offs_n,
-                                 begin, split, N_CTX, qk_scale, True, HEAD_DIM, BLOCK_M, PRECISION, BLOCK_D)
-    dk, dv, n2 = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdm, sdd, offs_n,
-                                 split, N_CTX, N_CTX, qk_scale, False, HEAD_DIM, BLOCK_M, PRECISION, BLOCK_D)
+    dk, dv, n1 = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqm, sqd, sdm, sdd,
+                                 sam, offs_n, begin, split, N_CTX, qk_scale, True, HEAD_DIM, BLOCK_M, PRECISION,
+                                 BLOCK_D, ATOMIC_DQ)
+    dk, dv, n2 = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqm, sqd, sdm, sdd,
+                                 sam, offs_n, split, N_CTX, N_CTX, qk_scale, False, HEAD_DIM, BLOCK_M, PRECISION,
+                                 BLOCK_D, ATOMIC_DQ)
     g = b * sgb + h * sgh + offs_n[:, None] * sgm + offs_d[None, :] * sgd
     tl.store(DK + g, (dk * sm_scale).to(DK.dtype.element_ty), mask=tile)
     tl.store(DV + g, dv.to(DV.dtype.element_ty), mask=tile)
@@ -134,72 +142,5 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, VISITS, qk_scale, sm_scale,
                            qk_scale, True, CAUSAL, HEAD_DIM, BLOCK_N, PRECISION, BLOCK_D)
     g = b * sgb + h * sgh + offs_m[:, None] * sgm + offs_d[None, :] * sgd
     tl.store(DQ + g, (dq * sm_scale).to(DQ.dtype.element_ty), mask=tile)
-    if COUNT_VISITS:
-        tl.store(VISITS + hz * tl.num_programs(0) + pid, n1 + n2)
-
-
-# --- dQ by atomic adds (Dao 2023 §3.2): one pass instead of two ----------------------------------
-
-
-@_jit
-def _bwd_fused_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqm, sqd, sdm, sdd, sam, offs_n,
-                     lo, hi, N_CTX, qk_scale, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                     PRECISION: tl.constexpr, BLOCK_D: tl.constexpr):
-    offs_d = tl.arange(0, BLOCK_D)
-    lanes = _lanes(offs_d, HEAD_DIM, BLOCK_D)
-    visits = 0
-    for start_m in range(lo, hi, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        rows = offs_m < N_CTX
-        qt = tl.load(q_base + offs_m[None, :] * sqm + offs_d[:, None] * sqd, mask=rows[None, :] & lanes[:, None],
-                     other=0.0)
-        do = tl.load(do_base + offs_m[:, None] * sdm + offs_d[None, :] * sdd, mask=rows[:, None] & lanes[None, :],
-                     other=0.0)
-        lse = tl.load(lse_base + offs_m, mask=rows, other=float("inf"))  # +inf: padded rows get P = 0
-        delta = tl.load(delta_base + offs_m, mask=rows, other=0.0)
-        pt = tl.math.exp2(tl.dot(k, qt, input_precision=PRECISION) * qk_scale - lse[None, :] * 1.4426950408889634)
-        if MASKED:
-            pt = tl.where(offs_m[None, :] >= offs_n[:, None], pt, 0.0)
-        dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
-        dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-        dst = (pt * (dpt - delta[None, :])).to(qt.dtype)
-        dk = tl.dot(dst, tl.trans(qt), dk, input_precision=PRECISION)
-        dq = tl.dot(tl.trans(dst), k, input_precision=PRECISION)  # this key block's share of the rows' dQ
-        tl.atomic_add(dq_base + offs_m[:, None] * sam + offs_d[None, :], dq, mask=rows[:, None] & lanes[None, :])
-        visits += 1
-    return dk, dv, visits
-
-
-@_jit
-def _bwd_fused_kernel(Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, VISITS, qk_scale, sm_scale,
-                      sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
-                      sgb, sgh, sgm, sgd, sab, sah, sam, H, N_CTX, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-                      PRECISION: tl.constexpr, COUNT_VISITS: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """dK, dV of one key block as in _bwd_dkdv_kernel, and its share of dQ added atomically into the fp32
-    DQ_ACC (contiguous (b, h, s, head_dim)): 5 matrix products per block pair instead of 4 + 3, in an order
-    that varies from run to run (fp32 sums: last-bit differences)."""
-    pid, hz = tl.program_id(0), tl.program_id(1)
-    b, h = (hz // H).to(tl.int64), (hz % H).to(tl.int64)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    cols = offs_n < N_CTX
-    tile = cols[:, None] & _lanes(offs_d, HEAD_DIM, BLOCK_D)[None, :]
-    k = tl.load(K + b * skb + h * skh + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=tile, other=0.0)
-    v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=tile, other=0.0)
-    q_base, do_base, dq_base = Q + b * sqb + h * sqh, DO + b * sdb + h * sdh, DQ_ACC + b * sab + h * sah
-    lse_base, delta_base = LSE + hz.to(tl.int64) * N_CTX, DELTA + hz.to(tl.int64) * N_CTX
-    dk, dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32), tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    begin = (pid * BLOCK_N) // BLOCK_M * BLOCK_M if CAUSAL else 0
-    split = tl.minimum(tl.cdiv(pid * BLOCK_N + BLOCK_N, BLOCK_M) * BLOCK_M, N_CTX) if CAUSAL else 0
-    dk, dv, n1 = _bwd_fused_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqm, sqd, sdm, sdd,
-                                  sam, offs_n, begin, split, N_CTX, qk_scale, True, HEAD_DIM, BLOCK_M, PRECISION,
-                                  BLOCK_D)
-    dk, dv, n2 = _bwd_fused_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqm, sqd, sdm, sdd,
-                                  sam, offs_n, split, N_CTX, N_CTX, qk_scale, False, HEAD_DIM, BLOCK_M, PRECISION,
-                                  BLOCK_D)
-    g = b * sgb + h * sgh + offs_n[:, None] * sgm + offs_d[None, :] * sgd
-    tl.store(DK + g, (dk * sm_scale).to(DK.dtype.element_ty), mask=tile)
-    tl.store(DV + g, dv.to(DV.dtype.element_ty), mask=tile)
     if COUNT_VISITS:
         tl.store(VISITS + hz * tl.num_programs(0) + pid, n1 + n2)
