@@ -92,20 +92,24 @@ class Checks:
         return None
 
     def verdict(self, ok: bool, text: str) -> None:
-        self.fail(text) if not ok else self.note(f"- ok {text}")
+        if ok:
+            self.note(f"- ok {text}")
+        else:
+            self.fail(text)
 
     def note(self, *lines: str) -> None:
         self.lines += lines
-        status = "FAILED: " + "; ".join(self.failed) if self.failed else "all checks passed so far"
-        (self.out / "summary.md").write_text(f"# GPU checks ({self.title}): {status}\n\n" + "\n".join(self.lines)
-                                             + "\n")
+        self._write("all checks passed so far")
 
     def finish(self) -> int:
-        status = "FAILED: " + "; ".join(self.failed) if self.failed else "all checks passed"
+        print(self._write("all checks passed"))
+        return 1 if self.failed else 0
+
+    def _write(self, passed: str) -> str:
+        status = "FAILED: " + "; ".join(self.failed) if self.failed else passed
         text = f"# GPU checks ({self.title}): {status}\n\n" + "\n".join(self.lines) + "\n"
         (self.out / "summary.md").write_text(text)
-        print(text)
-        return 1 if self.failed else 0
+        return text
 
 
 def _losses(run_dir: Path) -> dict[int, dict]:

@@ -28,10 +28,9 @@ from kernels.attention_configs import configs_for
 # Shared memory one block may use (dynamic, opt-in) on sm_90: 227 KB (CUDA C Programming Guide, "Compute
 # Capabilities", technical specifications per compute capability).
 HOPPER_SHARED_BYTES = 227 * 1024
-_POINTERS = {"fwd": ("Q", "K", "V", "O", "LSE", "VISITS"),
-             "dkdv": ("Q", "K", "V", "DO", "DK", "DV", "DQ_ACC", "LSE", "DELTA", "VISITS"),
-             "dq": ("Q", "K", "V", "DO", "DQ", "LSE", "DELTA", "VISITS"),
-             "dkdvq": ("Q", "K", "V", "DO", "DK", "DV", "DQ_ACC", "LSE", "DELTA", "VISITS")}
+_DKDV_POINTERS = ("Q", "K", "V", "DO", "DK", "DV", "DQ_ACC", "LSE", "DELTA", "VISITS")  # dkdv and dkdvq: one kernel
+_POINTERS = {"fwd": ("Q", "K", "V", "O", "LSE", "VISITS"), "dkdv": _DKDV_POINTERS, "dkdvq": _DKDV_POINTERS,
+             "dq": ("Q", "K", "V", "DO", "DQ", "LSE", "DELTA", "VISITS")}
 _SCALARS = {"fwd": ("qk_scale",), "dkdv": ("qk_scale", "sm_scale"), "dq": ("qk_scale", "sm_scale"),
             "dkdvq": ("qk_scale", "sm_scale")}
 _FLAGS = ("HEAD_DIM", "CAUSAL", "PRECISION", "COUNT_VISITS", "ATOMIC_DQ", "BLOCK_M", "BLOCK_N", "BLOCK_D")

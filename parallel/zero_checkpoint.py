@@ -30,9 +30,8 @@ class ZeroCheckpointing:
         return owner
 
     def _full(self, b: Bucket, local: Tensor) -> Tensor:
-        """A bucket-long tensor from this rank's range of it (gathered over dp unless stage 0)."""
-        if self.stage == 0:
-            return local.to(self.device).clone()
+        """A bucket-long tensor from this rank's range of it, gathered over dp (stages 1-3; stage 0 holds it all)."""
+        assert self.stage > 0, "stage 0 holds whole buckets"
         out = torch.empty(b.numel, dtype=local.dtype, device=self.device)
         self.grid.dp_comm.all_gather_into(out, local.to(self.device).contiguous(), tag="checkpoint")
         return out
