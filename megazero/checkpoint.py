@@ -8,7 +8,9 @@ config) live in ``meta.json``.
 Atomicity: a save writes into ``step_N.tmp/``; only when every rank has
 finished does rank 0 write ``meta.json`` and rename the folder to ``step_N``.
 A crash mid-save leaves a ``.tmp`` folder that is never read, so the latest
-complete checkpoint stays the latest. Loading never unpickles arbitrary
+complete checkpoint stays the latest. "Latest" is the one written last (each
+meta.json holds a save sequence number), not the highest step: a run resumed
+from an older checkpoint continues, and keeps, its own line. Loading never unpickles arbitrary
 objects: tensors are read with ``weights_only``, and DCP's metadata file goes
 through an unpickler that admits only DCP's own metadata classes.
 """
@@ -90,17 +92,28 @@ def checkpoint_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"{_PREFIX}{step:08d}"
 
 
+def _written(path: Path) -> tuple[int, int]:
+    """(save sequence number, step): the order checkpoints were written in. A run resumed from an older
+    checkpoint (a roll-back past a loss spike) writes lower steps after higher ones."""
+    try:
+        sequence = int(json.loads((path / META).read_text()).get("sequence", 0))
+    except (OSError, ValueError, AttributeError):
+        sequence = 0
+    return sequence, int(path.name[len(_PREFIX):])
+
+
 def list_checkpoints(root: str | Path) -> list[Path]:
-    """Complete checkpoints (committed with meta.json), oldest first."""
+    """Complete checkpoints (committed with meta.json), in the order they were written, oldest first."""
     root = Path(root)
     if not root.is_dir():
         return []
     done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX)
             and not p.name.endswith(".tmp") and (p / META).is_file()]
-    return sorted(done, key=lambda p: int(p.name[len(_PREFIX):]))
+    return sorted(done, key=_written)
 
 
 def latest_checkpoint(root: str | Path) -> Optional[Path]:
+    """The checkpoint written last (what ``train.resume=auto`` continues from)."""
     found = list_checkpoints(root)
     return found[-1] if found else None
 
@@ -120,15 +133,18 @@ def save(root: str | Path, step: int, state: dict[str, torch.Tensor], meta: dict
         dcp.save(state, checkpoint_id=str(tmp), no_dist=not _is_dist())
     _barrier()
     if _rank() == 0:
-        body = json.dumps({"format": FORMAT_VERSION, "step": step, **meta}, indent=1)
+        sequence = max((_written(p)[0] for p in list_checkpoints(root)), default=0) + 1
+        body = json.dumps({"format": FORMAT_VERSION, "step": step, "sequence": sequence, **meta}, indent=1)
         with open(tmp / META, "w") as f:
             f.write(body)
             f.flush()
             os.fsync(f.fileno())
+        replaced = final.with_name(final.name + ".old.tmp")  # debris the next save clears, should we die here
         if final.exists():
-            shutil.rmtree(final)
+            os.rename(final, replaced)
         os.rename(tmp, final)
-        for old in list_checkpoints(root)[:-keep_last]:
+        shutil.rmtree(replaced, ignore_errors=True)
+        for old in list_checkpoints(root)[:-keep_last]:  # the keep_last written last stay
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final

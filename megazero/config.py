@@ -35,6 +35,10 @@ class ModelConfig:
     init_std: float = 0.02
     vocab_pad_multiple: int = 128
 
+    # The keys that define the network a checkpoint holds; the others (dropout, activation checkpointing,
+    # init_std) may change between a save and a resume.
+    ARCHITECTURE = ("layers", "hidden", "heads", "seq_len", "vocab_size", "ffn_hidden", "bias", "vocab_pad_multiple")
+
     @property
     def padded_vocab(self) -> int:
         """Embedding rows: vocab_size rounded up to a multiple of vocab_pad_multiple (128).

@@ -92,6 +92,14 @@ _TB_TAGS = {
 }
 
 
+def _step_of(line: str) -> float:
+    """A metrics.jsonl record's step; infinity for a line a crash cut short."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+
+
 class MetricsLogger:
     """Console + metrics.jsonl + TensorBoard, written only where `enabled` (the loss-holding rank)."""
 
@@ -107,11 +115,18 @@ class MetricsLogger:
         if not enabled:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.file = open(self.dir / "metrics.jsonl", "a" if append else "w")
+        path = self.dir / "metrics.jsonl"
+        # A resume continues after its checkpoint's step: records a crashed run wrote past it are redone,
+        # so they go (here, and in TensorBoard through purge_step).
+        kept = [line for line in path.read_text().splitlines() if _step_of(line) <= start_step] \
+            if append and path.is_file() else []
+        self.file = open(path, "w")
+        self.file.writelines(line + "\n" for line in kept)
+        self.file.flush()
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(self.dir))
+            self.writer = SummaryWriter(log_dir=str(self.dir), purge_step=start_step + 1 if append else None)
 
     def log(self, step: int, values: dict) -> None:
         """Record one step's metrics (step counts from 1: the number of optimizer steps done)."""

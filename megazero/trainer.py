@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from kernels import resolve_kernels
 from megazero import checkpoint, optim
-from megazero.config import Config
+from megazero.config import Config, ModelConfig
 from megazero.data import GPTData, build_data
 from megazero.errors import UserError
 from megazero.metrics import MetricsLogger, memory_gb, model_flops_per_token, peak_tflops
@@ -218,10 +218,14 @@ class Trainer:
         return Path(r)
 
     def load(self, path: Path) -> None:
+        stored = checkpoint.read_meta(path).get("config", {}).get("model", {})
+        for key in ModelConfig.ARCHITECTURE:
+            ours = getattr(self.cfg.model, key)
+            if key in stored and stored[key] != ours:
+                raise UserError(f"checkpoint {path}: model.{key} is {stored[key]!r} there and {ours!r} here; a resume "
+                                f"keeps the architecture ({', '.join(ModelConfig.ARCHITECTURE)})")
         state, exported = self.state_tensors()
         meta = checkpoint.load(path, state)
-        if meta.get("config", {}).get("model") and meta["config"]["model"] != self.cfg.to_dict()["model"]:
-            raise UserError(f"checkpoint {path}: its model section differs from this config's")
         self.zero.import_state(exported, int(meta["optimizer_step"]))
         if "loss_scaler" in meta:
             self.zero.scaler.load(meta["loss_scaler"])

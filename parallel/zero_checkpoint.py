@@ -77,7 +77,10 @@ class ZeroCheckpointing:
             for (name, p), off in zip(b.params, b.offsets):
                 if name in state:
                     for k, t in flat.items():
-                        t[off:off + p.numel()] = state[name][k].reshape(-1).to(device=t.device, dtype=t.dtype)
+                        # the model copy is the master rounded to this run's dtype: a checkpoint of another
+                        # precision (bf16 saved, fp32 resumed, where master and parameter are one buffer) too
+                        src = state[name]["master" if k == "param" else k]
+                        t[off:off + p.numel()] = src.reshape(-1).to(device=t.device, dtype=t.dtype)
             lo, hi = self._range(b)
             mine = {}
             for k, t in flat.items():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -142,6 +143,12 @@ def test_keep_last_and_metadata_is_never_unpickled_freely(tmp_path):
     for s in range(1, 5):
         checkpoint.save(ckpt, s, {"model/w": torch.ones(2)}, {"consumed_samples": s}, keep_last=2)
     assert [p.name for p in checkpoint.list_checkpoints(ckpt)] == ["step_00000003", "step_00000004"]
+    # a run rolled back to step 2 writes step 3 again: "latest" and keep_last go by the order of writing
+    checkpoint.save(ckpt, 3, {"model/w": torch.zeros(2)}, {"consumed_samples": 3}, keep_last=1)
+    assert [p.name for p in checkpoint.list_checkpoints(ckpt)] == ["step_00000003"]
+    fresh = {"model/w": torch.ones(2)}
+    checkpoint.load(checkpoint.latest_checkpoint(ckpt), fresh)
+    assert torch.equal(fresh["model/w"], torch.zeros(2))  # the new step 3, not the old one
 
     class Evil:
         def __reduce__(self):
@@ -153,6 +160,73 @@ def test_keep_last_and_metadata_is_never_unpickled_freely(tmp_path):
 
     with pytest.raises(UserError, match="not allowed"):
         checkpoint.load(latest, {"model/w": torch.zeros(2)})
+
+
+def test_resume_after_a_crash_a_roll_back_and_a_changed_setting(corpus, tmp_path):
+    """What long jobs meet. A crash after the last checkpoint: the resume redoes the steps after it, and
+    metrics.jsonl and TensorBoard hold each step once. A roll-back to an older checkpoint: "latest" is then
+    the checkpoint written last, not the highest step. A changed setting: dropout may change on a resume,
+    the architecture may not (model.heads keeps every shape, so only that check can catch it)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megazero.errors import UserError
+
+    text, cache = corpus
+    run_dir, config = tmp_path / "run", str(ROOT / "configs" / "tiny.yaml")
+    ckpts = run_dir / "checkpoints"
+
+    def train(steps: int, *extra: str) -> list[dict]:
+        return run(config, small_overrides(text, cache, run_dir, steps=steps, **{"train.save_every": 2,
+                                                                                 "train.keep_last": 3}) + list(extra))
+
+    first = train(6)
+    shutil.rmtree(ckpts / "step_00000006")  # the job died before step 6 was committed
+    second = train(6, "train.resume=auto", "model.dropout=0.1")
+    assert [r["step"] for r in second] == [5, 6]
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, 7))
+    assert losses(records) == losses(first[:4]) + losses(second)
+    acc = EventAccumulator(str(run_dir))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [
+        (r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in records]
+
+    train(4, f"train.resume={ckpts / 'step_00000002'}")  # rolled back: writes step 4 again
+    assert [p.name for p in checkpoint.list_checkpoints(ckpts)] == ["step_00000002", "step_00000006",
+                                                                     "step_00000004"]
+    assert checkpoint.latest_checkpoint(ckpts).name == "step_00000004"
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 5))
+
+    with pytest.raises(UserError, match=r"model\.heads is 4 there and 2 here"):
+        train(6, "train.resume=auto", "model.heads=2")
+
+
+def test_an_fp32_resume_of_a_bf16_checkpoint_takes_the_fp32_master_weights(corpus, tmp_path):
+    """In an fp32 run the master weights are the parameters themselves: a resume must fill them from the
+    checkpoint's fp32 masters, not from its bf16 model copy (stages 0 and 3 keep their buffers apart)."""
+    import torch.distributed.checkpoint as dcp
+
+    from megazero.config import load_config, resolve_world
+    from megazero.trainer import Trainer
+    from parallel.topology import Grid
+
+    text, cache = corpus
+    config = str(ROOT / "configs" / "tiny.yaml")
+    run(config, small_overrides(text, cache, tmp_path / "bf16", steps=3, **{"train.precision": "bf16"}))
+    ckpt = checkpoint.latest_checkpoint(tmp_path / "bf16" / "checkpoints")
+    stored = checkpoint.stored_tensors(ckpt)
+    masters = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in stored.items()
+               if k.endswith("/master")}
+    dcp.load(masters, storage_reader=checkpoint.SafeFileSystemReader(str(ckpt)), no_dist=True)
+    for stage in (0, 3):
+        cfg = resolve_world(load_config(config, small_overrides(text, cache, tmp_path / f"fp32-{stage}", steps=3,
+                                                                **{"zero.stage": stage})), 1)
+        trainer = Trainer(cfg, Grid.build(1, 1, 1, "cpu"), torch.device("cpu"))
+        trainer.load(ckpt)
+        for name, value in trainer.zero.full_parameters().items():
+            master = masters[f"optim/{name}/master"]
+            assert value.dtype == torch.float32 and torch.equal(value, master), (stage, name)
+        assert any(not torch.equal(m, m.bfloat16().float()) for m in masters.values())  # bf16 rounding shows
 
 
 def test_export_of_a_trained_checkpoint_gives_megazero_logits(corpus, tmp_path):
