@@ -274,7 +274,7 @@ class Trainer:
             history.append({"step": step, **record})
             if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == stop_at:
                 self.save()
-        if cfg.log.pipeline_trace:
+        if cfg.log.pipeline_trace and history:  # a resume of a finished run trains no step to trace
             self.write_pipeline_trace()
         logger.close()
         if self.is_writer:

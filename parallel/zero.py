@@ -74,6 +74,9 @@ class ZeroOptimizer(LayerGathering, ZeroCheckpointing):
         self.peak_gathered_bytes = 0
         self.world = Comm(dist.group.WORLD if dist.is_initialized() else None, "world", grid.counter)
         self.tied_embedding = any(c.shares_embedding_across_stages for c in chunks)
+        frozen = [n for c in chunks for n, p in c.named_parameters() if not p.requires_grad]
+        if frozen:  # its bucket would wait forever for a gradient (and never be reduced)
+            raise ValueError(f"ZeroOptimizer trains every parameter it is given; frozen: {', '.join(frozen)}")
         self.buckets = self._make_buckets(chunks, bucket_mb)
         self.owner = self._checkpoint_owners()
         self._materialise()
@@ -227,6 +230,11 @@ class ZeroOptimizer(LayerGathering, ZeroCheckpointing):
     def _finish(self) -> None:
         """Wait for the reductions started in backward; reduce the deferred buckets now."""
         for b in self.buckets:
+            if b.rounds != self.microbatches or b.ready:  # else the dp ranks would silently drift apart
+                raise RuntimeError(
+                    f"ZeRO: a gradient is missing for one of {', '.join(n for n, _ in b.params)} "
+                    f"({b.rounds} of {self.microbatches} microbatches complete): every parameter given to the "
+                    f"ZeroOptimizer must take part in every microbatch's loss")
             for work, out in b.pending:
                 if work is not None:
                     work.wait()

@@ -197,6 +197,8 @@ def test_resume_after_a_crash_a_roll_back_and_a_changed_setting(corpus, tmp_path
     assert checkpoint.latest_checkpoint(ckpts).name == "step_00000004"
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 5))
 
+    assert train(4, "train.resume=auto", "log.pipeline_trace=true") == []  # a requeued finished job: nothing to do
+
     with pytest.raises(UserError, match=r"model\.heads is 4 there and 2 here"):
         train(6, "train.resume=auto", "model.heads=2")
 

@@ -254,3 +254,35 @@ def test_stage3_creates_the_model_one_bucket_at_a_time():
         for n, p in b.params:
             assert p is params[n] and not p.is_meta and torch.equal(p, eager[n]), n
             assert p.tp_split_dim == eager[n].tp_split_dim  # attributes survive the swap
+
+
+@pytest.mark.parametrize("stage,microbatches", [(0, 2), (2, 2), (3, 1)])
+def test_a_parameter_without_a_gradient_stops_the_step(stage, microbatches):
+    """A bucket is reduced when all its parameters' gradients are in: one that never gets a gradient would
+    leave its bucket unreduced and the dp ranks drifting apart in silence. The step must refuse instead, and a
+    frozen parameter is refused when the optimizer is built. (Stage 3 with a second microbatch fails earlier,
+    in that backward: the layer it never saw finish was not gathered again.)"""
+    from models.gpt import build_gpt
+    from parallel.zero import ZeroOptimizer
+
+    cfg = load_config(TINY, ["parallel.tp=1", "parallel.pp=1", "model.layers=1"]).model
+    grid = Grid.build(1, 1, 1, "cpu")
+    ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
+
+    def step(model, microbatches):
+        zero = ZeroOptimizer([model], grid, stage, "fp32", 1e-3, 0.1, device=torch.device("cpu"))
+        zero.begin_step(microbatches)
+        for _ in range(microbatches):
+            model(ids[:, :-1], ids[:, 1:]).mean().backward()
+        zero.step(1e-3, 1.0)
+
+    step(build_gpt(cfg, 0, tp=grid.tp_comm), microbatches)  # every parameter used: steps
+    model = build_gpt(cfg, 0, tp=grid.tp_comm)
+    model.layers["0"].unused = torch.nn.Parameter(torch.zeros(4))
+    model.layers["0"].unused.tp_split_dim, model.layers["0"].unused.sequence_parallel = None, False
+    with pytest.raises(RuntimeError, match=r"gradient is missing for one of .*layers\.0\.unused"):
+        step(model, microbatches)
+    model = build_gpt(cfg, 0, tp=grid.tp_comm)
+    model.layers["0"].mlp.fc1.weight.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"frozen: layers\.0\.mlp\.fc1\.weight"):
+        step(model, 1)
