@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from kernels.attention import attention
-from parallel.comm import Comm, copy_to_region, gather_from_sequence
+from parallel.comm import Comm, copy_to_region
 from parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -34,6 +34,7 @@ from parallel.tensor import (
     VocabParallelEmbedding,
     mark_sequence_parallel,
     mask_padded_vocab,
+    sequence_gathered_linear,
     tp_rank_and_size,
     vocab_parallel_cross_entropy,
 )
@@ -204,8 +205,10 @@ class GPT(nn.Module):
             return x
         tokens = self.embed.tokens
         h = self.final_norm(x)
-        h = gather_from_sequence(h, self.tp) if self.sequence_parallel else copy_to_region(h, self.tp)
-        logits = F.linear(h, tokens.weight)
+        if self.sequence_parallel:
+            logits = sequence_gathered_linear(h, tokens.weight, None, self.tp)
+        else:
+            logits = F.linear(copy_to_region(h, self.tp), tokens.weight)
         if targets is None:
             return mask_padded_vocab(logits, tokens.vocab_start, self.cfg.vocab_size)
         return vocab_parallel_cross_entropy(logits, targets, tokens.vocab_start, self.cfg.vocab_size, self.tp)

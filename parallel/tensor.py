@@ -34,10 +34,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from parallel.comm import (
+    SEQ_DIM,
     Comm,
     copy_to_region,
     gather_from_region,
-    gather_from_sequence,
     reduce_from_region,
     reduce_scatter_to_sequence,
     scatter_to_region,
@@ -118,12 +118,61 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _param((per_rank,), tp_split_dim=0) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        x = gather_from_sequence(x, self.tp) if self.sequence_parallel else copy_to_region(x, self.tp)
-        y = F.linear(x, self.weight, self.bias)
+        if self.sequence_parallel:
+            y = sequence_gathered_linear(x, self.weight, self.bias, self.tp)
+        else:
+            y = F.linear(copy_to_region(x, self.tp), self.weight, self.bias)
         return gather_from_region(y, self.tp) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, tp={self.tp_rank}/{self.tp_size}"
+
+
+class _SequenceGatheredLinear(torch.autograd.Function):
+    """y = all_gather_seq(x) W^T + b that keeps only this rank's sequence shard x for backward.
+
+    Saving the gathered input, as autograd would for ``F.linear(gather(x))``, would keep a full-sequence
+    activation per column-parallel linear and undo sequence parallelism's 1/tp activation memory. Backward
+    gathers x again, overlapped with dX = dY W, and reduce-scatters dX overlapped with dW = dY^T X
+    (Korthikanti et al. 2022, §4.2.2; Megatron-LM's linear with async communication).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor], comm: Comm) -> Tensor:
+        device = x.device.type
+        if torch.is_autocast_enabled(device):  # gather in the dtype the matmul will read, as autocast would cast
+            x = x.to(torch.get_autocast_dtype(device))
+        total = comm.all_gather(x, dim=SEQ_DIM)
+        ctx.save_for_backward(x, weight)
+        ctx.comm, ctx.has_bias = comm, bias is not None
+        return F.linear(total, weight, bias)  # under autocast: the cached low-precision weight, as any linear
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight = ctx.saved_tensors
+        comm = ctx.comm
+        x = x.to(grad.dtype)  # the compute dtype of the forward (autocast's, or the input's)
+        moved = x.movedim(SEQ_DIM, 0).contiguous()  # collectives concatenate along dim 0
+        gathered = moved.new_empty((comm.size * moved.shape[0],) + moved.shape[1:])
+        work = comm.all_gather_into(gathered, moved, tag="activation_regather", async_op=True)
+        grad_total = grad.matmul(weight.to(grad.dtype))
+        grad_moved = grad_total.movedim(SEQ_DIM, 0).contiguous()
+        work.wait()
+        grad_x = grad_moved.new_empty((grad_moved.shape[0] // comm.size,) + grad_moved.shape[1:])
+        work = comm.reduce_scatter_into(grad_x, grad_moved, tag="activation", async_op=True)
+        total = gathered.movedim(0, SEQ_DIM).reshape(-1, x.shape[-1])
+        flat_grad = grad.reshape(-1, grad.shape[-1])
+        grad_weight = flat_grad.t().matmul(total)  # autograd casts it to the weight's dtype
+        grad_bias = flat_grad.sum(0) if ctx.has_bias else None
+        work.wait()
+        return grad_x.movedim(0, SEQ_DIM), grad_weight, grad_bias, None
+
+
+def sequence_gathered_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], comm: Optional[Comm]) -> Tensor:
+    """A column-parallel linear on sequence-parallel input: gathers the sequence, keeps only the shard."""
+    if comm is None or comm.size == 1:
+        return F.linear(x, weight, bias)
+    return _SequenceGatheredLinear.apply(x, weight, bias, comm)
 
 
 class RowParallelLinear(nn.Module):
