@@ -74,6 +74,9 @@ class ZeroConfig:
     reshard_after_forward: bool = True  # stage 3: free gathered layers after forward (False: keep for the step)
     offload_optimizer: str = "none"  # none | cpu: fp32 master weights and Adam states in CPU memory
     offload_params: str = "none"  # none | cpu (stage 3): parameter shards in CPU memory
+    # the dtype gradients are accumulated over microbatches and reduced over dp in: auto = fp32 under bf16
+    # (as Megatron-LM: bf16 sums of many microbatches lose bits), else the model's
+    grad_dtype: str = "auto"  # auto | fp32 | model
 
 
 @dataclass

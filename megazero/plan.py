@@ -30,6 +30,7 @@ from parallel.comm import Comm
 from parallel.pipeline import partition_layers
 from parallel.schedules import Action, build_schedule, virtual_stage
 from parallel.topology import coords_to_rank
+from parallel.zero import grad_precision
 
 BYTES_PER_VALUE = {"fp32": 4, "bf16": 2, "fp16": 2}
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32
@@ -45,13 +46,14 @@ def optimizer_bytes_per_param(precision: str) -> int:
 
 
 def model_state_bytes(psi: int, stage: int, dp: int, precision: str, offload_optimizer: str = "none",
-                      offload_params: str = "none") -> dict[str, int]:
+                      offload_params: str = "none", grad_dtype: str = "auto") -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state one rank keeps, by ZeRO stage.
 
     Rajbhandari et al. SC'20, §3 / Figure 1: (2+2+K)Ψ without partitioning;
     stage 1 partitions the optimizer state over dp, stage 2 also the gradients,
     stage 3 also the parameters. Here b = 4 (fp32) or 2 (bf16/fp16) bytes per
-    parameter and gradient, K = 8 (+4 master) bytes. A partition is
+    parameter and gradient (gradients: 4 when accumulated in fp32, ``zero.grad_dtype``; the paper's fp16
+    gradients are 2), K = 8 (+4 master) bytes. A partition is
     ceil(Ψ/dp) elements: the implementation pads the flat buffer to a multiple
     of dp. Offloaded kinds count in ``cpu_total`` instead of ``device_total``;
     the per-kind keys give the size wherever it lives.
@@ -61,9 +63,10 @@ def model_state_bytes(psi: int, stage: int, dp: int, precision: str, offload_opt
     if offload_params == "cpu" and stage != 3:
         raise ValueError(f"offload_params=cpu needs stage 3 (got {stage})")
     b, k = BYTES_PER_VALUE[precision], optimizer_bytes_per_param(precision)
+    g = BYTES_PER_VALUE[grad_precision(precision, grad_dtype)]
     shard = -(-psi // dp)
     params = psi * b if stage < 3 else shard * b
-    grads = psi * b if stage < 2 else shard * b
+    grads = psi * g if stage < 2 else shard * g
     optimizer = k * psi if stage == 0 else k * shard
     cpu = (optimizer if offload_optimizer == "cpu" else 0) + (params if offload_params == "cpu" else 0)
     return {"params": params, "grads": grads, "optimizer": optimizer,
@@ -180,7 +183,8 @@ def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action]) -
     chunks = [virtual_stage(r, c, par.pp) for c in range(v)]
     counts = [chunk_parameters(cfg, ranges[vs], vs == 0, vs == last_vs) for vs in chunks]
     psi, replicated = sum(c[0] for c in counts), sum(c[1] for c in counts)
-    state = model_state_bytes(psi, z.stage, par.dp, t.precision, z.offload_optimizer, z.offload_params)
+    state = model_state_bytes(psi, z.stage, par.dp, t.precision, z.offload_optimizer, z.offload_params,
+                              z.grad_dtype)
     sp = par.sequence_parallel and par.tp > 1
 
     def layer(recompute: bool) -> int:
@@ -286,10 +290,11 @@ def format_plan(plan: Plan) -> str:
                        f"{(ms['device_total'] + act) / GB:.2f}", f"{s.flops / 1e12:,.{1 if s.flops >= 1e13 else 4}f}"])
     lines += _table(header, rows, left=3)
     b, k = BYTES_PER_VALUE[t.precision], optimizer_bytes_per_param(t.precision)
+    g = BYTES_PER_VALUE[grad_precision(t.precision, z.grad_dtype)]
     last = plan.stages[-1]
     lines += [
         "",
-        f"  model state: ZeRO stage {z.stage} over dp {par.dp}, {b} B/param for params and grads, {k} B/param "
+        f"  model state: ZeRO stage {z.stage} over dp {par.dp}, {b} B/param for params, {g} for grads, {k} B/param "
         f"optimizer (Adam moments{' + fp32 master' if b != 4 else ''}); Rajbhandari et al. SC'20, Fig. 1",
         f"  activations: Korthikanti et al. 2022 §4 per layer, {'fp32' if b == 4 else '16-bit'}, flash attention "
         f"(no s x s scores), micro_batch {t.micro_batch}; x layers x microbatches held ('mb held', peak of the "

@@ -18,6 +18,7 @@ _CHOICES = {
     ("zero", "stage"): (0, 1, 2, 3),
     ("zero", "offload_optimizer"): ("none", "cpu"),
     ("zero", "offload_params"): ("none", "cpu"),
+    ("zero", "grad_dtype"): ("auto", "fp32", "model"),
     ("kernels", "attention"): ("auto", "triton", "torch"),
     ("kernels", "adam"): ("auto", "triton", "torch"),
     ("launch", "device"): ("auto", "cpu", "cuda"),

@@ -94,7 +94,8 @@ class Trainer:
         self.zero = ZeroOptimizer(self.chunks, grid, z.stage, cfg.train.precision, cfg.train.lr,
                                   cfg.train.weight_decay, z.bucket_mb, z.reshard_after_forward,
                                   z.offload_optimizer, z.offload_params, adam_impl=cfg.kernels.adam, device=device,
-                                  initial_value=lambda p: initial_tp_value(*origin[p], cfg.train.seed))
+                                  initial_value=lambda p: initial_tp_value(*origin[p], cfg.train.seed),
+                                  grad_dtype=z.grad_dtype)
         self.executor = PipelineExecutor(self.chunks, grid, (cfg.train.micro_batch, seq, cfg.model.hidden),
                                          DTYPES[cfg.train.precision], device,
                                          cfg.train.global_batch * cfg.model.seq_len, self._autocast)

@@ -40,6 +40,17 @@ from parallel.zero_params import Bucket, LayerGathering
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def grad_precision(precision: str, grad_dtype: str = "auto") -> str:
+    """The precision gradients are accumulated over microbatches and reduced over dp in (``zero.grad_dtype``).
+
+    auto is fp32 under bf16, as Megatron-LM does: bf16 keeps 8 mantissa bits, so a sum of many microbatches'
+    gradients loses the small ones. fp16 keeps 11 bits and is loss-scaled, and stays fp16 (both frameworks'
+    default); "model" keeps the paper's 2 bytes per gradient for any precision."""
+    if grad_dtype == "fp32" or (grad_dtype == "auto" and precision == "bf16"):
+        return "fp32"
+    return precision
+
+
 class ZeroOptimizer(LayerGathering, ZeroCheckpointing):
     """The stage's parameters, their gradients' reduction, and AdamW on this rank's share of them."""
 
@@ -48,7 +59,7 @@ class ZeroOptimizer(LayerGathering, ZeroCheckpointing):
                  offload_optimizer: str = "none", offload_params: str = "none",
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, adam_impl: str = "torch",
                  device: Optional[torch.device] = None,
-                 initial_value: Optional[Callable[[nn.Parameter], Tensor]] = None):
+                 initial_value: Optional[Callable[[nn.Parameter], Tensor]] = None, grad_dtype: str = "auto"):
         """device: where the model computes (default: where its parameters are). Parameters still on the meta
         device (stage 3's lazily built model) are created bucket by bucket from ``initial_value(param)``, so
         the whole stage never exists unsharded."""
@@ -56,6 +67,7 @@ class ZeroOptimizer(LayerGathering, ZeroCheckpointing):
         self.grid, self.stage, self.lr, self.weight_decay = grid, stage, lr, weight_decay
         self.betas, self.eps = betas, eps
         self.dtype = DTYPES[precision]
+        self.grad_dtype = DTYPES[grad_precision(precision, grad_dtype)]  # microbatch sums and dp reductions
         self.dp = grid.dp_comm.size
         self.dp_rank = grid.dp_comm.rank
         self.reshard_after_forward = reshard_after_forward
@@ -173,9 +185,9 @@ class ZeroOptimizer(LayerGathering, ZeroCheckpointing):
             if self.state_device != self.device:
                 b.decay_mask = b.decay_mask.to(self.state_device)
             if self.stage == 0 or self.stage == 1:
-                b.grad = torch.zeros(b.numel, dtype=self.dtype, device=self.device)
+                b.grad = torch.zeros(b.numel, dtype=self.grad_dtype, device=self.device)
             if self.stage >= 1:
-                b.shard_grad = torch.zeros(hi - lo, dtype=self.dtype, device=self.device)
+                b.shard_grad = torch.zeros(hi - lo, dtype=self.grad_dtype, device=self.device)
             if self.stage == 3:
                 self._free(b)
 
@@ -197,7 +209,7 @@ class ZeroOptimizer(LayerGathering, ZeroCheckpointing):
 
         def hook(p: Tensor) -> None:
             if b.grad is None:
-                b.grad = torch.zeros(b.numel, dtype=self.dtype, device=self.device)
+                b.grad = torch.zeros(b.numel, dtype=self.grad_dtype, device=self.device)
             off = offsets[id(p)]
             b.grad[off:off + p.numel()].add_(p.grad.reshape(-1))
             p.grad = None
@@ -220,10 +232,10 @@ class ZeroOptimizer(LayerGathering, ZeroCheckpointing):
         if self.stage == 0 and last:
             b.pending.append((self.grid.dp_comm.all_reduce(b.grad, tag="grad", async_op=True), None))
         elif self.stage == 1 and last:
-            out = torch.empty(b.shard, dtype=self.dtype, device=self.device)
+            out = torch.empty(b.shard, dtype=self.grad_dtype, device=self.device)
             b.pending.append((self.grid.dp_comm.reduce_scatter_into(out, b.grad, tag="grad", async_op=True), out))
         elif self.stage >= 2:
-            out = torch.empty(b.shard, dtype=self.dtype, device=self.device)
+            out = torch.empty(b.shard, dtype=self.grad_dtype, device=self.device)
             b.pending.append((self.grid.dp_comm.reduce_scatter_into(out, b.grad, tag="grad", async_op=True), out))
             b.grad = None  # the full gradient of this microbatch is no longer needed once sent
 
@@ -243,14 +255,14 @@ class ZeroOptimizer(LayerGathering, ZeroCheckpointing):
             b.pending.clear()
             if b.deferred:
                 if b.grad is None:
-                    b.grad = torch.zeros(b.numel, dtype=self.dtype, device=self.device)
+                    b.grad = torch.zeros(b.numel, dtype=self.grad_dtype, device=self.device)
                 for (name, p), off in zip(b.params, b.offsets):
                     if name == "embed.tokens.weight" and self.tied_embedding:  # sum the tied copies
                         self.grid.embed_comm.all_reduce(b.grad[off:off + p.numel()], tag="grad")
                 if self.stage == 0:
                     self.grid.dp_comm.all_reduce(b.grad, tag="grad")
                 else:
-                    out = torch.empty(b.shard, dtype=self.dtype, device=self.device)
+                    out = torch.empty(b.shard, dtype=self.grad_dtype, device=self.device)
                     self.grid.dp_comm.reduce_scatter_into(out, b.grad, tag="grad")
                     b.shard_grad.add_(out)
                     if self.stage >= 2:

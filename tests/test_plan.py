@@ -38,10 +38,22 @@ def test_model_state_matches_zero_paper_figure_1(stage, paper_gb):
         2: 2 * psi + (2 + k) * psi // nd,
         3: (2 + 2 + k) * psi // nd,
     }[stage]
-    got = model_state_bytes(psi, stage, nd, "bf16")
+    got = model_state_bytes(psi, stage, nd, "fp16")  # the paper's fp16 gradients (bf16: grad_dtype=model)
+    assert got == model_state_bytes(psi, stage, nd, "bf16", grad_dtype="model")
     assert got["device_total"] == expected and got["cpu_total"] == 0
     assert got["params"] + got["grads"] + got["optimizer"] == expected
     assert round(got["device_total"] / 1e9, 1) == paper_gb
+
+
+def test_bf16_gradients_are_fp32_by_default():
+    """Megatron-LM's bf16 accounting: 2 B params + 4 B fp32 gradients + 12 B optimizer = 18 B per parameter,
+    with the gradients partitioned from stage 2 on."""
+    psi, dp = 1200, 4
+    assert model_state_bytes(psi, 0, dp, "bf16")["device_total"] == 18 * psi
+    assert model_state_bytes(psi, 2, dp, "bf16")["grads"] == 4 * psi // dp
+    assert model_state_bytes(psi, 0, dp, "bf16", grad_dtype="model")["grads"] == 2 * psi
+    assert model_state_bytes(psi, 0, dp, "fp16")["grads"] == 2 * psi  # fp16 stays fp16 unless asked
+    assert model_state_bytes(psi, 0, dp, "fp16", grad_dtype="fp32")["grads"] == 4 * psi
 
 
 def test_model_state_kinds_per_stage_fp32_and_padding():
@@ -61,9 +73,9 @@ def test_model_state_kinds_per_stage_fp32_and_padding():
 def test_model_state_offload_moves_bytes_to_cpu():
     psi, dp = 1200, 4  # bf16: 2 B, K = 12
     opt = model_state_bytes(psi, 2, dp, "bf16", offload_optimizer="cpu")
-    assert opt["cpu_total"] == 12 * 300 and opt["device_total"] == 2 * 1200 + 2 * 300
+    assert opt["cpu_total"] == 12 * 300 and opt["device_total"] == 2 * 1200 + 4 * 300  # fp32 grad shard
     both = model_state_bytes(psi, 3, dp, "bf16", offload_optimizer="cpu", offload_params="cpu")
-    assert both["device_total"] == 2 * 300 and both["cpu_total"] == 12 * 300 + 2 * 300
+    assert both["device_total"] == 4 * 300 and both["cpu_total"] == 12 * 300 + 2 * 300
     with pytest.raises(ValueError):
         model_state_bytes(psi, 2, dp, "bf16", offload_params="cpu")
 
@@ -185,9 +197,10 @@ def test_cli_dry_run_gpt13b_on_64_ranks():
     assert [r[0] for r in rows] == ["0", "1"]  # one row per pipeline stage
     assert rows[0][2] == "0-31" and rows[1][2] == "32-63"
     for r in rows:  # stage, layers, ranks, "(8 dp x 4 tp)", params/rank, params, grads, optimizer, device
-        psi = int(r[8].replace(",", ""))  # ZeRO stage 0, bf16: 2 + 2 + 12 bytes per parameter held
+        psi = int(r[8].replace(",", ""))  # ZeRO stage 0, bf16: 2 + 4 (fp32 grads) + 12 bytes per parameter held
         assert float(r[9]) == pytest.approx(2 * psi / 1e9, abs=0.006)
-        assert float(r[12]) == pytest.approx(16 * psi / 1e9, abs=0.006)
+        assert float(r[10]) == pytest.approx(4 * psi / 1e9, abs=0.006)
+        assert float(r[12]) == pytest.approx(18 * psi / 1e9, abs=0.006)
     total = int(re.search(r"parameters \(whole model\)\s+([\d,]+)", out).group(1).replace(",", ""))
     assert 12.8e9 <= total <= 13.2e9
     assert out.strip().splitlines()[-1] == "dry run: nothing was allocated; no process group was started"
