@@ -28,6 +28,8 @@ endif
 	touch $(STAMP)
 
 pretrain: $(STAMP)
+	@# the config checked for this world size first: a mistake is one line and exit 2, not torchrun's report
+	$(BIN)/python pretrain.py --config $(CONFIG) --dry-run --set parallel.world_size=$(NPROC) > /dev/null
 	$(BIN)/torchrun --standalone --nproc-per-node $(NPROC) pretrain.py --config $(CONFIG)
 
 test: $(STAMP)

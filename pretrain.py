@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 
 from megazero.errors import UserError
@@ -30,8 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         (dry_run if args.dry_run else run)(args.config, args.set)
     except UserError as e:
-        if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) == 0:
+        rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+        local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
+        if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
+        elif local_rank == 0:  # another node's first process: an input only that node lacks (a node-local path)
+            print(f"error (rank {rank}, {socket.gethostname()}): {e}", file=sys.stderr, flush=True)
         return 2
     return 0
 

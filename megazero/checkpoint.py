@@ -16,6 +16,7 @@ through an unpickler that admits only DCP's own metadata classes.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from megazero.errors import UserError
@@ -176,8 +178,25 @@ def load(path: str | Path, state: dict[str, torch.Tensor]) -> dict:
         if tuple(stored[key].size) != tuple(tensor.shape):
             raise UserError(f"checkpoint {path}: {key} has shape {tuple(stored[key].size)}, "
                             f"this run expects {tuple(tensor.shape)}")
-    dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), no_dist=not _is_dist())
+    with _readable(path):
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), no_dist=not _is_dist())
     return meta
+
+
+@contextlib.contextmanager
+def _readable(path: str | Path):
+    """A checkpoint whose files are missing or cut short is an input error, not a crash (DCP raises the
+    readers' errors, gathered from every rank, as one CheckpointException)."""
+    with warnings.catch_warnings():  # DCP warns that a single process loads alone: that is intended
+        warnings.simplefilter("ignore", UserWarning)
+        try:
+            yield
+        except (OSError, EOFError, CheckpointException) as e:
+            first = e.failures[min(e.failures)] if isinstance(e, CheckpointException) and e.failures else e
+            while isinstance(first, tuple) and first:  # DCP keeps (exception, traceback) pairs
+                first = first[0]
+            raise UserError(f"checkpoint {path}: unreadable ({first.__class__.__name__}: "
+                            f"{str(first).splitlines()[0] if str(first) else 'no detail'})") from None
 
 
 def stored_tensors(path: str | Path) -> dict[str, TensorStorageMetadata]:
@@ -193,7 +212,8 @@ def read_model_state(path: str | Path) -> dict[str, torch.Tensor]:
     stored = stored_tensors(path)
     state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype)
              for k, v in stored.items() if k.startswith("model/")}
-    dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), no_dist=True)
+    with _readable(path):
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), no_dist=True)
     return {k[len("model/"):]: v for k, v in state.items()}
 
 

@@ -193,14 +193,17 @@ def _coerce(source: str, section: str, key: str, value: Any, annotation: str) ->
             return value
         raise _fail(source, full, value, "expected an integer")
     if base == "float":
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise _fail(source, full, value, "expected a number")
+        if number is not None and math.isfinite(number):
+            return number
+        raise _fail(source, full, value, "expected a finite number")
     if base == "str":
         if isinstance(value, str):
             return value
@@ -265,6 +268,9 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
             raise UserError(f"--config {str(path)!r}: no such file")
         try:
             raw = yaml.safe_load(p.read_text()) or {}
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"{source}: unreadable ({e.__class__.__name__}: {e}); expected a UTF-8 YAML file") \
+                from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark is not None else ""

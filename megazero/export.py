@@ -126,15 +126,18 @@ def write_hf_folder(out_dir: str | Path, hf_config: dict, hf_state: Mapping[str,
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise UserError(f"export output '{out}' exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
     tensors = {k: v.contiguous() for k, v in hf_state.items()}
     try:
-        from safetensors.torch import save_file
-    except ImportError:
-        torch.save(tensors, out / "pytorch_model.bin")
-    else:
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+        try:
+            from safetensors.torch import save_file
+        except ImportError:
+            torch.save(tensors, out / "pytorch_model.bin")
+        else:
+            save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    except OSError as e:
+        raise UserError(f"export output '{out}': cannot write it ({e.strerror or e})") from None
     return out
 
 

@@ -65,7 +65,9 @@ def pick_device(requested: str, local_rank: int, local_world: int = 1) -> torch.
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise UserError(f"launch.device={requested!r} but no CUDA device is visible; valid here: auto | cpu")
-    if 1 < gpus < local_world:  # NCCL refuses two ranks on one GPU ("Duplicate GPU detected")
+    # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"); a single visible GPU is fine when the launcher
+    # bound one to each task (srun --gpus-per-task=1 sets CUDA_VISIBLE_DEVICES per task)
+    if gpus < local_world and (gpus > 1 or "CUDA_VISIBLE_DEVICES" not in os.environ):
         raise UserError(f"launch.device={requested!r} with {local_world} processes on this node but {gpus} GPUs "
                         f"visible: one process per GPU (torchrun --nproc-per-node {gpus}); valid here: auto | cpu")
     # one visible GPU: this process's own when the launcher binds a GPU per task (srun --gpus-per-task=1)

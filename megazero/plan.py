@@ -122,11 +122,12 @@ def pipeline_bubble(schedule: str, pp: int, m: int, v: int = 1) -> float:
 
 
 def planned_world_size(cfg: Config, launcher_world: int) -> int:
-    """parallel.world_size when set; else tp*pp*dp when dp is explicit; else the launcher's."""
+    """parallel.world_size when set; else the launcher's when launched (a dry run under torchrun or srun checks
+    the config against the world it would get); else tp*pp*dp when dp is explicit; else 1."""
     p = cfg.parallel
     if p.world_size > 0:
         return p.world_size
-    if p.dp != AUTO:
+    if p.dp != AUTO and launcher_world == 1:
         return p.tp * p.pp * p.dp
     return launcher_world
 

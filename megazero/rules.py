@@ -34,6 +34,7 @@ _MIN = {
     ("train", "eval_every"): 0, ("train", "eval_batches"): 1, ("train", "save_every"): 0,
     ("train", "keep_last"): 1, ("train", "exit_after"): 0, ("zero", "bucket_mb"): 0.001,
     ("parallel", "world_size"): 0, ("log", "every"): 1, ("model", "init_std"): 0.0,
+    ("log", "peak_tflops"): 1e-9,
 }
 _PROBABILITY = {("model", "dropout")}
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kernels import resolve_kernels
@@ -25,6 +26,11 @@ def run(config_path: str, overrides: list[str]) -> list[dict]:
 
     info = launch.process_info()
     resolve_world(cfg, info.world_size)
+    try:  # where checkpoints and logs go: a path that cannot be written is an input error, found now
+        (Path(cfg.log.dir) / "checkpoints").mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{cfg.source}: log.dir={cfg.log.dir!r} is invalid; cannot create it ({e.strerror})") \
+            from None
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     device = launch.pick_device(cfg.launch.device, info.local_rank, local_world)
     if device.type == "cpu" or "cpu" in (cfg.zero.offload_optimizer, cfg.zero.offload_params):

@@ -91,6 +91,10 @@ BAD = [
     (["zero.stage=4"], ["zero.stage=4", "0 | 1 | 2 | 3"]),
     (["zero.offload_params=cpu"], ["zero.offload_params='cpu'", "zero.stage=3"]),
     (["zero.offload_optimizer=nvme"], ["zero.offload_optimizer='nvme'", "none | cpu"]),
+    (["zero.grad_dtype=fp8"], ["zero.grad_dtype='fp8'", "auto | fp32 | model"]),
+    (["train.lr=.nan"], ["train.lr", "finite number"]),  # NaN compares false to every bound
+    (["model.init_std=.inf"], ["model.init_std", "finite number"]),
+    (["log.peak_tflops=-5"], ["log.peak_tflops", ">= 1e-09"]),
 ]
 
 
@@ -138,7 +142,21 @@ def test_cli_errors_are_one_line_exit_2(tmp_path):
     assert_one_line_error(cli(["--config", "configs/tiny.yaml", "--set", "oops"]), "section.key=value")
     bad_yaml = write(tmp_path, "model:\n  layers: [1,\n")
     assert_one_line_error(cli(["--config", str(bad_yaml)]), "not valid YAML")
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("# caf\xe9\nmodel:\n  layers: 2\n".encode("latin-1"))
+    assert_one_line_error(cli(["--config", str(latin1)]), "latin1.yaml: unreadable", "UTF-8")
     # tp*pp*dp against the launcher's world size, checked before any process group is joined
     assert_one_line_error(cli(["--config", "configs/tiny.yaml", "--set", "parallel.dp=2"],
                               {"RANK": "0", "WORLD_SIZE": "3", "MASTER_PORT": "1"}),
                           "does not match the world size 3")
+    # several nodes: a rank that fails alone (a path missing on its node) must say so in its node's log; only
+    # one process per node speaks, rank 0 for the whole job
+    args = ["--config", "configs/tiny.yaml", "--set", "data.paths=[/only/on/node0]"]
+    other_node = cli(args, {"RANK": "8", "LOCAL_RANK": "0", "WORLD_SIZE": "16"})
+    assert other_node.returncode == 2 and other_node.stderr.startswith("error (rank 8, ")
+    assert len(other_node.stderr.strip().splitlines()) == 1 and "/only/on/node0" in other_node.stderr
+    quiet = cli(args, {"RANK": "3", "LOCAL_RANK": "3", "WORLD_SIZE": "16"})
+    assert quiet.returncode == 2 and quiet.stderr == ""
+    # a dry run under a launcher checks the world it would get, also with dp set (gpt13b: 4 x 2 x 8 = 64)
+    assert_one_line_error(cli(["--config", "configs/gpt13b.yaml", "--dry-run"],
+                              {"SLURM_PROCID": "0", "SLURM_NTASKS": "16"}), "does not match the world size 16")

@@ -69,3 +69,15 @@ def test_cli_missing_checkpoint_is_one_line_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "nope" in err and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_an_unwritable_output_is_one_line_error(tmp_path):
+    from megazero.errors import UserError
+    from megazero.export import write_hf_folder
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(UserError, match="exists and is not a directory"):
+        write_hf_folder(blocker, {}, {})
+    with pytest.raises(UserError, match=r"export output '.*file/sub': cannot write it"):  # a file in the path
+        write_hf_folder(blocker / "sub", {}, {"w": torch.zeros(2)})

@@ -61,6 +61,10 @@ def test_gpus_per_node(monkeypatch):
     assert chosen == []
     assert pick_device("cuda", 1, local_world=2) == torch.device("cuda", 1)
     assert pick_device("auto", 0, local_world=2) == torch.device("cuda", 0)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # a GPU bound to each task: its own is cuda:0
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # one GPU in the node, eight processes: refuse
+    with pytest.raises(UserError, match=r"8 processes on this node but 1 GPUs visible"):
+        pick_device("cuda", 5, local_world=8)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")  # a GPU bound to each task: its own is cuda:0
     assert pick_device("cuda", 5, local_world=8) == torch.device("cuda", 0)
     assert chosen == [torch.device("cuda", 1), torch.device("cuda", 0), torch.device("cuda", 0)]

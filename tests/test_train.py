@@ -162,6 +162,22 @@ def test_keep_last_and_metadata_is_never_unpickled_freely(tmp_path):
         checkpoint.load(latest, {"model/w": torch.zeros(2)})
 
 
+def test_a_damaged_checkpoint_is_an_input_error(tmp_path):
+    """A shard cut short or gone (a full disk, a partial copy): one line naming the checkpoint, not a trace."""
+    from megazero.errors import UserError
+
+    ckpt = checkpoint.save(tmp_path / "c", 1, {"model/w": torch.arange(4096.0)}, {"consumed_samples": 1}, keep_last=1)
+    shard = next(ckpt.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    for read in (lambda: checkpoint.load(ckpt, {"model/w": torch.zeros(4096)}),
+                 lambda: checkpoint.read_model_state(ckpt)):
+        with pytest.raises(UserError, match=rf"checkpoint {ckpt}: unreadable \("):
+            read()
+    shard.unlink()
+    with pytest.raises(UserError, match=r"unreadable \(FileNotFoundError"):
+        checkpoint.load(ckpt, {"model/w": torch.zeros(4096)})
+
+
 def test_resume_after_a_crash_a_roll_back_and_a_changed_setting(corpus, tmp_path):
     """What long jobs meet. A crash after the last checkpoint: the resume redoes the steps after it, and
     metrics.jsonl and TensorBoard hold each step once. A roll-back to an older checkpoint: "latest" is then
@@ -198,6 +214,13 @@ def test_resume_after_a_crash_a_roll_back_and_a_changed_setting(corpus, tmp_path
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 5))
 
     assert train(4, "train.resume=auto", "log.pipeline_trace=true") == []  # a requeued finished job: nothing to do
+
+    train(2)  # a fresh run in the same log.dir: its checkpoints are the latest, its logs replace the old ones
+    assert checkpoint.latest_checkpoint(ckpts).name == "step_00000002"
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
+    acc = EventAccumulator(str(run_dir))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2]
 
     with pytest.raises(UserError, match=r"model\.heads is 4 there and 2 here"):
         train(6, "train.resume=auto", "model.heads=2")
