@@ -127,7 +127,10 @@ class Trainer:
     def train_step(self) -> dict:
         cfg, grid = self.cfg, self.grid
         self._seed()
-        lr = optim.lr_at(self.step, cfg.train.lr, cfg.train.min_lr, cfg.train.warmup_steps, cfg.train.steps)
+        # the schedule follows the updates made: a step skipped for an fp16 overflow does not advance it (as in
+        # Megatron-LM and DeepSpeed), so early overflows do not eat the warmup
+        lr = optim.lr_at(self.zero.step_count, cfg.train.lr, cfg.train.min_lr, cfg.train.warmup_steps,
+                         cfg.train.steps)
         for m in self.chunks:
             m.train()
         microbatches = self.data.train_microbatches(self.consumed_samples, grid.dp_rank, grid.dp,
@@ -179,6 +182,18 @@ class Trainer:
                       "args": {"name": f"rank {r} (pp {r // (self.grid.dp * self.grid.tp)})"}}
                      for r in range(self.grid.world_size)]
             path.write_text(json.dumps({"traceEvents": names + events, "displayTimeUnit": "ms"}))
+
+    def _memory_record(self) -> dict:
+        """Peak memory and model-state bytes, each the largest over all ranks (the one that runs out first:
+        pipeline stages and tp/dp shards differ), at a log step."""
+        state = self.zero.model_state_bytes()
+        kinds = ("params", "grads", "optimizer", "cpu")
+        worst = torch.tensor([memory_gb(self.device)] + [state[k] / 1e9 for k in kinds], dtype=torch.float64,
+                             device=self.device)
+        self.zero.world.all_reduce(worst, op=dist.ReduceOp.MAX, tag="metrics")
+        values = worst.tolist()
+        return {"memory_gb": values[0], **{f"{'offloaded' if k == 'cpu' else k}_gb": v
+                                           for k, v in zip(kinds, values[1:])}}
 
     # ----- checkpoints ------------------------------------------------------------------------
     def _logical(self, local: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
@@ -268,12 +283,8 @@ class Trainer:
                 dt = window_time / window_steps
                 tflops = self.flops_per_step / dt / self.grid.world_size / 1e12
                 record.update({"tokens_per_s": self.tokens_per_step / dt, "tflops": tflops,
-                               "mfu": tflops / self.peak if self.peak else float("nan"),
-                               "memory_gb": memory_gb(self.device)})
-                state = self.zero.model_state_bytes()  # this (the writing) rank's model states
-                record.update({f"{k}_gb": v / 1e9 for k, v in (("params", state["params"]),
-                               ("grads", state["grads"]), ("optimizer", state["optimizer"]),
-                               ("offloaded", state["cpu"]))})
+                               "mfu": tflops / self.peak if self.peak else float("nan")})
+                record.update(self._memory_record())
                 logger.log(step, record)
                 window_time, window_steps = 0.0, 0
             history.append({"step": step, **record})

@@ -92,6 +92,7 @@ class ZeroOptimizer(LayerGathering, ZeroCheckpointing):
         self.buckets = self._make_buckets(chunks, bucket_mb)
         self.owner = self._checkpoint_owners()
         self._materialise()
+        self.peak_gathered_bytes = self.gathered_bytes  # training's peak, from here (creation is one bucket)
         if stage == 3:
             self._install_unit_hooks()
         for b in self.buckets:
@@ -146,6 +147,8 @@ class ZeroOptimizer(LayerGathering, ZeroCheckpointing):
             count = torch.zeros(b.numel, dtype=torch.bool, device=self.device)
             sp = torch.zeros(b.numel, dtype=torch.bool, device=self.device)
             b.full = torch.zeros(b.numel, dtype=self.dtype, device=self.device)
+            if self.stage == 3:  # whole while it is filled: counted, so the _free below balances
+                self.gathered_bytes += b.numel * b.full.element_size()
             for (name, p), off in zip(b.params, b.offsets):
                 n = p.numel()
                 value = p.detach() if not p.is_meta else self.initial_value(p)
@@ -323,6 +326,8 @@ class ZeroOptimizer(LayerGathering, ZeroCheckpointing):
         norm = root * inv_scale
         if skipped:
             self.zero_grad()
+            if self.stage == 3:
+                self.release()  # the root stays gathered otherwise, until the next step's forward
             return norm, True
         self.step_count += 1
         coef = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0

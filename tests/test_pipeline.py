@@ -149,3 +149,20 @@ def test_pipeline_trace_shows_every_rank(runs):
         assert sorted(names) == ["B0", "B1", "F0", "F1"], (pid, names)
         spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["pid"] == pid)
         assert all(a[1] <= b[0] + 1e-3 for a, b in zip(spans, spans[1:]))  # one rank does one thing at a time
+
+
+def test_logged_model_state_is_the_largest_ranks(runs):
+    """The stages of a pipeline hold different parameters (the first also the position embedding): the log
+    reports each model-state kind of the rank that holds most, not of the rank that writes (the last stage).
+    The plan computes every stage's bytes; at dp = 1 nothing is padded, so they agree exactly."""
+    from megazero import plan
+
+    base, _ = runs
+    cfg = load_config(TINY, _overrides(base / "text", base / "cache", base / "pp4_1f1b",
+                                       SCHEDULES["1f1b"] + ["parallel.pp=4"]))
+    resolve_world(cfg, 4)
+    stages = plan.make_plan(cfg).stages
+    logged = read_metrics(base / "pp4_1f1b")[-1]
+    for kind in ("params", "grads", "optimizer"):
+        assert logged[f"{kind}_gb"] == pytest.approx(max(s.model_state[kind] for s in stages) / 1e9, rel=1e-9)
+    assert max(s.model_state["params"] for s in stages) > stages[-1].model_state["params"]

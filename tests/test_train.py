@@ -112,6 +112,22 @@ checkpoint.save({ckpt!r}, 2, state, {{"consumed_samples": 0}}, keep_last=5)
 """
 
 
+def test_steps_skipped_for_fp16_overflow_do_not_advance_the_lr_schedule(corpus, tmp_path):
+    """As in Megatron-LM and DeepSpeed, the schedule counts the updates made: the loss scale starts at 2^16,
+    and with init_std 1 the first steps overflow and are skipped; the warmup must wait for them."""
+    from megazero.optim import lr_at
+
+    text, cache = corpus
+    records = run(str(ROOT / "configs" / "tiny.yaml"),
+                  small_overrides(text, cache, tmp_path / "fp16", steps=6,
+                                  **{"train.precision": "fp16", "model.init_std": 1.0, "train.warmup_steps": 4}))
+    skipped = [r["skipped"] for r in records]
+    assert skipped[0] == 1 and 0 in skipped, skipped  # some skipped, some made
+    for i, r in enumerate(records):
+        updates = i - sum(skipped[:i])
+        assert r["lr"] == pytest.approx(lr_at(updates, 1e-3, 1e-4, 4, 6), rel=1e-12), (i, skipped)
+
+
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_latest(tmp_path):
     ckpt = tmp_path / "checkpoints"
     good = {"model/w": torch.arange(6.0).reshape(2, 3)}
