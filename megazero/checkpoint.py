@@ -101,17 +101,40 @@ def _written(path: Path) -> tuple[int, int]:
         sequence = int(json.loads((path / META).read_text()).get("sequence", 0))
     except (OSError, ValueError, AttributeError):
         sequence = 0
-    return sequence, int(path.name[len(_PREFIX):])
+    return sequence, int(path.name[len(_PREFIX):].split(".")[0])
+
+
+# For one step, the folders that can hold it whole (meta.json is written last, so with it a folder is
+# complete), best first: committed; written but not yet renamed; the one a re-save of the step replaces.
+_SUFFIXES = ("", ".tmp", ".old.tmp")
 
 
 def list_checkpoints(root: str | Path) -> list[Path]:
-    """Complete checkpoints (committed with meta.json), in the order they were written, oldest first."""
+    """Complete checkpoints, one folder per step, in the order they were written, oldest first.
+
+    A save killed between its two renames (re-saving a step) leaves no ``step_N``, but a complete
+    ``step_N.tmp`` or ``step_N.old.tmp``: that step is still listed, from the best of them."""
     root = Path(root)
     if not root.is_dir():
         return []
-    done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX)
-            and not p.name.endswith(".tmp") and (p / META).is_file()]
-    return sorted(done, key=_written)
+    best: dict[str, Path] = {}
+    for p in root.iterdir():
+        step, _, rest = p.name.partition(".")
+        suffix = "." + rest if rest else ""
+        if p.is_dir() and p.name.startswith(_PREFIX) and suffix in _SUFFIXES and (p / META).is_file():
+            if step not in best or _SUFFIXES.index(suffix) < _SUFFIXES.index(best[step].name[len(step):]):
+                best[step] = p
+    return sorted(best.values(), key=_written)
+
+
+def _settle(root: Path) -> None:
+    """Before a save (rank 0): give each step listed from a leftover folder its committed name back, then
+    clear every other leftover (interrupted writes, replaced copies)."""
+    for p in list_checkpoints(root):
+        if p.name.endswith(".tmp"):
+            os.rename(p, p.with_name(p.name.partition(".")[0]))
+    for stale in root.glob(f"{_PREFIX}*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def latest_checkpoint(root: str | Path) -> Optional[Path]:
@@ -126,8 +149,7 @@ def save(root: str | Path, step: int, state: dict[str, torch.Tensor], meta: dict
     tmp = final.with_name(final.name + ".tmp")
     if _rank() == 0:
         Path(root).mkdir(parents=True, exist_ok=True)
-        for stale in Path(root).glob(f"{_PREFIX}*.tmp"):
-            shutil.rmtree(stale, ignore_errors=True)
+        _settle(Path(root))
         tmp.mkdir()
     _barrier()
     with warnings.catch_warnings():  # DCP warns that a single process saves alone: that is intended
@@ -141,7 +163,7 @@ def save(root: str | Path, step: int, state: dict[str, torch.Tensor], meta: dict
             f.write(body)
             f.flush()
             os.fsync(f.fileno())
-        replaced = final.with_name(final.name + ".old.tmp")  # debris the next save clears, should we die here
+        replaced = final.with_name(final.name + ".old.tmp")  # listed (and settled) in its place, should we die here
         if final.exists():
             os.rename(final, replaced)
         os.rename(tmp, final)

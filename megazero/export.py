@@ -136,8 +136,10 @@ def write_hf_folder(out_dir: str | Path, hf_config: dict, hf_state: Mapping[str,
             torch.save(tensors, out / "pytorch_model.bin")
         else:
             save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    except OSError as e:
-        raise UserError(f"export output '{out}': cannot write it ({e.strerror or e})") from None
+    except Exception as e:  # OSError, or safetensors' own error type for a failed write (a full disk)
+        if not isinstance(e, OSError) and type(e).__name__ != "SafetensorError":
+            raise
+        raise UserError(f"export output '{out}': cannot write it ({getattr(e, 'strerror', None) or e})") from None
     return out
 
 

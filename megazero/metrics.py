@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import time
 from pathlib import Path
@@ -127,9 +128,10 @@ class MetricsLogger:
         if not append:  # a fresh run replaces the logs of one that ran here before, TensorBoard's too
             for old in self.dir.glob("events.out.tfevents.*"):
                 old.unlink()
-        self.file = open(path, "w")
-        self.file.writelines(line + "\n" for line in kept)
-        self.file.flush()
+        staged = path.with_name(path.name + ".tmp")  # replaced in one step: a kill now loses no history
+        staged.write_text("".join(line + "\n" for line in kept))
+        os.replace(staged, path)
+        self.file = open(path, "a")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -152,6 +152,25 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_latest(tmp_path):
     assert not tmp_dir.exists() and checkpoint.latest_checkpoint(ckpt).name == "step_00000003"
 
 
+def test_a_resave_killed_between_its_renames_keeps_the_step(tmp_path):
+    """Re-saving step N renames step_N aside, then the new copy in: a kill between the two leaves no step_N,
+    but two complete copies. The step is still found (the new copy first), and the next save restores it."""
+    ckpt = tmp_path / "c"
+    for s in (1, 2):
+        checkpoint.save(ckpt, s, {"model/w": torch.full((2,), float(s))}, {"consumed_samples": s}, keep_last=5)
+    os.rename(ckpt / "step_00000002", ckpt / "step_00000002.old.tmp")  # killed after the first rename
+    assert checkpoint.latest_checkpoint(ckpt).name == "step_00000002.old.tmp"
+    new = checkpoint.save(tmp_path / "other", 2, {"model/w": torch.full((2,), 7.0)}, {"consumed_samples": 2},
+                          keep_last=5)
+    os.rename(new, ckpt / "step_00000002.tmp")  # the new copy, complete, not yet renamed
+    assert [p.name for p in checkpoint.list_checkpoints(ckpt)] == ["step_00000001", "step_00000002.tmp"]
+    checkpoint.save(ckpt, 3, {"model/w": torch.zeros(2)}, {"consumed_samples": 3}, keep_last=5)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000001", "step_00000002", "step_00000003"]
+    loaded = {"model/w": torch.zeros(2)}
+    checkpoint.load(ckpt / "step_00000002", loaded)
+    assert torch.equal(loaded["model/w"], torch.full((2,), 7.0))
+
+
 def test_keep_last_and_metadata_is_never_unpickled_freely(tmp_path):
     import pickle
 
