@@ -177,9 +177,13 @@ def test_corrupt_dataset_is_a_user_error(tmp_path: Path, case: str) -> None:
 # ---------------------------------------------------------------- preprocess
 
 
-def _expected_stream(model: Path, documents: list[str]) -> np.ndarray:
+def _expected_docs(model: Path, documents: list[str]) -> list[np.ndarray]:
     sp = spm.SentencePieceProcessor(model_file=str(model))
-    return np.concatenate([np.array(list(sp.encode(d)) + [sp.eos_id()]) for d in documents])
+    return [np.array(list(sp.encode(d)) + [sp.eos_id()]) for d in documents]
+
+
+def _expected_stream(model: Path, documents: list[str]) -> np.ndarray:
+    return np.concatenate(_expected_docs(model, documents))
 
 
 def _documents_of(texts: Path, nested: bool = True) -> list[str]:
@@ -255,7 +259,7 @@ def synthetic(tok_model: Path, tmp_path_factory: pytest.TempPathFactory) -> tupl
     docs = [np.append(rng.integers(3, VOCAB, size=rng.integers(1, 40)), eos) for _ in range(80)]
     root = tmp_path_factory.mktemp("syn")
     first, second = _write(root / "one", docs[:50], VOCAB), _write(root / "two", docs[50:], VOCAB)
-    return [f"{first}.idx", str(second)], np.concatenate(docs)
+    return [f"{first}.idx", str(second)], (docs[:50], docs[50:])
 
 
 def _data(synthetic, tok_model: Path, tmp_path: Path, seed: int = 7, split: str = "90,10") -> GPTData:
@@ -266,23 +270,43 @@ def _data(synthetic, tok_model: Path, tmp_path: Path, seed: int = 7, split: str 
     return data
 
 
-def _counts(n_tokens: int, split: str) -> tuple[int, int]:
-    n = (n_tokens - 1) // SEQ
+def _streams(sources: tuple[list[np.ndarray], ...], split: str, seq: int = SEQ) -> tuple[np.ndarray, np.ndarray]:
+    """The train and validation streams, by the rule (independently of the code): each source's documents in
+    order go to training while the tokens before them are under its train weight; the rest, and at least its
+    last document when it has two, to validation; then the sources' parts end to end."""
     w = [float(x) for x in split.split(",")]
-    n_train = round(n * w[0] / sum(w))
-    return n_train, n - n_train
+    w_train = w[0] / sum(w)
+    train, val = [], []
+    for docs in sources:
+        total, before, cut = sum(len(d) for d in docs), 0, len(docs)
+        for k, d in enumerate(docs):
+            if w_train < 1 and before >= round(total * w_train):
+                cut = k
+                break
+            before += len(d)
+        if w_train < 1 and len(docs) >= 2:
+            cut = min(cut, len(docs) - 1)
+        train += docs[:cut]
+        val += docs[cut:]
+    joined = [np.concatenate(part) if part else np.zeros(0, dtype=np.int64) for part in (train, val)]
+    return joined[0], joined[1]
 
 
-def _sample(stream: np.ndarray, i: int) -> np.ndarray:
-    return stream[i * SEQ : i * SEQ + SEQ + 1]
+def _counts(streams: tuple[np.ndarray, np.ndarray], seq: int = SEQ) -> tuple[int, int]:
+    return tuple(max(len(s) - 1, 0) // seq for s in streams)
 
 
-def _expected_train(stream: np.ndarray, seed: int, consumed: int, gb: int) -> np.ndarray:
-    n_train, _ = _counts(len(stream), "90,10")
+def _sample(stream: np.ndarray, i: int, seq: int = SEQ) -> np.ndarray:
+    return stream[i * seq : i * seq + seq + 1]
+
+
+def _expected_train(sources, seed: int, consumed: int, gb: int) -> np.ndarray:
+    train, _ = _streams(sources, "90,10")
+    n_train = _counts((train, train))[0]
     rows = []
     for g in range(consumed, consumed + gb):
         perm = np.random.default_rng((seed, g // n_train)).permutation(n_train)
-        rows.append(_sample(stream, perm[g % n_train]))
+        rows.append(_sample(train, perm[g % n_train]))
     return np.stack(rows)
 
 
@@ -291,26 +315,56 @@ def _cat(batches) -> np.ndarray:
 
 
 def test_samples_cross_documents_and_split(synthetic, tok_model: Path, tmp_path: Path) -> None:
-    stream = synthetic[1]
+    train, val_stream = _streams(synthetic[1], "90,10")
     data = _data(synthetic, tok_model, tmp_path)
-    n_train, n_val = _counts(len(stream), "90,10")
+    n_train, n_val = _counts((train, val_stream))
     assert (data.train_samples, data.val_samples) == (n_train, n_val)
     assert n_val > 0
     eos = Tokenizer.load(tok_model).eos_id
     epoch = _cat(data.train_microbatches(0, 0, 1, 1, n_train))
     assert all(b.shape == (1, SEQ + 1) for b in data.train_microbatches(0, 0, 1, 1, 4))
-    # One epoch is a permutation of exactly the first n_train windows of the stream.
-    expected = {tuple(_sample(stream, i)) for i in range(n_train)}
+    # One epoch is a permutation of exactly the windows of the train stream.
+    expected = {tuple(_sample(train, i)) for i in range(n_train)}
     assert {tuple(r) for r in epoch} == expected and len(expected) == n_train
     # Some samples hold the end of one document and the start of the next.
     assert any(eos in r[:-1] for r in epoch)
-    # Validation is the last n_val windows, in order, wrapping around; disjoint from train.
+    # Validation is the validation stream's windows, in order, wrapping around; disjoint from train.
     val = _cat(data.val_microbatches(0, 0, 1, 1, n_val))
-    np.testing.assert_array_equal(val, np.stack([_sample(stream, n_train + i) for i in range(n_val)]))
+    np.testing.assert_array_equal(val, np.stack([_sample(val_stream, i) for i in range(n_val)]))
     assert not expected & {tuple(r) for r in val}
     b1 = _cat(data.val_microbatches(1, 0, 1, 2, 4))
-    np.testing.assert_array_equal(b1, np.stack([_sample(stream, n_train + (4 + j) % n_val) for j in range(4)]))
+    np.testing.assert_array_equal(b1, np.stack([_sample(val_stream, (4 + j) % n_val) for j in range(4)]))
     assert epoch.dtype == np.int64
+
+
+def test_validation_start_is_a_document_boundary() -> None:
+    from megazero.data.samples import validation_start
+
+    offsets = np.array([0, 10, 20, 30], dtype="<u8")
+    assert validation_start(offsets, 0.5) == 20  # the first boundary at or past 15 tokens
+    assert validation_start(offsets, 1.0) == 30  # no validation weight: everything trains
+    assert validation_start(np.array([0, 100, 105], dtype="<u8"), 0.98) == 100  # the last document validates
+    assert validation_start(np.array([0, 100], dtype="<u8"), 0.5) == 100  # one document: it cannot be split
+
+
+def test_every_source_is_split_by_whole_documents(synthetic, tok_model: Path, tmp_path: Path) -> None:
+    """As Megatron-LM splits each dataset: every source gives validation a run of its last documents, keeps
+    the others for training, and cuts no document between the two."""
+    data = _data(synthetic, tok_model, tmp_path)
+    val = data.samples.val.window(0, len(data.samples.val))
+    train = data.samples.train.window(0, len(data.samples.train))
+    pos, heads = 0, []
+    for docs in synthetic[1]:
+        for k in range(1, len(docs)):  # at least one document on each side
+            tail = np.concatenate(docs[k:])
+            if np.array_equal(val[pos:pos + len(tail)], tail):
+                break
+        else:
+            pytest.fail("the validation stream does not continue with a run of this source's last documents")
+        pos += len(tail)
+        heads += docs[:k]
+    assert pos == len(val)
+    np.testing.assert_array_equal(train, np.concatenate(heads))
 
 
 @pytest.mark.parametrize("dp", [1, 2, 4])
@@ -323,7 +377,8 @@ def test_global_batch_is_layout_invariant(synthetic, tok_model: Path, tmp_path: 
         for share in shares:
             assert len(share) == gb // dp // micro_batch
             assert all(mb.shape == (micro_batch, SEQ + 1) for mb in share)
-        np.testing.assert_array_equal(_cat(m for s in shares for m in s), _expected_train(synthetic[1], 7, step * gb, gb))
+        np.testing.assert_array_equal(_cat(m for s in shares for m in s),
+                                      _expected_train(synthetic[1], 7, step * gb, gb))
         val = [m for r in range(dp) for m in data.val_microbatches(step, r, dp, micro_batch, gb)]
         np.testing.assert_array_equal(_cat(val), _cat(data.val_microbatches(step, 0, 1, gb, gb)))
 
@@ -356,11 +411,12 @@ def test_batch_and_split_errors(synthetic, tok_model: Path, tmp_path: Path) -> N
         with pytest.raises(UserError) as e:
             _data(synthetic, tok_model, tmp_path, split=split)
         _one_line_error(e, "data.split", repr(split))
-    with pytest.raises(UserError) as e:  # 1% of ~50 samples rounds to no validation sample
-        _data(synthetic, tok_model, tmp_path, split="999,1")
-    _one_line_error(e, "too small", "model.seq_len 16")
+    with pytest.raises(UserError) as e:  # 0.1% validation: each source's last document, too few tokens for 201
+        build_data(_cfg(synthetic[0], tok_model, tmp_path / "cache", "999,1"), VOCAB, 200, 7, True, lambda: None)
+    _one_line_error(e, "too small", "model.seq_len 200")
     no_val = _data(synthetic, tok_model, tmp_path, split="1,0")
-    assert no_val.val_samples == 0 and no_val.train_samples == (len(synthetic[1]) - 1) // SEQ
+    everything = sum(len(d) for docs in synthetic[1] for d in docs)
+    assert no_val.val_samples == 0 and no_val.train_samples == (everything - 1) // SEQ
 
 
 # ---------------------------------------------------------------- build_data
@@ -372,11 +428,12 @@ def test_build_data_from_text_trains_and_caches(texts: Path, tmp_path: Path) -> 
     cfg = SimpleNamespace(**vars(_cfg(inputs, "train", cache)), json_key="body")
     data = build_data(cfg, VOCAB, SEQ, 0, True, lambda: None)
     assert Tokenizer.load(data.tokenizer_path).vocab_size == VOCAB
-    stream = _expected_stream(data.tokenizer_path, _documents_of(texts, nested=False))
-    n_train, n_val = _counts(len(stream), "90,10")
+    docs = _expected_docs(data.tokenizer_path, _documents_of(texts, nested=False))
+    train, val_stream = _streams((docs[:1], docs[1:]), "90,10")  # b.txt, then sub/'s documents
+    n_train, n_val = _counts((train, val_stream))
     assert (data.train_samples, data.val_samples) == (n_train, n_val)
     val = _cat(data.val_microbatches(0, 0, 1, 1, n_val))
-    np.testing.assert_array_equal(val, np.stack([_sample(stream, n_train + i) for i in range(n_val)]))
+    np.testing.assert_array_equal(val, np.stack([_sample(val_stream, i) for i in range(n_val)]))
     built = {p: p.stat().st_mtime_ns for p in cache.iterdir()}
     assert not [p for p in built if ".tmp-" in p.name]
     # A non-builder rank finds everything built; nothing is rebuilt.
@@ -396,7 +453,12 @@ def test_build_data_from_text_trains_and_caches(texts: Path, tmp_path: Path) -> 
 def test_build_data_config_errors(synthetic, texts: Path, tok_model: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     other_vocab = _write(tmp_path / "other", [np.arange(50)], 300)
+    dangling = tmp_path / "dangling"
+    dangling.mkdir()
+    (dangling / "a.txt").write_text("some text\n")
+    (dangling / "gone.txt").symlink_to(tmp_path / "nowhere.txt")
     cases = [
+        (_cfg([dangling], "train", cache), VOCAB, ["data.paths", "cannot read", "gone.txt"]),
         (_cfg([other_vocab], tok_model, cache), VOCAB, ["data.paths", str(other_vocab), "300"]),
         (_cfg([tmp_path / "nope.txt"], "train", cache), VOCAB, ["data.paths", str(tmp_path / "nope.txt")]),
         (_cfg(synthetic[0], "train", cache), VOCAB, ["data.tokenizer", synthetic[0][0]]),
@@ -432,11 +494,12 @@ def test_builtin_corpus(tmp_path: Path) -> None:
     assert len(jsonl) == 1
     tok = Tokenizer.load(data.tokenizer_path)
     assert tok.vocab_size == 512
-    stream = _expected_stream(data.tokenizer_path, docs)
-    assert (data.train_samples + data.val_samples) == (len(stream) - 1) // 64
+    encoded = _expected_docs(data.tokenizer_path, docs)
+    stream = np.concatenate(encoded)
+    train, val_stream = _streams((encoded,), "98,2", seq=64)
+    assert (data.train_samples, data.val_samples) == _counts((train, val_stream), seq=64)
     first_rows = _cat(data.val_microbatches(0, 0, 1, 1, 1))
-    n_train = data.train_samples
-    np.testing.assert_array_equal(first_rows[0], stream[n_train * 64 : n_train * 64 + 65])
+    np.testing.assert_array_equal(first_rows[0], val_stream[:65])
     eos_at = int(np.argmax(stream == tok.eos_id))
     assert tok.decode(stream[:eos_at].tolist()) == docs[0]
     write_corpus(tmp_path / "c2.jsonl", max_bytes)

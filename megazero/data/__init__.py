@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from megazero.data.corpus import DEFAULT_MAX_BYTES, corpus_key, write_corpus
 from megazero.data.documents import expand_inputs
 from megazero.data.indexed import IndexedDataset, bin_path, index_path
-from megazero.data.samples import GPTSamples, TokenStream, parse_split
+from megazero.data.samples import GPTSamples, parse_split
 from megazero.data.tokenizer import MIN_VOCAB_SIZE, Tokenizer, train_tokenizer
 from megazero.errors import UserError
 
@@ -133,7 +133,10 @@ def _digest(*parts: Any) -> str:
 def _files_fingerprint(files: list[Path]) -> str:
     stats = []
     for f in files:
-        st = f.stat()
+        try:
+            st = f.stat()
+        except OSError as e:  # a dangling link, a file removed while listing
+            raise UserError(f"data.paths: cannot read {f} ({e.strerror})") from None
         stats.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
     return _digest("files", stats)
 
@@ -241,5 +244,5 @@ def _load(plan: _Plan, vocab_size: int, seq_len: int, seed: int, split: str, cac
             )
         ds.check_vocab(vocab_size)
         datasets.append(ds)
-    samples = GPTSamples(TokenStream([ds.tokens for ds in datasets]), seq_len, seed, split)
+    samples = GPTSamples([(ds.tokens, ds.doc_offsets) for ds in datasets], seq_len, seed, split)
     return GPTData(plan.tokenizer, samples.n_train, samples.n_val, seq_len, samples)

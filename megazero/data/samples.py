@@ -1,12 +1,17 @@
 """GPT training samples cut from a token stream, and which of them each rank reads.
 
-The stream is every document, EOS-separated, end to end. Sample ``i`` is
-``tokens[i*seq_len : i*seq_len + seq_len + 1]``: inputs are its first
-``seq_len`` tokens, targets its last ``seq_len``; consecutive samples share
-one token so no target is lost, and samples run across document boundaries
-(the EOS marks them) as in GPT-2/Megatron-LM pretraining.
+Each source (one entry of ``data.paths``) splits by whole documents, as
+Megatron-LM splits each dataset: its documents up to the first boundary at
+or past the train weight of its tokens are for training, the rest for
+validation (at least one document when it has two), so every source is
+validated and no document is in both. The train stream is every source's
+train documents, EOS-separated, end to end; the validation stream likewise.
+Sample ``i`` of a stream is ``tokens[i*seq_len : i*seq_len + seq_len + 1]``:
+inputs are its first ``seq_len`` tokens, targets its last ``seq_len``;
+consecutive samples share one token so no target is lost, and samples run
+across document boundaries (the EOS marks them) as in GPT-2/Megatron-LM
+pretraining. Sample ids count the train samples first, then validation's.
 
-Samples split into train (first) and validation (last) contiguous ranges.
 Train order is a fresh permutation per epoch from ``(seed, epoch)``; global
 sample ``g`` is position ``g % n_train`` of epoch ``g // n_train``'s
 permutation. Step ``s`` reads global samples ``[s*gb, (s+1)*gb)``. That
@@ -82,27 +87,38 @@ def rank_share(global_batch: int, dp_rank: int, dp: int, micro_batch: int) -> tu
     return dp_rank * per_rank, (dp_rank + 1) * per_rank
 
 
-class GPTSamples:
-    """The sample index math over one token stream; holds no tokens itself."""
+def validation_start(doc_offsets: np.ndarray, w_train: float) -> int:
+    """Where a source's validation documents start (a token offset, a document boundary): the first boundary
+    at or past ``w_train`` of its tokens, but before its last document when it has two or more."""
+    n_tokens, n_docs = int(doc_offsets[-1]), len(doc_offsets) - 1
+    if w_train >= 1.0 or n_docs == 0:
+        return n_tokens
+    boundary = int(doc_offsets[min(int(np.searchsorted(doc_offsets, round(n_tokens * w_train))), n_docs)])
+    return min(boundary, int(doc_offsets[n_docs - 1])) if n_docs >= 2 else boundary
 
-    def __init__(self, stream: TokenStream, seq_len: int, seed: int, split: str):
+
+class GPTSamples:
+    """The sample index math over the train and validation streams; holds no tokens itself."""
+
+    def __init__(self, sources: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int, seed: int, split: str):
+        """sources: (tokens, document offsets) of each dataset, offsets as in ``IndexedDataset.doc_offsets``."""
         if seq_len < 1:
             raise UserError(f"model.seq_len {seq_len} must be positive")
         if seed < 0:
             raise UserError(f"train.seed {seed} must be a non-negative integer")
-        self.stream = stream
         self.seq_len = seq_len
         self.seed = seed
-        n_tokens = len(stream)
-        self.n_samples = max(n_tokens - 1, 0) // seq_len
         w_train, w_val = parse_split(split)
-        self.n_train = int(round(self.n_samples * w_train))
-        self.n_val = self.n_samples - self.n_train
+        cuts = [validation_start(offsets, w_train) for _, offsets in sources]
+        self.train = TokenStream([tokens[:cut] for (tokens, _), cut in zip(sources, cuts)])
+        self.val = TokenStream([tokens[cut:] for (tokens, _), cut in zip(sources, cuts)])
+        self.n_train = max(len(self.train) - 1, 0) // seq_len
+        self.n_val = max(len(self.val) - 1, 0) // seq_len
         if self.n_train == 0 or (w_val > 0 and self.n_val == 0):
             raise UserError(
                 f"the corpus is too small for model.seq_len {seq_len} and data.split {split!r}: "
-                f"{n_tokens} tokens make {self.n_samples} samples of {seq_len + 1} tokens, "
-                f"{self.n_train} for training and {self.n_val} for validation; add data or lower model.seq_len"
+                f"{len(self.train)} training and {len(self.val)} validation tokens (split by document) make "
+                f"{self.n_train} and {self.n_val} samples of {seq_len + 1} tokens; add data or lower model.seq_len"
             )
         self._perms: dict[int, np.ndarray] = {}
 
@@ -151,5 +167,6 @@ class GPTSamples:
         """Tokens of samples ``ids``: shape ``(len(ids), seq_len + 1)``, int64."""
         out = np.empty((len(ids), self.seq_len + 1), dtype=np.int64)
         for row, sample in enumerate(ids):
-            out[row] = self.stream.window(int(sample) * self.seq_len, self.seq_len + 1)
+            stream, i = (self.train, int(sample)) if sample < self.n_train else (self.val, int(sample) - self.n_train)
+            out[row] = stream.window(i * self.seq_len, self.seq_len + 1)
         return out
