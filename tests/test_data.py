@@ -221,12 +221,13 @@ def test_preprocess_cli_errors(tmp_path: Path, tok_model: Path) -> None:
     missing = tmp_path / "missing.txt"
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n\n{"text": oops}\n')
-    for inputs, needle in [(missing, str(missing)), (bad, f"{bad}:3")]:
-        proc = _run_cli("--input", str(inputs), "--tokenizer", str(tok_model), "--output", str(tmp_path / "o"))
+    for inputs, needle, out in [(missing, str(missing), "o"), (bad, f"{bad}:3", "o"), (bad, "is a folder", "")]:
+        output = str(tmp_path / out) if out else f"{tmp_path}/"  # "": the folder itself, not a prefix in it
+        proc = _run_cli("--input", str(inputs), "--tokenizer", str(tok_model), "--output", output)
         assert proc.returncode == 2
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], proc.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]  # nothing half-written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]  # nothing half-written, nothing beside
 
 
 def test_preprocess_function_errors(tmp_path: Path, tok_model: Path) -> None:

@@ -301,11 +301,14 @@ def test_tp_checkpoint_holds_whole_parameters(curves):
     """DCP stores each tp-sharded parameter whole: the tp=4 checkpoint reads like the tp=1 one.
 
     Adam turns summation-order noise in near-zero gradient elements into updates of
-    up to lr (1e-3) per step, so weights after 20 steps agree to atol 1e-5.
+    up to lr (1e-3) per step: after 20 steps a few such elements differ by ~1e-5
+    (one of the 135k here reached 1.2e-5, at tp=2 without sequence parallelism as
+    well). atol 5e-5 (5% of one step's largest update) allows that and still
+    catches a misplaced shard or a lost gradient (>= lr per step, 1e-3).
     """
     ref = checkpoint.read_model_state(checkpoint.latest_checkpoint(curves / "tp1" / "checkpoints"))
     got = checkpoint.read_model_state(checkpoint.latest_checkpoint(curves / "tp4_sp" / "checkpoints"))
     assert ref.keys() == got.keys()
     for k in ref:
         assert ref[k].shape == got[k].shape, k
-        torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-5, msg=k)
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=5e-5, msg=k)

@@ -11,6 +11,7 @@ unrelated one begins (as in GPT-2 training, Radford et al., 2019).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -78,6 +79,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json-key", default="text", help="field of each .jsonl record that holds the text")
     args = parser.parse_args(argv)
     try:
+        if Path(args.output).is_dir() or args.output.endswith(("/", os.sep)):
+            raise UserError(f"--output {args.output!r} is a folder; give a prefix inside it, such as "
+                            f"{str(Path(args.output) / 'corpus')!r} (writes corpus.bin and corpus.idx there)")
         prefix = preprocess(args.input, args.tokenizer, args.output, args.json_key, what="--input")
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
