@@ -272,21 +272,18 @@ def _data(synthetic, tok_model: Path, tmp_path: Path, seed: int = 7, split: str 
 
 
 def _streams(sources: tuple[list[np.ndarray], ...], split: str, seq: int = SEQ) -> tuple[np.ndarray, np.ndarray]:
-    """The train and validation streams, by the rule (independently of the code): each source's documents in
-    order go to training while the tokens before them are under its train weight; the rest, and at least its
-    last document when it has two, to validation; then the sources' parts end to end."""
+    """The train and validation streams, by the rule (independently of the code): each source's first k
+    documents train and the rest validate, k (1 <= k < documents, when there are two or more) putting the
+    cut nearest to the train weight of its tokens, the later cut on a tie; the sources' parts end to end."""
     w = [float(x) for x in split.split(",")]
     w_train = w[0] / sum(w)
     train, val = [], []
     for docs in sources:
-        total, before, cut = sum(len(d) for d in docs), 0, len(docs)
-        for k, d in enumerate(docs):
-            if w_train < 1 and before >= round(total * w_train):
-                cut = k
-                break
-            before += len(d)
+        cut = len(docs)
         if w_train < 1 and len(docs) >= 2:
-            cut = min(cut, len(docs) - 1)
+            mark = round(sum(len(d) for d in docs) * w_train)
+            ends = {k: sum(len(d) for d in docs[:k]) for k in range(1, len(docs))}
+            cut = min(ends, key=lambda k: (abs(ends[k] - mark), -k))
         train += docs[:cut]
         val += docs[cut:]
     joined = [np.concatenate(part) if part else np.zeros(0, dtype=np.int64) for part in (train, val)]
@@ -342,9 +339,13 @@ def test_validation_start_is_a_document_boundary() -> None:
     from megazero.data.samples import validation_start
 
     offsets = np.array([0, 10, 20, 30], dtype="<u8")
-    assert validation_start(offsets, 0.5) == 20  # the first boundary at or past 15 tokens
+    assert validation_start(offsets, 0.5) == 20  # 15 tokens: a tie between 10 and 20, the later
+    assert validation_start(offsets, 0.6) == 20 and validation_start(offsets, 0.4) == 10  # the nearer
     assert validation_start(offsets, 1.0) == 30  # no validation weight: everything trains
     assert validation_start(np.array([0, 100, 105], dtype="<u8"), 0.98) == 100  # the last document validates
+    assert validation_start(np.array([0, 5, 105], dtype="<u8"), 0.01) == 5  # the first one trains
+    # a long document across the mark: the nearer boundary, not the next one (which would leave ~nothing)
+    assert validation_start(np.array([0, 90, 190, 200], dtype="<u8"), 0.5) == 90
     assert validation_start(np.array([0, 100], dtype="<u8"), 0.5) == 100  # one document: it cannot be split
 
 
