@@ -13,6 +13,7 @@ UTF-8 bytes) instead of becoming ``<unk>``.
 
 from __future__ import annotations
 
+import io
 import os
 import random
 import re
@@ -100,11 +101,13 @@ def train_tokenizer(
         raise UserError(f"no text to train a tokenizer on in {', '.join(map(str, text_files))}")
     model_prefix = Path(model_prefix)
     model_prefix.parent.mkdir(parents=True, exist_ok=True)
-    tmp_prefix = Path(f"{model_prefix}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
+    # trained into memory, not to files under a temporary name (which the model would record): the same
+    # inputs give the same bytes
+    buffer = io.BytesIO()
     try:
         spm.SentencePieceTrainer.Train(
             sentence_iterator=iter(lines),
-            model_prefix=str(tmp_prefix),
+            model_writer=buffer,
             model_type="bpe",
             vocab_size=vocab_size,
             byte_fallback=True,
@@ -124,14 +127,11 @@ def train_tokenizer(
             minloglevel=2,
         )
     except RuntimeError as e:
-        _remove(tmp_prefix)
         raise UserError(_training_error(str(e), vocab_size, files, len(lines))) from None
-    except BaseException:
-        _remove(tmp_prefix)
-        raise
     model = Path(f"{model_prefix}.model")
-    os.replace(f"{tmp_prefix}.vocab", f"{model_prefix}.vocab")
-    os.replace(f"{tmp_prefix}.model", model)
+    tmp = Path(f"{model}.tmp-{os.getpid()}-{os.urandom(4).hex()}")  # renamed into place: readers never see half
+    tmp.write_bytes(buffer.getvalue())
+    os.replace(tmp, model)
     return model
 
 
@@ -172,8 +172,3 @@ def _sample_lines(documents: Iterator[str], k: int, seed: int) -> list[str]:
                         reservoir[j] = piece
                 seen += 1
     return reservoir
-
-
-def _remove(tmp_prefix: Path) -> None:
-    for suffix in (".model", ".vocab"):
-        Path(f"{tmp_prefix}{suffix}").unlink(missing_ok=True)
