@@ -30,7 +30,7 @@ from parallel.comm import Comm
 from parallel.pipeline import partition_layers
 from parallel.schedules import Action, build_schedule, virtual_stage
 from parallel.topology import coords_to_rank
-from parallel.zero import grad_precision
+from parallel.zero_grads import grad_precision
 
 BYTES_PER_VALUE = {"fp32": 4, "bf16": 2, "fp16": 2}
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32
