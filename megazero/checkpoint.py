@@ -10,9 +10,10 @@ finished does rank 0 write ``meta.json`` and rename the folder to ``step_N``.
 A crash mid-save leaves a ``.tmp`` folder that is never read, so the latest
 complete checkpoint stays the latest. "Latest" is the one written last (each
 meta.json holds a save sequence number), not the highest step: a run resumed
-from an older checkpoint continues, and keeps, its own line. Loading never unpickles arbitrary
-objects: tensors are read with ``weights_only``, and DCP's metadata file goes
-through an unpickler that admits only DCP's own metadata classes.
+from an older checkpoint continues, and keeps, its own line. Loading never
+unpickles arbitrary objects: tensors are read with ``weights_only``, and DCP's
+metadata file goes through an unpickler that admits only DCP's own metadata
+classes.
 """
 from __future__ import annotations
 

@@ -45,6 +45,11 @@ def optimizer_bytes_per_param(precision: str) -> int:
     return ADAM_STATE_BYTES + (MASTER_BYTES if b != 4 else 0)
 
 
+def grad_bytes_per_param(precision: str, grad_dtype: str = "auto") -> int:
+    """Bytes of one gradient element as ZeRO accumulates it (``zero.grad_dtype``: fp32 under bf16 by default)."""
+    return BYTES_PER_VALUE[grad_precision(precision, grad_dtype)]
+
+
 def model_state_bytes(psi: int, stage: int, dp: int, precision: str, offload_optimizer: str = "none",
                       offload_params: str = "none", grad_dtype: str = "auto") -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state one rank keeps, by ZeRO stage.
@@ -63,7 +68,7 @@ def model_state_bytes(psi: int, stage: int, dp: int, precision: str, offload_opt
     if offload_params == "cpu" and stage != 3:
         raise ValueError(f"offload_params=cpu needs stage 3 (got {stage})")
     b, k = BYTES_PER_VALUE[precision], optimizer_bytes_per_param(precision)
-    g = BYTES_PER_VALUE[grad_precision(precision, grad_dtype)]
+    g = grad_bytes_per_param(precision, grad_dtype)
     shard = -(-psi // dp)
     params = psi * b if stage < 3 else shard * b
     grads = psi * g if stage < 2 else shard * g
@@ -291,7 +296,7 @@ def format_plan(plan: Plan) -> str:
                        f"{(ms['device_total'] + act) / GB:.2f}", f"{s.flops / 1e12:,.{1 if s.flops >= 1e13 else 4}f}"])
     lines += _table(header, rows, left=3)
     b, k = BYTES_PER_VALUE[t.precision], optimizer_bytes_per_param(t.precision)
-    g = BYTES_PER_VALUE[grad_precision(t.precision, z.grad_dtype)]
+    g = grad_bytes_per_param(t.precision, z.grad_dtype)
     last = plan.stages[-1]
     lines += [
         "",

@@ -256,10 +256,9 @@ class Trainer:
             self.load(path)
             if self.is_writer:
                 print(f"resumed from {path} at step {self.step}", flush=True)
-        elif self.is_writer and checkpoint.latest_checkpoint(self.ckpt_root) is not None:
-            print(f"{self.ckpt_root} holds an earlier run's checkpoints (latest "
-                  f"{checkpoint.latest_checkpoint(self.ckpt_root).name}); this run starts afresh and replaces its "
-                  f"logs (train.resume=auto would continue it)", flush=True)
+        elif self.is_writer and (earlier := checkpoint.latest_checkpoint(self.ckpt_root)) is not None:
+            print(f"{self.ckpt_root} holds an earlier run's checkpoints (latest {earlier.name}); this run starts "
+                  f"afresh and replaces its logs (train.resume=auto would continue it)", flush=True)
         logger = MetricsLogger(cfg.log.dir, cfg.train.steps, self.is_writer, cfg.log.tensorboard,
                                append=path is not None, start_step=self.step)
         if self.is_writer:

@@ -19,7 +19,10 @@ gather_from_sequence       all-gather, seq dim     reduce-scatter, seq dim
 reduce_scatter_to_sequence reduce-scatter, seq dim all-gather, seq dim
 =========================  ======================  ======================
 
-Each is the identity when the group has one rank (or is None).
+Each is the identity when the group has one rank (or is None). The
+column-parallel linears do gather_from_sequence's work themselves
+(``parallel.tensor.sequence_gathered_linear``), keeping only the shard for
+backward.
 """
 from __future__ import annotations
 
