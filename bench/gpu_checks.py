@@ -10,12 +10,16 @@
      optimizer states offloaded, writing the pipeline trace (CUDA-event timings); its loss must
      follow ``triton``'s, and the trace must hold positive durations.
 3. Throughput of a GPT-2-small-shaped model (12 layers, hidden 768, seq 1024, the tiny vocabulary)
-   with the torch kernels and with the Triton kernels: tokens/s and MFU, and their ratio.
+   with the torch kernels and with the Triton kernels: tokens/s and MFU (medians of 6 windows of 10 steps
+   after a first window of warm-up and autotuning), and their ratio.
+4. ``bench/step_profile.py``: the same model's step per kernel set, the device's busy time against the
+   wall and the kernels that take it.
 
     python bench/gpu_checks.py [--out DIR] [--budget SECONDS] [--seqs 1024,...] [--smoke]
 
-Writes DIR/summary.md (the verdicts and figures), DIR/kernels.md (bench/kernels.py's tables), and
-DIR/log.txt (every command's output), at most those three files, as it goes: a run stopped from
+Writes DIR/summary.md (the verdicts and figures), DIR/kernels.md (bench/kernels.py's tables),
+DIR/profile.md (bench/step_profile.py's) and DIR/log.txt (every command's output), at most those four
+files, as it goes: a run stopped from
 outside keeps what it measured. Each command gets what is left of ``--budget`` (default 540 s, to
 fit a 10-minute slot with room to copy results); a check with no time left is reported as not run.
 ``--smoke`` runs the same sequence on the CPU at toy sizes (the Triton kernels under the
@@ -154,7 +158,7 @@ def main() -> int:
         if not torch.cuda.is_available():
             print("bench/gpu_checks.py needs a CUDA GPU (--smoke runs the script on the CPU)", file=sys.stderr)
             return 2
-        device, steps, tput_steps, every = "cuda", 60, 30, 5
+        device, steps, tput_steps, every = "cuda", 60, 70, 5
         body = GPT2_SMALL_BODY
     checks = Checks(out, "smoke, CPU" if args.smoke else device, args.budget)
     version = checks.run("environment", [sys.executable, "-c", "import torch, triton; print('torch', "
@@ -207,7 +211,7 @@ def main() -> int:
         # 3. throughput
         speed = {}
         for name, kset in (("torch", torch_k), ("triton", triton_k)):
-            tput = [f"launch.device={device}", f"train.steps={tput_steps}", f"log.every={max(1, tput_steps // 3)}",
+            tput = [f"launch.device={device}", f"train.steps={tput_steps}", f"log.every={max(1, tput_steps // 7)}",
                     *TINY_1GPU, *body, *kset]
             metrics = _pretrain(checks, f"throughput {name} kernels", runs / f"tput-{name}", tput, env)
             timed = [r for s, r in sorted(metrics.items())][1:]  # the first interval holds compilation
@@ -220,7 +224,16 @@ def main() -> int:
                      for n, (t, m, g) in speed.items()]
             if len(speed) == 2:
                 lines.append(f"- triton / torch tokens/s: {speed['triton'][0] / speed['torch'][0]:.2f}")
-            checks.note("", "Throughput, " + " ".join(body) + ":", *lines)
+            checks.note("", "Throughput, " + " ".join(body) + f" (medians of {len(timed)} windows of "
+                        f"{max(1, tput_steps // 7)} steps):", *lines)
+
+    # 4. where a step's time goes
+    profile_cmd = [sys.executable, "bench/step_profile.py"] + (["--smoke", "--sets", "torch/torch,triton/triton"]
+                                                               if args.smoke else [])
+    profile_md = checks.run("bench/step_profile.py", profile_cmd, env, stdout=out / "profile.md")
+    if profile_md is not None:
+        walls = [line for line in profile_md.splitlines() if line.startswith(("### ", "- wall", "- device busy"))]
+        checks.note("", "Step profile (bench/step_profile.py, profile.md):", *walls)
     return checks.finish()
 
 

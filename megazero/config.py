@@ -118,7 +118,7 @@ class LogConfig:
 
 @dataclass
 class KernelsConfig:
-    attention: str = AUTO  # auto | triton | torch: auto = Triton on CUDA when importable, else torch SDPA
+    attention: str = AUTO  # auto | triton | torch: auto = torch SDPA (cuDNN on Hopper: faster than the Triton kernel)
     adam: str = AUTO  # auto | triton | torch: the optimizer step over flat buffers
 
 

@@ -49,20 +49,24 @@ def test_needs_a_gpu_without_smoke():
 
 def test_gpu_checks_smoke(tmp_path):
     """bench/gpu_checks.py (the one script a GPU session runs) end to end at toy sizes on the CPU: every
-    step runs, the loss comparisons are made, and only its three files are written."""
+    step runs, the loss comparisons are made, and only its four files are written."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.pop("OUT", None)
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_checks.py"), "--smoke", "--out", str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     summary = (tmp_path / "summary.md").read_text() if (tmp_path / "summary.md").exists() else proc.stderr[-2000:]
     assert proc.returncode == 0, summary
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["kernels.md", "log.txt", "summary.md"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kernels.md", "log.txt", "profile.md", "summary.md"]
     assert summary.startswith("# GPU checks (smoke, CPU): all checks passed")
     assert len(re.findall(r"^- ok triton kernels follow torch kernels over 4 steps", summary, re.M)) == 1
     assert len(re.findall(r"^- ok (offloaded optimizer|ZeRO-3 offloaded) follows the on-device run", summary, re.M)) == 2
     assert len(re.findall(r"^- ok pipeline trace: [1-9][0-9]* spans", summary, re.M)) == 1
     assert len(re.findall(r"^- (torch|triton) kernels: [0-9,]+ tokens/s", summary, re.M)) == 2
     assert "### Targets" in (tmp_path / "kernels.md").read_text()
+    # the step profile: a wall time per kernel set, in profile.md and summarised in summary.md
+    assert len(re.findall(r"^- wall: [0-9.]+ ms/step", summary, re.M)) == 2
+    assert len(re.findall(r"^- enqueueing one attention forward \(batch 1\): \d+ us",
+                          (tmp_path / "profile.md").read_text(), re.M)) == 2
 
 
 def test_gpu_checks_report_what_the_budget_left_out(tmp_path):
@@ -73,4 +77,4 @@ def test_gpu_checks_report_what_the_budget_left_out(tmp_path):
     assert proc.returncode == 1
     summary = (tmp_path / "summary.md").read_text()
     assert summary.startswith("# GPU checks (smoke, CPU): FAILED: environment: not run, the time budget is spent")
-    assert len(re.findall(r"^- FAILED .*: not run, the time budget is spent$", summary, re.M)) == 8
+    assert len(re.findall(r"^- FAILED .*: not run, the time budget is spent$", summary, re.M)) == 9

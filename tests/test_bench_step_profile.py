@@ -1,0 +1,16 @@
+"""bench/step_profile.py's device-busy time counts overlapping kernels once (tests/test_bench_kernels.py runs the
+script end to end, through gpu_checks.py --smoke)."""
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from step_profile import _busy_union  # noqa: E402
+
+
+def test_busy_union_counts_overlaps_once():
+    assert _busy_union([]) == 0.0
+    assert _busy_union([(0, 2), (1, 3), (5, 6)]) == 4.0  # [0, 3] and [5, 6]
+    assert _busy_union([(5, 6), (0, 10), (2, 3)]) == 10.0  # nested, unsorted
+    assert _busy_union([(0, 1), (1, 2)]) == 2.0  # touching
