@@ -147,6 +147,19 @@ def test_builder_rejects_out_of_vocab_and_cleans_up(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_check_vocab_reads_the_ids_not_the_header(tmp_path: Path) -> None:
+    """The header's max_token is the writer's claim; a .bin changed behind it must still be caught."""
+    prefix = _write(tmp_path / "ds", [np.array([5, 6, 7]), np.array([8, 9])], 400)
+    binf = tmp_path / "ds.bin"
+    binf.write_bytes(binf.read_bytes()[:-2] + np.array([399], dtype="<u2").tobytes())  # same size, same header
+    ds = IndexedDataset(prefix)
+    assert ds.max_token_id == 9
+    ds.check_vocab(400)
+    with pytest.raises(UserError) as e:
+        ds.check_vocab(300)
+    _one_line_error(e, str(binf), "399", "document 1", "model.vocab_size 300")
+
+
 # Each case edits the bytes of one file of a valid 3-document dataset (offsets 0, 10, 17, 22).
 _CORRUPTIONS = {
     "magic": ("ds.idx", lambda b: b"XX" + b[2:], "magic"),
@@ -240,6 +253,23 @@ def test_preprocess_function_errors(tmp_path: Path, tok_model: Path) -> None:
         with pytest.raises(UserError) as e:
             preprocess([tmp_path / name], tok_model, tmp_path / "out")
         _one_line_error(e, needle)
+
+
+def test_documents_bom_and_folder_links(tmp_path: Path) -> None:
+    from megazero.data.documents import expand_inputs, iter_documents
+
+    (tmp_path / "bom.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "first"}\n{"text": "second"}\n')
+    assert list(iter_documents([tmp_path / "bom.jsonl"])) == ["first", "second"]
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "x.txt").write_text("linked in\n")
+    (tmp_path / "top").mkdir()
+    (tmp_path / "top" / "b.txt").write_text("own file\n")
+    (tmp_path / "top" / "a_link").symlink_to(tmp_path / "real")
+    assert expand_inputs([tmp_path / "top"]) == [tmp_path / "top" / "a_link" / "x.txt", tmp_path / "top" / "b.txt"]
+    (tmp_path / "top" / "z_again").symlink_to(tmp_path / "real")  # the same folder twice: its files twice
+    with pytest.raises(UserError) as e:
+        expand_inputs([tmp_path / "top"], "data.paths")
+    _one_line_error(e, "data.paths", str(tmp_path / "top" / "z_again"), "twice")
 
 
 # ---------------------------------------------------------------- samples and batches

@@ -15,14 +15,22 @@
 
 Only the builder rank(s) write; every rank then waits on ``barrier`` and
 reads the same files, memory-mapped.
+
+Every input is untrusted, the cache included: a bad file is a ``UserError``
+naming it, raised while the data is opened, before a model is built. Token
+ids are read (once per file, see ``token_range``) and checked against
+``model.vocab_size``; a cached tokenizer or dataset that is damaged is built
+again rather than used.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +39,7 @@ from megazero.data.corpus import DEFAULT_MAX_BYTES, corpus_key, write_corpus
 from megazero.data.documents import expand_inputs
 from megazero.data.indexed import IndexedDataset, bin_path, index_path
 from megazero.data.samples import GPTSamples, parse_split
+from megazero.data.token_range import cached_token_range
 from megazero.data.tokenizer import MIN_VOCAB_SIZE, Tokenizer, train_tokenizer
 from megazero.errors import UserError
 
@@ -116,14 +125,34 @@ def build_data(
     """
     parse_split(cfg_data.split)
     plan = _plan(cfg_data, vocab_size, builtin_max_bytes)
+    cache = Path(cfg_data.cache_dir)
     if is_builder:
-        try:
+        with _cache_errors(cache):
+            _check_cache_dir(cache)
             _build(plan, vocab_size)
-        except OSError as e:
-            where = f"{cfg_data.cache_dir}: cannot write {e.filename or ''}"
-            raise UserError(f"data.cache_dir {where} ({e.strerror})") from None
     barrier()
-    return _load(plan, vocab_size, seq_len, seed, cfg_data.split, Path(cfg_data.cache_dir))
+    with _cache_errors(cache):
+        return _load(plan, vocab_size, seq_len, seed, cfg_data.split, cache, is_builder)
+
+
+@contextmanager
+def _cache_errors(cache: Path) -> Iterator[None]:
+    """Input files report their own errors; an OSError left over is the cache's."""
+    try:
+        yield
+    except OSError as e:
+        raise UserError(f"data.cache_dir {cache}: cannot write {e.filename or ''} ({e.strerror}); "
+                        "give a folder megazero may write") from None
+
+
+def _check_cache_dir(cache: Path) -> None:
+    """A cache that is a file or cannot be written fails now, naming itself, not halfway through a build."""
+    if cache.exists() and not cache.is_dir():
+        raise UserError(f"data.cache_dir {cache} is a file, not a folder; give a folder megazero may write")
+    cache.mkdir(parents=True, exist_ok=True)
+    probe = cache / f".write-test-{os.getpid()}-{os.urandom(4).hex()}"
+    probe.touch()
+    probe.unlink()
 
 
 def _digest(*parts: Any) -> str:
@@ -137,7 +166,9 @@ def _files_fingerprint(files: list[Path]) -> str:
             st = f.stat()
         except OSError as e:  # a dangling link, a file removed while listing
             raise UserError(f"data.paths: cannot read {f} ({e.strerror})") from None
-        stats.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
+        # the inode and its ctime too: a same-size rewrite that puts the old mtime back (cp -p, rsync -t)
+        # still moves the ctime, which no writer can set. Not st_dev: NFS clients number it each their own way
+        stats.append([str(f.resolve()), st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns])
     return _digest("files", stats)
 
 
@@ -161,7 +192,7 @@ def _plan(cfg_data: Any, vocab_size: int, builtin_max_bytes: int) -> _Plan:
     if not cfg_data.paths:
         key = corpus_key(builtin_max_bytes)
         corpus = cache / f"corpus-{key}.jsonl"
-        sources.append(_Source("built-in corpus", "builtin", (corpus,), f"builtin-{key}", Path()))
+        sources.append(_Source("the built-in corpus", "builtin", (corpus,), f"builtin-{key}", Path()))
     for raw in cfg_data.paths:
         prefix = _as_prefix(Path(raw))
         if prefix is not None:
@@ -192,8 +223,8 @@ def _plan(cfg_data: Any, vocab_size: int, builtin_max_bytes: int) -> _Plan:
         pieces = Tokenizer.load(tokenizer).vocab_size
         if pieces > vocab_size:
             raise UserError(
-                f"data.tokenizer {tokenizer} has {pieces} pieces but model.vocab_size is {vocab_size}; "
-                f"set model.vocab_size >= {pieces}"
+                f"data.tokenizer {tokenizer} has {pieces} pieces, more than model.vocab_size {vocab_size}; "
+                f"set model.vocab_size >= {pieces} (a larger vocabulary is fine: the extra rows go unused)"
             )
         tok_fingerprint = hashlib.sha256(tokenizer.read_bytes()).hexdigest()[:16]
 
@@ -208,23 +239,46 @@ def _plan(cfg_data: Any, vocab_size: int, builtin_max_bytes: int) -> _Plan:
 
 
 def _build(plan: _Plan, vocab_size: int) -> None:
+    """Make what the cache lacks; a cached file that is damaged is made again, never trusted."""
     # Imported here: importing it with the package would make `python -m megazero.data.preprocess`
     # find the module already loaded (runpy warns about that).
     from megazero.data.preprocess import preprocess
 
-    for s in plan.sources:
-        if s.kind == "builtin" and not s.files[0].exists():
+    stale_tokenizer = plan.train_tokenizer and not _tokenizer_ok(plan.tokenizer, vocab_size)
+    for s in plan.sources:  # the corpus file is only an input to builds: written afresh for each
+        if s.kind == "builtin" and (stale_tokenizer or not _dataset_ok(s.prefix)):
             write_corpus(s.files[0], plan.builtin_max_bytes)
-    if plan.train_tokenizer and not plan.tokenizer.exists():
+    if stale_tokenizer:
         text_files = [f for s in plan.sources for f in s.files]
         train_tokenizer(text_files, vocab_size, plan.tokenizer.with_suffix(""), json_key=plan.json_key)
     tokenizer = Tokenizer.load(plan.tokenizer)
     for s in plan.sources:
-        if s.kind != "prefix" and not index_path(s.prefix).exists():
+        if s.kind != "prefix" and not _dataset_ok(s.prefix, tokenizer.vocab_size):
             preprocess(list(s.files), tokenizer, s.prefix, plan.json_key, what="data.paths")
 
 
-def _load(plan: _Plan, vocab_size: int, seq_len: int, seed: int, split: str, cache: Path) -> GPTData:
+def _tokenizer_ok(path: Path, vocab_size: int) -> bool:
+    if not path.exists():
+        return False
+    try:
+        return Tokenizer.load(path).vocab_size == vocab_size
+    except UserError:
+        return False
+
+
+def _dataset_ok(prefix: Path, vocab_size: int | None = None) -> bool:
+    """A cached dataset that opens (sizes, header, offsets) and was built for this vocabulary."""
+    if not index_path(prefix).exists():
+        return False
+    try:
+        ds = IndexedDataset(prefix)
+    except UserError:
+        return False
+    return vocab_size is None or ds.vocab_size == vocab_size
+
+
+def _load(plan: _Plan, vocab_size: int, seq_len: int, seed: int, split: str, cache: Path,
+          is_builder: bool) -> GPTData:
     built = [plan.tokenizer] if plan.train_tokenizer else []
     built += [index_path(s.prefix) for s in plan.sources if s.kind != "prefix"]
     for path in built:
@@ -237,12 +291,16 @@ def _load(plan: _Plan, vocab_size: int, seq_len: int, seed: int, split: str, cac
     datasets = []
     for s in plan.sources:
         ds = IndexedDataset(s.prefix)
-        if s.kind == "prefix" and ds.vocab_size != tokenizer.vocab_size:
+        if ds.vocab_size != tokenizer.vocab_size:
+            what = f"data.paths: dataset {s.prefix}" if s.kind == "prefix" else f"data cache {s.prefix}"
             raise UserError(
-                f"data.paths: dataset {s.prefix} was built for a {ds.vocab_size}-piece vocabulary but data.tokenizer "
+                f"{what} was built for a {ds.vocab_size}-piece vocabulary but data.tokenizer "
                 f"{plan.tokenizer} has {tokenizer.vocab_size} pieces; give the tokenizer it was built with"
             )
-        ds.check_vocab(vocab_size)
+        # the ids themselves, read once per file (cached): the header's max_token is only a claim
+        ids = cached_token_range(ds.tokens, bin_path(s.prefix), cache, write=is_builder) if ds.n_tokens else None
+        ds.check_vocab(vocab_size, ids)
         datasets.append(ds)
-    samples = GPTSamples([(ds.tokens, ds.doc_offsets) for ds in datasets], seq_len, seed, split)
+    samples = GPTSamples([(ds.tokens, ds.doc_offsets) for ds in datasets], seq_len, seed, split,
+                         names=[s.label for s in plan.sources])
     return GPTData(plan.tokenizer, samples.n_train, samples.n_val, seq_len, samples)

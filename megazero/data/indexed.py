@@ -12,7 +12,8 @@ RAM costs only the pages a batch touches.
     vocab_size uint64   ids in the ``.bin`` are < vocab_size
     n_docs     uint64
     n_tokens   uint64   elements in the ``.bin``
-    max_token  uint64   largest id in the ``.bin`` (0 when empty), so vocab checks are O(1)
+    max_token  uint64   largest id in the ``.bin`` (0 when empty), as its writer saw it: a claim,
+                       not trusted (readers scan the ids once, see token_range)
     offsets    uint64 * (n_docs + 1)   document i is tokens[offsets[i]:offsets[i+1]]
 """
 
@@ -26,6 +27,7 @@ from types import TracebackType
 
 import numpy as np
 
+from megazero.data.token_range import TokenRange, scan_token_range
 from megazero.errors import UserError
 
 MAGIC = b"MZIDX\x00\x00\x00"
@@ -133,7 +135,14 @@ class IndexedDataset:
         idx, binf = index_path(self.prefix), bin_path(self.prefix)
         for path in (idx, binf):
             if not path.is_file():
-                raise UserError(f"dataset {path} does not exist")
+                what = "is not a regular file" if path.exists() else "does not exist"
+                raise UserError(f"dataset {path} {what}")
+        try:
+            self._open(idx, binf)
+        except OSError as e:
+            raise UserError(f"dataset {e.filename or self.prefix}: cannot read ({e.strerror})") from None
+
+    def _open(self, idx: Path, binf: Path) -> None:
         idx_size = idx.stat().st_size
         if idx_size < _HEADER.size:
             raise UserError(f"dataset index {idx} is truncated: {idx_size} bytes, the header alone is {_HEADER.size}")
@@ -160,9 +169,11 @@ class IndexedDataset:
         dtype = _DTYPES[code]
         bin_size = binf.stat().st_size
         if bin_size != n_tokens * dtype.itemsize:
+            partial = f", not a whole number of {dtype.itemsize}-byte tokens" if bin_size % dtype.itemsize else ""
             raise UserError(
                 f"dataset {binf} is {'truncated' if bin_size < n_tokens * dtype.itemsize else 'too long'}: "
-                f"{bin_size} bytes, the index says {n_tokens} {dtype.name} tokens ({n_tokens * dtype.itemsize} bytes)"
+                f"{bin_size} bytes{partial}; its index {idx} says {n_tokens} {dtype.name} tokens "
+                f"({n_tokens * dtype.itemsize} bytes)"
             )
         offsets = np.fromfile(idx, dtype="<u8", offset=_HEADER.size)
         if offsets[0] != 0 or offsets[-1] != n_tokens or (n_docs and bool(np.any(offsets[1:] < offsets[:-1]))):
@@ -172,7 +183,7 @@ class IndexedDataset:
         if n_tokens and max_token >= vocab_size:
             raise UserError(f"dataset index {idx} is corrupt: max token id {max_token} >= its vocab_size {vocab_size}")
         self.vocab_size = int(vocab_size)
-        self.max_token_id = int(max_token)
+        self.max_token_id = int(max_token)  # the writer's claim: checks read the ids (check_vocab)
         self.doc_offsets = offsets
         if n_tokens:
             self.tokens = np.memmap(binf, dtype=dtype, mode="r", shape=(int(n_tokens),))
@@ -192,11 +203,33 @@ class IndexedDataset:
         i %= len(self)
         return self.tokens[self.doc_offsets[i] : self.doc_offsets[i + 1]]
 
-    def check_vocab(self, model_vocab_size: int) -> None:
-        """Refuse a dataset whose ids would index past the model's embedding table."""
-        if self.n_tokens and self.max_token_id >= model_vocab_size:
+    def document_of(self, position: int) -> int:
+        """Index of the document holding token ``position``."""
+        return int(np.searchsorted(self.doc_offsets, position, side="right")) - 1
+
+    def check_vocab(self, model_vocab_size: int, ids: TokenRange | None = None) -> None:
+        """Refuse ids that would index past the model's embedding table (or below it), or past this
+        dataset's own vocabulary. ``ids`` is the range read from the ``.bin`` (see token_range: cached per
+        file); without it the tokens are scanned now. The header's max_token is never trusted for this."""
+        if not self.n_tokens:
+            return
+        ids = scan_token_range(self.tokens) if ids is None else ids
+        binf = bin_path(self.prefix)
+        limit = min(model_vocab_size, self.vocab_size)
+        if ids.low < 0:
             raise UserError(
-                f"dataset {self.prefix} has token id {self.max_token_id}, but model.vocab_size is "
-                f"{model_vocab_size}; set model.vocab_size > {self.max_token_id} "
-                "or rebuild the data with a smaller tokenizer"
+                f"dataset {binf} has token id {ids.low} (document {self.document_of(ids.low_at)}); valid ids are "
+                f"0 to {limit - 1}: the file is corrupt, rebuild it with python -m megazero.data.preprocess"
+            )
+        if ids.high >= model_vocab_size:
+            raise UserError(
+                f"dataset {binf} has token id {ids.high} (document {self.document_of(ids.high_at)}), but "
+                f"model.vocab_size {model_vocab_size} allows ids 0 to {model_vocab_size - 1}; set model.vocab_size "
+                f"> {ids.high} or rebuild the data with the tokenizer the model uses"
+            )
+        if ids.high >= self.vocab_size:
+            raise UserError(
+                f"dataset {binf} has token id {ids.high} (document {self.document_of(ids.high_at)}), but its index "
+                f"{index_path(self.prefix)} says the vocabulary has {self.vocab_size} pieces: the two files do not "
+                "match; rebuild them with python -m megazero.data.preprocess"
             )

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megazero.data.documents import expand_inputs, iter_documents
+from megazero.data.documents import expand_inputs, iter_documents, name_paths
 from megazero.data.indexed import IndexedDataset, IndexedDatasetBuilder
 from megazero.data.tokenizer import Tokenizer
 from megazero.errors import UserError
@@ -50,7 +50,7 @@ def preprocess(
                 builder.add_document(np.asarray(ids, dtype=np.int64))
                 n_tokens += len(ids)
         if n_tokens == 0:
-            raise UserError(f"{what}: no text in {', '.join(map(str, inputs))} (every document is empty)")
+            raise UserError(f"{what}: no text in {name_paths(files)} (every document is empty)")
         return builder.finalize()
 
 

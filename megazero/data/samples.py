@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from megazero.data.documents import name_paths
 from megazero.errors import UserError
 
 
@@ -102,11 +103,31 @@ def validation_start(doc_offsets: np.ndarray, w_train: float) -> int:
     return above if abs(above - target) <= abs(target - below) else below
 
 
+def _too_small(samples: GPTSamples, sources: Sequence[tuple[np.ndarray, np.ndarray]], names: Sequence[str],
+               split: str, w_val: float) -> str:
+    """Why there are not enough samples, naming the sources: too few tokens, or too few documents to split."""
+    where = name_paths(names) or "the data"
+    seq_len = samples.seq_len
+    if samples.n_train and w_val > 0 and not samples.n_val and all(len(offsets) < 3 for _, offsets in sources):
+        return (
+            f"{where} holds one document{' per source' if len(sources) > 1 else ''}, and data.split {split!r} "
+            "takes each source's validation from its last whole documents, so there is no validation data; "
+            "give several documents (several .txt files, or one per .jsonl line)"
+        )
+    return (
+        f"{where} is too small for model.seq_len {seq_len} and data.split {split!r}: "
+        f"{len(samples.train)} training and {len(samples.val)} validation tokens (split by document) make "
+        f"{samples.n_train} and {samples.n_val} samples of {seq_len + 1} tokens; add data or lower model.seq_len"
+    )
+
+
 class GPTSamples:
     """The sample index math over the train and validation streams; holds no tokens itself."""
 
-    def __init__(self, sources: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int, seed: int, split: str):
-        """sources: (tokens, document offsets) of each dataset, offsets as in ``IndexedDataset.doc_offsets``."""
+    def __init__(self, sources: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int, seed: int, split: str,
+                 names: Sequence[str] = ()):
+        """sources: (tokens, document offsets) of each dataset, offsets as in ``IndexedDataset.doc_offsets``;
+        names: what each source is called in data.paths, for the error when they are too small."""
         if seq_len < 1:
             raise UserError(f"model.seq_len {seq_len} must be positive")
         if seed < 0:
@@ -120,11 +141,7 @@ class GPTSamples:
         self.n_train = max(len(self.train) - 1, 0) // seq_len
         self.n_val = max(len(self.val) - 1, 0) // seq_len
         if self.n_train == 0 or (w_val > 0 and self.n_val == 0):
-            raise UserError(
-                f"the corpus is too small for model.seq_len {seq_len} and data.split {split!r}: "
-                f"{len(self.train)} training and {len(self.val)} validation tokens (split by document) make "
-                f"{self.n_train} and {self.n_val} samples of {seq_len + 1} tokens; add data or lower model.seq_len"
-            )
+            raise UserError(_too_small(self, sources, names, split, w_val))
         self._perms: dict[int, np.ndarray] = {}
 
     def _permutation(self, epoch: int) -> np.ndarray:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from megazero.data.documents import expand_inputs, iter_documents
+from megazero.data.documents import expand_inputs, iter_documents, name_paths
 from megazero.errors import UserError
 
 # Fixed rather than os.cpu_count(): the thread count is written into the model
@@ -98,7 +98,7 @@ def train_tokenizer(
     files = expand_inputs(text_files)
     lines = _sample_lines(iter_documents(files, json_key), max_sentences, seed)
     if not lines:
-        raise UserError(f"no text to train a tokenizer on in {', '.join(map(str, text_files))}")
+        raise UserError(f"no text to train a tokenizer on in {name_paths(files)} (every document is empty or blank)")
     model_prefix = Path(model_prefix)
     model_prefix.parent.mkdir(parents=True, exist_ok=True)
     # trained into memory, not to files under a temporary name (which the model would record): the same
