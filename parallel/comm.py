@@ -1,7 +1,7 @@
 """Collectives: one counted wrapper per grid group, and the Megatron f/g autograd functions.
 
 Every collective megazero issues goes through a :class:`Comm` (a process group
-with a name) and is recorded by the run's :class:`CommCounter`: kind, group,
+with a name) and is added up by the run's :class:`CommCounter`: kind, group,
 element count and bytes. Tests and benchmarks read the counter instead of
 assuming what the code does.
 
@@ -26,7 +26,6 @@ backward.
 """
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -37,55 +36,70 @@ from torch import Tensor
 SEQ_DIM = 1  # activations are (batch, seq, hidden)
 
 
-@dataclass(frozen=True)
-class CommRecord:
-    kind: str  # all_reduce | all_gather | reduce_scatter | broadcast | send | recv
-    group: str  # tp | dp | pp | world | ...
-    numel: int  # elements this rank contributes (the input of the collective)
-    bytes: int
-    tag: str  # what travels: activation | grad | loss | param | ...
-    size: int = 1  # ranks in the group
+def ring_wire(kind: str, numel: int, size: int) -> float:
+    """Elements a rank sends with a ring algorithm (Patarasuk & Yuan 2009): all-reduce 2(k-1)/k·n,
+    reduce-scatter (k-1)/k·n of its n-element input, all-gather (k-1)·n of its n-element shard."""
+    k = size
+    return {"all_reduce": 2 * (k - 1) / k * numel, "reduce_scatter": (k - 1) / k * numel,
+            "all_gather": (k - 1) * numel}.get(kind, float(numel))
 
-    @property
-    def wire(self) -> float:
-        """Elements this rank sends with a ring algorithm (Patarasuk & Yuan 2009): all-reduce 2(k-1)/k·n,
-        reduce-scatter (k-1)/k·n of its n-element input, all-gather (k-1)·n of its n-element shard."""
-        k = self.size
-        return {"all_reduce": 2 * (k - 1) / k * self.numel, "reduce_scatter": (k - 1) / k * self.numel,
-                "all_gather": (k - 1) * self.numel}.get(self.kind, float(self.numel))
+
+@dataclass
+class CommTotals:
+    """What one kind of collective on one group, for one purpose, added up to so far."""
+
+    calls: int = 0
+    numel: int = 0  # elements this rank contributed (the inputs of the collectives)
+    bytes: int = 0
+    wire: float = 0.0  # elements this rank put on the wire (ring algorithms)
 
 
 @dataclass
 class CommCounter:
-    """Every collective of a run, as issued (one record per call)."""
+    """Every collective of a run, added up per (kind, group, tag, group size): a long run's counter holds a
+    handful of entries, not one record per call. ``last`` is the latest collective issued, named in the
+    error when a collective times out."""
 
-    records: list = field(default_factory=list)
+    totals: dict = field(default_factory=dict)  # (kind, group, tag, size) -> CommTotals
+    last: Optional[str] = None
 
     def add(self, kind: str, group: str, tensor: Tensor, tag: str, size: int = 1) -> None:
-        self.records.append(CommRecord(kind, group, tensor.numel(), tensor.numel() * tensor.element_size(), tag,
-                                       size))
+        key = (kind, group, tag, size)
+        t = self.totals.get(key)
+        if t is None:
+            t = self.totals[key] = CommTotals()
+        n = tensor.numel()
+        t.calls += 1
+        t.numel += n
+        t.bytes += n * tensor.element_size()
+        t.wire += ring_wire(kind, n, size)
+        self.last = f"{group}.{kind}.{tag}"
 
     def reset(self) -> None:
-        self.records.clear()
+        self.totals.clear()
 
-    def select(self, kind: Optional[str] = None, group: Optional[str] = None,
-               tag: Optional[str] = None) -> list[CommRecord]:
-        return [r for r in self.records if (kind is None or r.kind == kind)
-                and (group is None or r.group == group) and (tag is None or r.tag == tag)]
+    def _select(self, kind: Optional[str], group: Optional[str], tag: Optional[str]) -> list[CommTotals]:
+        return [t for (k, g, tg, _), t in self.totals.items()
+                if (kind is None or k == kind) and (group is None or g == group) and (tag is None or tg == tag)]
 
     def count(self, kind: Optional[str] = None, group: Optional[str] = None, tag: Optional[str] = None) -> int:
-        return len(self.select(kind, group, tag))
+        return sum(t.calls for t in self._select(kind, group, tag))
 
     def volume(self, kind: Optional[str] = None, group: Optional[str] = None, tag: Optional[str] = None) -> int:
         """Elements contributed by this rank over the selected collectives."""
-        return sum(r.numel for r in self.select(kind, group, tag))
+        return sum(t.numel for t in self._select(kind, group, tag))
 
     def wire(self, kind: Optional[str] = None, group: Optional[str] = None, tag: Optional[str] = None) -> float:
         """Elements this rank put on the wire over the selected collectives (ring algorithms)."""
-        return sum(r.wire for r in self.select(kind, group, tag))
+        return sum(t.wire for t in self._select(kind, group, tag))
 
     def summary(self) -> dict[str, int]:
-        return dict(Counter(f"{r.group}.{r.kind}.{r.tag}" for r in self.records))
+        """Calls per "group.kind.tag"."""
+        out: dict[str, int] = {}
+        for (kind, group, tag, _), t in self.totals.items():
+            name = f"{group}.{kind}.{tag}"
+            out[name] = out.get(name, 0) + t.calls
+        return out
 
 
 class Comm:
