@@ -3,7 +3,12 @@
 Every check that can be made from the file and the world size is made before
 anything starts (the rules live in megazero.rules), so a typo costs a second,
 not a queue slot on a cluster. Errors are one line:
-the file, the key, the bad value and what would be valid.
+the file, the key, the bad value (cut short) and what would be valid.
+
+Files and ``--set`` values are untrusted: megazero.yaml_load reads them (YAML 1.2 core schema; no
+aliases, tags, merge keys or duplicate keys; bounded size and depth), values are strictly typed here,
+and every number has a range in megazero.rules. An empty file, or a section whose keys are all
+commented out, means the defaults.
 """
 from __future__ import annotations
 
@@ -14,11 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
-import yaml
-
 from megazero.errors import UserError
+from megazero.yaml_load import YamlSyntaxError, load_yaml, read_config_text, shown, shown_name
 
 AUTO = "auto"
+MAX_STR = 4096  # characters in a string value: PATH_MAX on Linux; a longer path fails in the OS anyway
+MAX_LIST = 65536  # entries in a list value (data.paths, parallel.pp_layers)
 
 
 @dataclass
@@ -97,6 +103,9 @@ class TrainConfig:
     keep_last: int = 2
     resume: str = "none"  # none | auto | a checkpoint path
     exit_after: int = 0  # stop (and save) after this many steps of this job, e.g. for time-limited slots; 0 = never
+    on_nonfinite: str = "stop"  # stop | skip: a non-finite loss or gradient norm stops the run, or skips the update
+    max_skipped: int = 10  # consecutive skipped updates (fp16 overflows included) before the run stops
+    async_save: bool = False  # write checkpoints in the background while training goes on
 
 
 @dataclass
@@ -114,6 +123,7 @@ class LogConfig:
     tensorboard: bool = True
     peak_tflops: Union[float, str] = AUTO  # per device, for MFU; auto = known GPU table or a measured CPU matmul
     pipeline_trace: bool = False  # write pipeline_trace.json (Chrome trace / Perfetto) of the last step
+    overwrite: bool = False  # a fresh run may replace an earlier run's checkpoints and logs in log.dir
 
 
 @dataclass
@@ -125,6 +135,7 @@ class KernelsConfig:
 @dataclass
 class LaunchConfig:
     device: str = AUTO  # auto | cpu | cuda
+    timeout_minutes: float = 30.0  # a collective that waits longer than this stops the run
 
 
 @dataclass
@@ -163,7 +174,8 @@ _SECTION_CLASSES = {
 }
 
 def _fail(source: str, key: str, value: Any, valid: str) -> UserError:
-    return UserError(f"{source}: {key}={value!r} is invalid; {valid}")
+    """One line: where, the key, the value (cut short: values are untrusted and may be huge), what is valid."""
+    return UserError(f"{source}: {key}={shown(value)} is invalid; {valid}")
 
 
 def _type_name(t: Any) -> str:
@@ -172,7 +184,11 @@ def _type_name(t: Any) -> str:
 
 
 def _coerce(source: str, section: str, key: str, value: Any, annotation: str) -> Any:
-    """Check one value against its field's annotation (kept as a string by `from __future__`)."""
+    """Check one value against its field's annotation (kept as a string by `from __future__`).
+
+    Strictly typed: a quoted "10" is no integer and "1e-3" no number (the YAML loader reads unquoted
+    numbers as numbers); ranges are megazero.rules' job.
+    """
     full = f"{section}.{key}"
     ann = annotation.replace("typing.", "")
     allows_none = "None" in ann
@@ -193,22 +209,19 @@ def _coerce(source: str, section: str, key: str, value: Any, annotation: str) ->
             return value
         raise _fail(source, full, value, "expected an integer")
     if base == "float":
-        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value)
-        elif isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
             try:
                 number = float(value)
-            except ValueError:
-                pass
-        if number is not None and math.isfinite(number):
-            return number
+            except OverflowError:  # an integer past 1.8e308
+                number = math.inf
+            if math.isfinite(number):
+                return number
         raise _fail(source, full, value, "expected a finite number")
     if base == "str":
-        if isinstance(value, str):
-            return value
-        raise _fail(source, full, value, "expected a string")
+        return _text(source, full, value, "expected a string")
     if base == "list":
+        if isinstance(value, list) and len(value) > MAX_LIST:
+            raise _fail(source, full, value, f"at most {MAX_LIST} entries")
         if (section, key) == ("parallel", "pp_layers"):
             if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
                 return list(value)
@@ -216,9 +229,28 @@ def _coerce(source: str, section: str, key: str, value: Any, annotation: str) ->
         if isinstance(value, str):
             value = [value]
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
-            return list(value)
+            return [_text(source, full, v, "expected a list of paths") for v in value]
         raise _fail(source, full, value, "expected a list of paths")
     raise AssertionError(f"unhandled annotation {annotation} for {full}")
+
+
+def _text(source: str, full: str, value: Any, expected: str) -> str:
+    """A string that can name a file: bounded, UTF-8, without control characters.
+
+    NUL makes os calls raise ValueError, a newline splits one-line messages, a lone surrogate cannot be
+    encoded for the OS, and a path longer than PATH_MAX fails there with a traceback-worthy OSError.
+    """
+    if not isinstance(value, str):
+        raise _fail(source, full, value, expected)
+    if len(value) > MAX_STR:
+        raise _fail(source, full, value, f"{len(value)} characters; at most {MAX_STR}")
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise _fail(source, full, value, "must not contain a control character (NUL, newline, tab, ...)")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _fail(source, full, value, "not valid UTF-8 text (a lone surrogate)") from None
+    return value
 
 
 def _base(ann: str) -> str:
@@ -229,30 +261,37 @@ def _base(ann: str) -> str:
 
 
 def _suggest(word: str, options) -> str:
-    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.5)
+    close = difflib.get_close_matches(word[:100], list(options), n=1, cutoff=0.5)
     hint = f"did you mean '{close[0]}'? " if close else ""
     return f"{hint}valid: {', '.join(sorted(options))}"
 
 
 def _apply(cfg: Config, section: str, key: str, value: Any, source: str) -> None:
+    """Set ``section.key`` to ``value`` after checking the names and the value's type (not its range)."""
     if section not in _SECTION_CLASSES:
-        raise UserError(f"{source}: unknown section '{section}'; {_suggest(section, _SECTION_CLASSES)}")
+        raise UserError(f"{source}: unknown section {shown(section)}; {_suggest(str(section), _SECTION_CLASSES)}")
     obj = getattr(cfg, section)
     fields = {f.name: f for f in dataclasses.fields(obj)}
     if key not in fields:
-        raise UserError(f"{source}: unknown key '{section}.{key}'; {_suggest(key, fields)}")
+        raise UserError(f"{source}: unknown key {shown(f'{section}.{key}')}; {_suggest(str(key), fields)}")
     setattr(obj, key, _coerce(source, section, key, value, str(fields[key].type)))
 
 
 def parse_set(item: str) -> tuple[str, str, Any]:
-    """`section.key=value` from the command line; the value is read as YAML (so 2 is an int)."""
+    """`section.key=value` from the command line; the value is read as YAML (so 2 is an int).
+
+    A value that is not YAML at all (``[a``) is taken as its text; one the loader refuses (``010``, an
+    alias, a tag, deep nesting) is an error, as in a file.
+    """
     if "=" not in item or "." not in item.split("=", 1)[0]:
-        raise UserError(f"--set {item!r} is invalid; expected section.key=value, e.g. train.steps=10")
+        raise UserError(f"--set {shown(item)} is invalid; expected section.key=value, e.g. train.steps=10")
     lhs, raw = item.split("=", 1)
     section, key = lhs.split(".", 1)
+    if raw == "":
+        return section.strip(), key.strip(), ""
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError:
+        value = load_yaml(raw, f"--set {shown_name(lhs.strip())}", lines=False)
+    except YamlSyntaxError:
         value = raw
     return section.strip(), key.strip(), value
 
@@ -262,29 +301,29 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     cfg = Config()
     source = "<defaults>"
     if path is not None:
-        p = Path(path)
-        source = str(path)
-        if not p.is_file():
-            raise UserError(f"--config {str(path)!r}: no such file")
-        try:
-            raw = yaml.safe_load(p.read_text()) or {}
-        except (OSError, UnicodeDecodeError) as e:
-            raise UserError(f"{source}: unreadable ({e.__class__.__name__}: {e}); expected a UTF-8 YAML file") \
-                from None
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark is not None else ""
-            raise UserError(f"{source}: not valid YAML{where}") from None
+        source = shown_name(str(path))
+        raw = load_yaml(read_config_text(path), source)
+        if raw is None:  # an empty file (or only comments): the defaults
+            raw = {}
         if not isinstance(raw, dict):
-            raise UserError(f"{source}: expected a mapping of sections (model, parallel, train, data, log, launch)")
-        cfg.name = p.stem
+            raise UserError(f"{source}: holds {shown(raw)}; expected a mapping of sections "
+                            f"({', '.join(_SECTION_CLASSES)})")
+        cfg.name = Path(path).stem
         for section, values in raw.items():
             if section not in _SECTION_CLASSES:
-                raise UserError(f"{source}: unknown section '{section}'; {_suggest(str(section), _SECTION_CLASSES)}")
+                raise UserError(f"{source}: unknown section {shown(section)}; "
+                                f"{_suggest(str(section), _SECTION_CLASSES)}")
+            if values is None:  # a section whose keys are all commented out
+                continue
             if not isinstance(values, dict):
-                raise UserError(f"{source}: section '{section}' must be a mapping of key: value")
+                raise UserError(f"{source}: section '{section}' is {shown(values)}; expected a mapping of "
+                                "key: value")
             for key, value in values.items():
-                _apply(cfg, section, str(key), value, source)
+                if not isinstance(key, str):
+                    names = [f.name for f in dataclasses.fields(getattr(cfg, section))]
+                    raise UserError(f"{source}: unknown key {shown(key)} in section '{section}'; "
+                                    f"valid: {', '.join(sorted(names))}")
+                _apply(cfg, section, key, value, source)
     cfg.source = source
     for item in overrides:
         section, key, value = parse_set(item)

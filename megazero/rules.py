@@ -3,10 +3,13 @@
 Checked before any process group or allocation (``megazero.config.load_config``
 calls :func:`validate`; the launcher calls :func:`resolve_world` once the world
 size is known). Every failure is one line naming the file, the key, the value
-and what would be valid.
+and what would be valid. Every numeric key has a range (_MIN, _MAX, or a
+choice list) that keeps what is computed from it downstream — torch sizes,
+numpy seeds, int64 counts, schedule lengths — from overflowing or hanging.
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from megazero.config import AUTO, Config, _fail
@@ -23,6 +26,7 @@ _CHOICES = {
     ("kernels", "adam"): ("auto", "triton", "torch"),
     ("launch", "device"): ("auto", "cpu", "cuda"),
     ("parallel", "schedule"): ("gpipe", "1f1b", "interleaved"),
+    ("train", "on_nonfinite"): ("stop", "skip"),
 }
 _MIN = {
     ("model", "layers"): 1, ("model", "hidden"): 1, ("model", "heads"): 1, ("model", "seq_len"): 1,
@@ -34,20 +38,59 @@ _MIN = {
     ("train", "eval_every"): 0, ("train", "eval_batches"): 1, ("train", "save_every"): 0,
     ("train", "keep_last"): 1, ("train", "exit_after"): 0, ("zero", "bucket_mb"): 0.001,
     ("parallel", "world_size"): 0, ("log", "every"): 1, ("model", "init_std"): 0.0,
-    ("log", "peak_tflops"): 1e-9,
+    ("log", "peak_tflops"): 1e-9, ("train", "max_skipped"): 1,
+    ("launch", "timeout_minutes"): 0.01,  # > 0: torch counts in milliseconds, so less would round to no wait
 }
+
+# Upper bounds, each with the reason: what downstream would overflow, hang or allocate without them.
+# Shapes are bounded so that the largest tensor a rank builds, one microbatch's fp32 logits
+# (micro_batch * seq_len * padded vocab = 2^16 * 2^20 * 2^24 elements), stays below int64 byte counts.
+_STEPS = 2 ** 31 - 1  # step counts: int32, so any logger or tensor that keeps one holds it; 68 years at 1 s/step
+_WORLD = 2 ** 20  # ranks: as megazero.launch; the dry run lists every rank of every stage
+_MAX = {
+    ("model", "layers"): 4096,  # the dry run builds each stage's layers on meta; published GPTs have < 200
+    ("model", "hidden"): 2 ** 18,  # 262,144 (GPT-3 175B: 12,288): the embedding vocab*hidden < 2^43
+    ("model", "heads"): 2 ** 18,  # heads divide hidden
+    ("model", "seq_len"): 2 ** 20,  # a million tokens per sequence; logits bound above
+    ("model", "vocab_size"): 2 ** 24,  # ids fit the int32 .bin; logits bound above; LLMs use <= 256k
+    ("model", "ffn_hidden"): 2 ** 20,  # 4 * the largest hidden: the MLP weight hidden*ffn < 2^39
+    ("model", "vocab_pad_multiple"): 2 ** 16,  # padding beyond 65,536 rows only wastes memory
+    ("model", "init_std"): 10.0,  # GPT-2 uses 0.02; a std past 10 only overflows 16-bit activations
+    ("parallel", "tp"): _WORLD, ("parallel", "pp"): _WORLD, ("parallel", "dp"): _WORLD,
+    ("parallel", "world_size"): _WORLD,
+    ("parallel", "virtual_stages"): 4096,  # pp * virtual_stages <= model.layers
+    ("train", "steps"): _STEPS, ("train", "warmup_steps"): _STEPS, ("train", "eval_every"): _STEPS,
+    ("train", "save_every"): _STEPS, ("train", "exit_after"): _STEPS, ("train", "keep_last"): _STEPS,
+    ("train", "max_skipped"): _STEPS, ("log", "every"): _STEPS,
+    ("train", "global_batch"): 2 ** 24,  # sequences per step: tokens per step (x seq_len) < 2^44
+    ("train", "micro_batch"): 2 ** 16,  # sequences per forward; logits bound above
+    # validation tokens (global_batch * seq_len * eval_batches) divide a torch tensor: < 2^60
+    ("train", "eval_batches"): 2 ** 16,
+    ("train", "lr"): 1.0,  # AdamW moves each weight by about lr per step; past 1 nothing trains
+    ("train", "min_lr"): 1.0,
+    ("train", "weight_decay"): 1.0,  # decoupled, w -= lr*wd*w: with lr <= 1 no step flips a weight's sign
+    ("train", "grad_clip"): 1e6,  # a norm past this is divergence, not something to clip to; fp32 scalar
+    ("train", "seed"): 2 ** 63 - 1,  # torch.manual_seed takes < 2^64, numpy any; int64 everywhere else
+    ("zero", "bucket_mb"): 65536.0,  # 64 GiB, above any device; elements (mb * 2^20 / 2) fit int64 sizes
+    ("log", "peak_tflops"): 1e6,  # per device; an H200 is ~1e3 dense bf16: MFU stays a readable number
+    ("launch", "timeout_minutes"): 10080.0,  # a week; timedelta and NCCL's milliseconds hold it easily
+}
+_SCHEDULE_PASSES = 2 ** 20  # microbatches * pp * virtual_stages: a schedule lists ~6 actions per pass
+_TRITON_GRID_Y = 65535  # CUDA's limit on a grid's second axis: the Triton attention's batch * heads axis
 _PROBABILITY = {("model", "dropout")}
 
 
 def validate(cfg: Config) -> None:
     """Ranges and cross-field rules that do not depend on the world size."""
     src = cfg.source
-    for (section, key), low in _MIN.items():
+    for section, key in list(_MIN) + [k for k in _MAX if k not in _MIN]:
         v = getattr(getattr(cfg, section), key)
         if v is None or v == AUTO:
             continue
-        if v < low:
-            raise _fail(src, f"{section}.{key}", v, f"must be >= {low}")
+        low, high = _MIN.get((section, key)), _MAX.get((section, key))
+        if (low is not None and v < low) or (high is not None and v > high):
+            valid = " and ".join(f"{op} {bound}" for op, bound in ((">=", low), ("<=", high)) if bound is not None)
+            raise _fail(src, f"{section}.{key}", v, f"must be {valid}")
     for section, key in _PROBABILITY:
         v = getattr(getattr(cfg, section), key)
         if not 0.0 <= v < 1.0:
@@ -56,13 +99,21 @@ def validate(cfg: Config) -> None:
         v = getattr(getattr(cfg, section), key)
         if v not in choices:
             raise _fail(src, f"{section}.{key}", v, f"valid: {' | '.join(str(c) for c in choices)}")
-    m, t = cfg.model, cfg.train
+    m, t, par = cfg.model, cfg.train, cfg.parallel
+    if isinstance(par.dp, int) and par.tp * par.pp * par.dp > _WORLD:
+        raise _fail(src, "parallel.tp*pp*dp", par.tp * par.pp * par.dp,
+                    f"must be <= {_WORLD} ranks (tp={par.tp}, pp={par.pp}, dp={par.dp})")
     if m.ffn_hidden is None:
         m.ffn_hidden = 4 * m.hidden
     if m.hidden % m.heads:
         raise _fail(src, "model.heads", m.heads, f"must divide model.hidden={m.hidden}")
     _check_tp(cfg)
     _check_pp(cfg)
+    heads = t.micro_batch * m.heads // par.tp
+    if cfg.kernels.attention == "triton" and heads > _TRITON_GRID_Y:
+        raise _fail(src, "kernels.attention", "triton",
+                    f"launches micro_batch*heads/tp = {heads} programs on one grid axis, above CUDA's "
+                    f"{_TRITON_GRID_Y}; lower train.micro_batch or use kernels.attention=auto")
     if cfg.zero.offload_params == "cpu" and cfg.zero.stage != 3:
         raise _fail(src, "zero.offload_params", "cpu", f"needs zero.stage=3 (got {cfg.zero.stage})")
     if t.min_lr > t.lr:
@@ -70,19 +121,28 @@ def validate(cfg: Config) -> None:
     if t.global_batch % t.micro_batch:
         raise _fail(src, "train.global_batch", t.global_batch,
                     f"must be a multiple of train.micro_batch={t.micro_batch}")
-    if t.resume not in ("none", "auto") and not Path(t.resume).exists():
+    if t.resume not in ("none", "auto") and not _exists(src, "train.resume", t.resume):
         raise _fail(src, "train.resume", t.resume, "valid: none | auto | an existing checkpoint directory")
     _check_split(src, cfg.data.split)
-    if cfg.data.tokenizer != "train" and not Path(cfg.data.tokenizer).is_file():
+    if cfg.data.tokenizer != "train" and not _exists(src, "data.tokenizer", cfg.data.tokenizer, Path.is_file):
         raise _fail(src, "data.tokenizer", cfg.data.tokenizer, "valid: 'train' or an existing sentencepiece .model file")
     for p in cfg.data.paths:
-        if not (Path(p).exists() or Path(p + ".idx").exists()):
+        if not (_exists(src, "data.paths", p) or _exists(src, "data.paths", p + ".idx")):
             raise _fail(src, "data.paths", p, "no such file or directory (nor a PREFIX.bin/.idx pair)")
     if isinstance(cfg.parallel.dp, int):
         _check_batch(cfg, cfg.parallel.dp)
         _check_microbatches(cfg)
     if not cfg.log.dir:
         cfg.log.dir = str(Path("runs") / cfg.name)
+
+
+def _exists(src: str, key: str, path: str, test=Path.exists) -> bool:
+    """``test(Path(path))``, where an OS error other than 'no such file' (a name past 255 bytes, a folder
+    that may not be searched) is the key's error, not a traceback: pathlib raises those."""
+    try:
+        return test(Path(path))
+    except OSError as e:
+        raise _fail(src, key, path, f"cannot be checked ({e.strerror or e})") from None
 
 
 def _check_tp(cfg: Config) -> None:
@@ -122,7 +182,14 @@ def _check_pp(cfg: Config) -> None:
 
 
 def _check_microbatches(cfg: Config) -> None:
+    """The schedule can be built (and listed, by the dry run) in seconds and fits the chunking."""
     p = cfg.parallel
+    passes = cfg.microbatches * p.pp * p.virtual_stages
+    if passes > _SCHEDULE_PASSES:
+        raise _fail(cfg.source, "train.global_batch", cfg.train.global_batch,
+                    f"gives {cfg.microbatches} microbatches per rank (global_batch / (micro_batch*dp)); times "
+                    f"parallel.pp*virtual_stages={p.pp * p.virtual_stages} that is {passes} forward passes per "
+                    f"step, above {_SCHEDULE_PASSES}; raise train.micro_batch or lower global_batch")
     if p.schedule == "interleaved" and cfg.microbatches % p.pp:
         raise _fail(cfg.source, "train.global_batch", cfg.train.global_batch,
                     f"gives {cfg.microbatches} microbatches per rank (global_batch / (micro_batch*dp)); the "
@@ -134,7 +201,7 @@ def _check_split(src: str, split: str) -> None:
         parts = [float(x) for x in str(split).split(",")]
     except ValueError:
         parts = []
-    if len(parts) != 2 or min(parts) < 0 or parts[0] <= 0 or parts[1] <= 0:
+    if len(parts) != 2 or not math.isfinite(sum(parts)) or min(parts) < 0 or parts[0] <= 0 or parts[1] <= 0:
         raise _fail(src, "data.split", split, "expected 'train,validation' weights, both > 0, e.g. '98,2'")
 
 

@@ -160,3 +160,45 @@ def test_cli_errors_are_one_line_exit_2(tmp_path):
     # a dry run under a launcher checks the world it would get, also with dp set (gpt13b: 4 x 2 x 8 = 64)
     assert_one_line_error(cli(["--config", "configs/gpt13b.yaml", "--dry-run"],
                               {"SLURM_PROCID": "0", "SLURM_NTASKS": "16"}), "does not match the world size 16")
+
+
+def test_every_numeric_key_has_a_range():
+    """A numeric key without bounds is how a seed of 2**64 or a bucket of 1e308 MB reached torch as a traceback."""
+    import dataclasses
+
+    from megazero.config import _SECTION_CLASSES
+    from megazero.rules import _CHOICES, _MAX, _MIN, _PROBABILITY
+
+    for section, cls in _SECTION_CLASSES.items():
+        for f in dataclasses.fields(cls):
+            ann = str(f.type)
+            if not (ann.startswith("int") or ann.startswith("float") or "[int" in ann or "[float" in ann):
+                continue
+            key = (section, f.name)
+            bounded = (key in _MIN and key in _MAX) or key in _PROBABILITY or key in _CHOICES
+            assert bounded, f"{section}.{f.name} has no range in megazero.rules"
+
+
+def test_strict_types_and_empty_sections(tmp_path):
+    """Behaviour that changed with the YAML 1.2 loader: a quoted number is a string (no longer read as a
+    float), an empty file or a section with every key commented out gives the defaults, and a file holding
+    a scalar such as 0 is refused (it used to mean the defaults)."""
+    with pytest.raises(UserError, match=r"train.lr='1e-3' is invalid; expected a finite number"):
+        load_config(None, ["train.lr='1e-3'"])
+    assert load_config(write(tmp_path, "# nothing yet\n")).train.steps == 100
+    assert load_config(write(tmp_path, "train:\n  # steps: 5\n")).train.steps == 100
+    with pytest.raises(UserError, match="holds 0; expected a mapping of sections"):
+        load_config(write(tmp_path, "0\n"))
+
+
+def test_apply_keeps_its_meaning_for_checkpoint_metadata():
+    """megazero.config._apply types one value (checkpoint-metadata validation calls it); rules._MIN and
+    _MAX range it."""
+    from megazero.config import Config, _apply
+    from megazero.rules import _MAX, _MIN
+
+    cfg = Config()
+    _apply(cfg, "train", "steps", 5, "ckpt/meta.json")
+    assert cfg.train.steps == 5 and _MIN[("train", "steps")] == 1 and _MAX[("train", "seed")] == 2 ** 63 - 1
+    with pytest.raises(UserError, match=r"ckpt/meta.json: train.steps='5' is invalid; expected an integer"):
+        _apply(cfg, "train", "steps", "5", "ckpt/meta.json")
