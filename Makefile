@@ -5,9 +5,9 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 CONFIG ?= configs/tiny.yaml
 NPROC  ?= 8
-# CPU-only machines get a CPU build of torch: a local wheel if pip can see one, else PyTorch's CPU index.
+# CPU-only machines get the CPU build of torch (the "+cpu" release) from pip's configured index, never a
+# multi-GB CUDA build; README "Set-up without a GPU" says what to do where that index has none.
 TORCH_CPU_VERSION ?= 2.13.0
-TORCH_CPU_INDEX   ?= https://download.pytorch.org/whl/cpu
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
 .PHONY: setup pretrain test clean
@@ -19,10 +19,9 @@ $(STAMP): pyproject.toml Makefile
 ifeq ($(HAS_GPU),1)
 	$(BIN)/pip install -q torch triton
 else
-	$(BIN)/python -c "import torch" 2>/dev/null || \
-	  { $(BIN)/pip install -q --no-index --no-deps "torch==$(TORCH_CPU_VERSION)" 2>/dev/null && \
-	    $(BIN)/pip install -q "torch==$(TORCH_CPU_VERSION)"; } || \
-	  $(BIN)/pip install -q torch --index-url $(TORCH_CPU_INDEX) --extra-index-url https://pypi.org/simple
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "torch==$(TORCH_CPU_VERSION)+cpu" || \
+	  { echo "make: pip's configured index has no CPU build torch==$(TORCH_CPU_VERSION)+cpu;" \
+	         "see README, Set-up without a GPU" >&2; exit 1; }
 endif
 	$(BIN)/pip install -q -e ".[test]"
 	touch $(STAMP)

@@ -1,15 +1,13 @@
 """Pretrain a GPT: `python pretrain.py --config configs/tiny.yaml [--set section.key=value ...] [--dry-run]`.
 
-Runs as a plain process (world size 1), under torchrun, or under Slurm's srun.
+Runs as a plain process (world size 1), under torchrun, or under Slurm's srun. Exit codes: 0 done, 2 an input
+error, 3 non-finite loss or gradients, 4 a collective timed out, 128+N stopped by signal N after saving
+(megazero/errors.py).
 """
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import sys
-
-from megazero.errors import UserError
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -26,19 +24,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from megazero.run import dry_run, run
+    from megazero.run import cli
 
-    try:
-        (dry_run if args.dry_run else run)(args.config, args.set)
-    except UserError as e:
-        rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
-        local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        elif local_rank == 0:  # another node's first process: an input only that node lacks (a node-local path)
-            print(f"error (rank {rank}, {socket.gethostname()}): {e}", file=sys.stderr, flush=True)
-        return 2
-    return 0
+    return cli(args.config, args.set, args.dry_run)
 
 
 if __name__ == "__main__":

@@ -3,79 +3,60 @@
 Every tensor is stored under its logical name (``model/layers.3.mlp.fc1.weight``,
 ``optim/layers.3.mlp.fc1.weight/exp_avg``), never per rank, so a checkpoint
 can be loaded into another layout. Scalars (step, consumed samples, the run's
-config) live in ``meta.json``.
+config, the id of the run that wrote it) live in ``meta.json``.
 
 Atomicity: a save writes into ``step_N.tmp/``; only when every rank has
 finished does rank 0 write ``meta.json`` and rename the folder to ``step_N``.
 A crash mid-save leaves a ``.tmp`` folder that is never read, so the latest
 complete checkpoint stays the latest. "Latest" is the one written last (each
 meta.json holds a save sequence number), not the highest step: a run resumed
-from an older checkpoint continues, and keeps, its own line. Loading never
-unpickles arbitrary objects: tensors are read with ``weights_only``, and DCP's
-metadata file goes through an unpickler that admits only DCP's own metadata
-classes.
+from an older checkpoint continues, and keeps, its own line.
+
+The folder is the user's too: only exact names (``step_`` + 8 digits, optionally
+``.tmp`` / ``.old.tmp``, real directories) are megazero's; anything else is
+foreign, never listed and never deleted (:func:`foreign_entries` names them).
+``keep_last`` deletes only the saving run's own complete checkpoints (by the
+``run_id`` in meta.json), and a re-save over another run's ``step_N`` moves that
+one aside (``step_N.other-run-ID``) instead of deleting it.
+
+Loading never runs code from the checkpoint: meta.json is checked field by field
+(megazero.checkpoint_meta), DCP's pickled metadata goes through an exact
+allow-list (megazero.checkpoint_unpickle), tensors are read with ``weights_only``.
+Asynchronous saves: :class:`CheckpointWriter` (megazero.checkpoint_async), re-exported here.
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-import pickle
+import re
 import shutil
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from megazero.checkpoint_meta import (FORMAT_VERSION, INT_LIMIT, MAX_STEP, META, RESUME_FIELDS, RUN_ID, check_meta,
+                                      checkpoint_run_id, peek_meta, read_meta)
+from megazero.checkpoint_unpickle import SafeFileSystemReader
 from megazero.errors import UserError
 
-FORMAT_VERSION = 1
-META = "meta.json"
-_PREFIX = "step_"
+__all__ = ["FORMAT_VERSION", "META", "RESUME_FIELDS", "CheckpointWriter", "SafeFileSystemReader", "check_save_args",
+           "checkpoint_dir", "checkpoint_run_id", "commit", "describe_failure", "foreign_entries", "latest_checkpoint",
+           "list_checkpoints", "load", "megazero_entries", "prepare", "read_checkpoint_config", "read_meta",
+           "read_model_state", "save", "stored_tensors", "tmp_dir"]
 
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Admit only the classes DCP's own metadata is made of."""
-
-    _MODULES = ("torch.distributed.checkpoint.",)
-    _TORCH_NAMES = {"Size"}
-
-    def find_class(self, module: str, name: str):
-        if module.startswith(self._MODULES):
-            return super().find_class(module, name)
-        if module == "torch" and (name in self._TORCH_NAMES or isinstance(getattr(torch, name, None),
-                                                                          (torch.dtype, torch.layout,
-                                                                           torch.memory_format))):
-            return super().find_class(module, name)
-        if module == "pathlib" and name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
-            return super().find_class(module, name)
-        if module == "torch.serialization" and name == "_get_layout":  # maps a layout's name to it
-            return super().find_class(module, name)
-        if module == "collections" and name == "OrderedDict":
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader with a restricted unpickler for the metadata file."""
-
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        path = Path(self.path) / ".metadata"
-        try:
-            with open(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-        except (OSError, pickle.UnpicklingError, EOFError) as e:
-            raise UserError(f"checkpoint {self.path}: unreadable metadata ({e})") from None
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+NAME = re.compile(r"step_([0-9]{8})((?:\.old)?\.tmp)?")
+# For one step, the folders that can hold it whole (meta.json is written last, so with it a folder is
+# complete), best first: committed; written but not yet renamed; the one a re-save of the step replaces.
+_SUFFIXES = ("", ".tmp", ".old.tmp")
+_RESERVED = ("format", "step", "sequence", "run_id")
 
 
 def _is_dist() -> bool:
@@ -92,22 +73,42 @@ def _barrier() -> None:
 
 
 def checkpoint_dir(root: str | Path, step: int) -> Path:
-    return Path(root) / f"{_PREFIX}{step:08d}"
+    return Path(root) / f"step_{step:08d}"
+
+
+def tmp_dir(root: str | Path, step: int) -> Path:
+    """Where a save of ``step`` writes until it is committed."""
+    return Path(root) / f"step_{step:08d}.tmp"
+
+
+def _ours(p: Path) -> bool:
+    """An exact megazero name on a real directory (a symlink or a file of that name is the user's)."""
+    return NAME.fullmatch(p.name) is not None and not p.is_symlink() and p.is_dir()
+
+
+def _entries(root: Path) -> list[Path]:
+    try:
+        return sorted(root.iterdir()) if root.is_dir() else []
+    except OSError:
+        return []
+
+
+def megazero_entries(root: str | Path) -> list[Path]:
+    """The entries of the checkpoint folder megazero names (exact names on real directories), complete or not."""
+    return [p for p in _entries(Path(root)) if _ours(p)]
+
+
+def foreign_entries(root: str | Path) -> list[str]:
+    """Names in the checkpoint folder that megazero did not make (user copies, notes): never listed or deleted."""
+    return [p.name for p in _entries(Path(root)) if not _ours(p)]
 
 
 def _written(path: Path) -> tuple[int, int]:
     """(save sequence number, step): the order checkpoints were written in. A run resumed from an older
     checkpoint (a roll-back past a loss spike) writes lower steps after higher ones."""
-    try:
-        sequence = int(json.loads((path / META).read_text()).get("sequence", 0))
-    except (OSError, ValueError, AttributeError):
-        sequence = 0
-    return sequence, int(path.name[len(_PREFIX):].split(".")[0])
-
-
-# For one step, the folders that can hold it whole (meta.json is written last, so with it a folder is
-# complete), best first: committed; written but not yet renamed; the one a re-save of the step replaces.
-_SUFFIXES = ("", ".tmp", ".old.tmp")
+    sequence = peek_meta(path).get("sequence", 0)
+    valid = isinstance(sequence, int) and not isinstance(sequence, bool) and 0 <= sequence < INT_LIMIT // 2
+    return (sequence if valid else 0), int(NAME.fullmatch(path.name).group(1))
 
 
 def list_checkpoints(root: str | Path) -> list[Path]:
@@ -115,27 +116,14 @@ def list_checkpoints(root: str | Path) -> list[Path]:
 
     A save killed between its two renames (re-saving a step) leaves no ``step_N``, but a complete
     ``step_N.tmp`` or ``step_N.old.tmp``: that step is still listed, from the best of them."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    best: dict[str, Path] = {}
-    for p in root.iterdir():
-        step, _, rest = p.name.partition(".")
-        suffix = "." + rest if rest else ""
-        if p.is_dir() and p.name.startswith(_PREFIX) and suffix in _SUFFIXES and (p / META).is_file():
-            if step not in best or _SUFFIXES.index(suffix) < _SUFFIXES.index(best[step].name[len(step):]):
-                best[step] = p
-    return sorted(best.values(), key=_written)
-
-
-def _settle(root: Path) -> None:
-    """Before a save (rank 0): give each step listed from a leftover folder its committed name back, then
-    clear every other leftover (interrupted writes, replaced copies)."""
-    for p in list_checkpoints(root):
-        if p.name.endswith(".tmp"):
-            os.rename(p, p.with_name(p.name.partition(".")[0]))
-    for stale in root.glob(f"{_PREFIX}*.tmp"):
-        shutil.rmtree(stale, ignore_errors=True)
+    best: dict[str, tuple[int, Path]] = {}
+    for p in _entries(Path(root)):
+        if _ours(p) and (p / META).is_file():
+            digits, suffix = NAME.fullmatch(p.name).groups()
+            rank = _SUFFIXES.index(suffix or "")
+            if digits not in best or rank < best[digits][0]:
+                best[digits] = (rank, p)
+    return sorted((p for _, p in best.values()), key=_written)
 
 
 def latest_checkpoint(root: str | Path) -> Optional[Path]:
@@ -144,54 +132,131 @@ def latest_checkpoint(root: str | Path) -> Optional[Path]:
     return found[-1] if found else None
 
 
-def save(root: str | Path, step: int, state: dict[str, torch.Tensor], meta: dict, keep_last: int) -> Path:
-    """Write `state` (logical name -> tensor) and `meta` atomically as checkpoint `step` under `root`."""
-    final = checkpoint_dir(root, step)
-    tmp = final.with_name(final.name + ".tmp")
-    if _rank() == 0:
-        Path(root).mkdir(parents=True, exist_ok=True)
-        _settle(Path(root))
+def _settle(root: Path) -> None:
+    """Before a save (rank 0): give each step listed from a leftover folder its committed name back, then clear
+    the other leftovers of megazero's own saves (interrupted writes, replaced copies). Only ``.tmp`` names."""
+    for p in list_checkpoints(root):
+        committed = p.with_name(p.name.partition(".")[0])
+        if p.name != committed.name and not os.path.lexists(committed):
+            os.rename(p, committed)
+    listed = set(list_checkpoints(root))
+    for p in _entries(root):
+        if _ours(p) and p.name.endswith(".tmp") and p not in listed:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def check_save_args(step: int, keep_last: int, run_id: Optional[str], meta: dict) -> None:
+    """Before anything is written: what the caller passes is what a resume can read back."""
+    if not (isinstance(step, int) and 0 <= step <= MAX_STEP):
+        raise ValueError(f"checkpoint step {step!r} is outside [0, {MAX_STEP}] (8-digit folder names)")
+    if not (isinstance(keep_last, int) and keep_last >= 1):
+        raise ValueError(f"keep_last={keep_last!r}; expected an integer >= 1")
+    if run_id is not None and not (isinstance(run_id, str) and RUN_ID.fullmatch(run_id)):
+        raise ValueError(f"run_id={run_id!r}; expected 1-64 letters, digits, '-' or '_'")
+    if clash := [k for k in _RESERVED if k in meta]:
+        raise ValueError(f"meta holds {clash}, which the checkpoint writes itself")
+    check_meta(Path(META), {**meta, "format": FORMAT_VERSION, "step": step}, require=())  # readable back
+
+
+def prepare(root: str | Path, step: int) -> Path:
+    """Rank 0: clear leftovers and make the empty ``step_N.tmp`` a save writes into (callers barrier after)."""
+    root, tmp = Path(root), tmp_dir(root, step)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        _settle(root)
+        if os.path.lexists(tmp) and not _ours(tmp):
+            raise UserError(f"checkpoint folder {root}: {tmp.name} is not a folder megazero wrote (a file or a "
+                            f"link), and a save of step {step} would write there; move it away")
+        if os.path.lexists(tmp):  # a complete copy of this very step, listed because step_N is not ours
+            shutil.rmtree(tmp)
         tmp.mkdir()
-    _barrier()
-    with warnings.catch_warnings():  # DCP warns that a single process saves alone: that is intended
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.save(state, checkpoint_id=str(tmp), no_dist=not _is_dist())
-    _barrier()
-    if _rank() == 0:
-        sequence = max((_written(p)[0] for p in list_checkpoints(root)), default=0) + 1
-        body = json.dumps({"format": FORMAT_VERSION, "step": step, "sequence": sequence, **meta}, indent=1)
-        with open(tmp / META, "w") as f:
-            f.write(body)
-            f.flush()
-            os.fsync(f.fileno())
-        replaced = final.with_name(final.name + ".old.tmp")  # listed (and settled) in its place, should we die here
-        if final.exists():
-            os.rename(final, replaced)
+    except OSError as e:
+        raise UserError(f"checkpoint folder {root}: cannot prepare {tmp.name} ({e.strerror or e})") from None
+    return tmp
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _aside(final: Path) -> Path:
+    """Where another run's (or an unknown) ``step_N`` goes when this run writes step N: a foreign name."""
+    base = final.with_name(f"{final.name}.other-run-{checkpoint_run_id(final) or 'unknown'}")
+    candidate, n = base, 1
+    while os.path.lexists(candidate):
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
+    return candidate
+
+
+def commit(root: str | Path, step: int, meta: dict, keep_last: int, run_id: Optional[str]) -> Path:
+    """Rank 0, once every rank's tensors are in ``step_N.tmp``: write meta.json last, rename into place, rotate."""
+    root, final, tmp = Path(root), checkpoint_dir(root, step), tmp_dir(root, step)
+    sequence = max((_written(p)[0] for p in list_checkpoints(root)), default=0) + 1
+    body = {**meta, "format": FORMAT_VERSION, "step": step, "sequence": sequence}
+    if run_id is not None:
+        body["run_id"] = run_id
+    check_meta(tmp / META, body, require=())  # never write what a resume could not read back
+    try:
+        _write_synced(tmp / META, json.dumps(body, indent=1))
+        replaced = None
+        if os.path.lexists(final):
+            if run_id is not None and _ours(final) and checkpoint_run_id(final) == run_id:
+                replaced = final.with_name(final.name + ".old.tmp")  # listed (and settled) in its place
+                os.rename(final, replaced)
+            else:  # another run's step N: moved aside, never deleted
+                os.rename(final, _aside(final))
         os.rename(tmp, final)
-        shutil.rmtree(replaced, ignore_errors=True)
-        for old in list_checkpoints(root)[:-keep_last]:  # the keep_last written last stay
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
+    except OSError as e:
+        raise UserError(f"checkpoint {final}: cannot commit it ({e.strerror or e})") from None
+    if run_id is not None:  # the keep_last this run wrote last stay; other runs' checkpoints are not ours to drop
+        mine = [p for p in list_checkpoints(root) if checkpoint_run_id(p) == run_id]
+        for old in mine[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
-    _barrier()
     return final
 
 
-def read_meta(path: str | Path) -> dict:
-    path = Path(path)
-    meta_file = path / META
-    if not meta_file.is_file():
-        raise UserError(f"checkpoint {path}: not a complete megazero checkpoint (no {META})")
-    try:
-        meta = json.loads(meta_file.read_text())
-    except json.JSONDecodeError:
-        raise UserError(f"checkpoint {path}: {META} is not valid JSON") from None
-    if meta.get("format") != FORMAT_VERSION:
-        raise UserError(f"checkpoint {path}: format {meta.get('format')!r}, this megazero reads {FORMAT_VERSION}")
-    return meta
+@contextlib.contextmanager
+def quiet_dcp():
+    """DCP warns that a single process saves or loads alone: that is intended."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        yield
 
 
-def load(path: str | Path, state: dict[str, torch.Tensor]) -> dict:
-    """Fill the tensors of `state` in place from checkpoint `path`; returns its meta."""
-    meta = read_meta(path)
+def save(root: str | Path, step: int, state: dict[str, torch.Tensor], meta: dict, keep_last: int,
+         run_id: Optional[str] = None) -> Path:
+    """Write ``state`` (logical name -> tensor) and ``meta`` atomically as checkpoint ``step``; collective.
+
+    ``run_id`` marks the checkpoint as this run's: ``keep_last`` deletes only checkpoints with the same id
+    (none when it is None)."""
+    check_save_args(step, keep_last, run_id, meta)
+    tmp = prepare(root, step) if _rank() == 0 else tmp_dir(root, step)
+    _barrier()
+    with quiet_dcp():
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=not _is_dist())
+    _barrier()
+    if _rank() == 0:
+        commit(root, step, meta, keep_last, run_id)
+    _barrier()
+    return checkpoint_dir(root, step)
+
+
+def stored_tensors(path: str | Path) -> dict[str, TensorStorageMetadata]:
+    """Logical name -> stored size/dtype, read from the checkpoint's (checked) metadata."""
+    return dict(SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def load(path: str | Path, state: dict[str, torch.Tensor], require: Iterable[str] = ()) -> dict:
+    """Fill the tensors of ``state`` in place from checkpoint ``path``; returns its checked meta.
+
+    Everything is checked (meta.json, the metadata, names and shapes) before the first tensor is written."""
+    meta = read_meta(path, require)
     stored = stored_tensors(path)
     missing = sorted(set(state) - set(stored))
     if missing:
@@ -210,39 +275,48 @@ def load(path: str | Path, state: dict[str, torch.Tensor]) -> dict:
 def _readable(path: str | Path):
     """A checkpoint whose files are missing or cut short is an input error, not a crash (DCP raises the
     readers' errors, gathered from every rank, as one CheckpointException)."""
-    with warnings.catch_warnings():  # DCP warns that a single process loads alone: that is intended
-        warnings.simplefilter("ignore", UserWarning)
+    with quiet_dcp():
         try:
             yield
-        except (OSError, EOFError, CheckpointException) as e:
-            first = e.failures[min(e.failures)] if isinstance(e, CheckpointException) and e.failures else e
-            while isinstance(first, tuple) and first:  # DCP keeps (exception, traceback) pairs
-                first = first[0]
-            raise UserError(f"checkpoint {path}: unreadable ({first.__class__.__name__}: "
-                            f"{str(first).splitlines()[0] if str(first) else 'no detail'})") from None
+        except (OSError, EOFError, CheckpointException, RuntimeError, ValueError) as e:
+            raise UserError(f"checkpoint {path}: unreadable ({describe_failure(e)})") from None
 
 
-def stored_tensors(path: str | Path) -> dict[str, TensorStorageMetadata]:
-    """Logical name -> stored size/dtype, read from the checkpoint's metadata."""
-    md = SafeFileSystemReader(str(path)).read_metadata()
-    return {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+def describe_failure(e: BaseException) -> str:
+    """``Kind: first line`` of the error behind ``e``: DCP gathers every rank's errors into one
+    CheckpointException (a BaseException) holding (exception, traceback) pairs; the lowest rank's is shown."""
+    first = e.failures[min(e.failures)] if isinstance(e, CheckpointException) and e.failures else e
+    while isinstance(first, tuple) and first:
+        first = first[0]
+    text = str(first).splitlines()[0][:200] if str(first).strip() else "no detail"
+    return f"{first.__class__.__name__}: {text}"
 
 
 def read_model_state(path: str | Path) -> dict[str, torch.Tensor]:
     """Full model tensors keyed by global parameter name, in one process (export, inspection)."""
     path = Path(path)
-    read_meta(path)
-    stored = stored_tensors(path)
-    state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype)
-             for k, v in stored.items() if k.startswith("model/")}
+    read_meta(path, require=())
+    stored = {k: v for k, v in stored_tensors(path).items() if k.startswith("model/")}
+    try:
+        state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in stored.items()}
+    except (RuntimeError, MemoryError) as e:  # sizes a crafted metadata file made up
+        raise UserError(f"checkpoint {path}: cannot hold its model tensors in memory "
+                        f"({str(e).splitlines()[0][:200]})") from None
     with _readable(path):
         dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), no_dist=True)
     return {k[len("model/"):]: v for k, v in state.items()}
 
 
 def read_checkpoint_config(path: str | Path) -> dict:
-    """The run's config (sections as plain dicts) stored with the checkpoint."""
-    meta = read_meta(path)
-    if "config" not in meta:
-        raise UserError(f"checkpoint {path}: {META} holds no config")
-    return meta["config"]
+    """The run's config (sections as plain dicts, the model section checked) stored with the checkpoint."""
+    return read_meta(path, require=("config",))["config"]
+
+
+
+def __getattr__(name: str):
+    """``checkpoint.CheckpointWriter``: it lives in megazero.checkpoint_async, which builds on this module."""
+    if name == "CheckpointWriter":
+        from megazero.checkpoint_async import CheckpointWriter
+
+        return CheckpointWriter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

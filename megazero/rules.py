@@ -66,8 +66,10 @@ _MAX = {
     ("train", "micro_batch"): 2 ** 16,  # sequences per forward; logits bound above
     # validation tokens (global_batch * seq_len * eval_batches) divide a torch tensor: < 2^60
     ("train", "eval_batches"): 2 ** 16,
-    ("train", "lr"): 1.0,  # AdamW moves each weight by about lr per step; past 1 nothing trains
-    ("train", "min_lr"): 1.0,
+    # AdamW moves each weight by about lr per step, so past ~1 nothing trains; but a learning rate that
+    # diverges is train.on_nonfinite's to catch, not a config error. 1e9 keeps every update finite in fp32.
+    ("train", "lr"): 1e9,
+    ("train", "min_lr"): 1e9,
     ("train", "weight_decay"): 1.0,  # decoupled, w -= lr*wd*w: with lr <= 1 no step flips a weight's sign
     ("train", "grad_clip"): 1e6,  # a norm past this is divergence, not something to clip to; fp32 scalar
     ("train", "seed"): 2 ** 63 - 1,  # torch.manual_seed takes < 2^64, numpy any; int64 everywhere else

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,9 @@ def run(config_path: str, overrides: list[str]) -> list[dict]:
 
     from megazero import launch
     from megazero.config import resolve_world
+    from megazero.fits import check_fits
+    from megazero.run_dir import plan_start
+    from megazero.signals import StopSignals
     from parallel.topology import Grid
 
     info = launch.process_info()
@@ -31,7 +35,13 @@ def run(config_path: str, overrides: list[str]) -> list[dict]:
     except OSError as e:
         raise UserError(f"{cfg.source}: log.dir={cfg.log.dir!r} is invalid; cannot create it ({e.strerror})") \
             from None
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    for name in ("metrics.jsonl", "metrics.jsonl.tmp"):  # the writing rank replaces them: files, or nothing
+        p = Path(cfg.log.dir) / name
+        if p.exists() and not p.is_file():
+            raise UserError(f"{cfg.source}: log.dir={cfg.log.dir!r} holds {name}, which is not a file; move it away "
+                            f"or choose another log.dir")
+    start = plan_start(cfg)  # continue, start afresh or refuse: decided from the folder, before anything is built
+    local_world = launch.local_world_size()
     device = launch.pick_device(cfg.launch.device, info.local_rank, local_world)
     if device.type == "cpu" or "cpu" in (cfg.zero.offload_optimizer, cfg.zero.offload_params):
         # the CPU computes (the model, or the offloaded AdamW): a fair share of the node's cores each, not
@@ -39,17 +49,93 @@ def run(config_path: str, overrides: list[str]) -> list[dict]:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     # before any process group: a refusal is a config error
     resolve_kernels(cfg.kernels, device.type, cfg.model.head_dim)
-    created = launch.init_distributed(info, device)
-    try:
-        grid = Grid.build(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, device.type)
-        launch.seed_everything(cfg.train.seed)
-        from megazero.trainer import Trainer
+    check_fits(cfg, device, info.rank, info.local_rank, local_world)
+    with StopSignals() as stop:
+        created = launch.init_distributed(info, device, cfg.launch.timeout_minutes)
+        try:
+            grid = Grid.build(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, device.type)
+            launch.seed_everything(cfg.train.seed)
+            from megazero.trainer import Trainer
 
-        trainer = Trainer(cfg, grid, device, is_builder=info.local_rank == 0)
-        return trainer.fit()
-    finally:
-        if created:
-            launch.shutdown()
+            try:
+                trainer = Trainer(cfg, grid, device, is_builder=info.local_rank == 0, stop=stop)
+                return trainer.fit(start)
+            except RuntimeError as e:
+                raise _as_run_error(e, cfg, grid, info.rank) from None
+        finally:
+            if created:
+                launch.shutdown()
+
+
+def _as_run_error(e: RuntimeError, cfg, grid, rank: int) -> Exception:
+    """The failures a long run meets that are not bugs, as one line: a collective that timed out or lost its
+    peer (some rank stopped taking part), or memory that ran out; anything else stays itself."""
+    import torch
+
+    from megazero.errors import CollectiveTimeout
+
+    text = str(e).lower()
+    first = (str(e).splitlines() or [type(e).__name__])[0][:200]
+    if isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in text or "out of memory" in text:
+        return UserError(f"{cfg.source}: out of memory on rank {rank} ({first}); --dry-run shows the plan, and "
+                         f"activation checkpointing, a higher zero.stage, a smaller train.micro_batch or more tp/pp "
+                         f"reduce it")
+    if "timed out" in text or "timeout" in text or "connection closed by peer" in text \
+            or "connection reset by peer" in text:
+        last = grid.counter.last or "the process-group start-up"
+        return CollectiveTimeout(f"rank {rank}: collective {last} did not complete: {first} (another rank stopped "
+                                 f"taking part or exited; launch.timeout_minutes={cfg.launch.timeout_minutes:g})")
+    return e
+
+
+def cli(config_path: str, overrides: list[str], dry: bool) -> int:
+    """pretrain.py's body: run (or plan) and turn every way a run ends into one line and an exit code
+    (megazero.errors lists them)."""
+    from megazero.errors import CollectiveTimeout, RunStopped
+    from megazero.signals import Interrupted, exit_code
+
+    try:
+        (dry_run if dry else run)(config_path, overrides)
+    except UserError as e:
+        _report(f"error: {e}", every_node=True)
+        return 2
+    except CollectiveTimeout as e:  # the rank that saw it says so: the one that stopped may be rank 0
+        _report(f"error: {e}", every_rank=True)
+        return e.exit_code
+    except RunStopped as e:
+        _report(f"error: {e}" if e.is_error else f"stopped: {e}", stdout=not e.is_error)
+        return e.exit_code
+    except Interrupted as e:
+        _report(f"error: {e}")
+        return exit_code(e.signum)
+    except KeyboardInterrupt:  # Ctrl-C before the run watched for it (start-up) or after
+        _report("error: interrupted (SIGINT) outside the training loop; nothing was saved")
+        return exit_code(signal.SIGINT)
+    return 0
+
+
+def _report(line: str, every_node: bool = False, every_rank: bool = False, stdout: bool = False) -> None:
+    """Print on rank 0; with every_node also on each other node's first process (an input only that node lacks,
+    tagged with rank and host); with every_rank on any rank."""
+    import socket
+    import sys
+
+    def env_int(*names: str) -> int:
+        for n in names:
+            v = os.environ.get(n, "")
+            if v.strip().isdigit():
+                return int(v)
+        return 0
+
+    # a file name may hold a newline or a terminal escape: shown escaped, the report stays one line
+    line = "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)
+    rank, local_rank = env_int("RANK", "SLURM_PROCID"), env_int("LOCAL_RANK", "SLURM_LOCALID")
+    stream = sys.stdout if stdout else sys.stderr
+    if rank == 0 or every_rank:
+        print(line, file=stream, flush=True)
+    elif every_node and local_rank == 0:
+        head, _, rest = line.partition(": ")
+        print(f"{head} (rank {rank}, {socket.gethostname()}): {rest}", file=stream, flush=True)
 
 
 def dry_run(config_path: str, overrides: list[str]) -> Plan:

@@ -11,7 +11,9 @@ import contextlib
 import hashlib
 import json
 import math
+import signal
 import time
+from collections import deque
 from pathlib import Path
 from typing import Optional
 
@@ -22,13 +24,18 @@ from kernels import resolve_kernels
 from megazero import checkpoint, optim
 from megazero.config import Config, ModelConfig
 from megazero.data import GPTData, build_data
-from megazero.errors import UserError
+from megazero.errors import NonFiniteStop, Preempted, UserError
+from megazero.nonfinite import NonFiniteGuard
+from megazero.signals import StopSignals, exit_code, signal_name
+from megazero.run_dir import Start, clear_earlier_run, plan_start
 from megazero.metrics import MetricsLogger, memory_gb, model_flops_per_token, peak_tflops
 from models.gpt import build_gpt, initial_tp_value
 from parallel.pipeline import PipelineExecutor, partition_layers
 from parallel.schedules import build_schedule, virtual_stage
 from parallel.topology import Grid, coords_to_rank
 from parallel.zero import DTYPES, ZeroOptimizer
+
+HISTORY = 10_000  # step records fit() keeps and returns (the last ones)
 
 
 def step_seed(seed: int, step: int, *coords: int) -> int:
@@ -65,8 +72,10 @@ def load_data_everywhere(cfg: Config, grid: Grid, is_builder: bool) -> GPTData:
 class Trainer:
     """One rank's share of a run: its stage of the model, its data share, its optimizer."""
 
-    def __init__(self, cfg: Config, grid: Grid, device: torch.device, is_builder: bool = True):
-        self.cfg, self.grid, self.device = cfg, grid, device
+    def __init__(self, cfg: Config, grid: Grid, device: torch.device, is_builder: bool = True,
+                 stop: Optional[StopSignals] = None):
+        """stop: the signals that end the run at a step boundary, after a save (None: not watched)."""
+        self.cfg, self.grid, self.device, self.stop = cfg, grid, device, stop
         resolve_kernels(cfg.kernels, device.type, cfg.model.head_dim)
         self.data = load_data_everywhere(cfg, grid, is_builder)
         torch.manual_seed(cfg.train.seed)
@@ -104,6 +113,8 @@ class Trainer:
                                             forward_only=True)[grid.pp_rank]
         self.step = 0
         self.consumed_samples = 0
+        self.guard = NonFiniteGuard(cfg.train.on_nonfinite, cfg.train.max_skipped, fp16=self.zero.scaler.enabled)
+        self.stop_agreed = False  # some rank received a stop signal (agreed at the last step)
         writer_rank = coords_to_rank(grid.pp - 1, 0, 0, grid.tp, grid.dp)
         self.is_writer = grid.rank == writer_rank
         self.ckpt_root = Path(cfg.log.dir) / "checkpoints"
@@ -140,14 +151,23 @@ class Trainer:
         self.executor.loss_scale = self.zero.scaler.scale if self.zero.scaler.enabled else 1.0
         loss_sum = self.executor.run(self.schedule, microbatches)
         self.train_trace = (self.executor.trace, self.executor.trace_origin)  # the last training run's timeline
-        norm, skipped = self.zero.step(lr, cfg.train.grad_clip)
+        # (stop requested here, loss non-finite here): agreed over every rank in the step's own all-reduce
+        flags = torch.tensor([float(self.stop is not None and self.stop.received is not None), 0.0],
+                             device=self.device)
+        flags[1] = torch.isfinite(loss_sum).logical_not().float()
+        norm, skipped = self.zero.step(lr, cfg.train.grad_clip, loss=loss_sum, flags=flags)
+        stop, loss_nonfinite = flags.tolist()
+        self.stop_agreed = bool(stop)
         grid.dp_comm.all_reduce(loss_sum, tag="loss")
         self.step += 1
         self.consumed_samples += cfg.train.global_batch
         loss = (loss_sum / self.tokens_per_step).item() if grid.is_last_stage else float("nan")
         record = {"loss": loss, "lr": lr, "grad_norm": norm}
         if self.zero.scaler.enabled:
-            record.update({"loss_scale": self.zero.scaler.scale, "skipped": int(skipped)})
+            record["loss_scale"] = self.zero.scaler.scale
+        if self.zero.scaler.enabled or skipped:
+            record["skipped"] = int(skipped)
+        self.guard.check(self.step, skipped, bool(loss_nonfinite), norm, self.zero.nonfinite_param)
         return record
 
     @torch.no_grad()
@@ -217,21 +237,23 @@ class Trainer:
                 state[f"optim/{n}/{k}"] = self._logical(kinds[k], p)
         return state, exported
 
-    def save(self) -> Path:
+    def save(self, writer: checkpoint.CheckpointWriter) -> Path:
+        """Checkpoint this step (in the background with train.async_save). A state holding a non-finite value is
+        never saved: keep_last would rotate the last good checkpoint away."""
         meta = {"consumed_samples": self.consumed_samples, "optimizer_step": self.zero.step_count,
                 "loss_scaler": self.zero.scaler.state(),
                 "config": self.cfg.to_dict(),
                 "rng": "dropout streams are derived from (train.seed, step, grid coordinates)"}
         state, _ = self.state_tensors()
-        return checkpoint.save(self.ckpt_root, self.step, state, meta, self.cfg.train.keep_last)
-
-    def resume_path(self) -> Optional[Path]:
-        r = self.cfg.train.resume
-        if r == "none":
-            return None
-        if r == "auto":
-            return checkpoint.latest_checkpoint(self.ckpt_root)
-        return Path(r)
+        bad = torch.zeros((), device=self.device)
+        for t in state.values():
+            local = t.to_local() if hasattr(t, "to_local") else t
+            bad = torch.maximum(bad, torch.isfinite(local).logical_not().any().float())
+        self.zero.world.all_reduce(bad, op=dist.ReduceOp.MAX, tag="checkpoint")
+        if bad.item():
+            raise NonFiniteStop(f"step {self.step}: the model state holds non-finite values; not saved, so the "
+                                f"latest checkpoint is the last good one")
+        return writer.save(self.step, state, meta, self.run_id)
 
     def load(self, path: Path) -> None:
         stored = checkpoint.read_meta(path).get("config", {}).get("model", {})
@@ -249,50 +271,76 @@ class Trainer:
         self.consumed_samples = int(meta["consumed_samples"])
 
     # ----- the loop ---------------------------------------------------------------------------
-    def fit(self) -> list[dict]:
+    def fit(self, start: Optional[Start] = None) -> list[dict]:
+        """Train to train.steps (or train.exit_after more steps, or a stop signal), saving on the cadence.
+
+        Returns the records of the last steps (at most HISTORY of them: a long run's memory stays flat)."""
         cfg = self.cfg
-        path = self.resume_path()
-        if path is not None:
-            self.load(path)
+        start = plan_start(cfg) if start is None else start
+        self.run_id = start.run_id
+        if start.resume is not None:
+            self.load(start.resume)
+        if self.is_writer:
+            for note in start.notes:
+                print(note, flush=True)
+            if start.resume is not None:
+                print(f"resumed from {start.resume} at step {self.step}", flush=True)
+        if start.resume is None and self.grid.rank == 0:
+            clear_earlier_run(cfg)  # only where log.overwrite=true allowed it (plan_start refused otherwise)
+        if self.step >= cfg.train.steps:
             if self.is_writer:
-                print(f"resumed from {path} at step {self.step}", flush=True)
-        elif self.is_writer and (earlier := checkpoint.latest_checkpoint(self.ckpt_root)) is not None:
-            print(f"{self.ckpt_root} holds an earlier run's checkpoints (latest {earlier.name}); this run starts "
-                  f"afresh and replaces its logs (train.resume=auto would continue it)", flush=True)
+                print(f"the run in {cfg.log.dir} is finished (step {self.step} of train.steps={cfg.train.steps}); "
+                      f"raise train.steps to continue it, or start over with log.overwrite=true or another "
+                      f"log.dir", flush=True)
+            return []
         logger = MetricsLogger(cfg.log.dir, cfg.train.steps, self.is_writer, cfg.log.tensorboard,
-                               append=path is not None, start_step=self.step)
+                               append=start.resume is not None, start_step=self.step)
         if self.is_writer:
             print(f"{self.grid}\nlogs: {Path(cfg.log.dir).resolve()}  "
                   f"(tensorboard --logdir {cfg.log.dir})", flush=True)
             self.peak = peak_tflops(self.device, cfg.train.precision, cfg.log.peak_tflops)
-        history = []
+        history: deque = deque(maxlen=HISTORY)
         stop_at = cfg.train.steps
         if cfg.train.exit_after:
             stop_at = min(stop_at, self.step + cfg.train.exit_after)
-        window_time, window_steps = 0.0, 0
-        while self.step < stop_at:
-            t0 = time.perf_counter()
-            record = self.train_step()  # .item() on the loss waits for the device: the time is real
-            window_time += time.perf_counter() - t0
-            window_steps += 1
-            step = self.step
-            if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
-                record.update(self.evaluate())
-            if step % cfg.log.every == 0 or step == cfg.train.steps:
-                dt = window_time / window_steps
-                tflops = self.flops_per_step / dt / self.grid.world_size / 1e12
-                record.update({"tokens_per_s": self.tokens_per_step / dt, "tflops": tflops,
-                               "mfu": tflops / self.peak if self.peak else float("nan")})
-                record.update(self._memory_record())
-                logger.log(step, record)
-                window_time, window_steps = 0.0, 0
-            history.append({"step": step, **record})
-            if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == stop_at:
-                self.save()
-        if cfg.log.pipeline_trace and history:  # a resume of a finished run trains no step to trace
+        writer = checkpoint.CheckpointWriter(self.ckpt_root, cfg.train.keep_last, cfg.train.async_save)
+        traced = False
+        try:
+            window_time, window_steps = 0.0, 0
+            while self.step < stop_at:
+                t0 = time.perf_counter()
+                record = self.train_step()  # .item() on the loss waits for the device: the time is real
+                window_time += time.perf_counter() - t0
+                window_steps += 1
+                traced = True
+                writer.poll()
+                step = self.step
+                if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
+                    record.update(self.evaluate())
+                if step % cfg.log.every == 0 or step == cfg.train.steps or self.stop_agreed:
+                    dt = window_time / window_steps
+                    tflops = self.flops_per_step / dt / self.grid.world_size / 1e12
+                    record.update({"tokens_per_s": self.tokens_per_step / dt, "tflops": tflops,
+                                   "mfu": tflops / self.peak if self.peak else float("nan")})
+                    record.update(self._memory_record())
+                    logger.log(step, record)
+                    window_time, window_steps = 0.0, 0
+                history.append({"step": step, **record})
+                if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == stop_at \
+                        or self.stop_agreed:
+                    saved = self.save(writer)
+                if self.stop_agreed and self.step < stop_at:
+                    writer.wait()
+                    signum = self.stop.received or signal.SIGTERM  # another rank may have received it
+                    raise Preempted(f"step {self.step}: {signal_name(signum)} received; saved {saved} "
+                                    f"(train.resume=auto continues from it)", exit_code(signum))
+            writer.wait()
+        finally:
+            writer.close()
+            logger.close()
+        if cfg.log.pipeline_trace and traced:
             self.write_pipeline_trace()
-        logger.close()
         if self.is_writer:
             print(f"done: {self.step} steps; metrics in {Path(cfg.log.dir) / 'metrics.jsonl'}, "
                   f"checkpoints in {self.ckpt_root}", flush=True)
-        return history
+        return list(history)

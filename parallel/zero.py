@@ -63,6 +63,7 @@ class ZeroOptimizer(GradientReduction, LayerGathering, ZeroCheckpointing):
         self.reshard_after_forward = reshard_after_forward
         self.scaler = LossScaler(enabled=precision == "fp16")
         self.step_count = 0
+        self.nonfinite_param: Optional[str] = None  # set by a step skipped outside fp16 (see step)
         self.microbatches = 1
         self.device = device if device is not None else next(chunks[0].parameters()).device
         self.initial_value = initial_value
@@ -191,26 +192,41 @@ class ZeroOptimizer(GradientReduction, LayerGathering, ZeroCheckpointing):
         return self.dp_rank * b.shard, (self.dp_rank + 1) * b.shard
 
     # ----- the step ---------------------------------------------------------------------------
-    def step(self, lr: float, max_norm: float) -> tuple[float, bool]:
-        """Reduce, clip and update; returns (global grad norm, skipped because of an overflow)."""
+    def step(self, lr: float, max_norm: float, loss: Optional[Tensor] = None,
+             flags: Optional[Tensor] = None) -> tuple[float, bool]:
+        """Reduce, clip and update; returns (global grad norm, skipped because of an overflow).
+
+        A non-finite gradient anywhere, or a non-finite ``loss`` (this rank's loss sum, if it holds one), skips
+        the update on every rank; ``nonfinite_param`` then names the first parameter (on this rank) with a
+        non-finite gradient, if any. ``flags`` are the caller's per-rank 0/1 values (a stop request, say):
+        they are reduced with MAX over every rank in place, in the step's one world all-reduce, so every rank
+        agrees on them at no extra collective."""
         self.reduce()
+        self.nonfinite_param = None
         inv_scale = 1.0 / self.scaler.scale if self.scaler.enabled else 1.0
         device = self.device
         sumsq = torch.zeros((), dtype=torch.float32, device=device)
         for b in self.buckets:
             g = self._range_grad(b).float()
             sumsq += (g * g * b.norm_mask).sum()
-        overflow = torch.isfinite(sumsq).logical_not().float()
-        self.world.all_reduce(overflow, op=dist.ReduceOp.MAX, tag="overflow")
+        bad = torch.isfinite(sumsq).logical_not()
+        if loss is not None:
+            bad = bad | torch.isfinite(loss).logical_not()
+        agreed = bad.float().reshape(1) if flags is None else torch.cat([bad.float().reshape(1), flags.float()])
+        self.world.all_reduce(agreed, op=dist.ReduceOp.MAX, tag="overflow")
+        if flags is not None:
+            flags.copy_(agreed[1:])
         if self.stage >= 1:
             self.grid.dp_comm.all_reduce(sumsq, tag="grad_norm")
         self.grid.tp_comm.all_reduce(sumsq, tag="grad_norm")
         self.grid.pp_comm.all_reduce(sumsq, tag="grad_norm")
-        flag, root = torch.stack([overflow, sumsq.sqrt()]).tolist()  # the step's one wait for the device
+        flag, root = torch.stack([agreed[0], sumsq.sqrt()]).tolist()  # the step's one wait for the device
         skipped = bool(flag)
         self.scaler.update(skipped)
         norm = root * inv_scale
         if skipped:
+            if not self.scaler.enabled:  # outside fp16 every overflow is an anomaly: say where (rare path)
+                self.nonfinite_param = self._first_nonfinite_grad()
             self.zero_grad()
             if self.stage == 3:
                 self.release()  # the root stays gathered otherwise, until the next step's forward
@@ -233,6 +249,15 @@ class ZeroOptimizer(GradientReduction, LayerGathering, ZeroCheckpointing):
         self._gather_updated()
         self.zero_grad()
         return norm, False
+
+    def _first_nonfinite_grad(self) -> Optional[str]:
+        """The first parameter, in bucket order, whose gradient has a non-finite element in this rank's range."""
+        for b in self.buckets:
+            bad = torch.isfinite(self._range_grad(b)).logical_not().nonzero()
+            if bad.numel():
+                at = self._range(b)[0] + int(bad[0, 0])
+                return next((n for (n, p), off in zip(b.params, b.offsets) if off <= at < off + p.numel()), None)
+        return None
 
     def _gather_updated(self) -> None:
         """Stages 1-2: every rank updated its slice; all-gather the buckets. Stage 3 keeps slices only."""

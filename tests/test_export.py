@@ -60,8 +60,44 @@ def test_state_without_a_layer_is_a_user_error():
     cfg = Cfg()
     state = build_gpt(cfg, seed=0).state_dict()
     del state["layers.1.mlp.fc2.weight"]
+    model = {"layers": 2, "hidden": 64, "heads": 4, "seq_len": 32, "vocab_size": 300, "ffn_hidden": 192}
     with pytest.raises(UserError, match="layers.1.mlp.fc2.weight"):
-        to_hf_state_dict(state, {"layers": 2, "hidden": 64, "heads": 4, "seq_len": 32, "vocab_size": 300})
+        to_hf_state_dict(state, model)
+
+
+def test_tensors_that_disagree_with_the_config_are_a_user_error():
+    """A config edited after the save (here ffn_hidden left to its 4*hidden default) is refused by name."""
+    from megazero.errors import UserError
+
+    state = build_gpt(Cfg(), seed=0).state_dict()
+    model = {"layers": 2, "hidden": 64, "heads": 4, "seq_len": 32, "vocab_size": 300}
+    with pytest.raises(UserError, match=r"'layers.0.mlp.fc1.weight' has shape \(192, 64\).*gives \(256, 64\)"):
+        to_hf_state_dict(state, model)
+    with pytest.raises(UserError, match=r"more layers than .* layers=1"):
+        to_hf_state_dict(state, {**model, "ffn_hidden": 192, "layers": 1})
+
+
+def test_write_hf_folder_is_all_or_nothing(tmp_path):
+    """A non-empty folder needs force; with force it is replaced once the new one is whole; no leftovers."""
+    from megazero.errors import UserError
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("x")
+    with pytest.raises(UserError, match="is not empty; pass --force"):
+        write_hf_folder(out, {"a": 1}, {"w": torch.zeros(2)})
+    assert [p.name for p in out.iterdir()] == ["old.txt"]
+    write_hf_folder(out, {"a": 1}, {"w": torch.zeros(2)}, force=True)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "keep.txt").write_text("y")
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    write_hf_folder(link, {"a": 1}, {"w": torch.zeros(2)}, force=True)  # the link is replaced, not its target
+    assert not link.is_symlink() and (link / "config.json").is_file()
+    assert [p.name for p in target.iterdir()] == ["keep.txt"]
 
 
 def test_cli_missing_checkpoint_is_one_line_error(tmp_path, capsys):

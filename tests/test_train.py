@@ -176,10 +176,10 @@ def test_keep_last_and_metadata_is_never_unpickled_freely(tmp_path):
 
     ckpt = tmp_path / "c"
     for s in range(1, 5):
-        checkpoint.save(ckpt, s, {"model/w": torch.ones(2)}, {"consumed_samples": s}, keep_last=2)
+        checkpoint.save(ckpt, s, {"model/w": torch.ones(2)}, {"consumed_samples": s}, keep_last=2, run_id="r")
     assert [p.name for p in checkpoint.list_checkpoints(ckpt)] == ["step_00000003", "step_00000004"]
     # a run rolled back to step 2 writes step 3 again: "latest" and keep_last go by the order of writing
-    checkpoint.save(ckpt, 3, {"model/w": torch.zeros(2)}, {"consumed_samples": 3}, keep_last=1)
+    checkpoint.save(ckpt, 3, {"model/w": torch.zeros(2)}, {"consumed_samples": 3}, keep_last=1, run_id="r")
     assert [p.name for p in checkpoint.list_checkpoints(ckpt)] == ["step_00000003"]
     fresh = {"model/w": torch.ones(2)}
     checkpoint.load(checkpoint.latest_checkpoint(ckpt), fresh)
@@ -250,8 +250,11 @@ def test_resume_after_a_crash_a_roll_back_and_a_changed_setting(corpus, tmp_path
 
     assert train(4, "train.resume=auto", "log.pipeline_trace=true") == []  # a requeued finished job: nothing to do
 
-    train(2)  # a fresh run in the same log.dir: its checkpoints are the latest, its logs replace the old ones
-    assert checkpoint.latest_checkpoint(ckpts).name == "step_00000002"
+    with pytest.raises(UserError, match="holds an earlier run's checkpoints"):
+        train(2)  # a fresh run in the same log.dir: refused, the earlier run's checkpoints are not its to delete
+    assert checkpoint.latest_checkpoint(ckpts).name == "step_00000004"
+    train(2, "log.overwrite=true")  # allowed: its checkpoints replace the old ones, its logs too
+    assert [p.name for p in checkpoint.list_checkpoints(ckpts)] == ["step_00000002"]
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
     acc = EventAccumulator(str(run_dir))
     acc.Reload()

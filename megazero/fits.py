@@ -1,0 +1,99 @@
+"""Will the run fit? The --dry-run plan's per-rank bytes against the memory this machine has, before anything
+is built, so a model too big fails in one line with the knobs that would help, not in the allocator.
+
+The plan counts model states and activations (megazero.plan): a lower bound, since temporaries, communication
+buckets and the allocator's slack come on top. So a run it says cannot fit cannot fit; one it passes may still
+run out, which the allocator then reports.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from typing import Optional
+
+import torch
+
+from megazero.config import Config
+from megazero.errors import UserError
+
+GB = 1e9
+
+
+def available_bytes(device: torch.device) -> int:
+    """Free memory where this rank's tensors live: the GPU's free bytes, or the host's available RAM (shared
+    by every process of the node)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def needed_bytes(cfg: Config, ranks: range, device_type: str) -> int:
+    """Planned bytes of these ranks on one device (a GPU holds one rank; a CPU host all of its node's ranks,
+    their offloaded states included)."""
+    from megazero.plan import make_plan
+
+    plan = make_plan(cfg)
+    per_stage = cfg.parallel.dp * cfg.parallel.tp
+    total = 0
+    for r in ranks:
+        stage = plan.stages[r // per_stage]
+        act = stage.act_ckpt if cfg.model.activation_checkpointing else stage.act_full
+        state = stage.model_state["device_total"] + (stage.model_state["cpu_total"] if device_type == "cpu" else 0)
+        total += state + act
+    return total
+
+
+def _variants(cfg: Config) -> list[tuple[str, Config]]:
+    """One knob turned at a time toward less memory per rank, at the same world size."""
+    out = []
+    p, t, z, m = cfg.parallel, cfg.train, cfg.zero, cfg.model
+
+    def variant(label: str, change) -> None:
+        c = copy.deepcopy(cfg)
+        change(c)
+        out.append((label, c))
+
+    if not m.activation_checkpointing:
+        variant("model.activation_checkpointing=true", lambda c: setattr(c.model, "activation_checkpointing", True))
+    if z.stage < 3:
+        variant(f"zero.stage={z.stage + 1}", lambda c: setattr(c.zero, "stage", z.stage + 1))
+    if t.micro_batch > 1:
+        variant(f"train.micro_batch={t.micro_batch // 2}", lambda c: setattr(c.train, "micro_batch", t.micro_batch // 2))
+    if p.dp % 2 == 0:
+        variant(f"parallel.tp={p.tp * 2} (dp {p.dp // 2})", lambda c: (setattr(c.parallel, "tp", p.tp * 2),
+                                                                       setattr(c.parallel, "dp", p.dp // 2)))
+        variant(f"parallel.pp={p.pp * 2} (dp {p.dp // 2})", lambda c: (setattr(c.parallel, "pp", p.pp * 2),
+                                                                       setattr(c.parallel, "dp", p.dp // 2)))
+    return out
+
+
+def check_fits(cfg: Config, device: torch.device, rank: int, local_rank: int, local_world: int,
+               available: Optional[int] = None) -> None:
+    """Refuse, in one line, a run whose planned memory on this device exceeds what is free."""
+    ranks = range(rank, rank + 1) if device.type == "cuda" else range(rank - local_rank, rank - local_rank + local_world)
+    need = needed_bytes(cfg, ranks, device.type)
+    have = available_bytes(device) if available is None else available
+    if need <= have:
+        return
+    from megazero.rules import validate
+
+    helps = []
+    for label, c in _variants(cfg):
+        try:
+            validate(c)
+            if needed_bytes(c, ranks, device.type) <= have:
+                helps.append(label)
+        except (UserError, ValueError, AssertionError):
+            continue
+    where = f"{device}" if device.type == "cuda" else f"this host ({len(ranks)} process{'es' * (len(ranks) > 1)})"
+    advice = f"fits with any of: {', '.join(helps)}" if helps else \
+        "no single knob fits; more ranks, offload (zero.offload_optimizer=cpu) or a smaller model"
+    raise UserError(f"{cfg.source}: the plan needs at least {need / GB:.2f} GB on {where} but {have / GB:.2f} GB "
+                    f"is free (--dry-run shows the plan); {advice}")

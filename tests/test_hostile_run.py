@@ -1,0 +1,358 @@
+"""Hostile and unlucky runs: garbled launcher variables, a used or damaged log.dir, a model too big, NaN,
+signals, a killed or frozen rank. Each ends in one line with its documented exit code (megazero/errors.py),
+and nothing is lost: earlier checkpoints stay intact and loadable.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from megazero import checkpoint
+from tests.hostile import ROOT, assert_one_line, call, pretrain_main, run_process
+from tests.runs import pretrain_cmd, read_metrics, small_overrides, write_corpus
+
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    base = tmp_path_factory.mktemp("data")
+    return write_corpus(base / "text"), base / "cache"
+
+
+def _args(overrides: list[str], *extra: str) -> list[str]:
+    argv = ["--config", TINY]
+    for o in overrides:
+        argv += ["--set", o]
+    return argv + list(extra)
+
+
+def _losses(log_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(log_dir)}
+
+
+def _finite_and_loadable(ckpt: Path) -> None:
+    state = checkpoint.read_model_state(ckpt)
+    assert state and all(torch.isfinite(t).all() for t in state.values()), ckpt
+
+
+# --- the launcher's environment -----------------------------------------------------------------
+
+@pytest.mark.parametrize("env,name", [
+    ({"RANK": "abc", "WORLD_SIZE": "2"}, "RANK"),
+    ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE"),
+    ({"RANK": "5", "WORLD_SIZE": "2"}, "RANK"),
+    ({"RANK": "0", "WORLD_SIZE": "1e3"}, "WORLD_SIZE"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "99999"}, "MASTER_PORT"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "http"}, "MASTER_PORT"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "-1"}, "LOCAL_RANK"),
+    ({"SLURM_PROCID": "x", "SLURM_NTASKS": "2"}, "SLURM_PROCID"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "gpu[a-b]"}, "SLURM_JOB_NODELIST"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "job-7"}, "SLURM_JOB_ID"),
+])
+def test_a_garbled_launcher_variable_is_one_line(env, name, monkeypatch, capsys):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    code, _, err = call(pretrain_main, ["--config", TINY, "--dry-run"], capsys)
+    assert_one_line(code, err, f"environment variable {name}=")
+
+
+def test_a_garbled_local_world_size_is_one_line(corpus, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "eight")
+    code, _, err = call(pretrain_main, _args(small_overrides(*corpus, tmp_path / "run", steps=1)), capsys)
+    assert_one_line(code, err, "LOCAL_WORLD_SIZE='eight'")
+
+
+# --- the log folder -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory):
+    """A finished 4-step run (checkpoints at steps 2 and 4), copied by the tests that need one."""
+    log = tmp_path_factory.mktemp("trained") / "run"
+    assert pretrain_main(_args(small_overrides(*corpus, log, steps=4, **{"train.save_every": 2}))) == 0
+    return log
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_metrics_jsonl_as_a_folder_is_one_line(corpus, tmp_path, capsys):
+    (tmp_path / "run" / "metrics.jsonl").mkdir(parents=True)
+    code, _, err = call(pretrain_main, _args(small_overrides(*corpus, tmp_path / "run", steps=1)), capsys)
+    assert_one_line(code, err, "metrics.jsonl, which is not a file")
+
+
+def test_a_fresh_run_refuses_a_log_dir_holding_another_run(corpus, trained, tmp_path, capsys):
+    log = _copy(trained, tmp_path / "run")
+    before = sorted(p.name for p in (log / "checkpoints").iterdir())
+    code, _, err = call(pretrain_main, _args(small_overrides(*corpus, log, steps=4)), capsys)
+    assert_one_line(code, err, "holds an earlier run's checkpoints", "train.resume=auto", "log.overwrite=true")
+    assert sorted(p.name for p in (log / "checkpoints").iterdir()) == before
+    _finite_and_loadable(checkpoint.latest_checkpoint(log / "checkpoints"))
+
+
+def test_overwrite_replaces_the_earlier_run_and_keeps_foreign_entries(corpus, trained, tmp_path, capsys):
+    log = _copy(trained, tmp_path / "run")
+    (log / "checkpoints" / "step_00000002_good").mkdir()  # the user's copy: not megazero's to delete
+    old = checkpoint.checkpoint_run_id(checkpoint.latest_checkpoint(log / "checkpoints"))
+    code, out, err = call(pretrain_main, _args(small_overrides(*corpus, log, steps=3), "--set", "log.overwrite=true"),
+                          capsys)
+    assert code == 0, err
+    assert "ignoring 1 entry megazero did not write (step_00000002_good)" in out
+    names = sorted(p.name for p in (log / "checkpoints").iterdir())
+    assert names == ["step_00000002_good", "step_00000003"], names
+    assert checkpoint.checkpoint_run_id(log / "checkpoints" / "step_00000003") != old
+    assert [r["step"] for r in read_metrics(log)] == [1, 2, 3]
+
+
+def test_resuming_a_finished_run_says_so_and_changes_nothing(corpus, trained, tmp_path, capsys):
+    log = _copy(trained, tmp_path / "run")
+    metrics = (log / "metrics.jsonl").read_text()
+    code, out, err = call(pretrain_main, _args(small_overrides(*corpus, log, steps=4), "--set", "train.resume=auto"),
+                          capsys)
+    assert code == 0 and not err.strip(), err
+    assert "is finished (step 4 of train.steps=4)" in out and "log.overwrite=true" in out
+    assert (log / "metrics.jsonl").read_text() == metrics
+
+
+def test_a_model_too_big_for_memory_is_one_line(corpus, tmp_path, capsys):
+    """The plan (a lower bound) exceeds this host's free memory: refused before anything is allocated."""
+    big = small_overrides(*corpus, tmp_path / "run", steps=1, **{
+        "model.layers": 64, "model.hidden": 16384, "model.heads": 128, "model.seq_len": 2048,
+        "model.vocab_size": 512, "train.micro_batch": 2, "train.global_batch": 8})
+    t0 = time.perf_counter()
+    code, _, err = call(pretrain_main, _args(big), capsys)
+    assert_one_line(code, err, "the plan needs at least", "GB on this host (1 process) but", "GB is free")
+    assert time.perf_counter() - t0 < 30  # refused from the plan, not after building terabytes of model
+
+
+def test_the_memory_refusal_names_the_knobs_that_would_fit():
+    """Activations dominate (fp32, 24 layers of 32 x 2048 tokens): the plan needs ~114 GB; checkpointing
+    activations brings it under 20 GB, halving micro_batch does not; and a plan within the memory passes."""
+    from megazero.config import load_config, resolve_world
+    from megazero.errors import UserError
+    from megazero.fits import check_fits, needed_bytes
+
+    sets = ["model.layers=24", "model.hidden=1024", "model.heads=16", "model.seq_len=2048", "model.vocab_size=512",
+            "train.micro_batch=32", "train.global_batch=32", "parallel.tp=1", "parallel.pp=1",
+            "parallel.sequence_parallel=false", "train.precision=fp32", "zero.stage=0"]
+    cfg = resolve_world(load_config(TINY, sets), 1)
+    need = needed_bytes(cfg, range(1), "cpu")
+    assert 100e9 < need < 130e9, need
+    with pytest.raises(UserError, match=r"needs at least 1\d\d\.\d\d GB on this host \(1 process\) but 20\.00 GB is free"
+                                         r".*fits with any of: model\.activation_checkpointing=true$"):
+        check_fits(cfg, torch.device("cpu"), 0, 0, 1, available=20 * 10**9)
+    check_fits(cfg, torch.device("cpu"), 0, 0, 1, available=need)  # exactly enough: no error
+
+
+# --- non-finite values --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_diverging_run_stops_before_saving_and_its_last_checkpoint_resumes(corpus, tmp_path, capsys, precision):
+    """lr=1e6 sends the loss to NaN within a few steps: exit 3, one line naming the step; the newest checkpoint
+    (saved every step while finite) is finite, and a run resumes from it. (Its weights already took a 1e6 step,
+    so the resumed run may well go non-finite again: then it stops the same way.)"""
+    log = tmp_path / "run"
+    sets = small_overrides(*corpus, log, steps=30, **{"train.lr": "1.0e6", "train.min_lr": 0, "train.save_every": 1,
+                                                      "train.precision": precision, "train.keep_last": 2})
+    code, _, err = call(pretrain_main, _args(sets), capsys)
+    line = assert_one_line(code, err, "not finite", "stopped before saving", exit_code=3)
+    step = int(line.split("step ")[1].split(":")[0])
+    latest = checkpoint.latest_checkpoint(log / "checkpoints")
+    assert latest is not None and latest.name == f"step_{step - 1:08d}", (line, latest)
+    _finite_and_loadable(latest)
+    resumed = small_overrides(*corpus, log, steps=step + 1, **{"train.precision": precision, "train.save_every": 0})
+    code, out, err = call(pretrain_main, _args(resumed, "--set", "train.resume=auto"), capsys)
+    assert f"resumed from {latest} at step {step - 1}" in out
+    if code != 0:
+        assert_one_line(code, err, f"step {step}: ", "not finite", exit_code=3)
+    _finite_and_loadable(checkpoint.latest_checkpoint(log / "checkpoints"))
+
+
+def test_skip_policy_skips_then_stops_after_max_skipped(corpus, tmp_path, capsys):
+    log = tmp_path / "run"
+    sets = small_overrides(*corpus, log, steps=40, **{"train.lr": "1.0e6", "train.min_lr": 0,
+                                                      "train.on_nonfinite": "skip", "train.max_skipped": 3})
+    code, _, err = call(pretrain_main, _args(sets), capsys)
+    assert_one_line(code, err, "3 updates in a row were skipped", "train.max_skipped=3", exit_code=3)
+    records = read_metrics(log)
+    assert [r.get("skipped") for r in records[-2:]] == [1, 1], records[-3:]
+
+
+# --- signals: finish the step, save, exit 128 + N -----------------------------------------------
+
+def _wait_for_step(log: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    path = log / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        if path.is_file():
+            lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip().endswith("}")]
+            if lines and lines[-1]["step"] >= step:
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"no step {step} within {timeout} s")
+
+
+def _popen(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    base.update({"OMP_NUM_THREADS": "1", **(env or {})})
+    return subprocess.Popen(cmd, cwd=ROOT, env=base, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1])
+def test_a_stop_signal_saves_the_step_reached_and_resume_matches(corpus, tmp_path, sig):
+    """One process: the signal lands mid-run; the step finishes, is saved, the exit code is 128 + N with one
+    line on stdout and nothing on stderr; train.resume=auto then gives the uninterrupted run's losses."""
+    steps = 60
+    straight = tmp_path / "straight"
+    assert pretrain_main(_args(small_overrides(*corpus, straight, steps=steps))) == 0
+    log = tmp_path / "run"
+    proc = _popen(pretrain_cmd(small_overrides(*corpus, log, steps=steps)))
+    _wait_for_step(log, 3, proc)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig, (proc.returncode, err[-2000:])
+    assert "Traceback" not in err and not err.strip(), err[-2000:]
+    stopped = [line for line in out.splitlines() if line.startswith("stopped: ")]
+    assert len(stopped) == 1 and signal.Signals(sig).name in stopped[0], out[-2000:]
+    reached = int(stopped[0].split("step ")[1].split(":")[0])
+    assert reached < steps
+    assert checkpoint.latest_checkpoint(log / "checkpoints").name == f"step_{reached:08d}"
+    assert pretrain_main(_args(small_overrides(*corpus, log, steps=steps), "--set", "train.resume=auto")) == 0
+    assert _losses(log) == _losses(straight)  # exact: the resume restores every state the losses depend on
+
+
+def test_a_second_sigint_stops_at_once_without_saving(corpus, tmp_path):
+    """Two Ctrl-C within one step: the second ends the run where it is, with one line and no save. The model is
+    made big enough that a step takes far longer than the gap between the two signals."""
+    log = tmp_path / "run"
+    slow = small_overrides(*corpus, log, steps=200, **{"train.save_every": 0, "model.hidden": 384, "model.layers": 4,
+                                                       "model.heads": 6, "model.seq_len": 128, "train.global_batch": 32,
+                                                       "train.micro_batch": 32})
+    proc = _popen(pretrain_cmd(slow))
+    _wait_for_step(log, 1, proc)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)  # the first is served (a flag) before the second arrives: signals of one kind do not queue
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, (proc.returncode, err[-2000:])
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert "Traceback" not in err and len(lines) == 1 and "SIGINT received twice" in lines[0], err[-2000:]
+    assert checkpoint.latest_checkpoint(log / "checkpoints") is None
+
+
+# --- several ranks: preemption through torchrun, a killed rank restarted, a frozen rank -----------------
+
+MULTI_STEPS = 24
+
+
+def _multi(corpus, log: Path, **extra) -> list[str]:
+    """4 ranks: 2 pipeline stages x 2 data-parallel replicas, 2 microbatches per step."""
+    return small_overrides(*corpus, log, steps=MULTI_STEPS, **{"parallel.pp": 2, "parallel.dp": 2, **extra})
+
+
+@pytest.fixture(scope="module")
+def multi_straight(corpus, tmp_path_factory):
+    """The uninterrupted 4-rank run the interrupted ones must reproduce."""
+    log = tmp_path_factory.mktemp("multi") / "straight"
+    proc = run_process(pretrain_cmd(_multi(corpus, log), nproc=4), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return _losses(log)
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is pid (torchrun's workers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def test_sigterm_to_torchrun_saves_the_step_reached_and_resume_matches(corpus, multi_straight, tmp_path):
+    """SIGTERM to torchrun reaches every worker: they agree on a step, finish it, save it and exit 143 (torchrun
+    itself then reports the signal and exits 1, which no worker can prevent); resume=auto gives the
+    uninterrupted run's losses exactly."""
+    log = tmp_path / "run"
+    proc = _popen(pretrain_cmd(_multi(corpus, log), nproc=4))
+    _wait_for_step(log, 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    stopped = [line for line in out.splitlines() if line.startswith("stopped: ")]
+    assert len(stopped) == 1 and "SIGTERM received; saved" in stopped[0], (out[-2000:], err[-3000:])
+    assert "Traceback" not in out, out[-3000:]  # the workers' own output; torchrun's report is on its stderr
+    reached = int(stopped[0].split("step ")[1].split(":")[0])
+    assert reached < MULTI_STEPS
+    latest = checkpoint.latest_checkpoint(log / "checkpoints")
+    assert latest.name == f"step_{reached:08d}"
+    _finite_and_loadable(latest)
+    resumed = run_process(pretrain_cmd(_multi(corpus, log, **{"train.resume": "auto"}), nproc=4), timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _losses(log) == multi_straight
+
+
+def test_a_killed_rank_is_restarted_by_torchrun_and_the_run_finishes_the_same(corpus, multi_straight, tmp_path):
+    """torchrun --max-restarts 2 and train.resume=auto: one rank SIGKILLed once, the job recovers by itself
+    (torchrun restarts every worker, they resume from the latest checkpoint) and ends with the uninterrupted
+    run's losses."""
+    log = tmp_path / "run"
+    cmd = pretrain_cmd(_multi(corpus, log, **{"train.resume": "auto", "train.save_every": 2}), nproc=4)
+    cmd[cmd.index("--nproc-per-node"):cmd.index("--nproc-per-node")] = ["--max-restarts", "2"]
+    proc = _popen(cmd)
+    _wait_for_step(log, 5, proc)
+    workers = sorted(_children(proc.pid))
+    assert len(workers) == 4, workers
+    os.kill(workers[-1], signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "resumed from" in out, out[-2000:]
+    assert _losses(log) == multi_straight
+
+
+def test_a_frozen_rank_ends_the_job_within_the_timeout(corpus, tmp_path):
+    """Rank 1 stopped on purpose (SIGSTOP) mid-run: rank 0's next collective gives up after
+    launch.timeout_minutes (6 s here) with one line naming the collective and itself, exit 4."""
+    from tests.dist import free_port
+
+    log = tmp_path / "run"
+    sets = small_overrides(*corpus, log, steps=400, **{"parallel.dp": 2, "launch.timeout_minutes": 0.1,
+                                                       "train.save_every": 0})
+    port = str(free_port())
+    procs = [_popen(pretrain_cmd(sets), env={"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
+                                              "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                              "MASTER_PORT": port}) for r in range(2)]
+    try:
+        _wait_for_step(log, 2, procs[0])
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        out, err = procs[0].communicate(timeout=120)
+        waited = time.monotonic() - frozen_at
+    finally:
+        procs[1].kill()
+        procs[1].communicate()
+    assert procs[0].returncode == 4, (procs[0].returncode, err[-3000:])
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert "Traceback" not in err and len(lines) == 1, err[-3000:]
+    assert lines[0].startswith("error: rank 0: collective ") and "launch.timeout_minutes=0.1" in lines[0], lines
+    assert 5 < waited < 6 + 30, waited  # the timeout, plus at most one step and the exit
