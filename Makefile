@@ -29,7 +29,8 @@ endif
 pretrain: $(STAMP)
 	@# the config checked for this world size first: a mistake is one line and exit 2, not torchrun's report
 	$(BIN)/python pretrain.py --config $(CONFIG) --dry-run --set parallel.world_size=$(NPROC) > /dev/null
-	$(BIN)/torchrun --standalone --nproc-per-node $(NPROC) pretrain.py --config $(CONFIG)
+	@# a second `make pretrain` continues the run where it stopped, or says it is finished
+	$(BIN)/torchrun --standalone --nproc-per-node $(NPROC) pretrain.py --config $(CONFIG) --set train.resume=auto
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

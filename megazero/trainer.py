@@ -35,7 +35,7 @@ from parallel.schedules import build_schedule, virtual_stage
 from parallel.topology import Grid, coords_to_rank
 from parallel.zero import DTYPES, ZeroOptimizer
 
-HISTORY = 10_000  # step records fit() keeps and returns (the last ones)
+HISTORY = 100  # step records fit() keeps and returns, the last ones (metrics.jsonl holds every logged step)
 
 
 def step_seed(seed: int, step: int, *coords: int) -> int:

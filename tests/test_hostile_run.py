@@ -215,15 +215,18 @@ def _popen(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=ROOT, env=base, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1])
-def test_a_stop_signal_saves_the_step_reached_and_resume_matches(corpus, tmp_path, sig):
-    """One process: the signal lands mid-run; the step finishes, is saved, the exit code is 128 + N with one
-    line on stdout and nothing on stderr; train.resume=auto then gives the uninterrupted run's losses."""
+@pytest.mark.parametrize("sig,background", [(signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGUSR1, False),
+                                            (signal.SIGTERM, True)])
+def test_a_stop_signal_saves_the_step_reached_and_resume_matches(corpus, tmp_path, sig, background):
+    """One process: the signal lands mid-run; the step finishes, is saved (also when saves are asynchronous:
+    the write is waited for), the exit code is 128 + N with one line on stdout and nothing on stderr;
+    train.resume=auto then gives the uninterrupted run's losses."""
     steps = 60
     straight = tmp_path / "straight"
     assert pretrain_main(_args(small_overrides(*corpus, straight, steps=steps))) == 0
     log = tmp_path / "run"
-    proc = _popen(pretrain_cmd(small_overrides(*corpus, log, steps=steps)))
+    proc = _popen(pretrain_cmd(small_overrides(*corpus, log, steps=steps,
+                                               **{"train.async_save": str(background).lower(), "train.save_every": 5})))
     _wait_for_step(log, 3, proc)
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=60)

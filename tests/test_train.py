@@ -339,3 +339,26 @@ def test_bf16_follows_fp32_with_fp32_master_weights(corpus, tmp_path):
     assert all(v.properties.dtype == torch.bfloat16 for k, v in stored.items() if k.startswith("model/"))
     masters = [v for k, v in stored.items() if k.endswith("/master")]
     assert masters and all(v.properties.dtype == torch.float32 for v in masters)
+
+
+def test_async_saves_equal_synchronous_saves(corpus, tmp_path):
+    """train.async_save=true: the loop goes on while checkpoints are written, yet every checkpoint holds the
+    state of its own step (the parameters kept changing after each save returned) and the losses are the
+    synchronous run's, bit for bit."""
+    text, cache = corpus
+    runs = {}
+    for mode in ("false", "true"):
+        log = tmp_path / f"async-{mode}"
+        run(str(ROOT / "configs" / "tiny.yaml"),
+            small_overrides(text, cache, log, steps=6, **{"train.save_every": 2, "train.keep_last": 3,
+                                                          "train.async_save": mode}))
+        runs[mode] = log
+    assert losses(read_metrics(runs["true"])) == losses(read_metrics(runs["false"]))
+    sync, background = (checkpoint.list_checkpoints(runs[m] / "checkpoints") for m in ("false", "true"))
+    assert [p.name for p in background] == [p.name for p in sync] == ["step_00000002", "step_00000004",
+                                                                      "step_00000006"]
+    for a, b in zip(sync, background):
+        wa, wb = checkpoint.read_model_state(a), checkpoint.read_model_state(b)
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), a.name
+    two, six = (checkpoint.read_model_state(p) for p in (background[0], background[2]))
+    assert any(not torch.equal(two[k], six[k]) for k in two)  # the saves are of different states
