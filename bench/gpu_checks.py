@@ -14,8 +14,11 @@
    after a first window of warm-up and autotuning), and their ratio.
 4. ``bench/step_profile.py``: the same model's step per kernel set, the device's busy time against the
    wall and the kernels that take it.
+5. Long-run safety on the device (``bench/gpu_long_run.py``): a diverging bf16 run stops with exit 3 before
+   saving, SIGTERM saves the step reached and exits 143, asynchronous saves equal synchronous ones, and a
+   model too big for the device is refused with its free memory.
 
-    python bench/gpu_checks.py [--out DIR] [--budget SECONDS] [--seqs 1024,...] [--smoke]
+    python bench/gpu_checks.py [--out DIR] [--budget SECONDS] [--seqs 1024,...] [--only kernels,train,...] [--smoke]
 
 Writes DIR/summary.md (the verdicts and figures), DIR/kernels.md (bench/kernels.py's tables),
 DIR/profile.md (bench/step_profile.py's) and DIR/log.txt (every command's output), at most those four
@@ -45,6 +48,7 @@ BF16_LOSS_RTOL = 2e-2
 # Offloaded vs on-GPU optimizer: the same fp32 AdamW arithmetic, on the CPU by torch vs on the GPU by
 # Triton (FMA contraction may differ in the last bit): fp32-level differences, amplified through bf16.
 OFFLOAD_LOSS_RTOL = 2e-2
+SECTIONS = ("kernels", "train", "throughput", "profile", "longrun")
 TINY_1GPU = ["parallel.tp=1", "parallel.sequence_parallel=false", "parallel.pp=1", "parallel.dp=1",
              "train.eval_every=0", "log.tensorboard=false", "train.precision=bf16"]
 GPT2_SMALL_BODY = ["model.layers=12", "model.hidden=768", "model.heads=12", "model.seq_len=1024",
@@ -136,13 +140,69 @@ def _pretrain(checks: Checks, name: str, run_dir: Path, sets: list[str], env: di
     return _losses(run_dir)
 
 
+def _training(checks: Checks, runs: Path, base: list[str], env: dict, steps: int) -> None:
+    """2. Training on one device: the Triton kernels, the offloaded optimizer and ZeRO-3 against the reference."""
+    torch_k = ["kernels.attention=torch", "kernels.adam=torch"]
+    triton_k = ["kernels.attention=triton", "kernels.adam=triton"]
+    ref = _pretrain(checks, "train torch kernels", runs / "torch", base + torch_k, env)
+    fused = _pretrain(checks, "train triton kernels", runs / "triton", base + triton_k, env)
+    if ref and fused:
+        worst = _worst_rel(fused, ref)
+        checks.verdict(worst <= BF16_LOSS_RTOL, f"triton kernels follow torch kernels over {steps} steps: worst "
+                       f"relative loss difference {worst:.2e} (bound {BF16_LOSS_RTOL:g}); final loss "
+                       f"{fused[max(fused)]['loss']:.4f} vs {ref[max(ref)]['loss']:.4f}")
+    offload = _pretrain(checks, "train triton kernels, optimizer offloaded", runs / "offload",
+                        base + triton_k + ["zero.stage=1", "zero.offload_optimizer=cpu"], env)
+    zero3 = _pretrain(checks, "train triton kernels, ZeRO-3, everything offloaded, traced", runs / "zero3",
+                      base + triton_k + ["zero.stage=3", "zero.offload_optimizer=cpu", "zero.offload_params=cpu",
+                                         "log.pipeline_trace=true"], env)
+    for name, got in (("offloaded optimizer", offload), ("ZeRO-3 offloaded", zero3)):
+        if fused and got:
+            worst = _worst_rel(got, fused)
+            checks.verdict(worst <= OFFLOAD_LOSS_RTOL, f"{name} follows the on-device run: worst relative loss "
+                           f"difference {worst:.2e} (bound {OFFLOAD_LOSS_RTOL:g}); offloaded "
+                           f"{got[max(got)].get('offloaded_gb', float('nan')):.3f} GB")
+    trace_path = runs / "zero3" / "pipeline_trace.json"
+    if trace_path.exists():
+        spans = [e for e in json.loads(trace_path.read_text())["traceEvents"] if e.get("ph") == "X"]
+        checks.verdict(bool(spans) and all(e["dur"] > 0 for e in spans),
+                       f"pipeline trace: {len(spans)} spans, total {sum(e['dur'] for e in spans) / 1e3:.1f} ms")
+
+
+def _throughput(checks: Checks, runs: Path, device: str, body: list[str], tput_steps: int, env: dict) -> None:
+    """3. Tokens/s and MFU of a GPT-2-small shape with each kernel set."""
+    torch_k = ["kernels.attention=torch", "kernels.adam=torch"]
+    triton_k = ["kernels.attention=triton", "kernels.adam=triton"]
+    speed = {}
+    for name, kset in (("torch", torch_k), ("triton", triton_k)):
+        tput = [f"launch.device={device}", f"train.steps={tput_steps}", f"log.every={max(1, tput_steps // 7)}",
+                *TINY_1GPU, *body, *kset]
+        metrics = _pretrain(checks, f"throughput {name} kernels", runs / f"tput-{name}", tput, env)
+        timed = [r for s, r in sorted(metrics.items())][1:]  # the first interval holds compilation
+        if timed:
+            speed[name] = (statistics.median(r["tokens_per_s"] for r in timed),
+                           statistics.median(r["mfu"] for r in timed),
+                           max(r["memory_gb"] for r in timed))
+    if speed:
+        lines = [f"- {n} kernels: {t:,.0f} tokens/s, MFU {m:.1%}, peak memory {g:.1f} GB"
+                 for n, (t, m, g) in speed.items()]
+        if len(speed) == 2:
+            lines.append(f"- triton / torch tokens/s: {speed['triton'][0] / speed['torch'][0]:.2f}")
+        checks.note("", "Throughput, " + " ".join(body) + f" (medians of {len(timed)} windows of "
+                    f"{max(1, tput_steps // 7)} steps):", *lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "runs" / "gpu-checks"))
     ap.add_argument("--budget", type=float, default=540.0, help="seconds for everything")
     ap.add_argument("--seqs", default=None, help="attention sequence lengths for bench/kernels.py")
     ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU: checks the script")
+    ap.add_argument("--only", default=",".join(SECTIONS), help=f"sections to run, of {','.join(SECTIONS)}")
     args = ap.parse_args()
+    only = set(args.only.split(","))
+    if not only <= set(SECTIONS):
+        ap.error(f"--only {args.only!r}: valid sections are {','.join(SECTIONS)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -166,74 +226,36 @@ def main() -> int:
                          "torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')"], env)
     checks.note(f"Environment: {(version or '?').strip()}", "")
 
-    # 1. kernels: tables straight into kernels.md as they are measured
-    kernels_cmd = [sys.executable, "bench/kernels.py"] + (["--smoke"] if args.smoke else []) \
-        + (["--seqs", args.seqs] if args.seqs else [])
-    kernels_md = checks.run("bench/kernels.py", kernels_cmd, env, stdout=out / "kernels.md")
-    if kernels_md is not None:
-        targets = kernels_md.split("### Targets")[-1].strip().splitlines()
-        checks.note("Kernel targets (bench/kernels.py):", *targets, "")
-        if any(line.endswith("MISSED") and "errors" in line for line in targets):
-            checks.fail("attention errors above the bar (see kernels.md)")
-
-    # 2. training on one device
+    if "kernels" in only:  # 1. kernels: tables straight into kernels.md as they are measured
+        kernels_cmd = [sys.executable, "bench/kernels.py"] + (["--smoke"] if args.smoke else []) \
+            + (["--seqs", args.seqs] if args.seqs else [])
+        kernels_md = checks.run("bench/kernels.py", kernels_cmd, env, stdout=out / "kernels.md")
+        if kernels_md is not None:
+            targets = kernels_md.split("### Targets")[-1].strip().splitlines()
+            checks.note("Kernel targets (bench/kernels.py):", *targets, "")
+            if any(line.endswith("MISSED") and "errors" in line for line in targets):
+                checks.fail("attention errors above the bar (see kernels.md)")
     with tempfile.TemporaryDirectory() as tmp:
         runs = Path(tmp)
         base = TINY_1GPU + [f"launch.device={device}", f"train.steps={steps}", f"log.every={every}"]
         if args.smoke:
             base += body
-        torch_k = ["kernels.attention=torch", "kernels.adam=torch"]
-        triton_k = ["kernels.attention=triton", "kernels.adam=triton"]
-        ref = _pretrain(checks, "train torch kernels", runs / "torch", base + torch_k, env)
-        fused = _pretrain(checks, "train triton kernels", runs / "triton", base + triton_k, env)
-        if ref and fused:
-            worst = _worst_rel(fused, ref)
-            checks.verdict(worst <= BF16_LOSS_RTOL, f"triton kernels follow torch kernels over {steps} steps: worst "
-                           f"relative loss difference {worst:.2e} (bound {BF16_LOSS_RTOL:g}); final loss "
-                           f"{fused[max(fused)]['loss']:.4f} vs {ref[max(ref)]['loss']:.4f}")
-        offload = _pretrain(checks, "train triton kernels, optimizer offloaded", runs / "offload",
-                            base + triton_k + ["zero.stage=1", "zero.offload_optimizer=cpu"], env)
-        zero3 = _pretrain(checks, "train triton kernels, ZeRO-3, everything offloaded, traced", runs / "zero3",
-                          base + triton_k + ["zero.stage=3", "zero.offload_optimizer=cpu", "zero.offload_params=cpu",
-                                             "log.pipeline_trace=true"], env)
-        for name, got in (("offloaded optimizer", offload), ("ZeRO-3 offloaded", zero3)):
-            if fused and got:
-                worst = _worst_rel(got, fused)
-                checks.verdict(worst <= OFFLOAD_LOSS_RTOL, f"{name} follows the on-device run: worst relative loss "
-                               f"difference {worst:.2e} (bound {OFFLOAD_LOSS_RTOL:g}); offloaded "
-                               f"{got[max(got)].get('offloaded_gb', float('nan')):.3f} GB")
-        trace_path = runs / "zero3" / "pipeline_trace.json"
-        if trace_path.exists():
-            spans = [e for e in json.loads(trace_path.read_text())["traceEvents"] if e.get("ph") == "X"]
-            checks.verdict(bool(spans) and all(e["dur"] > 0 for e in spans),
-                           f"pipeline trace: {len(spans)} spans, total {sum(e['dur'] for e in spans) / 1e3:.1f} ms")
+        if "train" in only:
+            _training(checks, runs, base, env, steps)
+        if "throughput" in only:
+            _throughput(checks, runs, device, body, tput_steps, env)
+        if "longrun" in only:
+            from gpu_long_run import long_run_checks
 
-        # 3. throughput
-        speed = {}
-        for name, kset in (("torch", torch_k), ("triton", triton_k)):
-            tput = [f"launch.device={device}", f"train.steps={tput_steps}", f"log.every={max(1, tput_steps // 7)}",
-                    *TINY_1GPU, *body, *kset]
-            metrics = _pretrain(checks, f"throughput {name} kernels", runs / f"tput-{name}", tput, env)
-            timed = [r for s, r in sorted(metrics.items())][1:]  # the first interval holds compilation
-            if timed:
-                speed[name] = (statistics.median(r["tokens_per_s"] for r in timed),
-                               statistics.median(r["mfu"] for r in timed),
-                               max(r["memory_gb"] for r in timed))
-        if speed:
-            lines = [f"- {n} kernels: {t:,.0f} tokens/s, MFU {m:.1%}, peak memory {g:.1f} GB"
-                     for n, (t, m, g) in speed.items()]
-            if len(speed) == 2:
-                lines.append(f"- triton / torch tokens/s: {speed['triton'][0] / speed['torch'][0]:.2f}")
-            checks.note("", "Throughput, " + " ".join(body) + f" (medians of {len(timed)} windows of "
-                        f"{max(1, tput_steps // 7)} steps):", *lines)
-
-    # 4. where a step's time goes
-    profile_cmd = [sys.executable, "bench/step_profile.py"] + (["--smoke", "--sets", "torch/torch,triton/triton"]
-                                                               if args.smoke else [])
-    profile_md = checks.run("bench/step_profile.py", profile_cmd, env, stdout=out / "profile.md")
-    if profile_md is not None:
-        walls = [line for line in profile_md.splitlines() if line.startswith(("### ", "- wall", "- device busy"))]
-        checks.note("", "Step profile (bench/step_profile.py, profile.md):", *walls)
+            long_run_checks(checks, TINY_1GPU + [f"launch.device={device}", "log.every=1"]
+                            + (body if args.smoke else []), env, runs)
+    if "profile" in only:  # 4. where a step's time goes
+        profile_cmd = [sys.executable, "bench/step_profile.py"] + (["--smoke", "--sets", "torch/torch,triton/triton"]
+                                                                   if args.smoke else [])
+        profile_md = checks.run("bench/step_profile.py", profile_cmd, env, stdout=out / "profile.md")
+        if profile_md is not None:
+            walls = [line for line in profile_md.splitlines() if line.startswith(("### ", "- wall", "- device busy"))]
+            checks.note("", "Step profile (bench/step_profile.py, profile.md):", *walls)
     return checks.finish()
 
 

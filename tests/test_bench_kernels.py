@@ -63,6 +63,10 @@ def test_gpu_checks_smoke(tmp_path):
     assert len(re.findall(r"^- ok pipeline trace: [1-9][0-9]* spans", summary, re.M)) == 1
     assert len(re.findall(r"^- (torch|triton) kernels: [0-9,]+ tokens/s", summary, re.M)) == 2
     assert "### Targets" in (tmp_path / "kernels.md").read_text()
+    # long-run safety: divergence stops, SIGTERM saves, async saves equal sync ones, a model too big is refused
+    for check in ("diverging bf16 run: exit 3", "SIGTERM mid-run: exit 143", "async saves equal sync saves",
+                  "model too big: exit 2"):
+        assert len(re.findall(rf"^- ok {check}", summary, re.M)) == 1, check
     # the step profile: a wall time per kernel set, in profile.md and summarised in summary.md
     assert len(re.findall(r"^- wall: [0-9.]+ ms/step", summary, re.M)) == 2
     assert len(re.findall(r"^- enqueueing one attention forward \(batch 1\): \d+ us",
@@ -77,4 +81,4 @@ def test_gpu_checks_report_what_the_budget_left_out(tmp_path):
     assert proc.returncode == 1
     summary = (tmp_path / "summary.md").read_text()
     assert summary.startswith("# GPU checks (smoke, CPU): FAILED: environment: not run, the time budget is spent")
-    assert len(re.findall(r"^- FAILED .*: not run, the time budget is spent$", summary, re.M)) == 9
+    assert len(re.findall(r"^- FAILED .*: not run, the time budget is spent$", summary, re.M)) == 14
