@@ -57,11 +57,13 @@ def long_run_checks(checks, base: list[str], env: dict, runs: Path) -> None:
     # 1. divergence: stop before saving; the newest checkpoint is finite
     log = runs / "diverge"
     proc = _run(checks, "diverging bf16 run", base + ["train.precision=bf16", "train.lr=1e6", "train.min_lr=0",
-                                                      "train.steps=30", "train.save_every=1", f"log.dir={log}"], env, 120)
+                                                      "train.steps=30", "train.save_every=1", f"log.dir={log}"],
+                env, 120)
     if proc is not None:
         err = _lines(proc.stderr)
         latest = checkpoint.latest_checkpoint(log / "checkpoints")
-        finite = latest is not None and all(bool(t.isfinite().all()) for t in checkpoint.read_model_state(latest).values())
+        finite = latest is not None and all(bool(t.isfinite().all())
+                                            for t in checkpoint.read_model_state(latest).values())
         checks.verdict(proc.returncode == 3 and len(err) == 1 and "stopped before saving" in err[0] and finite,
                        f"diverging bf16 run: exit {proc.returncode}, {len(err)} stderr line(s) "
                        f"({err[0][:120] if err else ''}); newest checkpoint {latest.name if latest else None} "

@@ -46,6 +46,7 @@ from megazero.checkpoint_meta import (FORMAT_VERSION, INT_LIMIT, MAX_STEP, META,
                                       checkpoint_run_id, peek_meta, read_meta)
 from megazero.checkpoint_unpickle import SafeFileSystemReader
 from megazero.errors import UserError
+from megazero.signals import Interrupted
 
 __all__ = ["FORMAT_VERSION", "META", "RESUME_FIELDS", "CheckpointWriter", "SafeFileSystemReader", "check_save_args",
            "checkpoint_dir", "checkpoint_run_id", "commit", "describe_failure", "foreign_entries", "latest_checkpoint",
@@ -239,7 +240,10 @@ def save(root: str | Path, step: int, state: dict[str, torch.Tensor], meta: dict
     tmp = prepare(root, step) if _rank() == 0 else tmp_dir(root, step)
     _barrier()
     with quiet_dcp():
-        dcp.save(state, checkpoint_id=str(tmp), no_dist=not _is_dist())
+        try:
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=not _is_dist())
+        except CheckpointException as e:
+            raise write_failure(e, tmp) from None
     _barrier()
     if _rank() == 0:
         commit(root, step, meta, keep_last, run_id)
@@ -280,6 +284,18 @@ def _readable(path: str | Path):
             yield
         except (OSError, EOFError, CheckpointException, RuntimeError, ValueError) as e:
             raise UserError(f"checkpoint {path}: unreadable ({describe_failure(e)})") from None
+
+
+def write_failure(e: CheckpointException, tmp: Path) -> BaseException:
+    """What to raise for a failed DCP write: an interruption it gathered (a second stop signal, Ctrl-C) as
+    itself, so the run stops as interrupted; anything else as one line."""
+    for failure in (e.failures or {}).values():
+        while isinstance(failure, tuple) and failure:
+            failure = failure[0]
+        if isinstance(failure, (KeyboardInterrupt, Interrupted)):
+            return failure
+    return UserError(f"checkpoint {tmp}: the write failed ({describe_failure(e)}); the previous checkpoint stays "
+                     f"the latest")
 
 
 def describe_failure(e: BaseException) -> str:

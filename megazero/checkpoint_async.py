@@ -15,6 +15,12 @@ killed mid-write leaves the previous checkpoint latest and a ``.tmp`` that the
 next save clears. At most one save is in flight: a new one first waits for the
 previous one. DCP's background collectives run on a gloo group of their own,
 so they never interleave with training's collectives on the default group.
+
+A failed write (or rank 0's failed commit) is noted, not raised where it is
+found: :meth:`poll` runs on each rank on its own, and a rank raising alone
+would leave the others waiting in the next step's collectives. The collective
+calls (:meth:`save`, :meth:`wait`) agree over every rank whether any noted one,
+and then all raise the same error together.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import copy
 import inspect
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
@@ -33,6 +40,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megazero import checkpoint
 from megazero.errors import UserError
+from megazero.signals import Interrupted
 
 
 class _StagedWriter(FileSystemWriter):
@@ -63,14 +71,17 @@ class CheckpointWriter:
     """Checkpoints of one run under ``root``; synchronous, or staged and written in the background.
 
     Construct it on every rank: with async_save under torch.distributed the constructor creates a gloo group
-    collectively. ``save`` is collective; ``poll`` is local (call it every step); ``wait`` is collective;
-    ``close`` is local (call it in a ``finally``: it commits a finished write and frees the group)."""
+    collectively (its collectives bounded by ``timeout``, launch.timeout_minutes). ``save`` is collective;
+    ``poll`` is local (call it every step); ``wait`` is collective; ``close`` is local (call it in a
+    ``finally``; ``abandon=True`` on an error path: a write in flight is left to fail or finish alone)."""
 
-    def __init__(self, root: str | Path, keep_last: int, async_save: bool = False) -> None:
+    def __init__(self, root: str | Path, keep_last: int, async_save: bool = False,
+                 timeout: Optional[timedelta] = None) -> None:
         self.root, self.keep_last, self.async_save = Path(root), keep_last, async_save
         self._dist = dist.is_available() and dist.is_initialized()
         self._rank = dist.get_rank() if self._dist else 0
-        self._group = dist.new_group(backend="gloo") if async_save and self._dist else None
+        self._group = dist.new_group(backend="gloo", timeout=timeout) if async_save and self._dist else None
+        self.failed: Optional[str] = None  # this rank's noted failure of a background write or commit
         self._buffers: dict[str, torch.Tensor] = {}
         self._pending: Optional[_Pending] = None
         if async_save and not self._dist:  # DCP's background thread says so on every save; quiet_dcp cannot
@@ -87,6 +98,7 @@ class CheckpointWriter:
             return checkpoint.save(self.root, step, state, meta, self.keep_last, run_id)
         checkpoint.check_save_args(step, self.keep_last, run_id, meta)
         self._finish()  # at most one save in flight; its buffers are about to be reused
+        self._raise_if_any_failed()
         tmp = checkpoint.prepare(self.root, step) if self._rank == 0 else checkpoint.tmp_dir(self.root, step)
         self._barrier()
         staged = self._stage(state)
@@ -124,21 +136,27 @@ class CheckpointWriter:
 
     # ----- committing -------------------------------------------------------------------------
     def poll(self) -> Optional[Path]:
-        """Commit a finished background write without blocking; the committed path, else None. Local."""
+        """Commit a finished background write without blocking; the committed path, else None. Local: a
+        failure is noted for the next collective call, not raised."""
         if self._pending is None or not self._pending.future.done():
             return None
         return self._finish()
 
     def wait(self) -> Optional[Path]:
         """Block until the pending save is committed (on every rank's return); its path, or None if none was
-        pending here. Collective under torch.distributed with async saves."""
+        pending here. Collective under torch.distributed with async saves: raises, on every rank, if any
+        rank's write or commit failed."""
         path = self._finish()
-        if self._group is not None:
-            dist.barrier(group=self._group)
+        self._raise_if_any_failed()
         return path
 
-    def close(self) -> None:
-        """Finish (and commit) the pending save and release the writer's process group. Local."""
+    def close(self, abandon: bool = False) -> None:
+        """Finish (and commit) the pending save and release the writer's process group; never raises a write
+        failure. Local. ``abandon``: on an error path, do not wait for a write in flight (its peers may be
+        gone): it finishes or fails on its own, and the previous checkpoint stays the latest."""
+        if abandon and self._pending is not None and not self._pending.future.done():
+            self._pending = None
+            return  # its thread still uses the group and the buffers: leave both to the exiting process
         try:
             self._finish()
         finally:
@@ -148,6 +166,7 @@ class CheckpointWriter:
             self._buffers = {}
 
     def _finish(self) -> Optional[Path]:
+        """Wait for the pending write and (rank 0) commit it; a failure is noted in ``failed``."""
         pending, self._pending = self._pending, None
         if pending is None:
             return None
@@ -155,11 +174,30 @@ class CheckpointWriter:
         try:
             pending.future.result()
         except (Exception, CheckpointException) as e:  # DCP's is a BaseException gathering every rank's errors
-            raise UserError(f"checkpoint {tmp}: the background write failed ({checkpoint.describe_failure(e)}); "
-                            f"the previous checkpoint stays the latest") from None
-        if self._rank == 0:
+            failure = checkpoint.write_failure(e, tmp) if isinstance(e, CheckpointException) else e
+            if isinstance(failure, (KeyboardInterrupt, Interrupted)):
+                raise failure from None
+            self.failed = f"checkpoint {tmp}: the background write failed ({checkpoint.describe_failure(e)})"
+            return None
+        if self._rank != 0:
+            return checkpoint.checkpoint_dir(self.root, pending.step)
+        try:
             return checkpoint.commit(self.root, pending.step, pending.meta, self.keep_last, pending.run_id)
-        return checkpoint.checkpoint_dir(self.root, pending.step)
+        except (OSError, UserError) as e:
+            self.failed = f"checkpoint {tmp}: committing it failed ({checkpoint.describe_failure(e)})"
+            return None
+
+    def _raise_if_any_failed(self) -> None:
+        """Collective: every rank raises the same error if any rank noted a failed write or commit."""
+        failed_rank = self._rank if self.failed else -1
+        if self._group is not None:
+            flag = torch.tensor([failed_rank], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+            failed_rank = int(flag)
+        said, self.failed = self.failed, None  # reported once, here, on every rank
+        if failed_rank >= 0:
+            said = said or f"a background checkpoint write failed on rank {failed_rank}"
+            raise UserError(f"{said}; the previous checkpoint stays the latest")
 
     def _barrier(self) -> None:
         if self._group is not None:

@@ -18,7 +18,10 @@ and storage transforms (megazero writes none).
 """
 from __future__ import annotations
 
+import enum
+import os
 import pickle
+import stat
 import types
 from pathlib import Path
 from typing import Any
@@ -74,8 +77,10 @@ class _MetadataUnpickler(pickle._Unpickler):
         return super().find_class(module, name)
 
     def load_build(self) -> None:
+        # BUILD sets attributes: refused on classes and functions, and on enum members (singletons shared by
+        # the whole process: _MEM_FORMAT_ENCODING(0) returns one)
         if len(self.stack) >= 2 and isinstance(self.stack[-2], (type, types.FunctionType,
-                                                                types.BuiltinFunctionType)):
+                                                                types.BuiltinFunctionType, enum.Enum)):
             raise pickle.UnpicklingError(f"it sets attributes of {_short(self.stack[-2])}, which is not allowed")
         super().load_build()
 
@@ -155,7 +160,7 @@ def read_metadata_file(path: Path) -> Metadata:
         raise UserError(f"checkpoint {path.parent}: no {path.name} file (not a complete DCP checkpoint)")
     try:
         with open(path, "rb") as f:
-            return check_metadata(_MetadataUnpickler(f).load())
+            md = check_metadata(_MetadataUnpickler(f).load())
     except OSError as e:
         raise UserError(f"checkpoint {path}: unreadable ({e.strerror or e})") from None
     except RecursionError:
@@ -164,6 +169,27 @@ def read_metadata_file(path: Path) -> Metadata:
         detail = str(e).splitlines()[0] if str(e) else "no detail"
         raise UserError(f"checkpoint {path}: unreadable metadata ({e.__class__.__name__}: {detail[:200]})") \
             from None
+    _check_shards(path.parent, md)
+    return md
+
+
+def _check_shards(folder: Path, md: Metadata) -> None:
+    """Every shard file the metadata names is a regular file in the folder, long enough for its entries: a
+    FIFO would hang the reader, a link would read outside the checkpoint, a short file fail midway."""
+    need: dict[str, int] = {}
+    for info in md.storage_data.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(need.items()):
+        try:
+            st = os.lstat(folder / name)
+        except OSError:
+            raise UserError(f"checkpoint {folder}: unreadable (FileNotFoundError: shard {_short(name)} is "
+                            f"missing)") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise UserError(f"checkpoint {folder}: unreadable (shard {_short(name)} is not a regular file)")
+        if st.st_size < end:
+            raise UserError(f"checkpoint {folder}: unreadable (EOFError: shard {_short(name)} has {st.st_size} "
+                            f"bytes, its entries need {end})")
 
 
 class SafeFileSystemReader(FileSystemReader):

@@ -104,7 +104,7 @@ class TrainConfig:
     resume: str = "none"  # none | auto | a checkpoint path
     exit_after: int = 0  # stop (and save) after this many steps of this job, e.g. for time-limited slots; 0 = never
     on_nonfinite: str = "stop"  # stop | skip: a non-finite loss or gradient norm stops the run, or skips the update
-    max_skipped: int = 10  # consecutive skipped updates (fp16 overflows included) before the run stops
+    max_skipped: int = 10  # consecutive skipped updates before the run stops (fp16: at the minimum loss scale)
     async_save: bool = False  # write checkpoints in the background while training goes on
 
 

@@ -65,7 +65,8 @@ def _variants(cfg: Config) -> list[tuple[str, Config]]:
     if z.stage < 3:
         variant(f"zero.stage={z.stage + 1}", lambda c: setattr(c.zero, "stage", z.stage + 1))
     if t.micro_batch > 1:
-        variant(f"train.micro_batch={t.micro_batch // 2}", lambda c: setattr(c.train, "micro_batch", t.micro_batch // 2))
+        variant(f"train.micro_batch={t.micro_batch // 2}",
+                lambda c: setattr(c.train, "micro_batch", t.micro_batch // 2))
     if p.dp % 2 == 0:
         variant(f"parallel.tp={p.tp * 2} (dp {p.dp // 2})", lambda c: (setattr(c.parallel, "tp", p.tp * 2),
                                                                        setattr(c.parallel, "dp", p.dp // 2)))
@@ -77,7 +78,8 @@ def _variants(cfg: Config) -> list[tuple[str, Config]]:
 def check_fits(cfg: Config, device: torch.device, rank: int, local_rank: int, local_world: int,
                available: Optional[int] = None) -> None:
     """Refuse, in one line, a run whose planned memory on this device exceeds what is free."""
-    ranks = range(rank, rank + 1) if device.type == "cuda" else range(rank - local_rank, rank - local_rank + local_world)
+    first = rank - local_rank  # the node's first rank: a CPU host holds all of its node's ranks
+    ranks = range(rank, rank + 1) if device.type == "cuda" else range(first, first + local_world)
     need = needed_bytes(cfg, ranks, device.type)
     have = available_bytes(device) if available is None else available
     if need <= have:

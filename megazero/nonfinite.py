@@ -4,9 +4,10 @@ A NaN that trains on silently is worse than a crash: every later checkpoint hold
 the last good one away. So by default a non-finite loss or gradient norm, in any precision, ends the run
 before anything is saved (exit 3), naming the step, what went non-finite and the first parameter whose
 gradient did. ``skip`` drops the update instead (the optimizer already skips any step with a non-finite
-gradient, on every rank alike), and either way ``train.max_skipped`` skipped updates in a row stop the run:
-under fp16 an overflow is the loss scaler's to handle, but a scale stuck at its minimum must not spin for
-ever.
+gradient, on every rank alike), and either way ``train.max_skipped`` skipped updates in a row stop the run.
+Under fp16 an overflow is the loss scaler's to handle (from 2^16 it halves its way down, skipping a step
+each time, as it should), so there only skips with the scale at its minimum count: a scale stuck there
+must not spin for ever.
 """
 from __future__ import annotations
 
@@ -28,10 +29,14 @@ class NonFiniteGuard:
         self.skipped_in_a_row = 0
 
     def check(self, step: int, skipped: bool, loss_nonfinite: bool, norm: float,
-              nonfinite_param: Optional[str]) -> None:
+              nonfinite_param: Optional[str], scale_at_min: bool = False) -> None:
         """After ``step``: ``skipped`` (the update was), ``loss_nonfinite`` (on some rank), the global gradient
-        norm, and this rank's first parameter with a non-finite gradient, if any."""
-        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+        norm, this rank's first parameter with a non-finite gradient, if any, and (fp16) whether the loss
+        scale is at its minimum."""
+        if not skipped:
+            self.skipped_in_a_row = 0
+        elif not self.fp16 or scale_at_min:
+            self.skipped_in_a_row += 1
         anomaly = loss_nonfinite or (skipped and not self.fp16)
         if not anomaly and self.skipped_in_a_row < self.max_skipped:
             return

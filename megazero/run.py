@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import signal
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -40,7 +41,6 @@ def run(config_path: str, overrides: list[str]) -> list[dict]:
         if p.exists() and not p.is_file():
             raise UserError(f"{cfg.source}: log.dir={cfg.log.dir!r} holds {name}, which is not a file; move it away "
                             f"or choose another log.dir")
-    start = plan_start(cfg)  # continue, start afresh or refuse: decided from the folder, before anything is built
     local_world = launch.local_world_size()
     device = launch.pick_device(cfg.launch.device, info.local_rank, local_world)
     if device.type == "cpu" or "cpu" in (cfg.zero.offload_optimizer, cfg.zero.offload_params):
@@ -50,18 +50,20 @@ def run(config_path: str, overrides: list[str]) -> list[dict]:
     # before any process group: a refusal is a config error
     resolve_kernels(cfg.kernels, device.type, cfg.model.head_dim)
     check_fits(cfg, device, info.rank, info.local_rank, local_world)
+    start = plan_start(cfg)  # continue, start afresh or refuse: decided from the folder, before anything is built
     with StopSignals() as stop:
-        created = launch.init_distributed(info, device, cfg.launch.timeout_minutes)
+        created, grid = False, None
         try:
-            grid = Grid.build(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, device.type)
+            created = launch.init_distributed(info, device, cfg.launch.timeout_minutes)
+            grid = Grid.build(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, device.type,
+                              timedelta(minutes=cfg.launch.timeout_minutes))
             launch.seed_everything(cfg.train.seed)
             from megazero.trainer import Trainer
 
-            try:
-                trainer = Trainer(cfg, grid, device, is_builder=info.local_rank == 0, stop=stop)
-                return trainer.fit(start)
-            except RuntimeError as e:
-                raise _as_run_error(e, cfg, grid, info.rank) from None
+            trainer = Trainer(cfg, grid, device, is_builder=info.local_rank == 0, stop=stop)
+            return trainer.fit(start)
+        except RuntimeError as e:  # the process-group start-up included: a peer that never comes is a timeout
+            raise _as_run_error(e, cfg, grid, info.rank) from None
         finally:
             if created:
                 launch.shutdown()
@@ -82,7 +84,7 @@ def _as_run_error(e: RuntimeError, cfg, grid, rank: int) -> Exception:
                          f"reduce it")
     if "timed out" in text or "timeout" in text or "connection closed by peer" in text \
             or "connection reset by peer" in text:
-        last = grid.counter.last or "the process-group start-up"
+        last = (grid.counter.last if grid is not None else None) or "the process-group start-up"
         return CollectiveTimeout(f"rank {rank}: collective {last} did not complete: {first} (another rank stopped "
                                  f"taking part or exited; launch.timeout_minutes={cfg.launch.timeout_minutes:g})")
     return e

@@ -27,8 +27,11 @@ def signal_name(signum: int) -> str:
     return signal.Signals(signum).name
 
 
-class Interrupted(Exception):
-    """A second stop signal: the run ends now, not at the next step boundary, and saves nothing."""
+class Interrupted(BaseException):
+    """A second stop signal: the run ends now, not at the next step boundary, and saves nothing.
+
+    A BaseException, as KeyboardInterrupt is: no ``except Exception`` on the way out may take it for an
+    ordinary failure (a checkpoint write it happened to interrupt, say)."""
 
     def __init__(self, signum: int):
         super().__init__(f"{signal_name(signum)} received twice; stopped without saving")

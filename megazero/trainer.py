@@ -11,7 +11,6 @@ import contextlib
 import hashlib
 import json
 import math
-import signal
 import time
 from collections import deque
 from pathlib import Path
@@ -114,7 +113,7 @@ class Trainer:
         self.step = 0
         self.consumed_samples = 0
         self.guard = NonFiniteGuard(cfg.train.on_nonfinite, cfg.train.max_skipped, fp16=self.zero.scaler.enabled)
-        self.stop_agreed = False  # some rank received a stop signal (agreed at the last step)
+        self.stop_agreed = 0  # the stop signal some rank received (agreed at the last step), 0 for none
         writer_rank = coords_to_rank(grid.pp - 1, 0, 0, grid.tp, grid.dp)
         self.is_writer = grid.rank == writer_rank
         self.ckpt_root = Path(cfg.log.dir) / "checkpoints"
@@ -152,12 +151,12 @@ class Trainer:
         loss_sum = self.executor.run(self.schedule, microbatches)
         self.train_trace = (self.executor.trace, self.executor.trace_origin)  # the last training run's timeline
         # (stop requested here, loss non-finite here): agreed over every rank in the step's own all-reduce
-        flags = torch.tensor([float(self.stop is not None and self.stop.received is not None), 0.0],
-                             device=self.device)
+        flags = torch.tensor([float(self.stop.received or 0) if self.stop is not None else 0.0, 0.0],
+                             device=self.device)  # the signal's number: the agreed one is the largest received
         flags[1] = torch.isfinite(loss_sum).logical_not().float()
         norm, skipped = self.zero.step(lr, cfg.train.grad_clip, loss=loss_sum, flags=flags)
         stop, loss_nonfinite = flags.tolist()
-        self.stop_agreed = bool(stop)
+        self.stop_agreed = int(stop)
         grid.dp_comm.all_reduce(loss_sum, tag="loss")
         self.step += 1
         self.consumed_samples += cfg.train.global_batch
@@ -167,7 +166,9 @@ class Trainer:
             record["loss_scale"] = self.zero.scaler.scale
         if self.zero.scaler.enabled or skipped:
             record["skipped"] = int(skipped)
-        self.guard.check(self.step, skipped, bool(loss_nonfinite), norm, self.zero.nonfinite_param)
+        scaler = self.zero.scaler
+        self.guard.check(self.step, skipped, bool(loss_nonfinite), norm, self.zero.nonfinite_param,
+                         scale_at_min=scaler.enabled and scaler.scale <= scaler.min_scale)
         return record
 
     @torch.no_grad()
@@ -278,6 +279,10 @@ class Trainer:
         cfg = self.cfg
         start = plan_start(cfg) if start is None else start
         self.run_id = start.run_id
+        if dist.is_initialized():  # each rank drew one: rank 0's (the one that commits) is the run's
+            ids = [self.run_id]
+            dist.broadcast_object_list(ids, src=0)
+            self.run_id = ids[0]
         if start.resume is not None:
             self.load(start.resume)
         if self.is_writer:
@@ -285,8 +290,8 @@ class Trainer:
                 print(note, flush=True)
             if start.resume is not None:
                 print(f"resumed from {start.resume} at step {self.step}", flush=True)
-        if start.resume is None and self.grid.rank == 0:
-            clear_earlier_run(cfg)  # only where log.overwrite=true allowed it (plan_start refused otherwise)
+        if start.resume is None and cfg.log.overwrite and self.grid.rank == 0:
+            clear_earlier_run(cfg)
         if self.step >= cfg.train.steps:
             if self.is_writer:
                 print(f"the run in {cfg.log.dir} is finished (step {self.step} of train.steps={cfg.train.steps}); "
@@ -303,7 +308,8 @@ class Trainer:
         stop_at = cfg.train.steps
         if cfg.train.exit_after:
             stop_at = min(stop_at, self.step + cfg.train.exit_after)
-        writer = checkpoint.CheckpointWriter(self.ckpt_root, cfg.train.keep_last, cfg.train.async_save)
+        writer = checkpoint.CheckpointWriter(self.ckpt_root, cfg.train.keep_last, cfg.train.async_save,
+                                             self.grid.timeout)
         traced = False
         try:
             window_time, window_steps = 0.0, 0
@@ -331,12 +337,19 @@ class Trainer:
                     saved = self.save(writer)
                 if self.stop_agreed and self.step < stop_at:
                     writer.wait()
-                    signum = self.stop.received or signal.SIGTERM  # another rank may have received it
+                    signum = self.stop_agreed
                     raise Preempted(f"step {self.step}: {signal_name(signum)} received; saved {saved} "
                                     f"(train.resume=auto continues from it)", exit_code(signum))
             writer.wait()
-        finally:
+        except (NonFiniteStop, Preempted):  # agreed by every rank: a write in flight is of a good state, finish it
             writer.close()
+            raise
+        except BaseException:  # its peers may be gone (a timeout, a lost rank): do not wait for a write in flight
+            writer.close(abandon=True)
+            raise
+        else:
+            writer.close()
+        finally:
             logger.close()
         if cfg.log.pipeline_trace and traced:
             self.write_pipeline_trace()

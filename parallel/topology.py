@@ -9,6 +9,7 @@ an object handed to whoever needs it, never a global.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Optional
 
 import torch.distributed as dist
@@ -44,7 +45,7 @@ def embedding_group_ranks(tp: int, pp: int, dp: int) -> list[list[int]]:
             for d in range(dp) for t in range(tp)]
 
 
-def new_embedding_group(tp: int, pp: int, dp: int) -> Optional[dist.ProcessGroup]:
+def new_embedding_group(tp: int, pp: int, dp: int, timeout: Optional[timedelta] = None) -> Optional[dist.ProcessGroup]:
     """Megatron's embedding group: sums the two copies' gradients so the tied weights stay equal.
 
     Collective: every rank creates every group, and keeps its own.
@@ -53,7 +54,7 @@ def new_embedding_group(tp: int, pp: int, dp: int) -> Optional[dist.ProcessGroup
         return None
     mine = None
     for ranks in embedding_group_ranks(tp, pp, dp):
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if dist.get_rank() in ranks:
             mine = group
     return mine
@@ -76,6 +77,7 @@ class Grid:
     pp_group: Optional[dist.ProcessGroup] = None
     embed_group: Optional[dist.ProcessGroup] = None
     counter: CommCounter = field(default_factory=CommCounter)
+    timeout: Optional[timedelta] = None  # every group's collective timeout (None: torch's default)
 
     def __post_init__(self) -> None:
         self.tp_comm = Comm(self.tp_group, "tp", self.counter)
@@ -88,8 +90,11 @@ class Grid:
         return cls(tp=1, pp=1, dp=1, rank=0)
 
     @classmethod
-    def build(cls, tp: int, pp: int, dp: int, device_type: str = "cpu") -> "Grid":
-        """Build the DeviceMesh over the initialised default process group."""
+    def build(cls, tp: int, pp: int, dp: int, device_type: str = "cpu", timeout: Optional[timedelta] = None) -> "Grid":
+        """Build the DeviceMesh over the initialised default process group.
+
+        ``timeout`` bounds the collectives of every group (launch.timeout_minutes): a group made without one
+        gets torch's default (30 minutes on gloo, 10 on NCCL), not the world group's."""
         if not dist.is_initialized():
             assert tp * pp * dp == 1, "a multi-rank grid needs an initialised process group"
             return cls.single()
@@ -97,10 +102,18 @@ class Grid:
         assert tp * pp * dp == world, f"tp*pp*dp={tp * pp * dp} != world size {world}"
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+        names = ("pp", "dp", "tp")
+        override = None
+        if timeout is not None:
+            backend = "nccl" if device_type == "cuda" else "gloo"
+            options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+            options._timeout = timeout
+            override = {name: (backend, options) for name in names}
+        mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=names, backend_override=override)
         return cls(tp=tp, pp=pp, dp=dp, rank=dist.get_rank(), mesh=mesh,
                    tp_group=mesh.get_group("tp"), dp_group=mesh.get_group("dp"),
-                   pp_group=mesh.get_group("pp"), embed_group=new_embedding_group(tp, pp, dp))
+                   pp_group=mesh.get_group("pp"), embed_group=new_embedding_group(tp, pp, dp, timeout),
+                   timeout=timeout)
 
     @property
     def world_size(self) -> int:

@@ -125,6 +125,25 @@ def test_build_on_an_admitted_class_is_refused(made, case, capsys):
         Metadata.version = None
 
 
+def test_build_on_an_enum_member_is_refused(made, case, capsys):
+    """_MEM_FORMAT_ENCODING(0) is an admitted call that returns the process-wide enum member: BUILD on it
+    would rename (or renumber) it for everything after, checkpoints this process writes included."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    base, run, ckpts = case
+    member = _MEM_FORMAT_ENCODING(0)
+    name = member._name_
+    payload = (b"\x80\x04" + _s("torch.distributed.checkpoint.metadata") + _s("_MEM_FORMAT_ENCODING") + b"\x93"
+               + b"K\x00\x85R" + b"}" + _s("_name_") + _s("EVIL") + b"sb.")  # member(0), then BUILD {_name_}
+    (ckpts / STEP2 / ".metadata").write_bytes(payload)
+    try:
+        code, err = resume(case, capsys, "auto")
+        assert member._name_ == name
+        assert_one_line(code, err, ".metadata", "not allowed")
+    finally:
+        member._name_ = name
+
+
 def _rewrite_metadata(path: Path, edit) -> None:
     """Unpickle a real .metadata (trusted: we wrote it), edit it, pickle it back."""
     md = pickle.loads(path.read_bytes())
@@ -270,12 +289,43 @@ def _cut(path: Path) -> None:
     path.write_bytes(path.read_bytes()[:100])
 
 
+def _fifo(path: Path) -> None:
+    """The shard becomes a FIFO. A reader that opened it would block for ever: a thread feeds it EOF after
+    20 s, so a regression fails instead of hanging the suite."""
+    import os
+    import threading
+    import time
+
+    path.unlink()
+    os.mkfifo(path)
+
+    def unblock() -> None:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))  # only succeeds while a reader waits
+                return
+            except OSError:
+                time.sleep(0.1)
+
+    threading.Thread(target=unblock, daemon=True).start()
+
+
+def _link_outside(path: Path) -> None:
+    outside = path.parent.parent.parent / "outside.distcp"
+    outside.write_bytes(path.read_bytes())
+    path.unlink()
+    path.symlink_to(outside)
+
+
 @pytest.mark.parametrize("damage,fragment", [
     (lambda c: _cut(c / "__0_0.distcp"), "unreadable"),
     (lambda c: (c / "__0_0.distcp").unlink(), "unreadable (FileNotFoundError"),
     (lambda c: _cut(c / ".metadata"), "unreadable metadata"),
     (lambda c: (c / ".metadata").write_bytes(bytes(range(256)) * 4), "unreadable metadata"),
     (lambda c: (c / ".metadata").unlink(), "no .metadata"),
+    (lambda c: _fifo(c / "__0_0.distcp"), "is not a regular file"),
+    (lambda c: _link_outside(c / "__0_0.distcp"), "is not a regular file"),
 ])
 @pytest.mark.parametrize("via", ["resume", "export"])
 def test_damaged_files_are_one_line(made, case, capsys, tmp_path, damage, fragment, via):

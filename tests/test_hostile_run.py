@@ -154,8 +154,9 @@ def test_the_memory_refusal_names_the_knobs_that_would_fit():
     cfg = resolve_world(load_config(TINY, sets), 1)
     need = needed_bytes(cfg, range(1), "cpu")
     assert 100e9 < need < 130e9, need
-    with pytest.raises(UserError, match=r"needs at least 1\d\d\.\d\d GB on this host \(1 process\) but 20\.00 GB is free"
-                                         r".*fits with any of: model\.activation_checkpointing=true$"):
+    with pytest.raises(UserError, match=r"needs at least 1\d\d\.\d\d GB on this host \(1 process\) but "
+                                         r"20\.00 GB is free.*fits with any of: "
+                                         r"model\.activation_checkpointing=true$"):
         check_fits(cfg, torch.device("cpu"), 0, 0, 1, available=20 * 10**9)
     check_fits(cfg, torch.device("cpu"), 0, 0, 1, available=need)  # exactly enough: no error
 
@@ -334,17 +335,19 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_the_run_finishes_the_same(co
 
 
 def test_a_frozen_rank_ends_the_job_within_the_timeout(corpus, tmp_path):
-    """Rank 1 stopped on purpose (SIGSTOP) mid-run: rank 0's next collective gives up after
-    launch.timeout_minutes (6 s here) with one line naming the collective and itself, exit 4."""
+    """Rank 1 stopped on purpose (SIGSTOP) mid-run, 4 ranks at tp=2 x dp=2: rank 0, its tensor-parallel
+    partner, waits in a collective of the mesh's tp group (a group of its own, not the world's) and gives up
+    after launch.timeout_minutes (6 s here) with one line naming the collective and itself, exit 4. A group
+    made without the timeout would wait torch's default 30 minutes."""
     from tests.dist import free_port
 
     log = tmp_path / "run"
-    sets = small_overrides(*corpus, log, steps=400, **{"parallel.dp": 2, "launch.timeout_minutes": 0.1,
-                                                       "train.save_every": 0})
+    sets = small_overrides(*corpus, log, steps=400, **{"parallel.tp": 2, "parallel.dp": 2,
+                                                       "launch.timeout_minutes": 0.1, "train.save_every": 0})
     port = str(free_port())
-    procs = [_popen(pretrain_cmd(sets), env={"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
-                                              "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                                              "MASTER_PORT": port}) for r in range(2)]
+    procs = [_popen(pretrain_cmd(sets), env={"RANK": str(r), "WORLD_SIZE": "4", "LOCAL_RANK": str(r),
+                                              "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1",
+                                              "MASTER_PORT": port}) for r in range(4)]
     try:
         _wait_for_step(log, 2, procs[0])
         os.kill(procs[1].pid, signal.SIGSTOP)
@@ -352,10 +355,61 @@ def test_a_frozen_rank_ends_the_job_within_the_timeout(corpus, tmp_path):
         out, err = procs[0].communicate(timeout=120)
         waited = time.monotonic() - frozen_at
     finally:
-        procs[1].kill()
-        procs[1].communicate()
+        for p in procs[1:]:
+            p.kill()
+            p.communicate()
     assert procs[0].returncode == 4, (procs[0].returncode, err[-3000:])
     lines = [x for x in err.splitlines() if x.strip()]
     assert "Traceback" not in err and len(lines) == 1, err[-3000:]
     assert lines[0].startswith("error: rank 0: collective ") and "launch.timeout_minutes=0.1" in lines[0], lines
     assert 5 < waited < 6 + 30, waited  # the timeout, plus at most one step and the exit
+
+
+def test_an_interrupted_checkpoint_write_stops_as_interrupted(tmp_path, monkeypatch):
+    """A second stop signal that lands inside DCP's write comes back wrapped in DCP's CheckpointException (a
+    BaseException the CLI does not know): the save re-raises the interruption itself, so the run ends as
+    interrupted (exit 130, one line); any other write failure is one line too."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    from megazero.errors import UserError
+    from megazero.signals import Interrupted
+
+    def interrupted(*args, **kwargs):
+        raise Interrupted(signal.SIGINT)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", interrupted)
+    with pytest.raises(Interrupted):
+        checkpoint.save(tmp_path / "c", 1, {"model/w": torch.ones(4)}, {"consumed_samples": 1}, keep_last=1)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", disk_full)
+    with pytest.raises(UserError, match=r"the write failed \(OSError: .*No space left on device\); the previous "
+                                        r"checkpoint stays the latest"):
+        checkpoint.save(tmp_path / "c", 2, {"model/w": torch.ones(4)}, {"consumed_samples": 2}, keep_last=1)
+    assert checkpoint.latest_checkpoint(tmp_path / "c") is None
+
+
+def test_fp16_overflows_count_toward_max_skipped_only_at_the_minimum_scale():
+    """fp16 starts its loss scale at 2^16 and halves it on overflows (skipping each step): that back-off is
+    the scaler's job, not a run to stop. Only overflows with the scale at its minimum count, and an update
+    resets the count; outside fp16 every skip counts."""
+    from megazero.errors import NonFiniteStop
+    from megazero.nonfinite import NonFiniteGuard
+
+    guard = NonFiniteGuard("stop", max_skipped=3, fp16=True)
+    for step in range(1, 31):  # 30 overflows on the way down from 2^16: no stop
+        guard.check(step, True, False, float("inf"), None, scale_at_min=False)
+    guard.check(31, True, False, float("inf"), None, scale_at_min=True)
+    guard.check(32, False, False, 1.0, None, scale_at_min=True)  # an update: the count starts again
+    guard.check(33, True, False, float("inf"), None, scale_at_min=True)
+    guard.check(34, True, False, float("inf"), None, scale_at_min=True)
+    with pytest.raises(NonFiniteStop, match=r"step 35: 3 updates in a row were skipped \(train.max_skipped=3\)"):
+        guard.check(35, True, False, float("inf"), None, scale_at_min=True)
+    skip = NonFiniteGuard("skip", max_skipped=2, fp16=False)
+    skip.check(1, True, False, float("nan"), "layers.0.mlp.fc1.weight")
+    with pytest.raises(NonFiniteStop, match=r"step 2: 2 updates in a row .*first non-finite gradient: layers\.0"):
+        skip.check(2, True, False, float("nan"), "layers.0.mlp.fc1.weight")
+    with pytest.raises(NonFiniteStop, match=r"step 1: the loss is not finite; stopped before saving"):
+        NonFiniteGuard("stop", max_skipped=10, fp16=True).check(1, False, True, 1.0, None)
