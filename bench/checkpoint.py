@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> None:
         if not args.dir:
             shutil.rmtree(folder, ignore_errors=True)
     med = {m: statistics.median(v) for m, v in stalls.items()}
-    print(f"\n| mode | stall median (s) | fastest (s) | state GB/s through the stall |\n|---|---|---|---|")
+    print("\n| mode | stall median (s) | fastest (s) | state GB/s through the stall |\n|---|---|---|---|")
     for m in ("sync", "async"):
         print(f"| {m} | {med[m]:.3f} | {min(stalls[m]):.3f} | {nbytes / 1e9 / med[m]:.2f} |")
     print(f"\nstall ratio sync/async: {med['sync'] / med['async']:.1f}x")

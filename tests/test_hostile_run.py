@@ -5,11 +5,9 @@ and nothing is lost: earlier checkpoints stay intact and loadable.
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 

@@ -23,7 +23,6 @@ def _train_and_sample(rank: int, world: int, corpus, tmp) -> dict[int, int]:
     import torch
 
     from megazero.config import load_config, resolve_world
-    from megazero.metrics import MetricsLogger
     from megazero.trainer import Trainer
     from parallel.topology import Grid
 
