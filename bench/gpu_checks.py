@@ -17,6 +17,8 @@
 5. Long-run safety on the device (``bench/gpu_long_run.py``): a diverging bf16 run stops with exit 3 before
    saving, SIGTERM saves the step reached and exits 143, asynchronous saves equal synchronous ones, and a
    model too big for the device is refused with its free memory.
+6. ``bench/offload_overlap.py``: with the optimizer offloaded, the gradients' copies to the host overlap
+   the backward (at least half the bytes land before it ends).
 
     python bench/gpu_checks.py [--out DIR] [--budget SECONDS] [--seqs 1024,...] [--only kernels,train,...] [--smoke]
 
@@ -48,7 +50,7 @@ BF16_LOSS_RTOL = 2e-2
 # Offloaded vs on-GPU optimizer: the same fp32 AdamW arithmetic, on the CPU by torch vs on the GPU by
 # Triton (FMA contraction may differ in the last bit): fp32-level differences, amplified through bf16.
 OFFLOAD_LOSS_RTOL = 2e-2
-SECTIONS = ("kernels", "train", "throughput", "profile", "longrun")
+SECTIONS = ("kernels", "train", "throughput", "profile", "longrun", "offload")
 TINY_1GPU = ["parallel.tp=1", "parallel.sequence_parallel=false", "parallel.pp=1", "parallel.dp=1",
              "train.eval_every=0", "log.tensorboard=false", "train.precision=bf16"]
 GPT2_SMALL_BODY = ["model.layers=12", "model.hidden=768", "model.heads=12", "model.seq_len=1024",
@@ -256,6 +258,11 @@ def main() -> int:
         if profile_md is not None:
             walls = [line for line in profile_md.splitlines() if line.startswith(("### ", "- wall", "- device busy"))]
             checks.note("", "Step profile (bench/step_profile.py, profile.md):", *walls)
+    if "offload" in only:  # 6. the offloaded optimizer's copies hidden behind the backward
+        offload_cmd = [sys.executable, "bench/offload_overlap.py"] + (["--smoke"] if args.smoke else [])
+        lines = checks.run("bench/offload_overlap.py", offload_cmd, env)
+        if lines is not None:
+            checks.note("", "Offloaded gradient copies (bench/offload_overlap.py):", *lines.strip().splitlines())
     return checks.finish()
 
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
+from kernels.adam_cpu import Run, adamw_step_fused
 from megazero.errors import UserError
 
 
@@ -61,7 +62,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     triton = None
     tl = None
 
-_IMPLS = ("auto", "torch", "triton")
+_IMPLS = ("auto", "fused", "torch", "triton")
 
 
 def _interpreting() -> bool:
@@ -199,17 +200,23 @@ def adamw_step_triton(master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq:
         model_copy.copy_(master)
 
 
-def adamw(impl: str, master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, **kwargs) -> None:
-    """Dispatch to :func:`adamw_step` (``impl="torch"``) or :func:`adamw_step_triton` (``"triton"``).
+def adamw(impl: str, master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *,
+          runs: Optional[Sequence[Run]] = None, **kwargs) -> None:
+    """Dispatch to :func:`adamw_step` (``impl="torch"``), :func:`adamw_step_triton` (``"triton"``) or
+    :func:`kernels.adam_cpu.adamw_step_fused` (``"fused"``).
 
     ``impl`` is a resolved name (see :func:`resolve_impl`); keyword arguments are those of adamw_step.
+    runs: the buffer's decay runs (:func:`kernels.adam_cpu.decay_runs`, computed once); only "fused" uses
+    them, the others read decay_mask.
     """
     if impl == "torch":
         adamw_step(master, grad, exp_avg, exp_avg_sq, **kwargs)
     elif impl == "triton":
         adamw_step_triton(master, grad, exp_avg, exp_avg_sq, **kwargs)
+    elif impl == "fused":
+        adamw_step_fused(master, grad, exp_avg, exp_avg_sq, runs=runs, **kwargs)
     else:
-        raise ValueError(f"adamw: impl must be 'torch' or 'triton' (resolved), got {impl!r}")
+        raise ValueError(f"adamw: impl must be 'torch', 'triton' or 'fused' (resolved), got {impl!r}")
 
 
 def triton_available() -> bool:
@@ -221,19 +228,22 @@ def triton_available() -> bool:
 def resolve_impl(requested: str, device_type: str) -> str:
     """The AdamW implementation for ``kernels.adam=requested`` with optimizer state on ``device_type``.
 
-    "auto": "triton" on CUDA when triton imports, else "torch". "torch": always. "triton": when triton
-    imports and the state is on CUDA (or TRITON_INTERPRET=1 runs kernels on the CPU interpreter); else a
-    UserError naming what would be valid here.
+    "auto": on CUDA "triton" when triton imports, else "torch"; on the CPU "fused" (torch's fused AdamW
+    kernel over the buffer's decay runs, see kernels.adam_cpu). "fused" and "torch": always. "triton":
+    when triton imports and the state is on CUDA (or TRITON_INTERPRET=1 runs kernels on the CPU
+    interpreter); else a UserError naming what would be valid here.
     """
     if requested not in _IMPLS:
         raise UserError(f"kernels.adam={requested!r} is not an AdamW implementation; valid: "
                         + " | ".join(_IMPLS))
-    if requested == "torch":
-        return "torch"
+    if requested in ("torch", "fused"):
+        return requested
     runnable = triton is not None and (device_type == "cuda" or _interpreting())
     if requested == "auto":
-        return "triton" if triton is not None and device_type == "cuda" else "torch"
+        if device_type == "cuda":
+            return "triton" if triton is not None else "torch"
+        return "fused" if device_type == "cpu" else "torch"
     if not runnable:
         raise UserError("kernels.adam='triton' needs a CUDA GPU with triton installed (or TRITON_INTERPRET=1 to "
-                        "run the kernels on the CPU interpreter); valid here: auto | torch")
+                        "run the kernels on the CPU interpreter); valid here: auto | fused | torch")
     return "triton"

@@ -2,8 +2,13 @@
 
 Every check that can be made from the file and the world size is made before
 anything starts (the rules live in megazero.rules), so a typo costs a second,
-not a queue slot on a cluster. Errors are one line:
+not a queue slot on a cluster. Errors are one line (megazero.errors.invalid):
 the file, the key, the bad value (cut short) and what would be valid.
+
+This module reads and types the values; megazero.rules checks them:
+``load_config`` ends with its ``validate``, and its ``resolve_world`` (also
+importable from here) fixes what depends on the world size. Imports go one
+way, config -> rules -> errors: megazero.rules imports nothing from here.
 
 Files and ``--set`` values are untrusted: megazero.yaml_load reads them (YAML 1.2 core schema; no
 aliases, tags, merge keys or duplicate keys; bounded size and depth), values are strictly typed here,
@@ -19,10 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
-from megazero.errors import UserError
-from megazero.yaml_load import YamlSyntaxError, load_yaml, read_config_text, shown, shown_name
+from megazero.errors import UserError, invalid, shown, shown_name
+from megazero.rules import AUTO, resolve_world, validate  # noqa: F401 (resolve_world: re-exported for callers)
+from megazero.yaml_load import YamlSyntaxError, load_yaml, read_config_text
 
-AUTO = "auto"
 MAX_STR = 4096  # characters in a string value: PATH_MAX on Linux; a longer path fails in the OS anyway
 MAX_LIST = 65536  # entries in a list value (data.paths, parallel.pp_layers)
 
@@ -77,7 +82,9 @@ class ParallelConfig:
 class ZeroConfig:
     stage: int = 0  # 0 | 1 | 2 | 3 (Rajbhandari et al. 2020)
     bucket_mb: float = 25.0  # gradient/parameter communication bucket size
-    reshard_after_forward: bool = True  # stage 3: free gathered layers after forward (False: keep for the step)
+    # stage 3: free a gathered layer after its forward (false: keep it for the step); auto = true without a
+    # pipeline, false with one (each layer would be gathered 2m times per step), fixed by resolve_world
+    reshard_after_forward: Union[bool, str] = AUTO
     offload_optimizer: str = "none"  # none | cpu: fp32 master weights and Adam states in CPU memory
     offload_params: str = "none"  # none | cpu (stage 3): parameter shards in CPU memory
     # the dtype gradients are accumulated over microbatches and reduced over dp in: auto = fp32 under bf16
@@ -129,7 +136,7 @@ class LogConfig:
 @dataclass
 class KernelsConfig:
     attention: str = AUTO  # auto | triton | torch: auto = torch SDPA (cuDNN on Hopper: faster than the Triton kernel)
-    adam: str = AUTO  # auto | triton | torch: the optimizer step over flat buffers
+    adam: str = AUTO  # auto | fused | triton | torch: the optimizer step over flat buffers
 
 
 @dataclass
@@ -173,11 +180,6 @@ _SECTION_CLASSES = {
     "kernels": KernelsConfig,
 }
 
-def _fail(source: str, key: str, value: Any, valid: str) -> UserError:
-    """One line: where, the key, the value (cut short: values are untrusted and may be huge), what is valid."""
-    return UserError(f"{source}: {key}={shown(value)} is invalid; {valid}")
-
-
 def _type_name(t: Any) -> str:
     return {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
             "list": "a list"}.get(t, t)
@@ -198,16 +200,17 @@ def _coerce(source: str, section: str, key: str, value: Any, annotation: str) ->
     if isinstance(value, str) and allows_auto and ann != "str":
         if value == AUTO:
             return value
-        raise _fail(source, full, value, f"expected {_type_name(_base(ann))} or 'auto'")
+        raise invalid(source, full, value, f"expected {_type_name(_base(ann))} or 'auto'")
     base = _base(ann)
+    or_auto = " or 'auto'" if allows_auto else ""
     if base == "bool":
         if isinstance(value, bool):
             return value
-        raise _fail(source, full, value, "expected true or false")
+        raise invalid(source, full, value, f"expected true or false{or_auto}")
     if base == "int":
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise _fail(source, full, value, "expected an integer")
+        raise invalid(source, full, value, f"expected an integer{or_auto}")
     if base == "float":
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             try:
@@ -216,21 +219,21 @@ def _coerce(source: str, section: str, key: str, value: Any, annotation: str) ->
                 number = math.inf
             if math.isfinite(number):
                 return number
-        raise _fail(source, full, value, "expected a finite number")
+        raise invalid(source, full, value, f"expected a finite number{or_auto}")
     if base == "str":
         return _text(source, full, value, "expected a string")
     if base == "list":
         if isinstance(value, list) and len(value) > MAX_LIST:
-            raise _fail(source, full, value, f"at most {MAX_LIST} entries")
+            raise invalid(source, full, value, f"at most {MAX_LIST} entries")
         if (section, key) == ("parallel", "pp_layers"):
             if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
                 return list(value)
-            raise _fail(source, full, value, "expected a list of layer counts, one per (virtual) stage")
+            raise invalid(source, full, value, "expected a list of layer counts, one per (virtual) stage")
         if isinstance(value, str):
             value = [value]
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             return [_text(source, full, v, "expected a list of paths") for v in value]
-        raise _fail(source, full, value, "expected a list of paths")
+        raise invalid(source, full, value, "expected a list of paths")
     raise AssertionError(f"unhandled annotation {annotation} for {full}")
 
 
@@ -241,15 +244,15 @@ def _text(source: str, full: str, value: Any, expected: str) -> str:
     encoded for the OS, and a path longer than PATH_MAX fails there with a traceback-worthy OSError.
     """
     if not isinstance(value, str):
-        raise _fail(source, full, value, expected)
+        raise invalid(source, full, value, expected)
     if len(value) > MAX_STR:
-        raise _fail(source, full, value, f"{len(value)} characters; at most {MAX_STR}")
+        raise invalid(source, full, value, f"{len(value)} characters; at most {MAX_STR}")
     if any(ord(c) < 32 or ord(c) == 127 for c in value):
-        raise _fail(source, full, value, "must not contain a control character (NUL, newline, tab, ...)")
+        raise invalid(source, full, value, "must not contain a control character (NUL, newline, tab, ...)")
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
-        raise _fail(source, full, value, "not valid UTF-8 text (a lone surrogate)") from None
+        raise invalid(source, full, value, "not valid UTF-8 text (a lone surrogate)") from None
     return value
 
 
@@ -330,17 +333,3 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         _apply(cfg, section, key, value, f"{source} (--set)")
     validate(cfg)
     return cfg
-
-
-def validate(cfg: Config) -> None:
-    """The rules in megazero.rules (ranges, choices, cross-field constraints)."""
-    from megazero.rules import validate as check
-
-    check(cfg)
-
-
-def resolve_world(cfg: Config, world_size: int) -> Config:
-    """Fix parallel.dp for this world size and check tp*pp*dp covers it (megazero.rules)."""
-    from megazero.rules import resolve_world as resolve
-
-    return resolve(cfg, world_size)

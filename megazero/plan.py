@@ -30,7 +30,7 @@ from parallel.comm import Comm
 from parallel.pipeline import partition_layers
 from parallel.schedules import Action, build_schedule, virtual_stage
 from parallel.topology import coords_to_rank
-from parallel.zero_grads import grad_precision
+from parallel.zero.grads import grad_precision
 
 BYTES_PER_VALUE = {"fp32": 4, "bf16": 2, "fp16": 2}
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32
@@ -60,8 +60,9 @@ def model_state_bytes(psi: int, stage: int, dp: int, precision: str, offload_opt
     parameter and gradient (gradients: 4 when accumulated in fp32, ``zero.grad_dtype``; the paper's fp16
     gradients are 2), K = 8 (+4 master) bytes. A partition is
     ceil(Ψ/dp) elements: the implementation pads the flat buffer to a multiple
-    of dp. Offloaded kinds count in ``cpu_total`` instead of ``device_total``;
-    the per-kind keys give the size wherever it lives.
+    of dp. Offloaded kinds count in ``cpu_total`` instead of ``device_total``, with the offloaded
+    optimizer's pinned gradient buffer (g bytes per element of its range); the per-kind keys give the
+    size wherever it lives.
     """
     if stage not in (0, 1, 2, 3) or dp < 1 or psi < 0:
         raise ValueError(f"stage={stage}, dp={dp}, psi={psi}: need stage 0..3, dp >= 1, psi >= 0")
@@ -73,7 +74,9 @@ def model_state_bytes(psi: int, stage: int, dp: int, precision: str, offload_opt
     params = psi * b if stage < 3 else shard * b
     grads = psi * g if stage < 2 else shard * g
     optimizer = k * psi if stage == 0 else k * shard
-    cpu = (optimizer if offload_optimizer == "cpu" else 0) + (params if offload_params == "cpu" else 0)
+    # offloaded optimizer: its states and a pinned landing buffer for the gradients of its range
+    staging = g * (psi if stage == 0 else shard) if offload_optimizer == "cpu" else 0
+    cpu = (optimizer + staging if offload_optimizer == "cpu" else 0) + (params if offload_params == "cpu" else 0)
     return {"params": params, "grads": grads, "optimizer": optimizer,
             "device_total": params + grads + optimizer - cpu, "cpu_total": cpu}
 
@@ -169,6 +172,7 @@ class StagePlan:
     in_flight: int  # peak microbatches (virtual, for interleaved) held at once
     logits: int  # bytes of fp32 logits included in both activation figures
     flops: float  # model FLOPs per step of one rank of this stage
+    gathered: int = 0  # ZeRO-3: peak bytes of whole parameters gathered during the step
 
 
 @dataclass(frozen=True)
@@ -208,7 +212,22 @@ def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action]) -
     flops = flops_per_token(n_layers, m.hidden, m.ffn_hidden, m.seq_len, vocab) * tokens / par.tp
     ranks = [coords_to_rank(r, d, k, par.tp, par.dp) for d in range(par.dp) for k in range(par.tp)]
     return StagePlan(r, sorted(ranks), [ranges[vs] for vs in chunks], psi, replicated, state, ckpt, full,
-                     count, max(head), flops)
+                     count, max(head), flops, _gathered(cfg, chunks, ranges, psi))
+
+
+def _gathered(cfg: Config, chunks: list[int], ranges: list[range], psi: int) -> int:
+    """ZeRO-3's whole parameters held during a step: the root buckets (embeddings, final norm) and two layers
+    (one in use, one prefetched) when layers are freed after forward; every layer of the stage when
+    ``zero.reshard_after_forward`` is false (the default under a pipeline)."""
+    if cfg.zero.stage != 3:
+        return 0
+    last_vs = cfg.parallel.pp * cfg.parallel.virtual_stages - 1
+    root = sum(chunk_parameters(cfg, range(0), vs == 0, vs == last_vs)[0] for vs in chunks)
+    layers = sum(len(ranges[vs]) for vs in chunks)
+    b = BYTES_PER_VALUE[cfg.train.precision]
+    if not cfg.zero.reshard_after_forward or layers <= 2:
+        return psi * b
+    return (root + 2 * -(-(psi - root) // layers)) * b
 
 
 def make_plan(cfg: Config) -> Plan:
@@ -284,7 +303,7 @@ def format_plan(plan: Plan) -> str:
     header = ["stage", "layers", "global ranks", "params/rank"]
     header += [k + (" (cpu)" if where.get(k) == "cpu" else "") for k in ("params", "grads", "optimizer")]
     header += ["device", "cpu", "act ckpt" + ("*" if ckpt else ""), "act full" + ("" if ckpt else "*"),
-               "mb held", "total*", "TFLOP/step"]
+               "mb held"] + (["gathered"] if z.stage == 3 else []) + ["total*", "TFLOP/step"]
     rows = []
     for s in plan.stages:
         ms = s.model_state
@@ -292,8 +311,10 @@ def format_plan(plan: Plan) -> str:
         rows.append([str(s.pp_rank), ",".join(fmt_ranges(list(r)) for r in s.layers),
                      f"{fmt_ranges(s.ranks)} ({par.dp} dp x {par.tp} tp)", f"{s.params:,}"]
                     + [f"{ms[k] / GB:.2f}" for k in ("params", "grads", "optimizer", "device_total", "cpu_total")]
-                    + [f"{s.act_ckpt / GB:.2f}", f"{s.act_full / GB:.2f}", str(s.in_flight),
-                       f"{(ms['device_total'] + act) / GB:.2f}", f"{s.flops / 1e12:,.{1 if s.flops >= 1e13 else 4}f}"])
+                    + [f"{s.act_ckpt / GB:.2f}", f"{s.act_full / GB:.2f}", str(s.in_flight)]
+                    + ([f"{s.gathered / GB:.2f}"] if z.stage == 3 else [])
+                    + [f"{(ms['device_total'] + act + s.gathered) / GB:.2f}",
+                       f"{s.flops / 1e12:,.{1 if s.flops >= 1e13 else 4}f}"])
     lines += _table(header, rows, left=3)
     b, k = BYTES_PER_VALUE[t.precision], optimizer_bytes_per_param(t.precision)
     g = grad_bytes_per_param(t.precision, z.grad_dtype)
@@ -306,8 +327,10 @@ def format_plan(plan: Plan) -> str:
         f"(no s x s scores), micro_batch {t.micro_batch}; x layers x microbatches held ('mb held', peak of the "
         f"{par.schedule} schedule); act ckpt adds one layer being recomputed; the last stage adds fp32 logits "
         f"({last.logits / GB:.2f} GB per microbatch)",
-        "  * = what this config uses; total* = device model state + activations (no comm buckets, gathered ZeRO-3 "
-        "layers, temporaries, CUDA context or fragmentation)",
+        "  * = what this config uses; total* = device model state + activations"
+        + (" + gathered (ZeRO-3: the root and two layers whole, or the whole stage with "
+           "zero.reshard_after_forward=false)" if z.stage == 3 else "")
+        + " (no comm buckets, temporaries, CUDA context or fragmentation)",
         "  TFLOP/step: model FLOPs of one rank of the stage (megazero.metrics formula on its layers and head; "
         "recomputation not counted)",
         "",

@@ -3,17 +3,29 @@
 Checked before any process group or allocation (``megazero.config.load_config``
 calls :func:`validate`; the launcher calls :func:`resolve_world` once the world
 size is known). Every failure is one line naming the file, the key, the value
-and what would be valid. Every numeric key has a range (_MIN, _MAX, or a
-choice list) that keeps what is computed from it downstream — torch sizes,
-numpy seeds, int64 counts, schedule lengths — from overflowing or hanging.
+and what would be valid (``megazero.errors.invalid``). Every numeric key has a
+range (_MIN, _MAX, or a choice list) that keeps what is computed from it
+downstream — torch sizes, numpy seeds, int64 counts, schedule lengths — from
+overflowing or hanging. Values that have a parser of their own — the schedule
+(``parallel.schedules``), ``data.split`` (``megazero.data.samples``) — are
+checked by calling it, so a config passes here exactly when the run accepts it.
+
+Imports go one way: ``megazero.config`` imports this module, which reads the
+config it is handed and imports nothing from ``megazero.config``.
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from megazero.config import AUTO, Config, _fail
-from megazero.errors import UserError
+from megazero.data.samples import parse_split
+from megazero.errors import UserError, invalid
+from parallel.schedules import SCHEDULES, schedule_constraint
+
+if TYPE_CHECKING:  # annotations only: megazero.config imports this module
+    from megazero.config import Config
+
+AUTO = "auto"  # a value fixed later: by resolve_world (parallel.dp, zero.reshard_after_forward) or at launch
 
 # Allowed values and ranges, per key. A key absent here only needs the right type.
 _CHOICES = {
@@ -23,9 +35,9 @@ _CHOICES = {
     ("zero", "offload_params"): ("none", "cpu"),
     ("zero", "grad_dtype"): ("auto", "fp32", "model"),
     ("kernels", "attention"): ("auto", "triton", "torch"),
-    ("kernels", "adam"): ("auto", "triton", "torch"),
+    ("kernels", "adam"): ("auto", "fused", "triton", "torch"),
     ("launch", "device"): ("auto", "cpu", "cuda"),
-    ("parallel", "schedule"): ("gpipe", "1f1b", "interleaved"),
+    ("parallel", "schedule"): SCHEDULES,
     ("train", "on_nonfinite"): ("stop", "skip"),
 }
 _MIN = {
@@ -92,45 +104,46 @@ def validate(cfg: Config) -> None:
         low, high = _MIN.get((section, key)), _MAX.get((section, key))
         if (low is not None and v < low) or (high is not None and v > high):
             valid = " and ".join(f"{op} {bound}" for op, bound in ((">=", low), ("<=", high)) if bound is not None)
-            raise _fail(src, f"{section}.{key}", v, f"must be {valid}")
+            raise invalid(src, f"{section}.{key}", v, f"must be {valid}")
     for section, key in _PROBABILITY:
         v = getattr(getattr(cfg, section), key)
         if not 0.0 <= v < 1.0:
-            raise _fail(src, f"{section}.{key}", v, "must be in [0, 1)")
+            raise invalid(src, f"{section}.{key}", v, "must be in [0, 1)")
     for (section, key), choices in _CHOICES.items():
         v = getattr(getattr(cfg, section), key)
         if v not in choices:
-            raise _fail(src, f"{section}.{key}", v, f"valid: {' | '.join(str(c) for c in choices)}")
+            raise invalid(src, f"{section}.{key}", v, f"valid: {' | '.join(str(c) for c in choices)}")
     m, t, par = cfg.model, cfg.train, cfg.parallel
     if isinstance(par.dp, int) and par.tp * par.pp * par.dp > _WORLD:
-        raise _fail(src, "parallel.tp*pp*dp", par.tp * par.pp * par.dp,
-                    f"must be <= {_WORLD} ranks (tp={par.tp}, pp={par.pp}, dp={par.dp})")
+        raise invalid(src, "parallel.tp*pp*dp", par.tp * par.pp * par.dp,
+                      f"must be <= {_WORLD} ranks (tp={par.tp}, pp={par.pp}, dp={par.dp})")
     if m.ffn_hidden is None:
         m.ffn_hidden = 4 * m.hidden
     if m.hidden % m.heads:
-        raise _fail(src, "model.heads", m.heads, f"must divide model.hidden={m.hidden}")
+        raise invalid(src, "model.heads", m.heads, f"must divide model.hidden={m.hidden}")
     _check_tp(cfg)
     _check_pp(cfg)
     heads = t.micro_batch * m.heads // par.tp
     if cfg.kernels.attention == "triton" and heads > _TRITON_GRID_Y:
-        raise _fail(src, "kernels.attention", "triton",
-                    f"launches micro_batch*heads/tp = {heads} programs on one grid axis, above CUDA's "
-                    f"{_TRITON_GRID_Y}; lower train.micro_batch or use kernels.attention=auto")
+        raise invalid(src, "kernels.attention", "triton",
+                      f"launches micro_batch*heads/tp = {heads} programs on one grid axis, above CUDA's "
+                      f"{_TRITON_GRID_Y}; lower train.micro_batch or use kernels.attention=auto")
     if cfg.zero.offload_params == "cpu" and cfg.zero.stage != 3:
-        raise _fail(src, "zero.offload_params", "cpu", f"needs zero.stage=3 (got {cfg.zero.stage})")
+        raise invalid(src, "zero.offload_params", "cpu", f"needs zero.stage=3 (got {cfg.zero.stage})")
     if t.min_lr > t.lr:
-        raise _fail(src, "train.min_lr", t.min_lr, f"must be <= train.lr={t.lr}")
+        raise invalid(src, "train.min_lr", t.min_lr, f"must be <= train.lr={t.lr}")
     if t.global_batch % t.micro_batch:
-        raise _fail(src, "train.global_batch", t.global_batch,
-                    f"must be a multiple of train.micro_batch={t.micro_batch}")
+        raise invalid(src, "train.global_batch", t.global_batch,
+                      f"must be a multiple of train.micro_batch={t.micro_batch}")
     if t.resume not in ("none", "auto") and not _exists(src, "train.resume", t.resume):
-        raise _fail(src, "train.resume", t.resume, "valid: none | auto | an existing checkpoint directory")
-    _check_split(src, cfg.data.split)
+        raise invalid(src, "train.resume", t.resume, "valid: none | auto | an existing checkpoint directory")
+    _check_split(cfg)
     if cfg.data.tokenizer != "train" and not _exists(src, "data.tokenizer", cfg.data.tokenizer, Path.is_file):
-        raise _fail(src, "data.tokenizer", cfg.data.tokenizer, "valid: 'train' or an existing sentencepiece .model file")
+        raise invalid(src, "data.tokenizer", cfg.data.tokenizer,
+                      "valid: 'train' or an existing sentencepiece .model file")
     for p in cfg.data.paths:
         if not (_exists(src, "data.paths", p) or _exists(src, "data.paths", p + ".idx")):
-            raise _fail(src, "data.paths", p, "no such file or directory (nor a PREFIX.bin/.idx pair)")
+            raise invalid(src, "data.paths", p, "no such file or directory (nor a PREFIX.bin/.idx pair)")
     if isinstance(cfg.parallel.dp, int):
         _check_batch(cfg, cfg.parallel.dp)
         _check_microbatches(cfg)
@@ -144,43 +157,45 @@ def _exists(src: str, key: str, path: str, test=Path.exists) -> bool:
     try:
         return test(Path(path))
     except OSError as e:
-        raise _fail(src, key, path, f"cannot be checked ({e.strerror or e})") from None
+        raise invalid(src, key, path, f"cannot be checked ({e.strerror or e})") from None
 
 
 def _check_tp(cfg: Config) -> None:
     """Tensor parallelism splits heads, the MLP, the vocabulary and (with SP) the sequence evenly."""
     m, tp, src = cfg.model, cfg.parallel.tp, cfg.source
     if m.heads % tp:
-        raise _fail(src, "model.heads", m.heads, f"must be divisible by parallel.tp={tp} (whole heads per rank)")
+        raise invalid(src, "model.heads", m.heads, f"must be divisible by parallel.tp={tp} (whole heads per rank)")
     if m.ffn_hidden % tp:
-        raise _fail(src, "model.ffn_hidden", m.ffn_hidden, f"must be divisible by parallel.tp={tp}")
+        raise invalid(src, "model.ffn_hidden", m.ffn_hidden, f"must be divisible by parallel.tp={tp}")
     if m.padded_vocab % tp:
-        raise _fail(src, "model.vocab_pad_multiple", m.vocab_pad_multiple,
-                    f"pads model.vocab_size={m.vocab_size} to {m.padded_vocab}, which parallel.tp={tp} does not "
-                    f"divide; use a multiple of {tp}, e.g. {128 * tp}")
+        raise invalid(src, "model.vocab_pad_multiple", m.vocab_pad_multiple,
+                      f"pads model.vocab_size={m.vocab_size} to {m.padded_vocab}, which parallel.tp={tp} does not "
+                      f"divide; use a multiple of {tp}, e.g. {128 * tp}")
     if cfg.parallel.sequence_parallel and m.seq_len % tp:
-        raise _fail(src, "model.seq_len", m.seq_len,
-                    f"must be divisible by parallel.tp={tp} with parallel.sequence_parallel=true")
+        raise invalid(src, "model.seq_len", m.seq_len,
+                      f"must be divisible by parallel.tp={tp} with parallel.sequence_parallel=true")
 
 
 def _check_pp(cfg: Config) -> None:
     """Every (virtual) pipeline stage gets at least one layer; the schedule fits the chunking."""
     m, p, src = cfg.model, cfg.parallel, cfg.source
     stages = p.pp * p.virtual_stages
-    if p.schedule == "interleaved" and (p.pp < 2 or p.virtual_stages < 2):
-        raise _fail(src, "parallel.schedule", p.schedule,
-                    f"interleaved needs parallel.pp >= 2 and parallel.virtual_stages >= 2 "
-                    f"(got pp={p.pp}, virtual_stages={p.virtual_stages}); or use 1f1b")
-    if p.schedule != "interleaved" and p.virtual_stages != 1:
-        raise _fail(src, "parallel.virtual_stages", p.virtual_stages,
-                    f"must be 1 with parallel.schedule={p.schedule}; model chunks need schedule=interleaved")
+    # the microbatch count is checked once dp is known (_check_microbatches); pp microbatches suit every schedule
+    problem = schedule_constraint(p.schedule, p.pp, p.pp, p.virtual_stages)
+    if problem and p.schedule == "interleaved":
+        raise invalid(src, "parallel.schedule", p.schedule,
+                      f"{problem} (got pp={p.pp}, virtual_stages={p.virtual_stages}); or use 1f1b")
+    if problem:
+        raise invalid(src, "parallel.virtual_stages", p.virtual_stages,
+                      f"{problem}; model chunks need schedule=interleaved")
     if p.pp_layers:
         if len(p.pp_layers) != stages or sum(p.pp_layers) != m.layers or min(p.pp_layers) < 1:
-            raise _fail(src, "parallel.pp_layers", p.pp_layers,
-                        f"must list {stages} counts (pp*virtual_stages), each >= 1, summing to model.layers={m.layers}")
+            raise invalid(src, "parallel.pp_layers", p.pp_layers,
+                          f"must list {stages} counts (pp*virtual_stages), each >= 1, summing to "
+                          f"model.layers={m.layers}")
     elif m.layers < stages:
-        raise _fail(src, "model.layers", m.layers,
-                    f"fewer layers than pipeline stages: needs >= parallel.pp*virtual_stages = {stages}")
+        raise invalid(src, "model.layers", m.layers,
+                      f"fewer layers than pipeline stages: needs >= parallel.pp*virtual_stages = {stages}")
 
 
 def _check_microbatches(cfg: Config) -> None:
@@ -188,41 +203,43 @@ def _check_microbatches(cfg: Config) -> None:
     p = cfg.parallel
     passes = cfg.microbatches * p.pp * p.virtual_stages
     if passes > _SCHEDULE_PASSES:
-        raise _fail(cfg.source, "train.global_batch", cfg.train.global_batch,
-                    f"gives {cfg.microbatches} microbatches per rank (global_batch / (micro_batch*dp)); times "
-                    f"parallel.pp*virtual_stages={p.pp * p.virtual_stages} that is {passes} forward passes per "
-                    f"step, above {_SCHEDULE_PASSES}; raise train.micro_batch or lower global_batch")
-    if p.schedule == "interleaved" and cfg.microbatches % p.pp:
-        raise _fail(cfg.source, "train.global_batch", cfg.train.global_batch,
-                    f"gives {cfg.microbatches} microbatches per rank (global_batch / (micro_batch*dp)); the "
-                    f"interleaved schedule needs a multiple of parallel.pp={p.pp}")
+        raise invalid(cfg.source, "train.global_batch", cfg.train.global_batch,
+                      f"gives {cfg.microbatches} microbatches per rank (global_batch / (micro_batch*dp)); times "
+                      f"parallel.pp*virtual_stages={p.pp * p.virtual_stages} that is {passes} forward passes per "
+                      f"step, above {_SCHEDULE_PASSES}; raise train.micro_batch or lower global_batch")
+    problem = schedule_constraint(p.schedule, p.pp, cfg.microbatches, p.virtual_stages)
+    if problem:  # the name and the chunking passed _check_pp: what is left is the microbatch count
+        raise invalid(cfg.source, "train.global_batch", cfg.train.global_batch,
+                      f"gives {cfg.microbatches} microbatches per rank (global_batch / (micro_batch*dp)); {problem}")
 
 
-def _check_split(src: str, split: str) -> None:
-    try:
-        parts = [float(x) for x in str(split).split(",")]
-    except ValueError:
-        parts = []
-    if len(parts) != 2 or not math.isfinite(sum(parts)) or min(parts) < 0 or parts[0] <= 0 or parts[1] <= 0:
-        raise _fail(src, "data.split", split, "expected 'train,validation' weights, both > 0, e.g. '98,2'")
+def _check_split(cfg: Config) -> None:
+    """data.split as the data loader parses it; a validation weight of 0 (no validation set) leaves nothing
+    for train.eval_every to evaluate on, which would otherwise fail only at the first evaluation."""
+    _, w_val = parse_split(cfg.data.split, cfg.source)
+    if w_val == 0 and cfg.train.eval_every:
+        raise invalid(cfg.source, "data.split", cfg.data.split,
+                      f"validation weight 0 leaves no validation data, but train.eval_every={cfg.train.eval_every} "
+                      "evaluates on it; give validation a weight (e.g. '98,2') or set train.eval_every=0")
 
 
 def _check_batch(cfg: Config, dp: int) -> None:
     t = cfg.train
     per_step = t.micro_batch * dp
     if t.global_batch % per_step:
-        raise _fail(cfg.source, "train.global_batch", t.global_batch,
-                    f"must be a multiple of train.micro_batch*parallel.dp = {t.micro_batch}*{dp} = {per_step}")
+        raise invalid(cfg.source, "train.global_batch", t.global_batch,
+                      f"must be a multiple of train.micro_batch*parallel.dp = {t.micro_batch}*{dp} = {per_step}")
 
 
 def resolve_world(cfg: Config, world_size: int) -> Config:
-    """Fix parallel.dp for this world size and check tp*pp*dp covers it exactly."""
+    """Fix parallel.dp for this world size and check tp*pp*dp covers it exactly; fix the values that
+    depend on the layout (zero.reshard_after_forward=auto)."""
     p = cfg.parallel
     src = cfg.source
     if p.dp == AUTO:
         if world_size % (p.tp * p.pp):
-            raise _fail(src, "parallel.tp*pp", p.tp * p.pp,
-                        f"must divide the world size {world_size} (parallel.dp=auto)")
+            raise invalid(src, "parallel.tp*pp", p.tp * p.pp,
+                          f"must divide the world size {world_size} (parallel.dp=auto)")
         p.dp = world_size // (p.tp * p.pp)
     if p.tp * p.pp * p.dp != world_size:
         raise UserError(f"{src}: parallel.tp*pp*dp = {p.tp}*{p.pp}*{p.dp} = {p.tp * p.pp * p.dp} "
@@ -230,4 +247,8 @@ def resolve_world(cfg: Config, world_size: int) -> Config:
                         f"{p.tp * p.pp * p.dp} processes")
     _check_batch(cfg, p.dp)
     _check_microbatches(cfg)
+    if cfg.zero.reshard_after_forward == AUTO:
+        # A pipeline stage runs m forwards and m backwards per step: resharding after every forward would
+        # gather each layer 2m times per step instead of once (torchtitan reshards only without pp).
+        cfg.zero.reshard_after_forward = p.pp == 1
     return cfg

@@ -26,9 +26,11 @@ from megazero.data import GPTData, build_data
 from megazero.errors import NonFiniteStop, Preempted, UserError
 from megazero.nonfinite import NonFiniteGuard
 from megazero.signals import StopSignals, exit_code, signal_name
+from megazero.step import train_step
 from megazero.run_dir import Start, clear_earlier_run, plan_start
 from megazero.metrics import MetricsLogger, memory_gb, model_flops_per_token, peak_tflops
 from models.gpt import build_gpt, initial_tp_value
+from parallel.loss_scale import LossScaler
 from parallel.pipeline import PipelineExecutor, partition_layers
 from parallel.schedules import build_schedule, virtual_stage
 from parallel.topology import Grid, coords_to_rank
@@ -112,7 +114,8 @@ class Trainer:
                                             forward_only=True)[grid.pp_rank]
         self.step = 0
         self.consumed_samples = 0
-        self.guard = NonFiniteGuard(cfg.train.on_nonfinite, cfg.train.max_skipped, fp16=self.zero.scaler.enabled)
+        self.scaler = LossScaler(enabled=cfg.train.precision == "fp16")
+        self.guard = NonFiniteGuard(cfg.train.on_nonfinite, cfg.train.max_skipped, fp16=self.scaler.enabled)
         self.stop_agreed = 0  # the stop signal some rank received (agreed at the last step), 0 for none
         writer_rank = coords_to_rank(grid.pp - 1, 0, 0, grid.tp, grid.dp)
         self.is_writer = grid.rank == writer_rank
@@ -146,28 +149,24 @@ class Trainer:
         microbatches = self.data.train_microbatches(self.consumed_samples, grid.dp_rank, grid.dp,
                                                     cfg.train.micro_batch, cfg.train.global_batch)
         assert len(microbatches) == cfg.microbatches
-        self.zero.begin_step(len(microbatches))
-        self.executor.loss_scale = self.zero.scaler.scale if self.zero.scaler.enabled else 1.0
-        loss_sum = self.executor.run(self.schedule, microbatches)
-        self.train_trace = (self.executor.trace, self.executor.trace_origin)  # the last training run's timeline
-        # (stop requested here, loss non-finite here): agreed over every rank in the step's own all-reduce
-        flags = torch.tensor([float(self.stop.received or 0) if self.stop is not None else 0.0, 0.0],
+        # a stop requested here: agreed over every rank in the step's own all-reduce
+        flags = torch.tensor([float(self.stop.received or 0) if self.stop is not None else 0.0],
                              device=self.device)  # the signal's number: the agreed one is the largest received
-        flags[1] = torch.isfinite(loss_sum).logical_not().float()
-        norm, skipped = self.zero.step(lr, cfg.train.grad_clip, loss=loss_sum, flags=flags)
-        stop, loss_nonfinite = flags.tolist()
-        self.stop_agreed = int(stop)
-        grid.dp_comm.all_reduce(loss_sum, tag="loss")
+        result = train_step(self.zero, self.executor, self.schedule, microbatches, lr, cfg.train.grad_clip,
+                            self.scaler, flags=flags)
+        self.train_trace = (self.executor.trace, self.executor.trace_origin)  # the last training run's timeline
+        loss_sum, norm, skipped = result.loss_total, result.grad_norm, result.skipped
+        self.stop_agreed = int(flags.item())
         self.step += 1
         self.consumed_samples += cfg.train.global_batch
         loss = (loss_sum / self.tokens_per_step).item() if grid.is_last_stage else float("nan")
         record = {"loss": loss, "lr": lr, "grad_norm": norm}
-        if self.zero.scaler.enabled:
-            record["loss_scale"] = self.zero.scaler.scale
-        if self.zero.scaler.enabled or skipped:
+        scaler = self.scaler
+        if scaler.enabled:
+            record["loss_scale"] = scaler.scale
+        if scaler.enabled or skipped:
             record["skipped"] = int(skipped)
-        scaler = self.zero.scaler
-        self.guard.check(self.step, skipped, bool(loss_nonfinite), norm, self.zero.nonfinite_param,
+        self.guard.check(self.step, skipped, result.loss_nonfinite, norm, result.nonfinite_param,
                          scale_at_min=scaler.enabled and scaler.scale <= scaler.min_scale)
         return record
 
@@ -242,14 +241,14 @@ class Trainer:
         """Checkpoint this step (in the background with train.async_save). A state holding a non-finite value is
         never saved: keep_last would rotate the last good checkpoint away."""
         meta = {"consumed_samples": self.consumed_samples, "optimizer_step": self.zero.step_count,
-                "loss_scaler": self.zero.scaler.state(),
+                "loss_scaler": self.scaler.state(),
                 "config": self.cfg.to_dict(),
                 "rng": "dropout streams are derived from (train.seed, step, grid coordinates)"}
         state, _ = self.state_tensors()
         bad = torch.zeros((), device=self.device)
         for t in state.values():
             local = t.to_local() if hasattr(t, "to_local") else t
-            bad = torch.maximum(bad, torch.isfinite(local).logical_not().any().float())
+            bad = torch.maximum(bad, torch.isfinite(local).logical_not().any().float().to(bad.device))
         self.zero.world.all_reduce(bad, op=dist.ReduceOp.MAX, tag="checkpoint")
         if bad.item():
             raise NonFiniteStop(f"step {self.step}: the model state holds non-finite values; not saved, so the "
@@ -267,7 +266,7 @@ class Trainer:
         meta = checkpoint.load(path, state)
         self.zero.import_state(exported, int(meta["optimizer_step"]))
         if "loss_scaler" in meta:
-            self.zero.scaler.load(meta["loss_scaler"])
+            self.scaler.load(meta["loss_scaler"])
         self.step = int(meta["step"])
         self.consumed_samples = int(meta["consumed_samples"])
 

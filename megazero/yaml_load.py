@@ -38,12 +38,11 @@ from typing import Any, Iterator
 import yaml
 from yaml import events as ev
 
-from megazero.errors import UserError
+from megazero.errors import UserError, shown, shown_name
 
 MAX_DEPTH = 16  # mappings and lists inside each other; a config uses 3 (sections, keys, a list value)
 MAX_BYTES = 1 << 20  # a config is a few KB; 1 MiB bounds the time and memory any file can cost
 MAX_INT_DIGITS = 100  # far past 2**64 (20 digits); below Python's 4300-digit int conversion limit
-SHOWN_CHARS = 60  # values echoed in messages are cut to about this many characters
 
 _NULL = re.compile(r"~|null|Null|NULL|")
 _TRUE = re.compile(r"true|True|TRUE")
@@ -59,58 +58,6 @@ _NAN = re.compile(r"\.(nan|NaN|NAN)")
 
 class YamlSyntaxError(UserError):
     """The text is not YAML at all (as opposed to YAML this loader refuses): ``--set`` then takes it as text."""
-
-
-def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
-    """``repr(value)`` cut to about ``limit`` characters, never walking more of the value than it shows.
-
-    Error messages echo untrusted values: a 100 MB string, a list of a million items or a 5000-digit
-    integer must neither flood the terminal nor take time (``repr`` of an int past 4300 digits raises).
-    """
-    out: list[str] = []
-    budget = [limit]
-    for piece in _pieces(value, budget):
-        out.append(piece)
-        if budget[0] <= 0:
-            return "".join(out)[:limit] + "..."
-    return "".join(out)
-
-
-def shown_name(text: str, limit: int = 200) -> str:
-    """A file name or ``--set`` key for a message: as given when short and printable, else ``shown``."""
-    return text if len(text) <= limit and text.isprintable() else shown(text, limit)
-
-
-def _pieces(value: Any, budget: list[int]) -> Iterator[str]:
-    """repr fragments of ``value``, lazily, charging each against ``budget``."""
-    if isinstance(value, (list, tuple, dict)):
-        is_dict = isinstance(value, dict)
-        opening, closing = ("{", "}") if is_dict else ("[", "]") if isinstance(value, list) else ("(", ")")
-        budget[0] -= 1
-        yield opening
-        for i, item in enumerate(value.items() if is_dict else value):
-            if budget[0] <= 0:
-                return
-            if i:
-                budget[0] -= 2
-                yield ", "
-            if is_dict:
-                yield from _pieces(item[0], budget)
-                budget[0] -= 2
-                yield ": "
-                item = item[1]
-            yield from _pieces(item, budget)
-        budget[0] -= 1
-        yield closing
-        return
-    if isinstance(value, str):
-        text = repr(value[:budget[0] + 1])
-    elif isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 4 * budget[0]:
-        text = f"<an integer of {len(str(abs(value))) if value.bit_length() < 14000 else 'thousands of'} digits>"
-    else:
-        text = repr(value)
-    budget[0] -= len(text)
-    yield text
 
 
 def read_config_text(path: str | Path) -> str:

@@ -1,8 +1,9 @@
 """Collectives: one counted wrapper per grid group, and the Megatron f/g autograd functions.
 
-Every collective megazero issues goes through a :class:`Comm` (a process group
-with a name) and is added up by the run's :class:`CommCounter`: kind, group,
-element count and bytes. Tests and benchmarks read the counter instead of
+Every collective megazero issues, and every pipeline send and receive
+(:meth:`Comm.exchange`), goes through a :class:`Comm` (a process group with a
+name) and is added up by the run's :class:`CommCounter`: kind, group, element
+count and bytes. Tests and benchmarks read the counter instead of
 assuming what the code does.
 
 The autograd functions are the conjugate pairs of Megatron-LM (Shoeybi et al.
@@ -27,7 +28,7 @@ backward.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -111,6 +112,7 @@ class Comm:
             self.rank, self.size = 0, 1
         else:
             self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self._global: dict[int, int] = {}  # group rank -> global rank, for point-to-point ops
 
     def __repr__(self) -> str:
         return f"Comm({self.name}, rank {self.rank}/{self.size})"
@@ -118,6 +120,26 @@ class Comm:
     def _record(self, kind: str, tensor: Tensor, tag: str) -> None:
         if self.counter is not None:
             self.counter.add(kind, self.name, tensor, tag, self.size)
+
+    def exchange(self, ops: Sequence[tuple[str, Tensor, int, str]]) -> list:
+        """Post a batch of point-to-point transfers at once (``batch_isend_irecv``), each counted.
+
+        ``ops``: ("send" | "recv", tensor, peer, tag) in the order to post them, ``peer`` a rank of this
+        group. Returns the work handles: waiting on one makes the device stream wait for its transfer (on
+        CUDA the host does not block), so a pipeline posts without a host sync per message.
+        """
+        if not ops:
+            return []
+        assert self.size > 1, f"{self}: point-to-point needs a group of two or more ranks"
+        p2p = []
+        for kind, tensor, peer, tag in ops:
+            assert kind in ("send", "recv") and 0 <= peer < self.size and peer != self.rank, (kind, peer, self)
+            if peer not in self._global:
+                self._global[peer] = dist.get_global_rank(self.group, peer)
+            self._record(kind, tensor, tag)
+            p2p.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, self._global[peer],
+                                  self.group))
+        return dist.batch_isend_irecv(p2p)
 
     def all_reduce(self, x: Tensor, op=dist.ReduceOp.SUM, tag: str = "activation", async_op: bool = False):
         """In place. Returns x, or the work handle with async_op (None at size 1)."""

@@ -2,7 +2,8 @@
 
 The schedules themselves are pure functions in ``parallel.schedules``; here
 their actions meet tensors: forward and backward of model chunks, and batched
-point-to-point transfers on the pp group (``batch_isend_irecv``). Shapes and
+point-to-point transfers through the grid's pp :class:`~parallel.comm.Comm`
+(``Comm.exchange``: ``batch_isend_irecv``, each message counted). Shapes and
 dtypes are known from the config, so no handshake precedes a transfer, and no
 transfer synchronises the host with the device. A stage's output activation
 is released as soon as it has been sent (Megatron's deallocate-output trick):
@@ -14,11 +15,10 @@ import time
 from typing import Callable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from parallel.schedules import Action, batches, peer, virtual_stage
-from parallel.topology import Grid, coords_to_rank
+from parallel.topology import Grid
 
 
 def partition_layers(layers: int, stages: int, explicit: Sequence[int] = ()) -> list[range]:
@@ -61,6 +61,8 @@ class PipelineExecutor:
     def __init__(self, chunks: list[nn.Module], grid: Grid, act_shape: tuple[int, ...], act_dtype: torch.dtype,
                  device: torch.device, tokens_per_step: int, autocast: Callable):
         self.chunks, self.grid = chunks, grid
+        self.comm = grid.pp_comm  # counted p2p; a peer's pp rank is its rank in the pp group
+        assert self.comm.size == grid.pp and (grid.pp == 1 or self.comm.rank == grid.pp_rank), (self.comm, grid)
         self.act_shape, self.act_dtype, self.device = act_shape, act_dtype, device
         self.tokens_per_step = tokens_per_step
         self.autocast = autocast
@@ -70,10 +72,6 @@ class PipelineExecutor:
         self.trace_origin: object = 0.0  # the stamp the last run started at
         self.loss_scale = 1.0  # fp16: the loss is multiplied by the loss scale before backward
         self.peak_held_bytes = 0  # largest total of stage outputs kept between actions (measured)
-
-    def _global_rank(self, pp_rank: int) -> int:
-        g = self.grid
-        return coords_to_rank(pp_rank, g.dp_rank, g.tp_rank, g.tp, g.dp)
 
     def run(self, actions: list[Action], microbatches: list[Tensor], forward_only: bool = False) -> Tensor:
         """Execute the actions; returns this rank's summed token loss (0 off the last stage)."""
@@ -137,30 +135,24 @@ class PipelineExecutor:
             inputs.pop(key, None)
 
     def _communicate(self, items: list[Action], inputs, outputs, grads, forward_only: bool) -> None:
-        ops, sent = [], []
-        counter = self.grid.counter
+        ops = []
         for a in items:
             key = (a.mb, a.chunk)
-            other = self._global_rank(peer(a, self.rank, self.pp)[0])
             if a.kind == "send_f":
                 t = outputs[key].detach()
                 if forward_only:
                     outputs.pop(key)
-                sent.append(key)
-                ops.append(dist.P2POp(dist.isend, t, other, self.grid.pp_group))
             elif a.kind == "send_b":
                 t = grads.pop(("send",) + key)
-                ops.append(dist.P2POp(dist.isend, t, other, self.grid.pp_group))
             else:
                 t = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
                 if a.kind == "recv_f":
                     inputs[key] = t
                 else:
                     grads[key] = t
-                ops.append(dist.P2POp(dist.irecv, t, other, self.grid.pp_group))
-            counter.add("send" if a.kind.startswith("send") else "recv", "pp", t,
-                        "activation" if a.kind.endswith("_f") else "grad")
-        for work in dist.batch_isend_irecv(ops):
+            ops.append(("send" if a.kind.startswith("send") else "recv", t, peer(a, self.rank, self.pp)[0],
+                        "activation" if a.kind.endswith("_f") else "grad"))
+        for work in self.comm.exchange(ops):
             work.wait()
         for a in items:
             key = (a.mb, a.chunk)

@@ -161,21 +161,23 @@ def test_resolve_impl(monkeypatch):
     assert triton_available()  # interpreter on, triton imported
     assert resolve_impl("torch", "cpu") == "torch"
     assert resolve_impl("torch", "cuda") == "torch"
-    assert resolve_impl("auto", "cpu") == "torch"  # the interpreter is for tests, never chosen by "auto"
+    assert resolve_impl("fused", "cpu") == "fused"
+    assert resolve_impl("fused", "cuda") == "fused"
+    assert resolve_impl("auto", "cpu") == "fused"  # the interpreter is for tests, never chosen by "auto"
     assert resolve_impl("auto", "cuda") == "triton"
     assert resolve_impl("triton", "cpu") == "triton"  # TRITON_INTERPRET=1
     assert resolve_impl("triton", "cuda") == "triton"
-    with pytest.raises(UserError, match=re.escape("valid: auto | torch | triton")):
+    with pytest.raises(UserError, match=re.escape("valid: auto | fused | torch | triton")):
         resolve_impl("apex", "cuda")
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(UserError) as err:
         resolve_impl("triton", "cpu")
     assert str(err.value) == ("kernels.adam='triton' needs a CUDA GPU with triton installed (or TRITON_INTERPRET=1 "
-                              "to run the kernels on the CPU interpreter); valid here: auto | torch")
-    assert resolve_impl("auto", "cpu") == "torch"
+                              "to run the kernels on the CPU interpreter); valid here: auto | fused | torch")
+    assert resolve_impl("auto", "cpu") == "fused"
     monkeypatch.setattr(adam, "triton", None)  # triton not importable
     assert resolve_impl("auto", "cuda") == "torch"
     with pytest.raises(UserError):
         resolve_impl("triton", "cuda")
     with pytest.raises(ValueError):
-        adamw("fused", torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1))
+        adamw("apex", torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1))

@@ -74,6 +74,8 @@ BAD = [
     (["data.paths=[/no/such/corpus.txt]"], ["data.paths", "/no/such/corpus.txt"]),
     (["data.tokenizer=/no/such.model"], ["data.tokenizer", "/no/such.model"]),
     (["data.split=abc"], ["data.split", "'abc'"]),
+    (["data.split=0,1"], ["data.split='0,1'", "train > 0"]),
+    (["data.split=100,0", "train.eval_every=5"], ["data.split='100,0'", "no validation data", "train.eval_every=5"]),
     (["train.resume=/no/ckpt"], ["train.resume", "/no/ckpt"]),
     (["launch.device=tpu"], ["launch.device", "'tpu'"]),
     (["parallel.tp=4"], ["model.heads=6", "parallel.tp=4"]),
@@ -86,7 +88,8 @@ BAD = [
     (["parallel.pp=2", "parallel.schedule=interleaved"], ["parallel.schedule='interleaved'", "virtual_stages >= 2"]),
     (["parallel.pp=2", "parallel.virtual_stages=2"], ["parallel.virtual_stages=2", "schedule=interleaved"]),
     (["parallel.pp=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2", "parallel.dp=1",
-      "train.global_batch=24", "train.micro_batch=8"], ["train.global_batch=24", "3 microbatches", "multiple of parallel.pp=2"]),
+      "train.global_batch=24", "train.micro_batch=8"],
+     ["train.global_batch=24", "3 microbatches", "multiple of parallel.pp (2)"]),
     (["parallel.schedule=zigzag"], ["parallel.schedule='zigzag'", "gpipe | 1f1b | interleaved"]),
     (["zero.stage=4"], ["zero.stage=4", "0 | 1 | 2 | 3"]),
     (["zero.offload_params=cpu"], ["zero.offload_params='cpu'", "zero.stage=3"]),
@@ -202,3 +205,79 @@ def test_apply_keeps_its_meaning_for_checkpoint_metadata():
     assert cfg.train.steps == 5 and _MIN[("train", "steps")] == 1 and _MAX[("train", "seed")] == 2 ** 63 - 1
     with pytest.raises(UserError, match=r"ckpt/meta.json: train.steps='5' is invalid; expected an integer"):
         _apply(cfg, "train", "steps", "5", "ckpt/meta.json")
+
+
+def _runtime_imports(path: Path) -> list[tuple[str, bool]]:
+    """(module, inside a function) for each import of a file, but those under ``if TYPE_CHECKING:`` (types only).
+    ``from a import b`` gives ``a`` and, where b is a module, ``a.b``."""
+    import ast
+
+    found: list[tuple[str, bool]] = []
+
+    def visit(node, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and getattr(child.test, "id", None) == "TYPE_CHECKING":
+                continue
+            if isinstance(child, ast.Import):
+                found.extend((a.name, in_function) for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module and not child.level:
+                found.append((child.module, in_function))
+                found.extend((f"{child.module}.{a.name}", in_function) for a in child.names)
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(ast.parse(path.read_text()), False)
+    return found
+
+
+def _module_file(name: str) -> Path | None:
+    base = ROOT.joinpath(*name.split("."))
+    return next((f for f in (base.with_suffix(".py"), base / "__init__.py") if f.is_file()), None)
+
+
+def test_config_and_rules_import_one_way():
+    """config -> rules -> errors, with no circle: nothing megazero.rules imports (transitively, lazily or not,
+    packages included) imports megazero.config; config imports rules at the top, not inside a function."""
+    seen, todo = set(), ["megazero.rules"]
+    while todo:
+        name = todo.pop()
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):  # importing a.b.c runs a/__init__ and a/b/__init__ too
+            module = ".".join(parts[:i])
+            path = _module_file(module)
+            if path is None or module in seen:
+                continue
+            seen.add(module)
+            todo.extend(m for m, _ in _runtime_imports(path) if m.split(".")[0] in ("megazero", "parallel"))
+    assert "megazero.config" not in seen, sorted(seen)
+    assert {"megazero.errors", "megazero.data.samples", "parallel.schedules"} <= seen  # the real parsers
+    config = _runtime_imports(ROOT / "megazero" / "config.py")
+    assert ("megazero.rules", False) in config and not [m for m, lazy in config if lazy and "rules" in m]
+
+
+def test_reshard_after_forward_defaults_by_pipeline():
+    """auto = reshard without a pipeline, keep layers gathered with one (2m gathers per layer and step
+    otherwise); resolve_world leaves a bool for the trainer; an explicit value is kept."""
+    for pp, want in ((1, True), (2, False), (4, False)):
+        cfg = load_config(None, [f"parallel.pp={pp}", "model.layers=4"])
+        assert cfg.zero.reshard_after_forward == "auto"
+        assert resolve_world(cfg, pp).zero.reshard_after_forward is want
+    for pp, explicit in ((1, False), (2, True)):
+        cfg = load_config(None, [f"parallel.pp={pp}", f"zero.reshard_after_forward={str(explicit).lower()}"])
+        assert resolve_world(cfg, pp).zero.reshard_after_forward is explicit
+    with pytest.raises(UserError, match=r"zero.reshard_after_forward='sometimes' is invalid; expected true or "
+                                        r"false or 'auto'"):
+        load_config(None, ["zero.reshard_after_forward=sometimes"])
+
+
+def test_split_is_checked_by_the_data_parser():
+    """The rules call megazero.data.samples.parse_split: what a config accepts, the data loader accepts.
+    A validation weight of 0 is no validation set, fine while nothing evaluates."""
+    from megazero.data.samples import parse_split
+
+    assert load_config(None, ["data.split=100,0"]).data.split == "100,0" and parse_split("100,0") == (1.0, 0.0)
+    for bad in ("1e308,1e308", "0,1", "1,-1", "98", "inf,1"):
+        with pytest.raises(UserError) as from_config:
+            load_config(None, [f"data.split='{bad}'"])
+        with pytest.raises(UserError) as from_data:
+            parse_split(bad)
+        assert str(from_config.value) == f"<defaults>: {from_data.value}"

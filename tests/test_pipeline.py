@@ -14,8 +14,10 @@ import torch
 
 from megazero.config import load_config, resolve_world
 from megazero.run import run
+from megazero.step import forward_backward
 from megazero.trainer import Trainer
 from models.gpt import build_gpt
+from parallel.schedules import batches
 from parallel.topology import Grid
 from tests.dist import run_ranks
 from tests.runs import ROOT, read_metrics, small_overrides, write_corpus
@@ -31,6 +33,11 @@ def _overrides(text, cache, log_dir, extra=()):
     return small_overrides(text, cache, log_dir, steps=STEPS, **EIGHT_LAYERS) + list(extra)
 
 
+def _counted_as(a) -> tuple[str, str]:
+    """The counter's (kind, tag) for a schedule's send or receive action."""
+    return "send" if a.kind.startswith("send") else "recv", "activation" if a.kind.endswith("_f") else "grad"
+
+
 def _gradient_checks(rank, world, text, cache, base):
     """One step's gradients at pp=4 (each schedule) equal the full model's, tied embedding included."""
     results = {"held": {}}
@@ -40,9 +47,7 @@ def _gradient_checks(rank, world, text, cache, base):
         grid = Grid.build(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, "cpu")
         trainer = Trainer(cfg, grid, torch.device("cpu"), is_builder=rank == 0)
         mbs = trainer.data.train_microbatches(0, grid.dp_rank, grid.dp, cfg.train.micro_batch, cfg.train.global_batch)
-        trainer.zero.begin_step(len(mbs))
-        trainer.executor.run(trainer.schedule, mbs)
-        trainer.zero.reduce()
+        forward_backward(trainer.zero, trainer.executor, trainer.schedule, mbs)
         grads = trainer.zero.full_gradients()
         one_output = cfg.train.micro_batch * cfg.model.seq_len * cfg.model.hidden * 4
         results["held"][name] = (trainer.executor.peak_held_bytes, one_output, len(mbs))
@@ -66,10 +71,19 @@ def _gradient_checks(rank, world, text, cache, base):
     trainer = Trainer(cfg, grid, torch.device("cpu"), is_builder=rank == 0)
     mbs = trainer.data.train_microbatches(0, grid.dp_rank, grid.dp, cfg.train.micro_batch, cfg.train.global_batch)
     grid.counter.reset()
-    trainer.zero.begin_step(len(mbs))
-    trainer.executor.run(trainer.schedule, mbs)
-    trainer.zero.reduce()
+    exchanges = []  # the ops of each Comm.exchange call: the executor's p2p goes through the grid's pp Comm
+    exchange = grid.pp_comm.exchange
+    grid.pp_comm.exchange = lambda ops: exchanges.append([(kind, tag) for kind, _, _, tag in ops]) or exchange(ops)
+    forward_backward(trainer.zero, trainer.executor, trainer.schedule, mbs)
     results["dp_reductions"] = (len(mbs), len(trainer.zero.buckets), grid.counter.count("all_reduce", "dp", "grad"))
+    c = grid.counter
+    results["p2p"] = {
+        "batches": [[_counted_as(a) for a in items] for kind, items in batches(trainer.schedule) if kind == "comm"],
+        "exchanges": exchanges,
+        "counted": {(k, t): c.count(k, "pp", t) for k in ("send", "recv") for t in ("activation", "grad")},
+        "elsewhere": c.count("send") + c.count("recv") - c.count("send", "pp") - c.count("recv", "pp"),
+        "volume": c.volume("send", "pp") + c.volume("recv", "pp"),
+        "message": cfg.train.micro_batch * cfg.model.seq_len * cfg.model.hidden}
     return results
 
 
@@ -80,7 +94,9 @@ def _train_layouts(rank, world, text, cache, base, layouts):
 
 
 FOUR = [(f"pp4_{s}", SCHEDULES[s] + ["parallel.pp=4"]) for s in SCHEDULES] + \
-       [(f"pp2_dp2_{s}", SCHEDULES[s] + ["parallel.pp=2"]) for s in SCHEDULES]
+       [(f"pp2_dp2_{s}", SCHEDULES[s] + ["parallel.pp=2"]) for s in SCHEDULES] + \
+       [(f"pp2_dp2_interleaved_z{z}", SCHEDULES["interleaved"] + ["parallel.pp=2", f"zero.stage={z}"])
+        for z in (2, 3)]  # ZeRO's buckets (stage 3: layers) span two model chunks per rank
 EIGHT = [(f"tp2_pp2_dp2_{s}", SCHEDULES[s] + ["parallel.pp=2", "parallel.tp=2"]) for s in SCHEDULES]
 EIGHT[1] = (EIGHT[1][0] + "_sp", EIGHT[1][1] + ["parallel.sequence_parallel=true", "log.pipeline_trace=true"])
 
@@ -102,6 +118,19 @@ def test_dp_gradients_are_reduced_once_per_step(runs):
     for r in grads:
         m, buckets, reductions = r["dp_reductions"]
         assert m == 2 and reductions == buckets >= 1, r["dp_reductions"]
+
+
+def test_p2p_goes_through_the_pp_comm_and_is_counted(runs):
+    """pp=2 x dp=2, 1f1b, two microbatches: each batch of sends and receives of the schedule is one
+    Comm.exchange on the grid's pp Comm, and the counter holds every message under its kind and tag."""
+    _, grads = runs
+    for rank, r in enumerate(grads):
+        p2p = r["p2p"]
+        assert p2p["exchanges"] == p2p["batches"] and p2p["batches"], (rank, p2p)
+        sent = [op for batch in p2p["batches"] for op in batch]
+        want = {key: sent.count(key) for key in p2p["counted"]}
+        assert p2p["counted"] == want and sum(want.values()) == 4, (rank, p2p["counted"], want)  # 2 mbs x (F, B)
+        assert p2p["elsewhere"] == 0 and p2p["volume"] == 4 * p2p["message"], (rank, p2p)
 
 
 def test_outputs_are_released_once_sent(runs):

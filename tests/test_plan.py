@@ -73,9 +73,9 @@ def test_model_state_kinds_per_stage_fp32_and_padding():
 def test_model_state_offload_moves_bytes_to_cpu():
     psi, dp = 1200, 4  # bf16: 2 B, K = 12
     opt = model_state_bytes(psi, 2, dp, "bf16", offload_optimizer="cpu")
-    assert opt["cpu_total"] == 12 * 300 and opt["device_total"] == 2 * 1200 + 4 * 300  # fp32 grad shard
+    assert opt["cpu_total"] == 12 * 300 + 4 * 300 and opt["device_total"] == 2 * 1200 + 4 * 300  # fp32 grad shard
     both = model_state_bytes(psi, 3, dp, "bf16", offload_optimizer="cpu", offload_params="cpu")
-    assert both["device_total"] == 4 * 300 and both["cpu_total"] == 12 * 300 + 2 * 300
+    assert both["device_total"] == 4 * 300 and both["cpu_total"] == 12 * 300 + 4 * 300 + 2 * 300
     with pytest.raises(ValueError):
         model_state_bytes(psi, 2, dp, "bf16", offload_params="cpu")
 
@@ -230,3 +230,29 @@ def test_dry_run_in_process_starts_nothing_and_reads_no_data(monkeypatch, capsys
     assert plan.cfg.parallel.dp == 16 and plan.world_size == 128 and plan.microbatches == 64
     assert not dist.is_initialized()
     assert "world 128 = tp 4 x pp 2 x dp 16" in capsys.readouterr().out
+
+
+def test_stage3_plan_counts_the_gathered_parameters():
+    """ZeRO-3 holds whole parameters during a step: the root (embeddings, final norm) and two layers when
+    layers are freed after forward (pp = 1's default), the whole stage when they are kept (pp > 1's default)."""
+    from megazero.plan import chunk_parameters
+
+    sets = ["zero.stage=3", "train.precision=bf16", "model.layers=8", "parallel.tp=1",
+            "train.global_batch=8", "train.micro_batch=1", "parallel.sequence_parallel=false"]
+    tiny = ROOT / "configs" / "tiny.yaml"
+
+    def stage0(extra, world):
+        cfg = load_config(tiny, sets + extra)
+        resolve_world(cfg, world)
+        return cfg, make_plan(cfg).stages[0]
+
+    one_cfg, one = stage0(["parallel.pp=1"], 2)
+    two_cfg, two = stage0(["parallel.pp=2"], 4)
+    assert one_cfg.zero.reshard_after_forward is True and two_cfg.zero.reshard_after_forward is False
+    assert two.gathered == two.params * 2  # the whole stage, bf16
+    root = chunk_parameters(one_cfg, range(0), True, True)[0]
+    assert one.gathered == (root + 2 * (one.params - root) // 8) * 2 < one.params * 2
+    _, kept = stage0(["parallel.pp=1", "zero.reshard_after_forward=false"], 2)
+    assert kept.gathered == kept.params * 2
+    _, stage2 = stage0(["parallel.pp=1", "zero.stage=2"], 2)
+    assert stage2.gathered == 0

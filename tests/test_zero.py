@@ -9,6 +9,7 @@ agree to ~1e-2; we allow 2e-2 relative on the loss.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -17,7 +18,9 @@ import torch
 from megazero import plan
 from megazero.config import load_config, resolve_world
 from megazero.run import run
+from megazero.step import forward_backward, train_step
 from megazero.trainer import Trainer
+from parallel.loss_scale import LossScaler
 from parallel.topology import Grid
 from tests.dist import run_ranks
 from tests.runs import ROOT, read_metrics, small_overrides, write_corpus
@@ -62,11 +65,21 @@ def _trainer(text, cache, base, world, extra, **values):
 
 
 def _one_step(trainer, cfg, grid):
+    """The trainer's step (megazero.step.train_step) on the first global batch; returns its result."""
     mbs = trainer.data.train_microbatches(0, grid.dp_rank, grid.dp, cfg.train.micro_batch, cfg.train.global_batch)
-    trainer.zero.begin_step(len(mbs))
-    trainer.executor.loss_scale = trainer.zero.scaler.scale if trainer.zero.scaler.enabled else 1.0
-    trainer.executor.run(trainer.schedule, mbs)
-    return mbs
+    return train_step(trainer.zero, trainer.executor, trainer.schedule, mbs, 1e-3, 1.0, trainer.scaler)
+
+
+def _driver(model, grid, microbatches):
+    """The executor and 1F1B schedule the trainer would use for a bare model at pp = 1."""
+    from parallel.pipeline import PipelineExecutor
+    from parallel.schedules import build_schedule
+
+    b, s = microbatches[0].shape[0], microbatches[0].shape[1] - 1
+    hidden = model.embed.tokens.weight.shape[1]
+    executor = PipelineExecutor([model], grid, (b, s, hidden), torch.float32, torch.device("cpu"),
+                                len(microbatches) * b * s, contextlib.nullcontext)
+    return executor, build_schedule("1f1b", 1, len(microbatches), 1)[0]
 
 
 def _measurements(rank, world, text, cache, base):
@@ -83,7 +96,6 @@ def _measurements(rank, world, text, cache, base):
         planned = plan.make_plan(cfg).stages[0].model_state
         grid.counter.reset()
         _one_step(tr, cfg, grid)  # m = 1 microbatch per rank
-        tr.zero.step(1e-3, 1.0)
         wire = grid.counter.wire(group="dp", tag="grad") + grid.counter.wire(group="dp", tag="param")
         exported = tr.zero.export_state()  # what this rank holds for a checkpoint
         owned = {n: p.numel() for n, p in tr.named_params if n in exported}
@@ -103,16 +115,17 @@ def _overflow(rank, world, text, cache, base):
     log = []
 
     def params():
+        tr.zero.settle()  # the last step's parameter all-gathers may still be in flight (overlapped)
         return torch.cat([b.full.float().clone() for b in tr.zero.buckets])
 
-    for step, poison in enumerate([False, True, True, False]):
-        _one_step(tr, cfg, grid)
-        before, scale = params(), tr.zero.scaler.scale
-        if poison and rank == 1:
-            tr.zero.reduce()
-            tr.zero.buckets[0].shard_grad[0] = float("inf")
-        norm, skipped = tr.zero.step(1e-3, 1.0)
-        log.append({"skipped": skipped, "scale_before": scale, "scale_after": tr.zero.scaler.scale,
+    poison = [False]
+    # an inf in rank 1's first layer's output: its backward gives that layer's gradients inf/nan there only
+    tr.chunks[0].layers["0"].register_forward_hook(lambda m, a, out: out * float("inf") if poison[0] else None)
+    for step, poisoned in enumerate([False, True, True, False]):
+        poison[0] = poisoned and rank == 1
+        before, scale = params(), tr.scaler.scale
+        skipped = _one_step(tr, cfg, grid).skipped
+        log.append({"skipped": skipped, "scale_before": scale, "scale_after": tr.scaler.scale,
                     "changed": not torch.equal(before, params())})
     return log
 
@@ -252,7 +265,7 @@ def test_stage3_creates_the_model_one_bucket_at_a_time():
     assert max(live) <= biggest < whole / 3, (max(live), biggest, whole)
     eager = dict(build_gpt(cfg, 7, tp=grid.tp_comm).named_parameters())
     for b in zero.buckets:
-        zero._gather(b)  # the model's own Parameter objects now view the gathered bucket
+        zero.gatherer._gather(b)  # the model's own Parameter objects now view the gathered bucket
         for n, p in b.params:
             assert p is params[n] and not p.is_meta and torch.equal(p, eager[n]), n
             assert p.tp_split_dim == eager[n].tp_split_dim  # attributes survive the swap
@@ -273,10 +286,8 @@ def test_a_parameter_without_a_gradient_stops_the_step(stage, microbatches):
 
     def step(model, microbatches):
         zero = ZeroOptimizer([model], grid, stage, "fp32", 1e-3, 0.1, device=torch.device("cpu"))
-        zero.begin_step(microbatches)
-        for _ in range(microbatches):
-            model(ids[:, :-1], ids[:, 1:]).mean().backward()
-        zero.step(1e-3, 1.0)
+        mbs = [ids] * microbatches
+        train_step(zero, *_driver(model, grid, mbs), mbs, 1e-3, 1.0)
 
     step(build_gpt(cfg, 0, tp=grid.tp_comm), microbatches)  # every parameter used: steps
     model = build_gpt(cfg, 0, tp=grid.tp_comm)
@@ -315,13 +326,11 @@ def test_bf16_gradients_accumulate_in_fp32(stage):
             p.register_post_accumulate_grad_hook(lambda p, name=name: record(p, name))
         zero = ZeroOptimizer([model], grid, stage, "bf16", 1e-3, 0.1, device=torch.device("cpu"),
                              grad_dtype=grad_dtype)
-        zero.begin_step(m)
-        for i in range(m):
-            (model(ids[i, :, :-1], ids[i, :, 1:]).mean() / m).backward()
-        zero.reduce()
+        mbs = list(ids)
+        forward_backward(zero, *_driver(model, grid, mbs), mbs)
         worst = 0.0
         for b in zero.buckets:
-            grad = zero._range_grad(b)
+            grad = zero.reducer.grad(b)
             assert grad.dtype == (torch.float32 if grad_dtype == "auto" else torch.bfloat16)
             for (name, p), off in zip(b.params, b.offsets):
                 want = ref[name].reshape(-1)
@@ -342,11 +351,10 @@ def test_a_skipped_stage3_step_frees_what_it_gathered():
     model = build_gpt(cfg, 0, tp=grid.tp_comm)
     zero = ZeroOptimizer([model], grid, 3, "fp16", 1e-3, 0.1, device=torch.device("cpu"))
     ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    state = {"poison": False}
+    model.layers["1"].register_forward_hook(lambda m, a, out: out * float("inf") if state["poison"] else None)
+    driver = _driver(model, grid, [ids])
     for poison in (False, True):
-        zero.begin_step(1)
-        model(ids[:, :-1].clone(), ids[:, 1:]).float().mean().backward()
-        zero.reduce()
-        if poison:
-            zero.buckets[0].shard_grad[0] = float("inf")
-        _, skipped = zero.step(1e-3, 1.0)
+        state["poison"] = poison
+        skipped = train_step(zero, *driver, [ids], 1e-3, 1.0, LossScaler()).skipped
         assert skipped == poison and zero.gathered_bytes == 0, (poison, zero.gathered_bytes)

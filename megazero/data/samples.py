@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from megazero.data.documents import name_paths
-from megazero.errors import UserError
+from megazero.errors import UserError, invalid
 
 
 class TokenStream:
@@ -57,19 +57,21 @@ class TokenStream:
         return out
 
 
-def parse_split(split: str) -> tuple[float, float]:
-    """``"98,2"`` -> (0.98, 0.02): train and validation weights, normalised."""
-    bad = UserError(
-        f"data.split: {split!r} is not valid; give two non-negative weights 'train,validation' "
-        "with a positive train weight, such as '98,2'"
-    )
+_SPLIT_VALID = ("expected 'train,validation' weights, finite and >= 0 with train > 0, e.g. '98,2' "
+               "('100,0': no validation set)")
+
+
+def parse_split(split: str, source: str | None = None) -> tuple[float, float]:
+    """``"98,2"`` -> (0.98, 0.02): train and validation weights, normalised. A validation weight of 0 means
+    no validation set (the config rules then require train.eval_every = 0). ``source`` names the config
+    file in the error."""
     try:
         weights = [float(w) for w in str(split).split(",")]
     except ValueError:
-        raise bad from None
-    if len(weights) != 2 or any(not np.isfinite(w) or w < 0 for w in weights) or weights[0] <= 0:
-        raise bad
+        weights = []
     total = sum(weights)
+    if len(weights) != 2 or not np.isfinite(total) or min(weights) < 0 or weights[0] <= 0:
+        raise invalid(source, "data.split", split, _SPLIT_VALID)
     return weights[0] / total, weights[1] / total
 
 

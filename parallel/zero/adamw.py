@@ -1,0 +1,140 @@
+"""AdamW on this rank's share of the flat buffers: fp32 masters and moments, on the device or offloaded.
+
+The states cover the optimizer's range of every bucket (``BucketLayout.range``): the own dp slice when the
+optimizer is sharded, the whole bucket otherwise. Offloaded (``zero.offload_optimizer=cpu``), they live
+in (pinned) host memory and the update runs there with torch's fused CPU AdamW over views of the flat
+buffers (``kernels.adam_cpu``); each bucket's reduced gradient is copied to the host on a side stream as
+soon as it is final, overlapping the rest of backward (ZeRO-Offload, Ren et al. 2021, section 4.1).
+Knows nothing of hooks or communication: it gets reduced gradients and returns norms and updates.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from kernels.adam import adamw
+from kernels.adam_cpu import decay_runs
+from parallel.zero.layout import Bucket, BucketLayout
+
+
+class ShardedAdamW:
+    def __init__(self, layout: BucketLayout, device: torch.device, state_device: torch.device, impl: str,
+                 weight_decay: float, betas: tuple[float, float], eps: float, grad_dtype: torch.dtype):
+        self.layout, self.device, self.state_device, self.grad_dtype = layout, device, state_device, grad_dtype
+        self.impl, self.weight_decay, self.betas, self.eps = impl, weight_decay, betas, eps
+        self.step_count = 0
+        n = len(layout.buckets)
+        self.master: list[Optional[Tensor]] = [None] * n
+        self.exp_avg: list[Optional[Tensor]] = [None] * n
+        self.exp_avg_sq: list[Optional[Tensor]] = [None] * n
+        self.decay_mask: list[Optional[Tensor]] = [None] * n
+        self.norm_mask: list[Optional[Tensor]] = [None] * n
+        self.runs: list[list] = [[] for _ in range(n)]
+        self.host_grad: list[Optional[Tensor]] = [None] * n  # offloaded: pinned landing buffers
+        self.copied = [False] * n
+        self.copy_stream = None
+        self.pinned = device.type == "cuda" and state_device.type == "cpu"
+        if self.pinned:
+            self.copy_stream = torch.cuda.Stream(device)
+
+    def offloaded(self) -> bool:
+        return self.state_device != self.device
+
+    # ----- states -------------------------------------------------------------------------------------------
+    def add_bucket(self, b: Bucket, initial: Tensor, decay: Tensor, count: Tensor) -> None:
+        """The states of one bucket's range, from its fp32 initial values. Where the parameters are fp32 on
+        the state's device, the parameter slice itself is the master copy (no second fp32 copy)."""
+        i = b.index
+        target = self.target(b)
+        if target.dtype == torch.float32 and self.state_device == self.device == target.device:
+            self.master[i] = target
+        else:
+            self.master[i] = initial.to(self.state_device)
+            if self.pinned:
+                self.master[i] = self.master[i].pin_memory()
+        # page-locked when offloaded from a GPU: asynchronous copies both ways
+        m = torch.zeros(initial.numel(), dtype=torch.float32, device=self.state_device, pin_memory=self.pinned)
+        v = torch.zeros(initial.numel(), dtype=torch.float32, device=self.state_device, pin_memory=self.pinned)
+            # the reduced gradient's landing buffer, in its own dtype (the update converts in bounded chunks)
+            self.host_grad[i] = torch.empty(initial.numel(), dtype=self.grad_dtype, pin_memory=True)
+        self.exp_avg[i], self.exp_avg_sq[i] = m, v
+        self.decay_mask[i] = decay.to(self.state_device)
+        self.norm_mask[i] = count.to(self.device)
+        self.runs[i] = decay_runs(decay)
+
+    def target(self, b: Bucket) -> Tensor:
+        """Where the updated parameters go: the range of the whole-parameter buffer, or the persistent shard."""
+        lo, hi = self.layout.range(b)
+        return b.shard_param if b.shard_param is not None else b.full[lo:hi]
+
+    # ----- gradients ----------------------------------------------------------------------------------------
+    def grad_ready(self, b: Bucket, grad: Tensor) -> None:
+        """A bucket's reduced gradient is final: start its copy to the host (offloaded on a GPU only)."""
+        if not self.pinned:
+            return
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            self.host_grad[b.index].copy_(grad, non_blocking=True)
+        grad.record_stream(self.copy_stream)
+        self.copied[b.index] = True
+
+    def discard(self) -> None:
+        """A skipped step: wait for the early copies (their source is about to be zeroed) and forget them."""
+        if self.pinned:
+            self.copy_stream.synchronize()
+        self.copied = [False] * len(self.copied)
+
+    def sq_norm(self, grads: list[Tensor]) -> Tensor:
+        """Sum of squares of the gradients that count toward the global norm (each parameter once)."""
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for b, g in zip(self.layout.buckets, grads):
+            g = g.float()
+            total += (g * g * self.norm_mask[b.index]).sum()
+        return total
+
+    def first_nonfinite(self, grads: list[Tensor]) -> Optional[str]:
+        """The first parameter, in bucket order, with a non-finite gradient element in this rank's range."""
+        for b, g in zip(self.layout.buckets, grads):
+            bad = torch.isfinite(g).logical_not().nonzero()
+            if bad.numel():
+                return self.layout.name_at(b, self.layout.range(b)[0] + int(bad[0, 0]))
+        return None
+
+    # ----- the update -----------------------------------------------------------------------------------------
+    def update(self, grads: list[Tensor], lr: float, grad_scale: float, resend: set[int]) -> None:
+        """One AdamW step of every bucket's range; ``grad_scale`` folds loss-scale unscaling and clipping.
+        ``resend``: buckets whose gradients changed after their early host copy (the sequence-parallel sum)."""
+        self.step_count += 1
+        b1, b2 = self.betas
+        if self.pinned:  # every early copy is in; the late ones go at once, then one wait
+            for b, g in zip(self.layout.buckets, grads):
+                if not self.copied[b.index] or b.index in resend:
+                    self.grad_ready(b, g)
+            self.copy_stream.synchronize()
+            grads = [self.host_grad[b.index] for b in self.layout.buckets]
+            self.copied = [False] * len(self.copied)
+        elif self.offloaded():
+            grads = [g.to(self.state_device) for g in grads]
+        for b, grad in zip(self.layout.buckets, grads):
+            i = b.index
+            target = self.target(b)
+            same = self.master[i].data_ptr() == target.data_ptr()
+            adamw(self.impl, self.master[i], grad, self.exp_avg[i], self.exp_avg_sq[i], lr=lr, beta1=b1, beta2=b2,
+                  eps=self.eps, weight_decay=self.weight_decay, step=self.step_count, decay_mask=self.decay_mask[i],
+                  runs=self.runs[i], grad_scale=grad_scale, model_copy=None if same else target)
+
+    def staging_bytes(self) -> int:
+        """Bytes of the pinned host buffers the offloaded gradients land in."""
+        return sum(t.numel() * t.element_size() for t in self.host_grad if t is not None)
+
+    def state_bytes(self) -> int:
+        """Bytes of the optimizer's own states (masters that are not the parameters themselves, moments)."""
+        total = 0
+        for b in self.layout.buckets:
+            i = b.index
+            total += (self.exp_avg[i].numel() + self.exp_avg_sq[i].numel()) * 4
+            if self.master[i].data_ptr() != self.target(b).data_ptr():
+                total += self.master[i].numel() * 4
+        return total

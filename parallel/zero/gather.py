@@ -1,0 +1,176 @@
+"""ZeRO's parameter gathers: stage 3's gather/free around each layer, stages 1-2's all-gather after the step.
+
+Sharded parameters (stage 3): each transformer layer is one bucket. A forward pre-hook gathers the layer's
+parameters over dp and starts gathering the next layer; a forward hook frees them
+(``reshard_after_forward``); a hook on the layer's output gathers them again when the output's gradient
+arrives, and starts on the layer before. Freeing resizes the buffer's storage to zero, so the parameter
+views, and the tensors autograd saved, stay valid and see the data again once it is gathered back.
+
+Sharded optimizer, whole parameters (stages 1-2): after the update every rank holds only its own slice
+up to date. The all-gather of every bucket is started asynchronously, in forward order, and each is
+waited for just before its first use in the next forward (a pre-hook on every module that holds
+parameters), as Megatron-LM's ``overlap_param_gather`` does: the gathers overlap the next step's data
+loading and first layers instead of blocking the step's end.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from parallel.comm import Comm
+from parallel.zero.layout import Bucket, BucketLayout
+from parallel.zero.policy import StagePolicy
+
+
+class ParamGatherer:
+    def __init__(self, chunks: list[nn.Module], layout: BucketLayout, policy: StagePolicy, dp: Comm,
+                 device: torch.device, reshard_after_forward: bool = True, overlap: bool = True):
+        self.layout, self.policy, self.dp, self.device = layout, policy, dp, device
+        self.reshard_after_forward, self.overlap = reshard_after_forward, overlap
+        n = len(layout.buckets)
+        self.gathered = [not policy.shard_params] * n
+        self.work: list = [None] * n  # in-flight gathers: (work, input kept alive until waited)
+        self.in_backward = [False] * n
+        self.gathered_bytes = 0
+        self.peak_gathered_bytes = 0
+        if policy.shard_params:
+            self._install_unit_hooks()
+        elif policy.gather_after_step and overlap:
+            self._install_use_hooks(chunks)
+
+    # ----- shared -------------------------------------------------------------------------------------------
+    def settle(self) -> None:
+        """Complete every gather in flight (before anything reads or writes the buffers outside a forward)."""
+        for b in self.layout.buckets:
+            if self.work[b.index] is not None:
+                self._wait(b)
+
+    def _wait(self, b: Bucket) -> None:
+        work, _ = self.work[b.index]
+        if work is not None:
+            work.wait()
+        self.work[b.index] = None
+        self.gathered[b.index] = True
+
+    # ----- stages 1-2: after the step -----------------------------------------------------------------------
+    def after_step(self) -> None:
+        """Every rank updated its slice: all-gather the buckets (started now; waited at first use)."""
+        if self.policy.shard_params:
+            self.release()
+            return
+        if not self.policy.gather_after_step:
+            return
+        if self.dp.size == 1:  # the own slice is the whole bucket: nothing to gather
+            return
+        for b in reversed(self.layout.buckets):  # forward order: the first needed is the first done
+            lo, hi = self.layout.own_slice(b)
+            # NCCL gathers in place (the input is the output's own slice); gloo wants separate buffers
+            mine = b.full[lo:hi] if b.full.device.type == "cuda" else b.full[lo:hi].clone()
+            work = self.dp.all_gather_into(b.full, mine, tag="param", async_op=self.overlap)
+            if self.overlap and work is not None:
+                self.work[b.index] = (work, mine)
+                self.gathered[b.index] = False
+
+    def _install_use_hooks(self, chunks: list[nn.Module]) -> None:
+        where = {id(p): b for b in self.layout.buckets for _, p in b.params}
+        for chunk in chunks:
+            for module in chunk.modules():
+                mine = {where[id(p)].index: where[id(p)] for p in module.parameters(recurse=False)
+                        if id(p) in where}
+                if module is chunk:  # deferred buckets (the tied copy) are read by the chunk's own forward
+                    mine.update({b.index: b for b in self.layout.buckets if b.deferred})
+                if mine:
+                    module.register_forward_pre_hook(self._wait_hook(list(mine.values())))
+
+    def _wait_hook(self, buckets: list[Bucket]):
+        def hook(module, args):
+            for b in buckets:
+                if self.work[b.index] is not None:
+                    self._wait(b)
+        return hook
+
+    # ----- stage 3: gather and free layers --------------------------------------------------------------------
+    def gather_root(self) -> None:
+        """Gather the root bucket(s) (embeddings, final norm) for the forwards of a step or an evaluation."""
+        if self.policy.shard_params:
+            for b in self.layout.buckets:
+                if b.deferred:
+                    self._gather(b)
+
+    def release(self) -> None:
+        """Free every gathered bucket (after evaluation, after the step)."""
+        if self.policy.shard_params:
+            self.settle()
+            for b in self.layout.buckets:
+                self._free(b)
+
+    def backward_done(self, b: Bucket) -> None:
+        """A layer's gradients of one microbatch are all in: it is not needed again until the next forward."""
+        if self.policy.shard_params and b.unit is not None:
+            self.in_backward[b.index] = False
+            if self.reshard_after_forward:
+                self._free(b)
+
+    def _free(self, b: Bucket) -> None:
+        if self.gathered[b.index]:
+            b.full.untyped_storage().resize_(0)
+            self.gathered[b.index] = False
+            self.gathered_bytes -= b.numel * b.full.element_size()
+
+    def _gather(self, b: Bucket, async_op: bool = False) -> None:
+        if self.gathered[b.index]:
+            return
+        if self.work[b.index] is not None:
+            self._wait(b)
+            return
+        b.full.untyped_storage().resize_(b.numel * b.full.element_size())
+        self.gathered_bytes += b.numel * b.full.element_size()
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+        # From pinned memory when offloaded: an asynchronous copy, ordered before the gather on the stream; the
+        # host writes shard_param only in the step, after the gathers settle and the overflow check syncs.
+        shard = b.shard_param.to(self.device, non_blocking=True)
+        work = self.dp.all_gather_into(b.full.data, shard, tag="param", async_op=async_op)
+        if work is not None:  # in flight: settled by the next _gather or settle()
+            self.work[b.index] = (work, shard)
+        else:  # done (synchronous, or dp = 1: a local copy)
+            self.gathered[b.index] = True
+
+    def _install_unit_hooks(self) -> None:
+        """Prefetch within a model chunk only: under an interleaved schedule the next chunk's first layer runs
+        much later (after other microbatches), and prefetching it would keep a third layer gathered."""
+        for c in sorted({b.chunk for b in self.layout.buckets}):
+            order = [b for b in reversed(self.layout.buckets) if b.unit is not None and b.chunk == c]  # forward
+            for i, b in enumerate(order):
+                nxt = order[i + 1] if i + 1 < len(order) else None
+                prev = order[i - 1] if i > 0 else None
+                b.unit.register_forward_pre_hook(self._pre_forward(b, nxt))
+                b.unit.register_forward_hook(self._post_forward(b, prev))
+
+    def _idle(self, b: Optional[Bucket]) -> bool:
+        return b is not None and not self.gathered[b.index] and self.work[b.index] is None
+
+    def _pre_forward(self, b: Bucket, nxt: Optional[Bucket]):
+        def hook(module, args):
+            self._gather(b)
+            # not while recomputing under activation checkpointing: the next layer's backward is already done
+            if not self.in_backward[b.index] and self._idle(nxt):
+                self._gather(nxt, async_op=True)  # prefetch the next layer
+        return hook
+
+    def _post_forward(self, b: Bucket, prev: Optional[Bucket]):
+        def hook(module, args, output):
+            if self.in_backward[b.index]:  # recomputation under activation checkpointing: keep for the backward
+                return
+            if torch.is_grad_enabled() and output.requires_grad:
+                def pre_backward(grad):
+                    self.in_backward[b.index] = True
+                    self._gather(b)
+                    if self._idle(prev):
+                        self._gather(prev, async_op=True)  # prefetch the layer before
+                    return None
+                output.register_hook(pre_backward)
+            if self.reshard_after_forward or not torch.is_grad_enabled():
+                self._free(b)
+        return hook

@@ -1,0 +1,189 @@
+"""ZeRO's flat buffers: the stage's parameters as contiguous, dp-padded buckets in backward order.
+
+Every bucket is padded to a multiple of dp, so dp rank r owns the same contiguous slice
+[r·n/dp, (r+1)·n/dp) of every bucket; parameters are views into the bucket's buffer. Buckets are cut by
+size (``zero.bucket_mb``, counted in the gradient dtype's bytes, since the gradient buffer is what a
+reduction moves) or, when parameters are sharded (stage 3), one per transformer layer plus a root bucket
+for the embeddings and final norm. The tied embedding's last-stage copy gets a bucket of its own, reduced
+after the schedule when both copies' gradients are in. Pure layout and parameter memory: no communication.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor, nn
+
+from parallel.zero.policy import StagePolicy
+
+
+@dataclass
+class Bucket:
+    """A contiguous piece of the parameter buffer and what is reduced, gathered or updated with it."""
+
+    index: int
+    params: list  # [(global name, Parameter)]
+    offsets: list  # element offset of each parameter in the bucket
+    numel: int  # padded to a multiple of dp
+    dp: int
+    unit: Optional[nn.Module] = None  # shard_params: the layer whose parameters these are
+    deferred: bool = False  # reduced after the schedule (tied embedding copy, stage 3's root)
+    chunk: int = 0  # shard_params: the model chunk (virtual stage) the layer belongs to
+    full: Tensor = None  # the parameters (shard_params: storage freed while not gathered)
+    shard_param: Optional[Tensor] = None  # shard_params: this rank's slice, the persistent copy
+
+    @property
+    def shard(self) -> int:
+        return self.numel // self.dp
+
+    def names(self) -> str:
+        return ", ".join(n for n, _ in self.params)
+
+
+class BucketLayout:
+    """Builds the buckets of ``chunks`` and owns the parameter memory; ``range(b)`` is the optimizer's range."""
+
+    def __init__(self, chunks: list[nn.Module], policy: StagePolicy, dp: int, dp_rank: int, dtype: torch.dtype,
+                 grad_dtype: torch.dtype, bucket_mb: float, device: torch.device,
+                 param_device: Optional[torch.device] = None):
+        self.policy, self.dp, self.dp_rank = policy, dp, dp_rank
+        self.dtype, self.device = dtype, device
+        self.param_device = param_device if param_device is not None else device
+        frozen = [n for c in chunks for n, p in c.named_parameters() if not p.requires_grad]
+        if frozen:  # its bucket would wait forever for a gradient (and never be reduced)
+            raise ValueError(f"ZeroOptimizer trains every parameter it is given; frozen: {', '.join(frozen)}")
+        self.tied_embedding = any(c.shares_embedding_across_stages for c in chunks)
+        limit = max(1, int(bucket_mb * 2 ** 20 / torch.tensor([], dtype=grad_dtype).element_size()))
+        # padding to a multiple of dp is part of the bucket too: a bucket holds at most bucket_mb
+        limit = max(1, limit - (dp - 1))
+        groups = _by_layer(chunks) if policy.shard_params else _by_size(chunks, limit, self.tied_embedding)
+        self.buckets: list[Bucket] = []
+        for params, unit, deferred, chunk in groups:
+            offsets, total = [], 0
+            for _, p in params:
+                offsets.append(total)
+                total += p.numel()
+            self.buckets.append(Bucket(index=len(self.buckets), params=params, offsets=offsets,
+                                       numel=-(-total // dp) * dp, dp=dp, unit=unit, deferred=deferred,
+                                       chunk=chunk))
+        self.owner = self._checkpoint_owners()
+
+    def range(self, b: Bucket) -> tuple[int, int]:
+        """The optimizer's range of a bucket on this rank: all of it (unsharded optimizer) or the own slice."""
+        if not self.policy.shard_optimizer:
+            return 0, b.numel
+        return self.dp_rank * b.shard, (self.dp_rank + 1) * b.shard
+
+    def own_slice(self, b: Bucket) -> tuple[int, int]:
+        """This dp rank's slice of a bucket (what it reduces into and gathers from)."""
+        return self.dp_rank * b.shard, (self.dp_rank + 1) * b.shard
+
+    def materialise(self, initial_value: Optional[Callable[[nn.Parameter], Tensor]],
+                    on_bucket: Callable[[Bucket, Tensor], None]) -> None:
+        """Move the parameters into the bucket buffers, one bucket at a time; ``on_bucket(b, values)`` gets the
+        fp32 initial values of the optimizer's range (its masters start from them, before any rounding).
+
+        Parameters still on the meta device are created from ``initial_value(param)`` (DeepSpeed's zero.Init):
+        with sharded parameters only the bucket being filled is ever whole, and it is freed right after."""
+        for b in self.buckets:
+            lo, hi = self.range(b)
+            master = torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
+            b.full = torch.zeros(b.numel, dtype=self.dtype, device=self.device)
+            for (name, p), off in zip(b.params, b.offsets):
+                n = p.numel()
+                value = p.detach() if not p.is_meta else initial_value(p)
+                flat = value.reshape(-1)
+                a, z = max(off, lo), min(off + n, hi)
+                if a < z:
+                    master[a - lo:z - lo] = flat[a - off:z - off].float()
+                b.full[off:off + n] = flat.to(self.dtype)
+                if p.is_meta:  # becomes a real tensor in place (same Parameter object, its attributes kept)
+                    real = nn.Parameter(b.full[off:off + n].view(p.shape), requires_grad=p.requires_grad)
+                    real.__dict__.update(p.__dict__)
+                    torch.utils.swap_tensors(p, real)
+                else:
+                    p.data = b.full[off:off + n].view_as(p)
+                del value, flat
+            if self.policy.shard_params:
+                b.shard_param = b.full[lo:hi].clone().to(self.param_device)
+                if self.device.type == "cuda" and self.param_device.type == "cpu":
+                    b.shard_param = b.shard_param.pin_memory()
+            on_bucket(b, master)
+            if self.policy.shard_params:
+                b.full.untyped_storage().resize_(0)  # gathered again before each use (parallel.zero.gather)
+
+    def masks(self, b: Bucket, tp_rank: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Per element of the optimizer's range: (weight decay applies, counts toward the gradient norm,
+        sequence-parallel: summed over tp). Matrices decay; biases and norms do not. A tp-replicated parameter
+        counts on tp rank 0 only and the tied embedding's copy not at all, so the norm counts each once."""
+        lo, hi = self.range(b)
+        decay = torch.zeros(hi - lo, dtype=torch.bool)
+        count = torch.zeros(hi - lo, dtype=torch.bool)
+        sp = torch.zeros(hi - lo, dtype=torch.bool)
+        for (_, p), off in zip(b.params, b.offsets):
+            a, z = max(off, lo) - lo, min(off + p.numel(), hi) - lo
+            if a >= z:
+                continue
+            decay[a:z] = p.dim() >= 2
+            count[a:z] = (getattr(p, "tp_split_dim", None) is not None or tp_rank == 0) \
+                and not getattr(p, "tied_copy", False)
+            sp[a:z] = bool(getattr(p, "sequence_parallel", False))
+        return decay, count, sp
+
+    def name_at(self, b: Bucket, at: int) -> Optional[str]:
+        """The parameter at element ``at`` of a bucket (None in the padding)."""
+        return next((n for (n, p), off in zip(b.params, b.offsets) if off <= at < off + p.numel()), None)
+
+    def _checkpoint_owners(self) -> dict[str, int]:
+        """The dp rank that holds each parameter's whole state for a checkpoint: the least loaded so far, in
+        bucket order. Every rank of the stage computes the same map (tp ranks too: their shards are equal)."""
+        load, owner = [0] * self.dp, {}
+        for b in self.buckets:
+            for name, p in b.params:
+                r = min(range(self.dp), key=lambda i: (load[i], i))
+                owner[name] = r
+                load[r] += p.numel()
+        return owner
+
+
+def _by_layer(chunks: list[nn.Module]) -> list[tuple[list, Optional[nn.Module], bool, int]]:
+    """One bucket per transformer layer, in backward order, and a deferred root bucket per chunk."""
+    groups = []
+    for c in reversed(range(len(chunks))):
+        chunk = chunks[c]
+        for _, layer in reversed(list(chunk.layers.items())):
+            groups.append((_named(chunk, layer), layer, False, c))
+        root = [(n, p) for n, p in chunk.named_parameters() if not n.startswith("layers.")]
+        if root:
+            groups.append((root[::-1], None, True, c))
+    return groups
+
+
+def _by_size(chunks: list[nn.Module], limit: int, tied: bool) -> list[tuple[list, Optional[nn.Module], bool, int]]:
+    """Backward order (last registered first), cut before a bucket would exceed ``limit`` elements (a single
+    parameter larger than that is a bucket of its own)."""
+    named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()][::-1]
+    tied_params = [(n, p) for n, p in named if n == "embed.tokens.weight" and tied]
+    rest = [(n, p) for n, p in named if all(p is not q for _, q in tied_params)]
+    groups, current, size = [], [], 0
+    for n, p in rest:
+        if p.numel() > limit:  # a bucket of its own; the open bucket stays open for what follows (else every
+            groups.append(([(n, p)], None, False))  # bias between two big matrices would be a bucket alone)
+            continue
+        if current and size + p.numel() > limit:
+            groups.append((current, None, False))
+            current, size = [], 0
+        current.append((n, p))
+        size += p.numel()
+    if current:
+        groups.append((current, None, False))
+    if tied_params:
+        groups.append((tied_params, None, True))
+    return [(params, unit, deferred, 0) for params, unit, deferred in groups]
+
+
+def _named(chunk: nn.Module, layer: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """A layer's parameters under their global names, in backward order."""
+    prefix = next(n for n, m in chunk.named_modules() if m is layer)
+    return [(f"{prefix}.{n}", p) for n, p in layer.named_parameters()][::-1]
