@@ -78,7 +78,7 @@ def model_state_bytes(psi: int, stage: int, dp: int, precision: str, offload_opt
     staging = g * (psi if stage == 0 else shard) if offload_optimizer == "cpu" else 0
     cpu = (optimizer + staging if offload_optimizer == "cpu" else 0) + (params if offload_params == "cpu" else 0)
     return {"params": params, "grads": grads, "optimizer": optimizer,
-            "device_total": params + grads + optimizer - cpu, "cpu_total": cpu}
+            "device_total": params + grads + optimizer - (cpu - staging), "cpu_total": cpu}
 
 
 def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,

@@ -67,6 +67,8 @@ def test_gpu_checks_smoke(tmp_path):
     for check in ("diverging bf16 run: exit 3", "SIGTERM mid-run: exit 143", "async saves equal sync saves",
                   "model too big: exit 2"):
         assert len(re.findall(rf"^- ok {check}", summary, re.M)) == 1, check
+    # the offloaded optimizer's copies: the script runs (on the CPU it has no copies to time)
+    assert "Offloaded gradient copies (bench/offload_overlap.py):" in summary
     # the step profile: a wall time per kernel set, in profile.md and summarised in summary.md
     assert len(re.findall(r"^- wall: [0-9.]+ ms/step", summary, re.M)) == 2
     assert len(re.findall(r"^- enqueueing one attention forward \(batch 1\): \d+ us",
@@ -81,4 +83,4 @@ def test_gpu_checks_report_what_the_budget_left_out(tmp_path):
     assert proc.returncode == 1
     summary = (tmp_path / "summary.md").read_text()
     assert summary.startswith("# GPU checks (smoke, CPU): FAILED: environment: not run, the time budget is spent")
-    assert len(re.findall(r"^- FAILED .*: not run, the time budget is spent$", summary, re.M)) == 14
+    assert len(re.findall(r"^- FAILED .*: not run, the time budget is spent$", summary, re.M)) == 15  # every command of every section, offload_overlap.py included

@@ -109,19 +109,19 @@ def test_gradient_buckets_hold_at_most_bucket_mb_in_the_gradient_dtype(precision
     cfg = load_config(TINY, MODEL[:2] + ["model.layers=2", "model.hidden=256", "model.heads=4"]).model
     grid = Grid.build(1, 1, 1, "cpu")
     model = build_gpt(cfg, 0, tp=grid.tp_comm)
-    limit = 0.5 * 2 ** 20
+    limit = 2.0 * 2 ** 20
     from parallel.zero import BucketLayout, StagePolicy
 
     grad_dtype = torch.float32 if grad_bytes == 4 else torch.float16
     for dp in (7, 8):  # padding to a multiple of dp counts too (no process group needed for the layout)
-        layout = BucketLayout([model], StagePolicy.of(2), dp, 0, torch.bfloat16, grad_dtype, 0.5, torch.device("cpu"))
+        layout = BucketLayout([model], StagePolicy.of(2), dp, 0, torch.bfloat16, grad_dtype, 2.0, torch.device("cpu"))
         sizes = [b.numel * grad_bytes for b in layout.buckets if len(b.params) > 1]
-        assert len(sizes) >= 3 and max(sizes) <= limit and all(b.numel % dp == 0 for b in layout.buckets), sizes
+        assert len(sizes) >= 2 and max(sizes) <= limit and all(b.numel % dp == 0 for b in layout.buckets), sizes
     for stage in (0, 2):
-        zero = ZeroOptimizer([model], grid, stage, precision, 1e-3, 0.1, bucket_mb=0.5, device=torch.device("cpu"))
+        zero = ZeroOptimizer([model], grid, stage, precision, 1e-3, 0.1, bucket_mb=2.0, device=torch.device("cpu"))
         assert zero.grad_dtype.itemsize == grad_bytes
         sizes = [b.numel * grad_bytes for b in zero.buckets if len(b.params) > 1]
-        assert len(sizes) >= 3 and max(sizes) <= limit, (stage, sizes, limit)
+        assert len(sizes) >= 2 and max(sizes) <= limit, (stage, sizes, limit)
         assert max(sizes) > limit / 2, sizes  # cut near the limit, not needlessly small
         for b in zero.buckets:
             if zero.reducer.full[b.index] is not None:  # stage 0's kept buffers are what the limit is about

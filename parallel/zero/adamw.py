@@ -57,7 +57,7 @@ class ShardedAdamW:
         # page-locked when offloaded from a GPU: asynchronous copies both ways
         m = torch.zeros(initial.numel(), dtype=torch.float32, device=self.state_device, pin_memory=self.pinned)
         v = torch.zeros(initial.numel(), dtype=torch.float32, device=self.state_device, pin_memory=self.pinned)
-            # the reduced gradient's landing buffer, in its own dtype (the update converts in bounded chunks)
+        if self.pinned:  # the reduced gradient's landing buffer, in its own dtype (converted in bounded chunks)
             self.host_grad[i] = torch.empty(initial.numel(), dtype=self.grad_dtype, pin_memory=True)
         self.exp_avg[i], self.exp_avg_sq[i] = m, v
         self.decay_mask[i] = decay.to(self.state_device)
