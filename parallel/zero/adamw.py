@@ -30,8 +30,8 @@ class ShardedAdamW:
         self.exp_avg: list[Optional[Tensor]] = [None] * n
         self.exp_avg_sq: list[Optional[Tensor]] = [None] * n
         self.decay_mask: list[Optional[Tensor]] = [None] * n
-        self.norm_mask: list[Optional[Tensor]] = [None] * n
         self.runs: list[list] = [[] for _ in range(n)]
+        self.counted: list[list[tuple[int, int]]] = [[] for _ in range(n)]  # ranges that count toward the norm
         self.host_grad: list[Optional[Tensor]] = [None] * n  # offloaded: pinned landing buffers
         self.copied = [False] * n
         self.copy_stream = None
@@ -61,8 +61,8 @@ class ShardedAdamW:
             self.host_grad[i] = torch.empty(initial.numel(), dtype=self.grad_dtype, pin_memory=True)
         self.exp_avg[i], self.exp_avg_sq[i] = m, v
         self.decay_mask[i] = decay.to(self.state_device)
-        self.norm_mask[i] = count.to(self.device)
         self.runs[i] = decay_runs(decay)
+        self.counted[i] = [(a, z) for a, z, counts in decay_runs(count) if counts]
 
     def target(self, b: Bucket) -> Tensor:
         """Where the updated parameters go: the range of the whole-parameter buffer, or the persistent shard."""
@@ -88,11 +88,11 @@ class ShardedAdamW:
 
     def sq_norm(self, grads: list[Tensor]) -> Tensor:
         """Sum of squares of the gradients that count toward the global norm (each parameter once)."""
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for b, g in zip(self.layout.buckets, grads):
-            g = g.float()
-            total += (g * g * self.norm_mask[b.index]).sum()
-        return total
+        views = [g[a:z] for b, g in zip(self.layout.buckets, grads) for a, z in self.counted[b.index]]
+        if not views:
+            return torch.zeros((), dtype=torch.float32, device=self.device)
+        # one fused, multi-threaded pass over the counted ranges, in fp32, with no full-size temporaries
+        return torch.stack(torch._foreach_norm(views, 2, dtype=torch.float32)).square().sum()
 
     def first_nonfinite(self, grads: list[Tensor]) -> Optional[str]:
         """The first parameter, in bucket order, with a non-finite gradient element in this rank's range."""

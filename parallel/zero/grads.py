@@ -63,6 +63,9 @@ class GradReducer:
             for b in layout.buckets:
                 self.shard[b.index] = torch.zeros(b.shard, dtype=grad_dtype, device=device)
         self.ready, self.rounds = [0] * n, [0] * n
+        # per bucket and parameter: its gradient is in the buffer (the first is copied in, the rest added); per
+        # parameter, not per bucket, as a bucket may span model chunks whose backwards interleave
+        self.written: list[list[bool]] = [[False] * len(b.params) for b in layout.buckets]
         self.rounds_done = 0  # bucket reductions launched this step (bounded mode)
         self.reduced_buckets = max(1, sum(not b.deferred for b in layout.buckets))
         self.microbatches = 1
@@ -76,10 +79,14 @@ class GradReducer:
                 p.register_post_accumulate_grad_hook(self._hook(b, offsets))
 
     # ----- accounting ---------------------------------------------------------------------------------------
-    def _alloc(self, numel: int) -> Tensor:
+    def _alloc(self, numel: int, used: Optional[int] = None) -> Tensor:
+        """A buffer of ``numel``, uninitialised but for the padding past ``used`` (zeroed): the first gradient
+        of a round is copied in, not added, so nothing needs zeroing first (DDP's reducer does the same)."""
         self.live_bytes += numel * self.elem
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        return torch.zeros(numel, dtype=self.grad_dtype, device=self.device)
+        t = torch.empty(numel, dtype=self.grad_dtype, device=self.device)
+        t[numel if used is None else used:].zero_()
+        return t
 
     def _drop(self, t: Tensor) -> None:
         self.live_bytes -= t.numel() * self.elem
@@ -96,12 +103,21 @@ class GradReducer:
         self.rounds_done = 0
 
     def _hook(self, b: Bucket, offsets: dict[int, int]):
+        used = b.offsets[-1] + b.params[-1][1].numel()
+        position = {id(q): j for j, (_, q) in enumerate(b.params)}
+
         def hook(p: Tensor) -> None:
             i = b.index
             if self.full[i] is None:
-                self.full[i] = self._alloc(b.numel)
-            off = offsets[id(p)]
-            self.full[i][off:off + p.numel()].add_(p.grad.reshape(-1))
+                self.full[i] = self._alloc(b.numel, used)
+                self.written[i] = [False] * len(b.params)
+            off, j = offsets[id(p)], position[id(p)]
+            view = self.full[i][off:off + p.numel()]
+            if self.written[i][j]:
+                view.add_(p.grad.reshape(-1))
+            else:  # the buffer's first gradient for this parameter: copied, so nothing needs zeroing first
+                view.copy_(p.grad.reshape(-1))
+                self.written[i][j] = True
             p.grad = None
             self.ready[i] += 1
             if self.ready[i] == len(b.params):
@@ -194,7 +210,7 @@ class GradReducer:
     def _reduce_deferred(self, b: Bucket) -> None:
         i = b.index
         if self.full[i] is None:
-            self.full[i] = self._alloc(b.numel)
+            self.full[i] = self._alloc(b.numel, 0)
         for (name, p), off in zip(b.params, b.offsets):
             if name == "embed.tokens.weight" and self.layout.tied_embedding:  # sum the tied copies
                 self.embed.all_reduce(self.full[i][off:off + p.numel()], tag="grad")
@@ -233,8 +249,8 @@ class GradReducer:
     def zero_grad(self) -> None:
         for b in self.layout.buckets:
             i = b.index
-            if self.policy.keeps_full_grads:
-                self.full[i].zero_()
+            if self.policy.keeps_full_grads:  # overwritten by the next step's first gradients, not zeroed
+                self.written[i] = [False] * len(b.params)
             elif self.full[i] is not None:
                 self._drop(self.full[i])
                 self.full[i] = None
