@@ -62,3 +62,19 @@ def run_pretrain(overrides: list[str], nproc: int = 1, timeout: float = 300) -> 
 
 def read_metrics(log_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(log_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def executor_for(model, grid, microbatches):
+    """The executor and 1F1B schedule the trainer would use for one bare model at pp = 1, fp32, on the CPU:
+    what tests need to drive ``megazero.step.train_step`` without a Trainer."""
+    import contextlib
+
+    import torch
+
+    from parallel.pipeline import PipelineExecutor
+    from parallel.schedules import build_schedule
+
+    b, s = microbatches[0].shape[0], microbatches[0].shape[1] - 1
+    executor = PipelineExecutor([model], grid, (b, s, model.embed.tokens.weight.shape[1]), torch.float32,
+                                torch.device("cpu"), len(microbatches) * b * s, contextlib.nullcontext)
+    return executor, build_schedule("1f1b", 1, len(microbatches), 1)[0]

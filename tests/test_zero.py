@@ -9,7 +9,6 @@ agree to ~1e-2; we allow 2e-2 relative on the loss.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
@@ -23,7 +22,7 @@ from megazero.trainer import Trainer
 from parallel.loss_scale import LossScaler
 from parallel.topology import Grid
 from tests.dist import run_ranks
-from tests.runs import ROOT, read_metrics, small_overrides, write_corpus
+from tests.runs import ROOT, executor_for, read_metrics, small_overrides, write_corpus
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
 STEPS = 20
@@ -68,18 +67,6 @@ def _one_step(trainer, cfg, grid):
     """The trainer's step (megazero.step.train_step) on the first global batch; returns its result."""
     mbs = trainer.data.train_microbatches(0, grid.dp_rank, grid.dp, cfg.train.micro_batch, cfg.train.global_batch)
     return train_step(trainer.zero, trainer.executor, trainer.schedule, mbs, 1e-3, 1.0, trainer.scaler)
-
-
-def _driver(model, grid, microbatches):
-    """The executor and 1F1B schedule the trainer would use for a bare model at pp = 1."""
-    from parallel.pipeline import PipelineExecutor
-    from parallel.schedules import build_schedule
-
-    b, s = microbatches[0].shape[0], microbatches[0].shape[1] - 1
-    hidden = model.embed.tokens.weight.shape[1]
-    executor = PipelineExecutor([model], grid, (b, s, hidden), torch.float32, torch.device("cpu"),
-                                len(microbatches) * b * s, contextlib.nullcontext)
-    return executor, build_schedule("1f1b", 1, len(microbatches), 1)[0]
 
 
 def _measurements(rank, world, text, cache, base):
@@ -287,7 +274,7 @@ def test_a_parameter_without_a_gradient_stops_the_step(stage, microbatches):
     def step(model, microbatches):
         zero = ZeroOptimizer([model], grid, stage, "fp32", 1e-3, 0.1, device=torch.device("cpu"))
         mbs = [ids] * microbatches
-        train_step(zero, *_driver(model, grid, mbs), mbs, 1e-3, 1.0)
+        train_step(zero, *executor_for(model, grid, mbs), mbs, 1e-3, 1.0)
 
     step(build_gpt(cfg, 0, tp=grid.tp_comm), microbatches)  # every parameter used: steps
     model = build_gpt(cfg, 0, tp=grid.tp_comm)
@@ -327,7 +314,7 @@ def test_bf16_gradients_accumulate_in_fp32(stage):
         zero = ZeroOptimizer([model], grid, stage, "bf16", 1e-3, 0.1, device=torch.device("cpu"),
                              grad_dtype=grad_dtype)
         mbs = list(ids)
-        forward_backward(zero, *_driver(model, grid, mbs), mbs)
+        forward_backward(zero, *executor_for(model, grid, mbs), mbs)
         worst = 0.0
         for b in zero.buckets:
             grad = zero.reducer.grad(b)
@@ -353,7 +340,7 @@ def test_a_skipped_stage3_step_frees_what_it_gathered():
     ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
     state = {"poison": False}
     model.layers["1"].register_forward_hook(lambda m, a, out: out * float("inf") if state["poison"] else None)
-    driver = _driver(model, grid, [ids])
+    driver = executor_for(model, grid, [ids])
     for poison in (False, True):
         state["poison"] = poison
         skipped = train_step(zero, *driver, [ids], 1e-3, 1.0, LossScaler()).skipped

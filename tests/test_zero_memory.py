@@ -8,7 +8,6 @@ step (Linux VmHWM, reset before the step through /proc/self/clear_refs).
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 
@@ -19,7 +18,7 @@ from megazero.config import load_config
 from megazero.step import train_step
 from parallel.topology import Grid
 from tests.dist import run_ranks
-from tests.runs import ROOT
+from tests.runs import ROOT, executor_for
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
 BUCKET_MB = 8.0
@@ -33,16 +32,6 @@ def _status(key: str) -> int:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     raise KeyError(key)
-
-
-def _driver(model, grid, microbatches):
-    from parallel.pipeline import PipelineExecutor
-    from parallel.schedules import build_schedule
-
-    b, s = microbatches[0].shape[0], microbatches[0].shape[1] - 1
-    executor = PipelineExecutor([model], grid, (b, s, model.embed.tokens.weight.shape[1]), torch.float32,
-                                torch.device("cpu"), len(microbatches) * b * s, contextlib.nullcontext)
-    return executor, build_schedule("1f1b", 1, len(microbatches), 1)[0]
 
 
 def _peaks(rank, world):
@@ -65,7 +54,7 @@ def _peaks(rank, world):
         bucket = max(b.numel for b in zero.buckets) * 4
         for m in (1, 1, 16):  # the first m = 1 step warms up (first-touch pages, autograd's caches)
             mbs = [torch.randint(0, cfg.vocab_size, (1, cfg.seq_len + 1), generator=gen) for _ in range(m)]
-            driver = _driver(model, grid, mbs)
+            driver = executor_for(model, grid, mbs)
             libc.malloc_trim(0)
             zero.reducer.reset_peak()
             with open("/proc/self/clear_refs", "w") as f:
