@@ -39,9 +39,10 @@ def _peaks(rank, world):
     from parallel.zero import ZeroOptimizer
 
     libc = ctypes.CDLL("libc.so.6")
-    # a fixed mmap threshold (M_MMAP_THRESHOLD = -3): buffers of 256 KiB and up are mapped on allocation and
-    # unmapped on free, so the resident set follows the live tensors instead of glibc's heap fragmentation
-    assert libc.mallopt(-3, 256 * 1024) == 1
+    # a fixed mmap threshold (M_MMAP_THRESHOLD = -3): buffers of 16 KiB and up are mapped on allocation and
+    # unmapped on free, so the resident set follows the live tensors, not glibc's heap fragmentation (with
+    # 256 KiB, the small activations of this model left m = 1's peak varying by 10 MB from step to step)
+    assert libc.mallopt(-3, 16 * 1024) == 1
     cfg = load_config(TINY, MODEL).model
     grid = Grid.build(1, 1, world, "cpu")
     gen = torch.Generator().manual_seed(rank)
@@ -52,7 +53,9 @@ def _peaks(rank, world):
         zero = ZeroOptimizer([model], grid, stage, "fp32", 1e-3, 0.1, bucket_mb=BUCKET_MB,
                              device=torch.device("cpu"))
         bucket = max(b.numel for b in zero.buckets) * 4
-        for m in (1, 1, 16):  # the first m = 1 step warms up (first-touch pages, autograd's caches)
+        # the first m = 1 step warms up (first-touch pages, autograd's caches); then each m twice, and the
+        # higher of its two peaks is its peak (what a run must have room for)
+        for i, m in enumerate((1, 1, 16, 1, 16)):
             mbs = [torch.randint(0, cfg.vocab_size, (1, cfg.seq_len + 1), generator=gen) for _ in range(m)]
             driver = executor_for(model, grid, mbs)
             libc.malloc_trim(0)
@@ -61,7 +64,11 @@ def _peaks(rank, world):
                 f.write("5")  # resets VmHWM to the current resident set
             before = _status("VmRSS")
             train_step(zero, *driver, mbs, 1e-3, 1.0)
-            out[(stage, m)] = {"accounted": zero.reducer.peak_bytes, "process": _status("VmHWM") - before}
+            got = {"accounted": zero.reducer.peak_bytes, "process": _status("VmHWM") - before}
+            if i == 0:
+                continue
+            seen = out.get((stage, m), got)
+            out[(stage, m)] = {k: max(seen[k], got[k]) for k in got}
         out[stage] = {"psi": psi, "bucket": bucket}
         del zero, model
     return out
@@ -79,7 +86,6 @@ def test_peak_gradient_bytes_do_not_grow_with_microbatches(peaks, stage):
     """m = 1 and m = 16 peak within one bucket, by the reducer's count and by the process's peak memory. The
     model is >= 20M parameters, so 16 un-waited half-model fp32 reductions would be ~600 MB over, not 8."""
     for r in peaks:
-        print(stage, r[(stage, 1)], r[(stage, 16)], r[stage])
         assert r[stage]["psi"] >= 20_000_000, r[stage]
         one, many, bucket = r[(stage, 1)], r[(stage, 16)], r[stage]["bucket"]
         assert abs(many["accounted"] - one["accounted"]) <= bucket, (stage, one, many, bucket)

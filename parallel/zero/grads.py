@@ -134,6 +134,11 @@ class GradReducer:
         last = self.rounds[b.index] == self.microbatches
         if not (last or self.policy.reduce_every_microbatch):
             return
+        written = self.written[b.index]
+        if not all(written):  # a bucket spanning interleaved chunks: a count of hooks, not every parameter's,
+            for j, ((_, p), off) in enumerate(zip(b.params, b.offsets)):  # completed the round; what has not
+                if not written[j]:  # arrived yet is zero in this reduction (it comes in the next: sums are linear)
+                    self.full[b.index][off:off + p.numel()].zero_()
         self._reduce(b)
         if self.max_in_flight is not None:  # a microbatch's backward is over when every bucket reduced once:
             self.rounds_done += 1  # drain, so the next forward starts with nothing in flight, as at m = 1
