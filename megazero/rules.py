@@ -60,7 +60,7 @@ _MIN = {
 _STEPS = 2 ** 31 - 1  # step counts: int32, so any logger or tensor that keeps one holds it; 68 years at 1 s/step
 _WORLD = 2 ** 20  # ranks: as megazero.launch; the dry run lists every rank of every stage
 _MAX = {
-    ("model", "layers"): 4096,  # the dry run builds each stage's layers on meta; published GPTs have < 200
+    ("model", "layers"): 2 ** 31 - 1,  # the dry run builds one layer and multiplies: any count plans in seconds
     ("model", "hidden"): 2 ** 18,  # 262,144 (GPT-3 175B: 12,288): the embedding vocab*hidden < 2^43
     ("model", "heads"): 2 ** 18,  # heads divide hidden
     ("model", "seq_len"): 2 ** 20,  # a million tokens per sequence; logits bound above

@@ -213,7 +213,7 @@ def test_oversized_file(tmp_path, capsys):
     (("train.grad_clip=" + str(10 ** 400) + ".0",), ("train.grad_clip=inf", "finite")),
     (("model.hidden=-64",), ("model.hidden=-64", ">= 1")),
     (("model.hidden=" + str(2 ** 40),), ("model.hidden=1099511627776", "<= ")),
-    (("model.layers=1000000",), ("model.layers=1000000", "<= ")),
+    (("model.layers=2147483648",), ("model.layers=2147483648", "<= ")),
     (("train.steps='10'",), ("train.steps='10'", "integer")),
     (("train.lr='1e-3'",), ("train.lr='1e-3'", "number")),
     (("train.steps=1e3",), ("train.steps=1000.0", "integer")),

@@ -256,3 +256,23 @@ def test_stage3_plan_counts_the_gathered_parameters():
     assert kept.gathered == kept.params * 2
     _, stage2 = stage0(["parallel.pp=1", "zero.stage=2"], 2)
     assert stage2.gathered == 0
+
+
+def test_dry_run_of_a_billion_layers_answers_in_seconds():
+    """Planning builds one layer of each kind on meta and multiplies, so 10^9 layers plan like 40 (a stage's
+    parameters are the ends plus n times one layer: checked against building the chunk whole below)."""
+    proc, seconds = dry_run_cli("parallel.world_size=64", "model.layers=1000000000")
+    assert proc.returncode == 0, proc.stderr
+    assert seconds < 5, seconds  # ~1.5 s of it is importing torch
+    assert "0-499999999" in proc.stdout and "500000000-999999999" in proc.stdout
+
+
+@pytest.mark.parametrize("tp,sp", [(1, False), (2, True), (6, False)])
+def test_chunk_parameters_multiply_one_layer_exactly(tp, sp):
+    from megazero.plan import _built_parameters, chunk_parameters
+
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"parallel.tp={tp}", f"parallel.sequence_parallel={sp}", "model.vocab_pad_multiple=384",
+                                                       "model.layers=6"])
+    for layers, first, last in ((range(0, 3), True, False), (range(3, 6), False, True), (range(0, 6), True, True),
+                                (range(2, 4), False, False)):
+        assert chunk_parameters(cfg, layers, first, last) == _built_parameters(cfg, layers, first, last)
