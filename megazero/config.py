@@ -43,6 +43,9 @@ class ModelConfig:
     bias: bool = True
     dropout: float = 0.0
     activation_checkpointing: bool = False
+    # with activation_checkpointing: recompute only the first k layers of each model chunk (Megatron's
+    # --recompute-num-layers, block method), trading memory for compute in steps; 0: every layer
+    checkpoint_layers: int = 0
     init_std: float = 0.02
     vocab_pad_multiple: int = 128
 

@@ -63,6 +63,8 @@ def _variants(cfg: Config) -> list[tuple[str, Config]]:
 
     if not m.activation_checkpointing:
         variant("model.activation_checkpointing=true", lambda c: setattr(c.model, "activation_checkpointing", True))
+    elif m.checkpoint_layers:
+        variant("model.checkpoint_layers=0", lambda c: setattr(c.model, "checkpoint_layers", 0))
     if z.stage < 3:
         variant(f"zero.stage={z.stage + 1}", lambda c: setattr(c.zero, "stage", z.stage + 1))
     if t.micro_batch > 1:

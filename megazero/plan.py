@@ -218,9 +218,16 @@ def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action]) -
 
     logits = t.micro_batch * m.seq_len * (m.padded_vocab // par.tp) * LOGIT_BYTES
     head = [logits if vs == last_vs else 0 for vs in chunks]
-    ckpt, count = activation_peak(sched, [len(ranges[vs]) * layer(True) + h for vs, h in zip(chunks, head)])
+    def recomputed(vs: int) -> int:  # model.checkpoint_layers: the first k layers of each chunk (0: all)
+        return min(m.checkpoint_layers, len(ranges[vs])) if m.checkpoint_layers else len(ranges[vs])
+
+    ckpt, count = activation_peak(sched, [recomputed(vs) * layer(True) + (len(ranges[vs]) - recomputed(vs))
+                                          * layer(False) + h for vs, h in zip(chunks, head)])
     full, _ = activation_peak(sched, [len(ranges[vs]) * layer(False) + h for vs, h in zip(chunks, head)])
-    ckpt += layer(False)  # the one layer being recomputed in backward holds its full set meanwhile
+    # the one layer being recomputed in backward holds its full set meanwhile; when a chunk keeps some layers'
+    # full activations (checkpoint_layers), those are freed by the time its first layers are recomputed
+    if any(recomputed(vs) == len(ranges[vs]) for vs in chunks):
+        ckpt += layer(False)
     n_layers = sum(len(ranges[vs]) for vs in chunks)
     tokens = t.global_batch * m.seq_len // par.dp  # this dp replica's share
     vocab = m.padded_vocab if last_vs in chunks else 0
@@ -341,7 +348,9 @@ def format_plan(plan: Plan) -> str:
         f"optimizer (Adam moments{' + fp32 master' if b != 4 else ''}); Rajbhandari et al. SC'20, Fig. 1",
         f"  activations: Korthikanti et al. 2022 §4 per layer, {'fp32' if b == 4 else '16-bit'}, flash attention "
         f"(no s x s scores), micro_batch {t.micro_batch}; x layers x microbatches held ('mb held', peak of the "
-        f"{par.schedule} schedule); act ckpt adds one layer being recomputed; the last stage adds fp32 logits "
+        f"{par.schedule} schedule); act ckpt adds one layer being recomputed"
+        + (f" unless a chunk keeps full activations past its first {m.checkpoint_layers} layers (freed by then)"
+           if m.checkpoint_layers else "") + "; the last stage adds fp32 logits "
         f"({last.logits / GB:.2f} GB per microbatch)",
         "  * = what this config uses; total* = device model state + activations"
         + (" + gathered (ZeRO-3: the root and two layers whole, or the whole stage with "

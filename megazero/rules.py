@@ -43,6 +43,7 @@ _CHOICES = {
 _MIN = {
     ("model", "layers"): 1, ("model", "hidden"): 1, ("model", "heads"): 1, ("model", "seq_len"): 1,
     ("model", "vocab_size"): 2, ("model", "ffn_hidden"): 1, ("model", "vocab_pad_multiple"): 1,
+    ("model", "checkpoint_layers"): 0,
     ("parallel", "tp"): 1, ("parallel", "pp"): 1, ("parallel", "dp"): 1, ("parallel", "virtual_stages"): 1,
     ("train", "steps"): 1, ("train", "global_batch"): 1, ("train", "micro_batch"): 1,
     ("train", "lr"): 0.0, ("train", "min_lr"): 0.0, ("train", "warmup_steps"): 0,
@@ -67,6 +68,7 @@ _MAX = {
     ("model", "vocab_size"): 2 ** 24,  # ids fit the int32 .bin; logits bound above; LLMs use <= 256k
     ("model", "ffn_hidden"): 2 ** 20,  # 4 * the largest hidden: the MLP weight hidden*ffn < 2^39
     ("model", "vocab_pad_multiple"): 2 ** 16,  # padding beyond 65,536 rows only wastes memory
+    ("model", "checkpoint_layers"): 2 ** 31 - 1,  # as model.layers
     ("model", "init_std"): 10.0,  # GPT-2 uses 0.02; a std past 10 only overflows 16-bit activations
     ("parallel", "tp"): _WORLD, ("parallel", "pp"): _WORLD, ("parallel", "dp"): _WORLD,
     ("parallel", "world_size"): _WORLD,
@@ -121,6 +123,9 @@ def validate(cfg: Config) -> None:
         m.ffn_hidden = 4 * m.hidden
     if m.hidden % m.heads:
         raise invalid(src, "model.heads", m.heads, f"must divide model.hidden={m.hidden}")
+    if m.checkpoint_layers and not m.activation_checkpointing:
+        raise invalid(src, "model.checkpoint_layers", m.checkpoint_layers,
+                      "recomputes layers only with model.activation_checkpointing=true; 0 without it")
     _check_tp(cfg)
     _check_pp(cfg)
     heads = t.micro_batch * m.heads // par.tp

@@ -172,6 +172,8 @@ class GPT(nn.Module):
         assert all(0 <= i < cfg.layers for i in self.layer_ids), (self.layer_ids, cfg.layers)
         self.first_stage, self.last_stage = first_stage, last_stage
         self.activation_checkpointing = cfg.activation_checkpointing
+        # the first k layers of this chunk are recomputed in backward (all of them when k is 0)
+        self.checkpointed = cfg.checkpoint_layers or len(self.layer_ids)
 
         self.embed = Embedding(cfg, self.par, positions=first_stage) if first_stage or last_stage else None
         self.embed_dropout = ShardedDropout(cfg.dropout, self.rng, split=self.par.sp) if first_stage else None
@@ -196,8 +198,8 @@ class GPT(nn.Module):
     def forward(self, x: Tensor, targets: Tensor | None = None) -> Tensor:
         if self.first_stage:
             x = self._embed(x)
-        for layer in self.layers.values():
-            if self.activation_checkpointing and torch.is_grad_enabled():
+        for i, layer in enumerate(self.layers.values()):
+            if self.activation_checkpointing and torch.is_grad_enabled() and i < self.checkpointed:
                 x = checkpoint(layer, x, use_reentrant=False, context_fn=self.rng.checkpoint_contexts)
             else:
                 x = layer(x)

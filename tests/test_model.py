@@ -213,16 +213,26 @@ def test_causal():
 
 
 def test_activation_checkpointing_gives_identical_grads():
+    """Full and partial (model.checkpoint_layers: the first k layers) recomputation give the same gradients as
+    none, bit for bit with dropout on; and exactly the checkpointed layers run their forward twice."""
     x, t = tokens(Cfg(), seed=5), tokens(Cfg(), seed=6)
-    grads = []
-    for ckpt in (False, True):
-        cfg = Cfg(dropout=0.1, activation_checkpointing=ckpt)
+    grads, forwards = [], []
+    for ckpt, k in ((False, 0), (True, 0), (True, 1)):
+        cfg = Cfg(dropout=0.1, activation_checkpointing=ckpt, checkpoint_layers=k)
         model = build_gpt(cfg, seed=7).train()
+        calls = [0] * len(model.layers)
+        for i, layer in enumerate(model.layers.values()):
+            # a pre-hook: recomputation stops early (non-reentrant checkpointing), so post-hooks do not fire
+            layer.register_forward_pre_hook(lambda m, a, i=i: calls.__setitem__(i, calls[i] + 1))
         torch.manual_seed(0)
         model(x, t).mean().backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
-    for n in grads[0]:
-        assert torch.equal(grads[0][n], grads[1][n]), n
+        forwards.append(calls)
+    assert len(forwards[0]) >= 2
+    assert forwards == [[1] * len(forwards[0]), [2] * len(forwards[0]), [2] + [1] * (len(forwards[0]) - 1)]
+    for g in grads[1:]:
+        for n in grads[0]:
+            assert torch.equal(grads[0][n], g[n]), n
 
 
 def test_dropout_active_in_train_only():

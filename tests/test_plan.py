@@ -276,3 +276,28 @@ def test_chunk_parameters_multiply_one_layer_exactly(tp, sp):
     for layers, first, last in ((range(0, 3), True, False), (range(3, 6), False, True), (range(0, 6), True, True),
                                 (range(2, 4), False, False)):
         assert chunk_parameters(cfg, layers, first, last) == _built_parameters(cfg, layers, first, last)
+
+
+def test_partial_checkpointing_plans_between_none_and_all():
+    """model.checkpoint_layers=k: k layers per chunk keep only their input, the rest their full activations."""
+    from megazero.plan import activation_bytes_per_layer
+
+    sets = ["parallel.tp=1", "parallel.pp=1", "parallel.sequence_parallel=false", "model.layers=4",
+            "model.activation_checkpointing=true", "train.global_batch=2", "train.micro_batch=2"]
+    tiny = ROOT / "configs" / "tiny.yaml"
+    stage = {}
+    for k in (0, 1, 4):
+        cfg = load_config(tiny, sets + [f"model.checkpoint_layers={k}"])
+        resolve_world(cfg, 1)
+        stage[k] = make_plan(cfg).stages[0]
+    m, t = cfg.model, cfg.train
+
+    def layer(recompute):
+        return activation_bytes_per_layer(m.seq_len, t.micro_batch, m.hidden, m.heads, 1, False, recompute,
+                                          flash=True, precision=t.precision)
+
+    assert stage[0].act_ckpt == stage[4].act_ckpt  # k >= the chunk's layers is all of them
+    # 3 layers keep their full activations instead of their input, and no layer is recomputed while they are
+    # held (they are freed first in backward), so the one-layer recompute term of full checkpointing goes
+    assert stage[1].act_ckpt - stage[0].act_ckpt == 3 * (layer(False) - layer(True)) - layer(False)
+    assert stage[0].act_ckpt < stage[1].act_ckpt < stage[1].act_full

@@ -37,6 +37,7 @@ DP2 = [(f"dp2_z{s}", [f"zero.stage={s}"]) for s in range(4)] + \
        ("dp2_z3_offload", ["zero.stage=3", "zero.offload_optimizer=cpu", "zero.offload_params=cpu"]),
        ("dp2_z3_keep", ["zero.stage=3", "zero.reshard_after_forward=false"]),
        ("dp2_z3_ckpt", ["zero.stage=3", "model.activation_checkpointing=true"]),
+       ("dp2_z3_ckpt1", ["zero.stage=3", "model.activation_checkpointing=true", "model.checkpoint_layers=1"]),
        ("dp2_z1_bf16", ["zero.stage=1", "train.precision=bf16"]),
        ("dp2_z3_bf16", ["zero.stage=3", "train.precision=bf16"]),
        # a dp=1 stage-0 checkpoint at step 10 resumed at dp=2 under stage 3: checkpoints are layout-free
