@@ -132,7 +132,6 @@ class ZeroOptimizer:
         if flag:
             if locate_nonfinite:  # rare path: say where
                 self.nonfinite_param = self.optim.first_nonfinite(grads)
-            self.optim.discard()
             self.zero_grad()
             self.gatherer.release()  # stage 3: the root stays gathered otherwise, until the next forward
             return norm, True
@@ -144,6 +143,8 @@ class ZeroOptimizer:
         return norm, False
 
     def zero_grad(self) -> None:
+        """Forget this step's gradients (after any early host copy of them has landed: it reads them)."""
+        self.optim.discard()
         self.reducer.zero_grad()
 
     # ----- outside a step -----------------------------------------------------------------------------------------
