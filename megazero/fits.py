@@ -17,6 +17,10 @@ from megazero.config import Config
 from megazero.errors import UserError
 
 GB = 1e9
+# Layers one rank builds in a run: each is a Python module (~40 KB of host memory before any tensor) run in a
+# Python loop, which the byte plan does not see. Published models hold < 200 per pipeline stage; a dry run
+# plans any count.
+MAX_LAYERS_PER_RANK = 4096
 
 
 def available_bytes(device: torch.device) -> int:
@@ -80,7 +84,14 @@ def _variants(cfg: Config) -> list[tuple[str, Config]]:
 
 def check_fits(cfg: Config, device: torch.device, rank: int, local_rank: int, local_world: int,
                available: Optional[int] = None) -> None:
-    """Refuse, in one line, a run whose planned memory on this device exceeds what is free."""
+    """Refuse, in one line, a run whose planned memory on this device exceeds what is free (or that would build
+    more layers on a rank than a run can hold as modules)."""
+    p = cfg.parallel
+    per_rank = -(-cfg.model.layers // (p.pp * p.virtual_stages)) * p.virtual_stages
+    if per_rank > MAX_LAYERS_PER_RANK:
+        raise UserError(f"{cfg.source}: model.layers={cfg.model.layers} puts up to {per_rank:,} layers on a rank "
+                        f"(parallel.pp={p.pp}); a run builds at most {MAX_LAYERS_PER_RANK} per rank: more "
+                        f"pipeline stages, or --dry-run to plan it")
     first = rank - local_rank  # the node's first rank: a CPU host holds all of its node's ranks
     ranks = range(rank, rank + 1) if device.type == "cuda" else range(first, first + local_world)
     need = needed_bytes(cfg, ranks, device.type)

@@ -157,19 +157,32 @@ def _built_parameters(cfg: Config, layer_ids: range, first: bool, last: bool) ->
     return held, replicated
 
 
-def chunk_parameters(cfg: Config, layer_ids: range, first: bool, last: bool) -> tuple[int, int]:
-    """(held, replicated over tp) parameter counts of one model chunk on one tp rank.
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameter counts on one tp rank, from the real model class built on meta once per kind: a chunk's ends
+    (embeddings, final norm, head; by first/last stage) and one transformer layer. Every layer holds the same
+    parameters, so a chunk of n layers is its ends plus n times one layer, and a plan takes the same time at
+    10 layers as at 10^9, and at 2 stages as at 10^6."""
 
-    The real model class is built on meta, but only its ends (embeddings, final norm, head) and one layer:
-    every transformer layer holds the same parameters, so a stage of n layers is the ends plus n times one
-    layer. Planning then takes the same time at 10 layers as at 10^9."""
-    held, replicated = _built_parameters(cfg, range(0), first, last)
-    if len(layer_ids):
-        one, one_replicated = _built_parameters(cfg, range(1), False, False)
-        bare, bare_replicated = _built_parameters(cfg, range(0), False, False)
-        held += len(layer_ids) * (one - bare)
-        replicated += len(layer_ids) * (one_replicated - bare_replicated)
-    return held, replicated
+    ends: dict  # (first, last) -> (held, replicated)
+    layer: tuple[int, int]
+
+    @classmethod
+    def of(cls, cfg: Config) -> "ParamCounts":
+        ends = {(first, last): _built_parameters(cfg, range(0), first, last)
+                for first in (False, True) for last in (False, True)}
+        one = _built_parameters(cfg, range(1), False, False)
+        bare = ends[(False, False)]
+        return cls(ends, (one[0] - bare[0], one[1] - bare[1]))
+
+    def chunk(self, layers: int, first: bool, last: bool) -> tuple[int, int]:
+        held, replicated = self.ends[(first, last)]
+        return held + layers * self.layer[0], replicated + layers * self.layer[1]
+
+
+def chunk_parameters(cfg: Config, layer_ids: range, first: bool, last: bool) -> tuple[int, int]:
+    """(held, replicated over tp) parameter counts of one model chunk on one tp rank (see ParamCounts)."""
+    return ParamCounts.of(cfg).chunk(len(layer_ids), first, last)
 
 
 @dataclass(frozen=True)
@@ -202,11 +215,11 @@ class Plan:
     bubble: float
 
 
-def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action]) -> StagePlan:
+def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action], params: ParamCounts) -> StagePlan:
     m, par, t, z = cfg.model, cfg.parallel, cfg.train, cfg.zero
     v, last_vs = par.virtual_stages, par.pp * par.virtual_stages - 1
     chunks = [virtual_stage(r, c, par.pp) for c in range(v)]
-    counts = [chunk_parameters(cfg, ranges[vs], vs == 0, vs == last_vs) for vs in chunks]
+    counts = [params.chunk(len(ranges[vs]), vs == 0, vs == last_vs) for vs in chunks]
     psi, replicated = sum(c[0] for c in counts), sum(c[1] for c in counts)
     state = model_state_bytes(psi, z.stage, par.dp, t.precision, z.offload_optimizer, z.offload_params,
                               z.grad_dtype)
@@ -234,17 +247,17 @@ def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action]) -
     flops = flops_per_token(n_layers, m.hidden, m.ffn_hidden, m.seq_len, vocab) * tokens / par.tp
     ranks = [coords_to_rank(r, d, k, par.tp, par.dp) for d in range(par.dp) for k in range(par.tp)]
     return StagePlan(r, sorted(ranks), [ranges[vs] for vs in chunks], psi, replicated, state, ckpt, full,
-                     count, max(head), flops, _gathered(cfg, chunks, ranges, psi))
+                     count, max(head), flops, _gathered(cfg, chunks, ranges, psi, params))
 
 
-def _gathered(cfg: Config, chunks: list[int], ranges: list[range], psi: int) -> int:
+def _gathered(cfg: Config, chunks: list[int], ranges: list[range], psi: int, params: ParamCounts) -> int:
     """ZeRO-3's whole parameters held during a step: the root buckets (embeddings, final norm) and two layers
     (one in use, one prefetched) when layers are freed after forward; every layer of the stage when
     ``zero.reshard_after_forward`` is false (the default under a pipeline)."""
     if cfg.zero.stage != 3:
         return 0
     last_vs = cfg.parallel.pp * cfg.parallel.virtual_stages - 1
-    root = sum(chunk_parameters(cfg, range(0), vs == 0, vs == last_vs)[0] for vs in chunks)
+    root = sum(params.ends[(vs == 0, vs == last_vs)][0] for vs in chunks)
     layers = sum(len(ranges[vs]) for vs in chunks)
     b = BYTES_PER_VALUE[cfg.train.precision]
     if not cfg.zero.reshard_after_forward or layers <= 2:
@@ -258,7 +271,8 @@ def make_plan(cfg: Config) -> Plan:
     mb = cfg.microbatches
     ranges = partition_layers(m.layers, par.pp * par.virtual_stages, par.pp_layers)
     schedule = build_schedule(par.schedule, par.pp, mb, par.virtual_stages)
-    stages = [_stage_plan(cfg, r, ranges, schedule[r]) for r in range(par.pp)]
+    params = ParamCounts.of(cfg)
+    stages = [_stage_plan(cfg, r, ranges, schedule[r], params) for r in range(par.pp)]
     tokens = t.global_batch * m.seq_len
     return Plan(cfg, par.tp * par.pp * par.dp, stages, count_parameters(m), model_flops_per_token(m) * tokens,
                 tokens, mb, pipeline_bubble(par.schedule, par.pp, mb, par.virtual_stages))
@@ -349,8 +363,8 @@ def format_plan(plan: Plan) -> str:
         f"  activations: Korthikanti et al. 2022 §4 per layer, {'fp32' if b == 4 else '16-bit'}, flash attention "
         f"(no s x s scores), micro_batch {t.micro_batch}; x layers x microbatches held ('mb held', peak of the "
         f"{par.schedule} schedule); act ckpt adds one layer being recomputed"
-        + (f" unless a chunk keeps full activations past its first {m.checkpoint_layers} layers (freed by then)"
-           if m.checkpoint_layers else "") + "; the last stage adds fp32 logits "
+        + (f" where a chunk has no more than {m.checkpoint_layers} layers (one that keeps some layers' full "
+           f"activations frees them before it recomputes)" if m.checkpoint_layers else "") + "; the last stage adds fp32 logits "
         f"({last.logits / GB:.2f} GB per microbatch)",
         "  * = what this config uses; total* = device model state + activations"
         + (" + gathered (ZeRO-3: the root and two layers whole, or the whole stage with "

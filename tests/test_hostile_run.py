@@ -411,3 +411,20 @@ def test_fp16_overflows_count_toward_max_skipped_only_at_the_minimum_scale():
         skip.check(2, True, False, float("nan"), "layers.0.mlp.fc1.weight")
     with pytest.raises(NonFiniteStop, match=r"step 1: the loss is not finite; stopped before saving"):
         NonFiniteGuard("stop", max_skipped=10, fp16=True).check(1, False, True, 1.0, None)
+
+
+def test_a_run_refuses_more_layers_per_rank_than_it_can_build():
+    """--dry-run plans any layer count; a run would build each layer as a module (host memory and a Python loop
+    the byte plan does not see), so past 4096 per rank it is refused in one line before anything is built."""
+    from megazero.config import load_config, resolve_world
+    from megazero.errors import UserError
+    from megazero.fits import check_fits
+
+    sets = ["model.layers=1000000", "model.hidden=8", "model.heads=1", "model.seq_len=8", "parallel.tp=1",
+            "parallel.pp=2", "parallel.sequence_parallel=false", "train.precision=fp32", "zero.stage=0"]
+    cfg = resolve_world(load_config(TINY, sets), 2)
+    with pytest.raises(UserError, match=r"model\.layers=1000000 puts up to 500,000 layers on a rank "
+                                         r"\(parallel\.pp=2\); a run builds at most 4096 per rank"):
+        check_fits(cfg, torch.device("cpu"), 0, 0, 2, available=10**15)
+    check_fits(resolve_world(load_config(TINY, sets[1:] + ["model.layers=8192"]), 2), torch.device("cpu"), 0, 0, 2,
+               available=10**15)  # 4096 per rank: built

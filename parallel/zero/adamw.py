@@ -31,7 +31,8 @@ class ShardedAdamW:
         self.exp_avg_sq: list[Optional[Tensor]] = [None] * n
         self.decay_mask: list[Optional[Tensor]] = [None] * n
         self.runs: list[list] = [[] for _ in range(n)]
-        self.counted: list[list[tuple[int, int]]] = [[] for _ in range(n)]  # ranges that count toward the norm
+        self.counted: list[list] = [[] for _ in range(n)]  # runs of the range: do they count toward the norm
+        self.norm_weights: Optional[Tensor] = None  # 1 where a run counts, 0 elsewhere; built on first use
         self.host_grad: list[Optional[Tensor]] = [None] * n  # offloaded: pinned landing buffers
         self.copied = [False] * n
         self.copy_stream = None
@@ -62,7 +63,7 @@ class ShardedAdamW:
         self.exp_avg[i], self.exp_avg_sq[i] = m, v
         self.decay_mask[i] = decay.to(self.state_device)
         self.runs[i] = decay_runs(decay)
-        self.counted[i] = [(a, z) for a, z, counts in decay_runs(count) if counts]
+        self.counted[i] = decay_runs(count)  # (start, end, counts toward the norm)
 
     def target(self, b: Bucket) -> Tensor:
         """Where the updated parameters go: the range of the whole-parameter buffer, or the persistent shard."""
@@ -88,11 +89,17 @@ class ShardedAdamW:
 
     def sq_norm(self, grads: list[Tensor]) -> Tensor:
         """Sum of squares of the gradients that count toward the global norm (each parameter once)."""
-        views = [g[a:z] for b, g in zip(self.layout.buckets, grads) for a, z in self.counted[b.index]]
-        if not views:
+        runs = [(g, a, z) for b, g in zip(self.layout.buckets, grads) for a, z, _ in self.counted[b.index]]
+        if not runs:
             return torch.zeros((), dtype=torch.float32, device=self.device)
-        # one fused, multi-threaded pass over the counted ranges, in fp32, with no full-size temporaries
-        return torch.stack(torch._foreach_norm(views, 2, dtype=torch.float32)).square().sum()
+        if self.norm_weights is None:
+            flags = [float(c) for b in self.layout.buckets for _, _, c in self.counted[b.index]]
+            self.norm_weights = torch.tensor(flags, device=self.device)
+        # one fused, multi-threaded pass over every run, in fp32, with no full-size temporaries; the runs that do
+        # not count (tp-replicated copies off tp rank 0, the tied copy) are weighted 0, so a nan or inf there
+        # still makes the norm non-finite and skips the step
+        norms = torch.stack(torch._foreach_norm([g[a:z] for g, a, z in runs], 2, dtype=torch.float32))
+        return (norms.square() * self.norm_weights).sum()
 
     def first_nonfinite(self, grads: list[Tensor]) -> Optional[str]:
         """The first parameter, in bucket order, with a non-finite gradient element in this rank's range."""

@@ -97,6 +97,7 @@ class GradReducer:
     # ----- backward -------------------------------------------------------------------------------------------
     def begin(self, microbatches: int) -> None:
         assert not self.in_flight, "a reduction of an earlier step was never completed"
+        assert microbatches >= 1, microbatches
         self.microbatches = microbatches
         self.ready = [0] * len(self.ready)
         self.rounds = [0] * len(self.rounds)
