@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from parallel.loss_scale import LossScaler
+from parallel.host import host_values
 from parallel.pipeline import PipelineExecutor
 from parallel.schedules import Action
 from parallel.zero import ZeroOptimizer
@@ -61,4 +62,4 @@ def train_step(zero: ZeroOptimizer, executor: PipelineExecutor, schedule: list[A
         scaler.update(skipped)
     if loss_work is not None:
         loss_work.wait()
-    return StepResult(loss_sum, norm, skipped, zero.nonfinite_param, bool(agreed[0]), loss_total)
+    return StepResult(loss_sum, norm, skipped, zero.nonfinite_param, bool(host_values(agreed[0])[0]), loss_total)

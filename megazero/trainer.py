@@ -31,6 +31,7 @@ from megazero.run_dir import Start, clear_earlier_run, plan_start
 from megazero.metrics import MetricsLogger, memory_gb, model_flops_per_token, peak_tflops
 from models.gpt import build_gpt, initial_tp_value
 from parallel.loss_scale import LossScaler
+from parallel.host import host_values
 from parallel.pipeline import PipelineExecutor, partition_layers
 from parallel.schedules import build_schedule, virtual_stage
 from parallel.topology import Grid, coords_to_rank
@@ -74,11 +75,12 @@ class Trainer:
     """One rank's share of a run: its stage of the model, its data share, its optimizer."""
 
     def __init__(self, cfg: Config, grid: Grid, device: torch.device, is_builder: bool = True,
-                 stop: Optional[StopSignals] = None):
-        """stop: the signals that end the run at a step boundary, after a save (None: not watched)."""
+                 stop: Optional[StopSignals] = None, data: Optional[GPTData] = None):
+        """stop: the signals that end the run at a step boundary, after a save (None: not watched). data: the
+        batches (None: build them from cfg.data; ``--simulate`` passes token ids of the right shape)."""
         self.cfg, self.grid, self.device, self.stop = cfg, grid, device, stop
         resolve_kernels(cfg.kernels, device.type, cfg.model.head_dim)
-        self.data = load_data_everywhere(cfg, grid, is_builder)
+        self.data = load_data_everywhere(cfg, grid, is_builder) if data is None else data
         torch.manual_seed(cfg.train.seed)
         par = cfg.parallel
         v = par.virtual_stages
@@ -156,10 +158,10 @@ class Trainer:
                             self.scaler, flags=flags)
         self.train_trace = (self.executor.trace, self.executor.trace_origin)  # the last training run's timeline
         loss_sum, norm, skipped = result.loss_total, result.grad_norm, result.skipped
-        self.stop_agreed = int(flags.item())
+        self.stop_agreed = int(host_values(flags)[0])
         self.step += 1
         self.consumed_samples += cfg.train.global_batch
-        loss = (loss_sum / self.tokens_per_step).item() if grid.is_last_stage else float("nan")
+        loss = host_values(loss_sum / self.tokens_per_step)[0] if grid.is_last_stage else float("nan")
         record = {"loss": loss, "lr": lr, "grad_norm": norm}
         scaler = self.scaler
         if scaler.enabled:

@@ -296,10 +296,15 @@ def build_gpt(
     model.rng.device = torch.device(device)
     if not materialise:
         return model
-    attrs = {name: (p.tp_split_dim, p.sequence_parallel) for name, p in model.named_parameters()}
-    model.to_empty(device=device)
-    for name, p in model.named_parameters():  # materialising replaces the Parameter objects
-        p.tp_split_dim, p.sequence_parallel = attrs[name]
+    # new Parameter objects on the device, keeping the parallel attributes (not to_empty: it cannot swap the
+    # parameters of a model built under fake tensors, which --simulate runs)
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if id(p) not in made:
+                made[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                made[id(p)].tp_split_dim, made[id(p)].sequence_parallel = p.tp_split_dim, p.sequence_parallel
+            setattr(module, name, made[id(p)])
     init_parameters(model, seed)
     return model
 

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from kernels.adam import adamw
-from kernels.adam_cpu import decay_runs
+from kernels.adam_cpu import Run
 from parallel.zero.layout import Bucket, BucketLayout
 
 
@@ -27,6 +27,7 @@ class ShardedAdamW:
         self.step_count = 0
         n = len(layout.buckets)
         self.master: list[Optional[Tensor]] = [None] * n
+        self.master_is_param = [False] * n  # fp32 parameters on the states' device are their own masters
         self.exp_avg: list[Optional[Tensor]] = [None] * n
         self.exp_avg_sq: list[Optional[Tensor]] = [None] * n
         self.decay_mask: list[Optional[Tensor]] = [None] * n
@@ -44,13 +45,14 @@ class ShardedAdamW:
         return self.state_device != self.device
 
     # ----- states -------------------------------------------------------------------------------------------
-    def add_bucket(self, b: Bucket, initial: Tensor, decay: Tensor, count: Tensor) -> None:
-        """The states of one bucket's range, from its fp32 initial values. Where the parameters are fp32 on
+    def add_bucket(self, b: Bucket, initial: Tensor, decay: list[Run], count: list[Run]) -> None:
+        """The states of one bucket's range, from its fp32 initial values and its runs of (weight decay
+        applies) and (counts toward the norm) (``BucketLayout.mask_runs``). Where the parameters are fp32 on
         the state's device, the parameter slice itself is the master copy (no second fp32 copy)."""
         i = b.index
         target = self.target(b)
         if target.dtype == torch.float32 and self.state_device == self.device == target.device:
-            self.master[i] = target
+            self.master[i], self.master_is_param[i] = target, True
         else:
             self.master[i] = initial.to(self.state_device)
             if self.pinned:
@@ -61,9 +63,13 @@ class ShardedAdamW:
         if self.pinned:  # the reduced gradient's landing buffer, in its own dtype (converted in bounded chunks)
             self.host_grad[i] = torch.empty(initial.numel(), dtype=self.grad_dtype, pin_memory=True)
         self.exp_avg[i], self.exp_avg_sq[i] = m, v
-        self.decay_mask[i] = decay.to(self.state_device)
-        self.runs[i] = decay_runs(decay)
-        self.counted[i] = decay_runs(count)  # (start, end, counts toward the norm)
+        mask = torch.zeros(initial.numel(), dtype=torch.bool, device=self.state_device)
+        for a, z, on in decay:
+            if on:
+                mask[a:z] = True
+        self.decay_mask[i] = mask
+        self.runs[i] = decay
+        self.counted[i] = count  # (start, end, counts toward the norm)
 
     def target(self, b: Bucket) -> Tensor:
         """Where the updated parameters go: the range of the whole-parameter buffer, or the persistent shard."""
@@ -127,7 +133,7 @@ class ShardedAdamW:
         for b, grad in zip(self.layout.buckets, grads):
             i = b.index
             target = self.target(b)
-            same = self.master[i].data_ptr() == target.data_ptr()
+            same = self.master_is_param[i]
             adamw(self.impl, self.master[i], grad, self.exp_avg[i], self.exp_avg_sq[i], lr=lr, beta1=b1, beta2=b2,
                   eps=self.eps, weight_decay=self.weight_decay, step=self.step_count, decay_mask=self.decay_mask[i],
                   runs=self.runs[i], grad_scale=grad_scale, model_copy=None if same else target)
@@ -142,6 +148,6 @@ class ShardedAdamW:
         for b in self.layout.buckets:
             i = b.index
             total += (self.exp_avg[i].numel() + self.exp_avg_sq[i].numel()) * 4
-            if self.master[i].data_ptr() != self.target(b).data_ptr():
+            if not self.master_is_param[i]:
                 total += self.master[i].numel() * 4
         return total

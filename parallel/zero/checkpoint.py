@@ -100,7 +100,7 @@ class ZeroCheckpoint:
                     mine[k] = torch.empty(hi - lo, dtype=t.dtype, device=self.device)
                     self.dp.reduce_scatter_into(mine[k], t, tag="checkpoint")
             (b.shard_param if self.policy.shard_params else b.full).copy_(mine["param"])
-            if o.master[i].data_ptr() != o.target(b).data_ptr():
+            if not o.master_is_param[i]:
                 o.master[i].copy_(mine["master"])
             o.exp_avg[i].copy_(mine["exp_avg"])
             o.exp_avg_sq[i].copy_(mine["exp_avg_sq"])

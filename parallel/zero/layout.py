@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor, nn
 
+from kernels.adam_cpu import Run
 from parallel.zero.policy import StagePolicy
 
 
@@ -113,23 +114,35 @@ class BucketLayout:
             if self.policy.shard_params:
                 b.full.untyped_storage().resize_(0)  # gathered again before each use (parallel.zero.gather)
 
-    def masks(self, b: Bucket, tp_rank: int) -> tuple[Tensor, Tensor, Tensor]:
-        """Per element of the optimizer's range: (weight decay applies, counts toward the gradient norm,
-        sequence-parallel: summed over tp). Matrices decay; biases and norms do not. A tp-replicated parameter
-        counts on tp rank 0 only and the tied embedding's copy not at all, so the norm counts each once."""
+    def mask_runs(self, b: Bucket, tp_rank: int) -> tuple[list[Run], list[Run], list[Run]]:
+        """Per element of the optimizer's range, as maximal runs ``(start, end, flag)`` that tile it: (weight
+        decay applies, counts toward the gradient norm, sequence-parallel: summed over tp). Matrices decay;
+        biases and norms do not. A tp-replicated parameter counts on tp rank 0 only and the tied embedding's
+        copy not at all, so the norm counts each once. Padding is False in all three. Computed from the
+        parameters alone (no tensor is read), so a simulated run (fake tensors) builds them as a real one."""
         lo, hi = self.range(b)
-        decay = torch.zeros(hi - lo, dtype=torch.bool)
-        count = torch.zeros(hi - lo, dtype=torch.bool)
-        sp = torch.zeros(hi - lo, dtype=torch.bool)
+        runs: tuple[list[Run], list[Run], list[Run]] = ([], [], [])
+
+        def put(a: int, z: int, flags: tuple[bool, bool, bool]) -> None:
+            for out, flag in zip(runs, flags):
+                if out and out[-1][2] == flag:
+                    out[-1] = (out[-1][0], z, flag)
+                else:
+                    out.append((a, z, flag))
+
+        at = 0
         for (_, p), off in zip(b.params, b.offsets):
             a, z = max(off, lo) - lo, min(off + p.numel(), hi) - lo
             if a >= z:
                 continue
-            decay[a:z] = p.dim() >= 2
-            count[a:z] = (getattr(p, "tp_split_dim", None) is not None or tp_rank == 0) \
-                and not getattr(p, "tied_copy", False)
-            sp[a:z] = bool(getattr(p, "sequence_parallel", False))
-        return decay, count, sp
+            if a > at:
+                put(at, a, (False, False, False))
+            put(a, z, (p.dim() >= 2, (getattr(p, "tp_split_dim", None) is not None or tp_rank == 0)
+                       and not getattr(p, "tied_copy", False), bool(getattr(p, "sequence_parallel", False))))
+            at = z
+        if at < hi - lo:
+            put(at, hi - lo, (False, False, False))
+        return runs
 
     def name_at(self, b: Bucket, at: int) -> Optional[str]:
         """The parameter at element ``at`` of a bucket (None in the padding)."""

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from parallel.comm import Comm
+from parallel.host import host_values
 from parallel.topology import Grid
 from parallel.zero.adamw import ShardedAdamW
 from parallel.zero.checkpoint import ZeroCheckpoint
@@ -64,10 +65,10 @@ class ZeroOptimizer:
         sp_index: list[Optional[Tensor]] = []
 
         def add(b: Bucket, initial: Tensor) -> None:
-            decay, count, sp = self.layout.masks(b, grid.tp_comm.rank)
+            decay, count, sp = self.layout.mask_runs(b, grid.tp_comm.rank)
             self.optim.add_bucket(b, initial, decay, count)
-            index = sp.nonzero().squeeze(1).to(self.device)  # once here: the step indexes without a host sync
-            sp_index.append(index if index.numel() else None)
+            parts = [torch.arange(a, z, device=self.device) for a, z, on in sp if on]  # the step needs no host sync
+            sp_index.append(torch.cat(parts) if parts else None)
 
         self.layout.materialise(initial_value, add)
         self.gatherer = ParamGatherer(chunks, self.layout, self.policy, grid.dp_comm, self.device,
@@ -127,7 +128,7 @@ class ZeroOptimizer:
             self.grid.dp_comm.all_reduce(sumsq, tag="grad_norm")
         self.grid.tp_comm.all_reduce(sumsq, tag="grad_norm")
         self.grid.pp_comm.all_reduce(sumsq, tag="grad_norm")
-        flag, root = torch.stack([agreed[0], sumsq.sqrt()]).tolist()  # the step's one wait for the device
+        flag, root = host_values(torch.stack([agreed[0], sumsq.sqrt()]))  # the step's one wait for the device
         norm = root * grad_scale
         if flag:
             if locate_nonfinite:  # rare path: say where
