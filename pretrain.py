@@ -1,4 +1,4 @@
-"""Pretrain a GPT: `python pretrain.py --config configs/tiny.yaml [--set section.key=value ...] [--dry-run]`.
+"""Pretrain a GPT: `python pretrain.py --config configs/tiny.yaml [--set section.key=value ...] [--dry-run | --simulate]`.
 
 Runs as a plain process (world size 1), under torchrun, or under Slurm's srun. Exit codes: 0 done, 2 an input
 error, 3 non-finite loss or gradients, 4 a collective timed out, 128+N stopped by signal N after saving
@@ -19,14 +19,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="validate the config and print each rank's parameters, memory and FLOPs; "
                          "allocates nothing, starts no process group (plan another size with "
                          "--set parallel.world_size=N)")
-    return ap.parse_args(argv)
+    ap.add_argument("--simulate", action="store_true",
+                    help="run one rank of each pipeline stage through two real training steps at full size on "
+                         "fake tensors and a fake process group, in this process; print each one's peak memory "
+                         "by category beside the plan and write simulate.json to log.dir; exit 3 when one does "
+                         "not fit in launch.memory_gb")
+    args = ap.parse_args(argv)
+    if args.dry_run and args.simulate:
+        ap.error("--dry-run and --simulate are two different answers; choose one")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from megazero.run import cli
 
-    return cli(args.config, args.set, args.dry_run)
+    return cli(args.config, args.set, args.dry_run, args.simulate)
 
 
 if __name__ == "__main__":

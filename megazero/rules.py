@@ -52,6 +52,7 @@ _MIN = {
     ("train", "keep_last"): 1, ("train", "exit_after"): 0, ("zero", "bucket_mb"): 0.001,
     ("parallel", "world_size"): 0, ("log", "every"): 1, ("model", "init_std"): 0.0,
     ("log", "peak_tflops"): 1e-9, ("train", "max_skipped"): 1,
+    ("launch", "memory_gb"): 0.0, ("launch", "rank"): -1,
     ("launch", "timeout_minutes"): 0.01,  # > 0: torch counts in milliseconds, so less would round to no wait
 }
 
@@ -90,6 +91,8 @@ _MAX = {
     ("zero", "bucket_mb"): 65536.0,  # 64 GiB, above any device; elements (mb * 2^20 / 2) fit int64 sizes
     ("log", "peak_tflops"): 1e6,  # per device; an H200 is ~1e3 dense bf16: MFU stays a readable number
     ("launch", "timeout_minutes"): 10080.0,  # a week; timedelta and NCCL's milliseconds hold it easily
+    ("launch", "memory_gb"): 2.0 ** 40,  # a TB of TB; bytes stay exact in float64
+    ("launch", "rank"): _WORLD - 1,  # below the world size, checked once the world is known
 }
 _SCHEDULE_PASSES = 2 ** 20  # microbatches * pp * virtual_stages: a schedule lists ~6 actions per pass
 _TRITON_GRID_Y = 65535  # CUDA's limit on a grid's second axis: the Triton attention's batch * heads axis

@@ -90,13 +90,17 @@ def _as_run_error(e: RuntimeError, cfg, grid, rank: int) -> Exception:
     return e
 
 
-def cli(config_path: str, overrides: list[str], dry: bool) -> int:
-    """pretrain.py's body: run (or plan) and turn every way a run ends into one line and an exit code
-    (megazero.errors lists them)."""
+def cli(config_path: str, overrides: list[str], dry: bool, simulate: bool = False) -> int:
+    """pretrain.py's body: run (or plan, or simulate) and turn every way a run ends into one line and an exit
+    code (megazero.errors lists them; a simulation exits 3 when a rank does not fit)."""
     from megazero.errors import CollectiveTimeout, RunStopped
     from megazero.signals import Interrupted, exit_code
 
     try:
+        if simulate:
+            from megazero.simulate import run_simulation
+
+            return run_simulation(config_path, overrides)
         (dry_run if dry else run)(config_path, overrides)
     except UserError as e:
         _report(f"error: {e}", every_node=True)

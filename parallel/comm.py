@@ -53,6 +53,7 @@ class CommTotals:
     numel: int = 0  # elements this rank contributed (the inputs of the collectives)
     bytes: int = 0
     wire: float = 0.0  # elements this rank put on the wire (ring algorithms)
+    wire_bytes: float = 0.0  # bytes this rank put on the wire (ring algorithms; a receive puts none)
 
 
 @dataclass
@@ -74,6 +75,7 @@ class CommCounter:
         t.numel += n
         t.bytes += n * tensor.element_size()
         t.wire += ring_wire(kind, n, size)
+        t.wire_bytes += 0 if kind == "recv" else ring_wire(kind, n, size) * tensor.element_size()
         self.last = f"{group}.{kind}.{tag}"
 
     def reset(self) -> None:
@@ -93,6 +95,13 @@ class CommCounter:
     def wire(self, kind: Optional[str] = None, group: Optional[str] = None, tag: Optional[str] = None) -> float:
         """Elements this rank put on the wire over the selected collectives (ring algorithms)."""
         return sum(t.wire for t in self._select(kind, group, tag))
+
+    def sent_bytes(self) -> dict[str, float]:
+        """Bytes this rank put on the wire, per group (ring algorithms; sends, not receives)."""
+        out: dict[str, float] = {}
+        for (_, group, _, _), t in self.totals.items():
+            out[group] = out.get(group, 0.0) + t.wire_bytes
+        return out
 
     def summary(self) -> dict[str, int]:
         """Calls per "group.kind.tag"."""

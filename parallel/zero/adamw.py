@@ -63,11 +63,12 @@ class ShardedAdamW:
         if self.pinned:  # the reduced gradient's landing buffer, in its own dtype (converted in bounded chunks)
             self.host_grad[i] = torch.empty(initial.numel(), dtype=self.grad_dtype, pin_memory=True)
         self.exp_avg[i], self.exp_avg_sq[i] = m, v
-        mask = torch.zeros(initial.numel(), dtype=torch.bool, device=self.state_device)
-        for a, z, on in decay:
-            if on:
-                mask[a:z] = True
-        self.decay_mask[i] = mask
+        if self.impl != "fused":  # the fused kernel steps run by run; the others read a mask (1 B per element)
+            mask = torch.zeros(initial.numel(), dtype=torch.bool, device=self.state_device)
+            for a, z, on in decay:
+                if on:
+                    mask[a:z] = True
+            self.decay_mask[i] = mask
         self.runs[i] = decay
         self.counted[i] = count  # (start, end, counts toward the norm)
 

@@ -57,11 +57,16 @@ class GradReducer:
         if policy.keeps_full_grads:
             for b in layout.buckets:
                 self.full[b.index] = torch.zeros(b.numel, dtype=grad_dtype, device=device)
-        # the reduced gradient of the optimizer's range: the own slice (sharded optimizer) or the whole bucket
+        # the reduced gradient of the optimizer's range: the own slice (sharded optimizer) or the whole bucket.
+        # Stage 1 keeps the whole buffer and reduce-scatters it in place, into its own slice (NCCL's in-place
+        # reduce-scatter; gloo copies): no second buffer, so model states are (2+2+K/N)Ψ as in the paper
         self.shard: list[Optional[Tensor]] = [None] * n
+        self.in_place = policy.shard_optimizer and policy.keeps_full_grads
         if policy.shard_optimizer:
             for b in layout.buckets:
-                self.shard[b.index] = torch.zeros(b.shard, dtype=grad_dtype, device=device)
+                lo, hi = layout.own_slice(b)
+                self.shard[b.index] = self.full[b.index][lo:hi] if self.in_place else \
+                    torch.zeros(b.shard, dtype=grad_dtype, device=device)
         self.ready, self.rounds = [0] * n, [0] * n
         # per bucket and parameter: its gradient is in the buffer (the first is copied in, the rest added); per
         # parameter, not per bucket, as a bucket may span model chunks whose backwards interleave
@@ -71,7 +76,8 @@ class GradReducer:
         self.microbatches = 1
         self.in_flight: deque = deque()  # (bucket, work, output, input) in launch order
         self.elem = torch.tensor([], dtype=grad_dtype).element_size()
-        self.live_bytes = sum(t.numel() for t in self.full + self.shard if t is not None) * self.elem
+        self.live_bytes = sum(t.numel() for t in self.full + ([] if self.in_place else self.shard)
+                              if t is not None) * self.elem
         self.peak_bytes = self.live_bytes  # gradient bytes alive at once (buffers, shards, reductions in flight)
         for b in layout.buckets:
             offsets = {id(q): off for (_, q), off in zip(b.params, b.offsets)}
@@ -153,6 +159,11 @@ class GradReducer:
             self._launch(b, self.dp.all_reduce(src, tag="grad", async_op=True), None, None)
             self._complete_finished()
             return
+        if self.in_place:
+            self._launch(b, self.dp.reduce_scatter_into(self.shard[b.index], src, tag="grad", async_op=True),
+                         None, None)
+            self._complete_finished()
+            return
         if self.max_in_flight is not None:
             while len(self.in_flight) >= self.max_in_flight:
                 self._complete_oldest()
@@ -222,6 +233,8 @@ class GradReducer:
                 self.embed.all_reduce(self.full[i][off:off + p.numel()], tag="grad")
         if not self.policy.shard_optimizer:
             self.dp.all_reduce(self.full[i], tag="grad")
+        elif self.in_place:
+            self.dp.reduce_scatter_into(self.shard[i], self.full[i], tag="grad")
         else:
             out = self._alloc(b.shard)
             self.dp.reduce_scatter_into(out, self.full[i], tag="grad")
@@ -260,5 +273,5 @@ class GradReducer:
             elif self.full[i] is not None:
                 self._drop(self.full[i])
                 self.full[i] = None
-            if self.shard[i] is not None:
+            if self.shard[i] is not None and not self.in_place:  # in place: the whole buffer is overwritten
                 self.shard[i].zero_()

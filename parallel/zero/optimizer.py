@@ -53,6 +53,7 @@ class ZeroOptimizer:
         self.device = device if device is not None else next(chunks[0].parameters()).device
         assert initial_value is not None or not any(p.is_meta for c in chunks for p in c.parameters()), \
             "parameters on the meta device need initial_value"
+        self.offload_optimizer, self.offload_params = offload_optimizer == "cpu", offload_params == "cpu"
         state_device = torch.device("cpu") if offload_optimizer == "cpu" else self.device
         param_device = torch.device("cpu") if offload_params == "cpu" else self.device
         self.world = Comm(dist.group.WORLD if dist.is_initialized() else None, "world", grid.counter)
@@ -187,6 +188,19 @@ class ZeroOptimizer:
     @property
     def peak_gathered_bytes(self) -> int:
         return self.gatherer.peak_gathered_bytes
+
+    def tensors_by_kind(self) -> dict[str, list[Tensor]]:
+        """The tensors this rank keeps across steps, by kind ("params", "grads", "optimizer"), and under "host"
+        those of them that live on the host when offloaded (on a CPU run too), for a memory tracker to name."""
+        o = self.optim
+        params = [b.full for b in self.buckets] + [b.shard_param for b in self.buckets if b.shard_param is not None]
+        grads = [t for t in self.reducer.full + self.reducer.shard if t is not None]
+        staging = [t for t in o.host_grad if t is not None]
+        states = [t for kind in (o.exp_avg, o.exp_avg_sq, o.decay_mask) for t in kind if t is not None]
+        states += [m for m, own in zip(o.master, o.master_is_param) if not own]
+        host = (states + staging if self.offload_optimizer else []) \
+            + ([b.shard_param for b in self.buckets if b.shard_param is not None] if self.offload_params else [])
+        return {"params": params, "grads": grads + staging, "optimizer": states, "host": host}
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds persistently, by kind and place (what the dry-run plans)."""

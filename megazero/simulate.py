@@ -1,0 +1,234 @@
+"""Run one rank's real training step at full size without the hardware (``pretrain.py --simulate``).
+
+The rank builds its grid, model chunks, ZeRO optimizer and pipeline schedule and runs two training steps,
+every collective and the optimizer step included, in this one CPU process: the tensors are torch's fake
+tensors (``FakeTensorMode``: shapes and dtypes, no memory), the process group is torch's fake one (backend
+"fake": every collective returns at once) and the batches are token ids of the right shape. Everything
+else is the code a real run runs (``Trainer.train_step``), measured by the tracker a real run can use
+(``megazero.memory``), so the figures are the code's, not a formula's — which is how this sees what the
+``--dry-run`` formulas miss.
+
+Ranks that hold the same run the same: every rank of a pipeline stage (tp shards are even, dp replicas
+are copies), and under interleaving each stage's rank holds its own set of chunks. So one rank per stage is
+simulated, each a "memory class" (``launch.rank=r`` picks one rank instead).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from megazero.config import Config, load_config, resolve_world
+from megazero.errors import UserError
+from megazero.memory import CATEGORIES, MemoryReport, MemoryTracker, watching
+
+GB = 1e9
+DOES_NOT_FIT = 3  # exit code when a rank class does not fit in launch.memory_gb
+STEPS = 2  # the second step has what the first builds lazily (moments, the post-step gather)
+
+
+class TokenIds:
+    """The batches of a simulated (or measured) step: token ids of the right shape, all 0."""
+
+    def __init__(self, seq_len: int):
+        self.seq_len = seq_len
+
+    def train_microbatches(self, consumed_samples: int, dp_rank: int, dp: int, micro_batch: int,
+                           global_batch: int) -> list[torch.Tensor]:
+        return [torch.zeros((micro_batch, self.seq_len + 1), dtype=torch.long)
+                for _ in range(global_batch // (micro_batch * dp))]
+
+
+@dataclass
+class RankResult:
+    """One rank class's figures (what simulate.json holds per class)."""
+
+    rank: int
+    pp_rank: int
+    peak_bytes: int
+    bytes: dict  # by category, at the peak
+    moment: str
+    host_bytes: int  # offloaded states: host memory, apart from the peak
+    state_bytes: dict  # params/grads/optimizer/host kept across steps (the ZeRO formulas' figures)
+    comm_bytes: dict  # bytes this rank sends per step, by group
+    plan_bytes: dict  # the --dry-run figure for each category and the total
+    seconds: float
+    fits: Optional[bool] = None
+
+
+def measure(cfg: Config, grid, device: torch.device, tracker: MemoryTracker, steps: int = STEPS) -> dict:
+    """Build this rank's trainer and run ``steps`` training steps under ``tracker``; returns the comm bytes
+    of the last step by group. The same function measures a real run (tests) and a simulated one."""
+    from megazero.trainer import Trainer
+
+    with tracker:
+        trainer = Trainer(cfg, grid, device, data=TokenIds(cfg.model.seq_len))
+        tracker.name_state(trainer.zero)
+        with watching(tracker, trainer.executor, trainer.zero):
+            for _ in range(steps):
+                grid.counter.reset()
+                trainer.train_step()
+    return grid.counter.sent_bytes()
+
+
+def simulate_rank(cfg: Config, rank: int, plan) -> RankResult:
+    """One rank of the config's world, on fake tensors and the fake process group."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from parallel.topology import Grid, rank_to_coords
+
+    p = cfg.parallel
+    start = time.perf_counter()
+    dist.init_process_group("fake", rank=rank, world_size=p.tp * p.pp * p.dp, store=FakeStore())
+    try:
+        grid = Grid.build(p.tp, p.pp, p.dp, "cpu")  # outside the fake mode: the mesh reads its own ranks
+        tracker = MemoryTracker()
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            comm = measure(cfg, grid, torch.device("cpu"), tracker)
+    finally:
+        dist.destroy_process_group()
+    pp_rank = rank_to_coords(rank, p.tp, p.pp, p.dp)[0]
+    r = tracker.report()
+    return RankResult(rank, pp_rank, r.peak_bytes, r.bytes, r.moment, r.host_peak_bytes, r.state_bytes,
+                      comm, planned(cfg, plan.stages[pp_rank]), time.perf_counter() - start)
+
+
+def planned(cfg: Config, stage) -> dict:
+    """The --dry-run plan's device bytes of one stage, by the tracker's categories."""
+    z = cfg.zero
+    ms = stage.model_state
+    act = stage.act_ckpt if cfg.model.activation_checkpointing else stage.act_full
+    out = {"params": (0 if z.offload_params == "cpu" else ms["params"]) + stage.gathered,
+           "grads": ms["grads"], "optimizer": 0 if z.offload_optimizer == "cpu" else ms["optimizer"],
+           "activations": act}
+    out["total"] = ms["device_total"] + act + stage.gathered
+    out["host"] = ms["cpu_total"]
+    return out
+
+
+def rank_classes(cfg: Config) -> list[int]:
+    """One rank per memory class: the first rank (dp 0, tp 0) of every pipeline stage, or launch.rank."""
+    from parallel.topology import coords_to_rank
+
+    p = cfg.parallel
+    world = p.tp * p.pp * p.dp
+    if cfg.launch.rank >= 0:
+        if cfg.launch.rank >= world:
+            raise UserError(f"{cfg.source}: launch.rank={cfg.launch.rank} is invalid; the world has ranks 0 to "
+                            f"{world - 1}")
+        return [cfg.launch.rank]
+    return [coords_to_rank(s, 0, 0, p.tp, p.dp) for s in range(p.pp)]
+
+
+def memory_limit(cfg: Config) -> float:
+    """launch.memory_gb in bytes, or the memory of this machine's device (its RAM without a GPU)."""
+    if cfg.launch.memory_gb > 0:
+        return cfg.launch.memory_gb * GB
+    if torch.cuda.is_available():
+        return float(torch.cuda.get_device_properties(0).total_memory)
+    from megazero.fits import available_bytes
+
+    return float(available_bytes(torch.device("cpu")))
+
+
+def format_result(r: RankResult, limit: float) -> list[str]:
+    def ratio(a: float, b: float) -> str:
+        return f"{a / b:.2f}" if b else "-"
+
+    head = (f"rank {r.rank} (pipeline stage {r.pp_rank}): peak {r.peak_bytes / GB:.2f} GB of "
+            f"{limit / GB:.2f} GB: {'fits' if r.fits else 'DOES NOT FIT'} (simulated in {r.seconds:.1f} s)")
+    lines = [head, f"  peak at {r.moment}"]
+    rows = [f"    {'':<12} {'simulated GB':>12} {'plan GB':>8} {'sim/plan':>8}"]
+    for k in CATEGORIES + ("total",):
+        got = r.peak_bytes if k == "total" else r.bytes[k]
+        plan = r.plan_bytes.get(k)
+        rows.append(f"    {k:<12} {got / GB:>12.3f} " + (f"{plan / GB:>8.3f} {ratio(got, plan):>8}"
+                                                           if plan is not None else f"{'-':>8} {'-':>8}"))
+    if r.host_bytes or r.plan_bytes["host"]:
+        rows.append(f"    {'host (offl.)':<12} {r.host_bytes / GB:>12.3f} {r.plan_bytes['host'] / GB:>8.3f} "
+                    f"{ratio(r.host_bytes, r.plan_bytes['host']):>8}")
+    comm = ", ".join(f"{g} {b / GB:.3f}" for g, b in sorted(r.comm_bytes.items())) or "none"
+    return lines + rows + [f"  sent per step (GB, ring algorithms): {comm}"]
+
+
+def run_simulation(config_path: str, overrides: list[str]) -> int:
+    """``pretrain.py --simulate``: every rank class's figures printed and written to log.dir/simulate.json;
+    0 when all fit in launch.memory_gb, ``DOES_NOT_FIT`` otherwise."""
+    from megazero.plan import make_plan, planned_world_size
+
+    cfg = load_config(config_path, overrides)
+    resolve_world(cfg, planned_world_size(cfg, 1))
+    from kernels import resolve_kernels
+
+    resolve_kernels(cfg.kernels, "cpu", cfg.model.head_dim)
+    plan = make_plan(cfg)
+    limit = memory_limit(cfg)
+    p = cfg.parallel
+    print(f"simulating {cfg.source}: world {p.tp * p.pp * p.dp} = tp {p.tp} x pp {p.pp} x dp {p.dp}, ZeRO stage "
+          f"{cfg.zero.stage}, {p.schedule}, {cfg.microbatches} microbatches, {STEPS} steps per rank, on fake "
+          f"tensors and the fake process group", flush=True)
+    start = time.perf_counter()
+    results = []
+    for rank in rank_classes(cfg):
+        r = simulate_rank(cfg, rank, plan)
+        r.fits = r.peak_bytes <= limit
+        results.append(r)
+        print("\n".join(format_result(r, limit)), flush=True)
+    out = Path(cfg.log.dir) / "simulate.json"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"config": cfg.source, "memory_bytes": limit,
+                                   "ranks": [asdict(r) for r in results]}, indent=1))
+    except OSError as e:
+        raise UserError(f"{cfg.source}: log.dir={cfg.log.dir!r} is invalid; cannot write simulate.json "
+                        f"({e.strerror})") from None
+    fits = all(r.fits for r in results)
+    print(f"simulated {len(results)} rank class(es) in {time.perf_counter() - start:.1f} s; "
+          f"{'every one fits' if fits else 'some do not fit'} in {limit / GB:.2f} GB; figures in {out}", flush=True)
+    return 0 if fits else DOES_NOT_FIT
+
+
+def layer_activation_bytes(cfg: Config, tp_rank: int = 0) -> int:
+    """Bytes one transformer layer keeps for backward per microbatch, measured by the tracker on fake tensors:
+    the activations a forward of two layers leaves alive, less those of one layer (the difference is exactly
+    one layer's saved tensors, its input included, as in Korthikanti et al. 2022, §4). The layout, precision,
+    dropout and checkpointing are the config's; the tp group is the fake one."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from megazero.trainer import Trainer  # noqa: F401  (the run's module graph, as a run imports it)
+    from models.gpt import build_gpt
+    from parallel.topology import Grid
+    from parallel.zero import DTYPES
+
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    dist.init_process_group("fake", rank=tp_rank, world_size=p.tp, store=FakeStore())
+    try:
+        grid = Grid.build(p.tp, 1, 1, "cpu")
+        held = []
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            for layers in (1, 2):
+                model = build_gpt(m, t.seed, tp=grid.tp_comm, layer_ids=range(layers), first_stage=False,
+                                  last_stage=False, sequence_parallel=p.sequence_parallel,
+                                  attention_impl=cfg.kernels.attention)
+                for q in model.parameters():  # as ZeRO holds them (Module.to cannot swap fake parameters)
+                    q.data = q.data.to(DTYPES[t.precision])
+                model.train()
+                seq = m.seq_len // (p.tp if model.sequence_parallel else 1)
+                x = torch.zeros(t.micro_batch, seq, m.hidden, dtype=DTYPES[t.precision], requires_grad=True)
+                tracker = MemoryTracker()
+                tracker.name(list(model.parameters()), "params")  # made before the tracker: named, not new
+                with tracker, tracker.acting("activations"):
+                    out = model(x)
+                    held.append(tracker.current["activations"])
+                del out
+    finally:
+        dist.destroy_process_group()
+    return held[1] - held[0]
