@@ -108,6 +108,9 @@ class Trainer:
                                   z.offload_optimizer, z.offload_params, adam_impl=cfg.kernels.adam, device=device,
                                   initial_value=lambda p: initial_tp_value(*origin[p], cfg.train.seed),
                                   grad_dtype=z.grad_dtype)
+        # ZeRO-3 may have given the modules new Parameter objects (fake tensors cannot be swapped in place)
+        self.named_params = [(n, p) for m in self.chunks for n, p in m.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in self.named_params]
         self.executor = PipelineExecutor(self.chunks, grid, (cfg.train.micro_batch, seq, cfg.model.hidden),
                                          DTYPES[cfg.train.precision], device,
                                          cfg.train.global_batch * cfg.model.seq_len, self._autocast)

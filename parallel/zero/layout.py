@@ -9,6 +9,7 @@ after the schedule when both copies' gradients are in. Pure layout and parameter
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -49,7 +50,7 @@ class BucketLayout:
                  grad_dtype: torch.dtype, bucket_mb: float, device: torch.device,
                  param_device: Optional[torch.device] = None):
         self.policy, self.dp, self.dp_rank = policy, dp, dp_rank
-        self.dtype, self.device = dtype, device
+        self.chunks, self.dtype, self.device = chunks, dtype, device
         self.param_device = param_device if param_device is not None else device
         frozen = [n for c in chunks for n, p in c.named_parameters() if not p.requires_grad]
         if frozen:  # its bucket would wait forever for a gradient (and never be reduced)
@@ -91,7 +92,7 @@ class BucketLayout:
             lo, hi = self.range(b)
             master = torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
             b.full = torch.zeros(b.numel, dtype=self.dtype, device=self.device)
-            for (name, p), off in zip(b.params, b.offsets):
+            for j, ((name, p), off) in enumerate(zip(b.params, b.offsets)):
                 n = p.numel()
                 value = p.detach() if not p.is_meta else initial_value(p)
                 flat = value.reshape(-1)
@@ -99,12 +100,20 @@ class BucketLayout:
                 if a < z:
                     master[a - lo:z - lo] = flat[a - off:z - off].float()
                 b.full[off:off + n] = flat.to(self.dtype)
-                if p.is_meta:  # becomes a real tensor in place (same Parameter object, its attributes kept)
-                    real = nn.Parameter(b.full[off:off + n].view(p.shape), requires_grad=p.requires_grad)
-                    real.__dict__.update(p.__dict__)
-                    torch.utils.swap_tensors(p, real)
-                else:
-                    p.data = b.full[off:off + n].view_as(p)
+                # a view of the bucket, in place: the same Parameter object, its attributes kept
+                view = b.full[off:off + n].view(p.shape)
+                if not p.is_meta:
+                    p.data = view
+                else:  # a meta parameter cannot take a real tensor as .data: swapped for a new one
+                    real = nn.Parameter(view, requires_grad=p.requires_grad)
+                    # our attributes (tp_split_dim, ...), not a fake tensor's own (its device, its mode)
+                    real.__dict__.update({k: v for k, v in p.__dict__.items() if k not in real.__dict__})
+                    if not weakref.getweakrefs(p) and not weakref.getweakrefs(real):
+                        torch.utils.swap_tensors(p, real)
+                    else:  # fake tensors (--simulate) are weakly referenced, so not swappable: the module takes
+                        path, _, attr = name.rpartition(".")  # the new object (owners re-read parameters())
+                        setattr(self.chunks[b.chunk].get_submodule(path), attr, real)
+                        b.params[j] = (name, real)
                 del value, flat
             if self.policy.shard_params:
                 b.shard_param = b.full[lo:hi].clone().to(self.param_device)
