@@ -263,7 +263,9 @@ class TPRandom:
 
         @contextlib.contextmanager
         def forward():
-            snapshot["state"] = None if tracker.state is None else tracker.state.clone()
+            # the state tensor is replaced, never written in place, so holding it is a snapshot (no clone: a
+            # clone under --simulate's fake tensors would hold no bytes to restore)
+            snapshot["state"] = tracker.state
             yield
 
         @contextlib.contextmanager

@@ -32,6 +32,8 @@ LAYOUTS = {
                             "parallel.tp=2", "zero.stage=1"],
     "pp2_ckpt_dp2_stage3": ["parallel.pp=2", "parallel.dp=2", "model.activation_checkpointing=true",
                             "zero.stage=3"],
+    "tp2_sp_ckpt_dropout": ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=2",
+                            "model.activation_checkpointing=true", "model.dropout=0.1", "zero.stage=2"],
     "dp4_offload": ["parallel.dp=4", "zero.stage=2", "zero.offload_optimizer=cpu"],
 }
 
