@@ -116,7 +116,7 @@ def main() -> None:
     unknown = only - set(CASES)
     if unknown:
         ap.error(f"--only: unknown case(s) {', '.join(sorted(unknown))}; valid: {', '.join(CASES)}")
-    stages = [int(s) for s in args.stages.split(",")]
+    stages = [int(s) for s in args.stages.split(",") if s]  # "": only the offloaded runs
     rows: list[dict] = []
     print("| case | ZeRO | pp stage | peak GB | plan GB | sim/plan | params | grads | optimizer | activations | "
           "comm | temporaries | host | peak at | s |")

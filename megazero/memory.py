@@ -128,6 +128,12 @@ class MemoryTracker(TorchDispatchMode):
                 seen.add(id(st))
                 self.state_bytes["host" if id(st) in host else kind] += st.nbytes()
 
+    def restart_peak(self, moment: str) -> None:
+        """Measure the peak from now on (what is alive now counts)."""
+        self.moment = moment
+        self.peak_bytes, self.peak, self.peak_moment = self.device_bytes, dict(self.current), moment
+        self.host_peak_bytes = self.host_bytes
+
     def _resized(self, st: torch.UntypedStorage) -> None:
         entry = self.storages.get(st)
         if entry is not None and entry.nbytes != st.nbytes():

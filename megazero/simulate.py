@@ -68,6 +68,9 @@ def measure(cfg: Config, grid, device: torch.device, tracker: MemoryTracker, ste
     with tracker:
         trainer = Trainer(cfg, grid, device, data=TokenIds(cfg.model.seq_len))
         tracker.name_state(trainer.zero)
+        # the steps' peak: the build's transients are not training memory, and on a CPU run offloaded states
+        # are named host memory only now (on a GPU they are host tensors from the start)
+        tracker.restart_peak("after the build")
         with watching(tracker, trainer.executor, trainer.zero):
             for _ in range(steps):
                 grid.counter.reset()
@@ -110,6 +113,20 @@ def planned(cfg: Config, stage) -> dict:
     out["total"] = ms["device_total"] + act + stage.gathered
     out["host"] = ms["cpu_total"]
     return out
+
+
+def cpu_kernels(cfg: Config) -> None:
+    """The simulation runs the CPU code path: Triton kernels are replaced by the ones that keep the same
+    tensors (torch SDPA's flash path keeps q, k, v, the output and the log-sum-exp as the Triton kernel does;
+    torch's fused AdamW updates in place like the Triton one, without its 1 B/element decay mask)."""
+    from kernels import resolve_kernels
+
+    for key in ("attention", "adam"):
+        if getattr(cfg.kernels, key) == "triton":
+            setattr(cfg.kernels, key, "torch" if key == "attention" else "fused")
+            print(f"simulating kernels.{key}=triton with the CPU's {getattr(cfg.kernels, key)} implementation",
+                  flush=True)
+    resolve_kernels(cfg.kernels, "cpu", cfg.model.head_dim)
 
 
 def rank_classes(cfg: Config) -> list[int]:
@@ -164,9 +181,7 @@ def run_simulation(config_path: str, overrides: list[str]) -> int:
 
     cfg = load_config(config_path, overrides)
     resolve_world(cfg, planned_world_size(cfg, 1))
-    from kernels import resolve_kernels
-
-    resolve_kernels(cfg.kernels, "cpu", cfg.model.head_dim)
+    cpu_kernels(cfg)
     plan = make_plan(cfg)
     limit = memory_limit(cfg)
     p = cfg.parallel
