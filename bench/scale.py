@@ -66,7 +66,7 @@ def run_case(name: str, path, overrides: list[str], every: bool) -> list[dict]:
         row = {"case": name, "stage": cfg.zero.stage, "offload": cfg.zero.offload_optimizer,
                "world": p.tp * p.pp * p.dp, "microbatches": cfg.microbatches, "rank": r.rank, "pp_rank": r.pp_rank,
                "peak_gb": r.peak_bytes / GB, "plan_gb": r.plan_bytes["total"] / GB,
-               **{f"{k}_gb": v / GB for k, v in r.bytes.items()}, "host_gb": r.host_bytes / GB,
+               **{f"{k}_gb": v / GB for k, v in r.bytes.items()}, "host_gb": r.host_bytes / GB, "build_gb": r.build_peak_bytes / GB,
                "plan_host_gb": r.plan_bytes["host"] / GB, "moment": r.moment, "seconds": r.seconds,
                "sent_gb": {g: b / GB for g, b in r.comm_bytes.items()}}
         rows.append(row)
@@ -74,7 +74,7 @@ def run_case(name: str, path, overrides: list[str], every: bool) -> list[dict]:
               f"{row['peak_gb']:.1f} | {row['plan_gb']:.1f} | {row['peak_gb'] / row['plan_gb']:.2f} | "
               f"{row['params_gb']:.1f} | {row['grads_gb']:.1f} | {row['optimizer_gb']:.1f} | "
               f"{row['activations_gb']:.2f} | {row['comm_gb']:.2f} | {row['temporaries_gb']:.2f} | "
-              f"{row['host_gb']:.1f} | {row['moment']} | {row['seconds']:.0f} |", flush=True)
+              f"{row['host_gb']:.1f} | {row['build_gb']:.1f} | {row['moment']} | {row['seconds']:.0f} |", flush=True)
     return rows
 
 
@@ -119,8 +119,8 @@ def main() -> None:
     stages = [int(s) for s in args.stages.split(",") if s]  # "": only the offloaded runs
     rows: list[dict] = []
     print("| case | ZeRO | pp stage | peak GB | plan GB | sim/plan | params | grads | optimizer | activations | "
-          "comm | temporaries | host | peak at | s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "comm | temporaries | host | build peak | peak at | s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     start = time.perf_counter()
     for name, (path, overrides) in CASES.items():
         if name not in only:

@@ -52,7 +52,8 @@ class MemoryReport:
     bytes: dict[str, int]  # by category, at the peak
     moment: str
     host_peak_bytes: int  # offloaded states and staging: host memory, not in peak_bytes
-    state_bytes: dict[str, int] = field(default_factory=dict)  # params/grads/optimizer at the last mark_state
+    state_bytes: dict[str, int] = field(default_factory=dict)  # params/grads/optimizer at the last name_state
+    build_peak_bytes: int = 0  # the peak before restart_peak (building the model and optimizer)
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -70,6 +71,7 @@ class MemoryTracker(TorchDispatchMode):
         self.moment = "building the model"
         self.peak_moment = self.moment
         self.state_bytes: dict[str, int] = {}
+        self.build_peak = 0  # the peak before restart_peak
         self._resize = None
 
     # ----- counting -----------------------------------------------------------------------------------------
@@ -129,7 +131,8 @@ class MemoryTracker(TorchDispatchMode):
                 self.state_bytes["host" if id(st) in host else kind] += st.nbytes()
 
     def restart_peak(self, moment: str) -> None:
-        """Measure the peak from now on (what is alive now counts)."""
+        """Measure the peak from now on (what is alive now counts); the one so far is kept as ``build_peak``."""
+        self.build_peak = self.peak_bytes
         self.moment = moment
         self.peak_bytes, self.peak, self.peak_moment = self.device_bytes, dict(self.current), moment
         self.host_peak_bytes = self.host_bytes
@@ -189,7 +192,7 @@ class MemoryTracker(TorchDispatchMode):
 
     def report(self) -> MemoryReport:
         return MemoryReport(self.peak_bytes, dict(self.peak), self.peak_moment, self.host_peak_bytes,
-                            dict(self.state_bytes))
+                            dict(self.state_bytes), self.build_peak)
 
 
 @contextmanager

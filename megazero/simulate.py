@@ -57,6 +57,7 @@ class RankResult:
     comm_bytes: dict  # bytes this rank sends per step, by group
     plan_bytes: dict  # the --dry-run figure for each category and the total
     seconds: float
+    build_peak_bytes: int = 0  # while building (stages 0-2 materialise the model in fp32 before ZeRO takes it)
     fits: Optional[bool] = None
 
 
@@ -99,7 +100,7 @@ def simulate_rank(cfg: Config, rank: int, plan) -> RankResult:
     pp_rank = rank_to_coords(rank, p.tp, p.pp, p.dp)[0]
     r = tracker.report()
     return RankResult(rank, pp_rank, r.peak_bytes, r.bytes, r.moment, r.host_peak_bytes, r.state_bytes,
-                      comm, planned(cfg, plan.stages[pp_rank]), time.perf_counter() - start)
+                      comm, planned(cfg, plan.stages[pp_rank]), time.perf_counter() - start, r.build_peak_bytes)
 
 
 def planned(cfg: Config, stage) -> dict:
@@ -171,7 +172,10 @@ def format_result(r: RankResult, limit: float) -> list[str]:
         rows.append(f"    {'host (offl.)':<12} {r.host_bytes / GB:>12.3f} {r.plan_bytes['host'] / GB:>8.3f} "
                     f"{ratio(r.host_bytes, r.plan_bytes['host']):>8}")
     comm = ", ".join(f"{g} {b / GB:.3f}" for g, b in sorted(r.comm_bytes.items())) or "none"
-    return lines + rows + [f"  sent per step (GB, ring algorithms): {comm}"]
+    return lines + rows + [f"  sent per step (GB, ring algorithms): {comm}",
+                           f"  while building: peak {r.build_peak_bytes / GB:.2f} GB (before training; stages 0-2 "
+                           f"materialise the model in fp32 before ZeRO takes it; on a CPU run offloaded states "
+                           f"count here)"]
 
 
 def run_simulation(config_path: str, overrides: list[str]) -> int:
