@@ -50,7 +50,7 @@ def needed_bytes(cfg: Config, ranks: range, device_type: str) -> int:
         stage = plan.stages[r // per_stage]
         act = stage.act_ckpt if cfg.model.activation_checkpointing else stage.act_full
         state = stage.model_state["device_total"] + (stage.model_state["cpu_total"] if device_type == "cpu" else 0)
-        state += stage.gathered
+        state += stage.gathered + stage.grad_buffers
         total += state + act
     return total
 

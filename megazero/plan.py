@@ -201,6 +201,7 @@ class StagePlan:
     logits: int  # bytes of fp32 logits included in both activation figures
     flops: float  # model FLOPs per step of one rank of this stage
     gathered: int = 0  # ZeRO-3: peak bytes of whole parameters gathered during the step
+    grad_buffers: int = 0  # ZeRO-2/3: bucket gradient buffers alive beside the shard (filling and in flight)
 
 
 @dataclass(frozen=True)
@@ -247,7 +248,34 @@ def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action], p
     flops = flops_per_token(n_layers, m.hidden, m.ffn_hidden, m.seq_len, vocab) * tokens / par.tp
     ranks = [coords_to_rank(r, d, k, par.tp, par.dp) for d in range(par.dp) for k in range(par.tp)]
     return StagePlan(r, sorted(ranks), [ranges[vs] for vs in chunks], psi, replicated, state, ckpt, full,
-                     count, max(head), flops, _gathered(cfg, chunks, ranges, psi, params))
+                     count, max(head), flops, _gathered(cfg, chunks, ranges, psi, params),
+                     _grad_buffers(cfg, chunks, psi, params))
+
+
+GRAD_BUFFERS = 3  # ZeroOptimizer's default: two reductions in flight and the bucket filling
+
+
+def _grad_buffers(cfg: Config, chunks: list[int], psi: int, params: ParamCounts) -> int:
+    """ZeRO-2/3's whole-bucket gradient buffers beside the shard: at most three alive (two reductions in flight
+    and one filling, parallel.zero.grads), each a bucket — ``zero.bucket_mb``, or one parameter larger than
+    that (stage 2), or a layer or a chunk's root (stage 3, which buckets by layer). Stages 0-1 keep whole
+    buffers, counted in the model state."""
+    z, m, p = cfg.zero, cfg.model, cfg.parallel
+    if z.stage < 2:
+        return 0
+    g = grad_bytes_per_param(cfg.train.precision, z.grad_dtype)
+    last_vs = p.pp * p.virtual_stages - 1
+    if z.stage == 3:
+        largest = max([params.layer[0]] + [params.ends[(vs == 0, vs == last_vs)][0] for vs in chunks])
+    else:
+        h, f, t = m.hidden, m.ffn_hidden, p.tp
+        largest = max(f * h, 3 * h * h) // t
+        if any(vs in (0, last_vs) for vs in chunks):
+            largest = max(largest, m.padded_vocab // t * h)
+        largest = max(largest, int(z.bucket_mb * 2 ** 20) // g)
+    largest = min(largest, psi)  # no bucket holds more than the stage
+    buffers = min(GRAD_BUFFERS, -(-psi // largest)) if largest else 0
+    return buffers * -(-largest // p.dp) * p.dp * g
 
 
 def _gathered(cfg: Config, chunks: list[int], ranges: list[range], psi: int, params: ParamCounts) -> int:
@@ -339,7 +367,8 @@ def format_plan(plan: Plan) -> str:
     header = ["stage", "layers", "global ranks", "params/rank"]
     header += [k + (" (cpu)" if where.get(k) == "cpu" else "") for k in ("params", "grads", "optimizer")]
     header += ["device", "cpu", "act ckpt" + ("*" if ckpt else ""), "act full" + ("" if ckpt else "*"),
-               "mb held"] + (["gathered"] if z.stage == 3 else []) + ["total*", "TFLOP/step"]
+               "mb held"] + (["gathered"] if z.stage == 3 else []) + (["grad bufs"] if z.stage >= 2 else []) \
+        + ["total*", "TFLOP/step"]
     rows = []
     for s in plan.stages:
         ms = s.model_state
@@ -350,7 +379,8 @@ def format_plan(plan: Plan) -> str:
                     + [f"{ms[k] / GB:.2f}" for k in ("params", "grads", "optimizer", "device_total", "cpu_total")]
                     + [f"{s.act_ckpt / GB:.2f}", f"{s.act_full / GB:.2f}", str(s.in_flight)]
                     + ([f"{s.gathered / GB:.2f}"] if z.stage == 3 else [])
-                    + [f"{(ms['device_total'] + act + s.gathered) / GB:.2f}",
+                    + ([f"{s.grad_buffers / GB:.2f}"] if z.stage >= 2 else [])
+                    + [f"{(ms['device_total'] + act + s.gathered + s.grad_buffers) / GB:.2f}",
                        f"{s.flops / 1e12:,.{1 if s.flops >= 1e13 else 4}f}"])
     lines += _table(header, rows, left=3)
     b, k = BYTES_PER_VALUE[t.precision], optimizer_bytes_per_param(t.precision)
@@ -369,6 +399,9 @@ def format_plan(plan: Plan) -> str:
         "  * = what this config uses; total* = device model state + activations"
         + (" + gathered (ZeRO-3: the root and two layers whole, or the whole stage with "
            "zero.reshard_after_forward=false)" if z.stage == 3 else "")
+        + (" + grad bufs (up to three whole-bucket gradient buffers beside the shard: two reductions in flight "
+           "and the bucket filling; a bucket is zero.bucket_mb, or a larger parameter" + (", or a layer"
+           if z.stage == 3 else "") + ")" if z.stage >= 2 else "")
         + " (no comm buckets, temporaries, CUDA context or fragmentation)",
         "  TFLOP/step: model FLOPs of one rank of the stage (megazero.metrics formula on its layers and head; "
         "recomputation not counted)",
