@@ -154,7 +154,8 @@ def dry_run(config_path: str, overrides: list[str]) -> Plan:
     cfg = load_config(config_path, overrides)
     from megazero.config import resolve_world
     from megazero.launch import process_info
-    from megazero.plan import format_plan, make_plan, planned_world_size
+    from megazero.plan import make_plan, planned_world_size
+    from megazero.plan_table import format_plan
 
     info = process_info()
     try:

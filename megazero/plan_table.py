@@ -1,0 +1,120 @@
+"""The --dry-run plan as text: a header, one row per pipeline stage, what the columns assume, the totals."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from megazero.plan import (BYTES_PER_VALUE, GB, Plan, grad_bytes_per_param, optimizer_bytes_per_param)
+
+
+def fmt_count(n: float) -> str:
+    """12,853,626,880 (12.85B): exact with separators, then a short form."""
+    for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= div:
+            return f"{n:,.0f} ({n / div:.2f}{suffix})"
+    return f"{n:,.0f}"
+
+
+def fmt_flops(x: float) -> str:
+    """1.721e+17 (172.1 PFLOP): the exponent form, then the nearest SI unit."""
+    for div, unit in ((1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M")):
+        if x >= div:
+            return f"{x:.3e} ({x / div:,.1f} {unit}FLOP)"
+    return f"{x:.3e} FLOP"
+
+
+def fmt_ranges(values: Sequence[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    out: list[str] = []
+    vals = sorted(values)
+    start = prev = vals[0]
+    for x in vals[1:] + [None]:
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        out.append(f"{start}-{prev}" if prev > start else f"{start}")
+        if x is not None:
+            start = prev = x
+    return ",".join(out)
+
+
+def _table(header: list[str], rows: list[list[str]], left: int) -> list[str]:
+    """Aligned columns: the first ``left`` columns flush left, the rest flush right."""
+    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
+    return ["  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+            for r in [header] + rows]
+
+
+def format_plan(plan: Plan) -> str:
+    """The human-readable plan: a header, one row per pipeline stage, what the columns assume, totals."""
+    cfg = plan.cfg
+    m, par, t, z = cfg.model, cfg.parallel, cfg.train, cfg.zero
+    ckpt = m.activation_checkpointing
+    sp = par.sequence_parallel and par.tp > 1
+    sched = par.schedule + (f" (v={par.virtual_stages})" if par.schedule == "interleaved" else "")
+    where = {"params": z.offload_params, "optimizer": z.offload_optimizer}
+    lines = [
+        f"dry run of {cfg.source}: world {plan.world_size} = tp {par.tp} x pp {par.pp} x dp {par.dp} | "
+        f"zero stage {z.stage} | precision {t.precision} | schedule {sched} | sequence parallel "
+        f"{'on' if sp else 'off'} | activation checkpointing {'on' if ckpt else 'off'}",
+        f"model: {m.layers} layers, hidden {m.hidden:,}, {m.heads} heads, ffn {m.ffn_hidden:,}, seq {m.seq_len:,}, "
+        f"vocab {m.vocab_size:,} (padded {m.padded_vocab:,})",
+        "",
+        "per rank, one row per pipeline stage (its tp and dp ranks hold and do the same); memory in GB (1e9 bytes)",
+    ]
+    header = ["stage", "layers", "global ranks", "params/rank"]
+    header += [k + (" (cpu)" if where.get(k) == "cpu" else "") for k in ("params", "grads", "optimizer")]
+    header += ["device", "cpu", "act ckpt" + ("*" if ckpt else ""), "act full" + ("" if ckpt else "*"),
+               "mb held"] + (["gathered"] if z.stage == 3 else []) + (["grad bufs"] if z.stage >= 2 else []) \
+        + ["total*", "TFLOP/step"]
+    rows = []
+    for s in plan.stages:
+        ms = s.model_state
+        act = s.act_ckpt if ckpt else s.act_full
+        rows.append([str(s.pp_rank), ",".join(f"{r.start}-{r.stop - 1}" if len(r) > 1 else str(r.start)
+                                              for r in s.layers),
+                     f"{fmt_ranges(s.ranks)} ({par.dp} dp x {par.tp} tp)", f"{s.params:,}"]
+                    + [f"{ms[k] / GB:.2f}" for k in ("params", "grads", "optimizer", "device_total", "cpu_total")]
+                    + [f"{s.act_ckpt / GB:.2f}", f"{s.act_full / GB:.2f}", str(s.in_flight)]
+                    + ([f"{s.gathered / GB:.2f}"] if z.stage == 3 else [])
+                    + ([f"{s.grad_buffers / GB:.2f}"] if z.stage >= 2 else [])
+                    + [f"{(ms['device_total'] + act + s.gathered + s.grad_buffers) / GB:.2f}",
+                       f"{s.flops / 1e12:,.{1 if s.flops >= 1e13 else 4}f}"])
+    lines += _table(header, rows, left=3)
+    b, k = BYTES_PER_VALUE[t.precision], optimizer_bytes_per_param(t.precision)
+    g = grad_bytes_per_param(t.precision, z.grad_dtype)
+    last = plan.stages[-1]
+    lines += [
+        "",
+        f"  model state: ZeRO stage {z.stage} over dp {par.dp}, {b} B/param for params, {g} for grads, {k} B/param "
+        f"optimizer (Adam moments{' + fp32 master' if b != 4 else ''}); Rajbhandari et al. SC'20, Fig. 1",
+        f"  activations: Korthikanti et al. 2022 §4 per layer, {'fp32' if b == 4 else '16-bit'}, flash attention "
+        f"(no s x s scores), micro_batch {t.micro_batch}; x layers x microbatches held ('mb held', peak of the "
+        f"{par.schedule} schedule); act ckpt adds one layer being recomputed"
+        + (f" where a chunk has no more than {m.checkpoint_layers} layers (one that keeps some layers' full "
+           f"activations frees them before it recomputes)" if m.checkpoint_layers else "") + "; the last stage adds fp32 logits "
+        f"({last.logits / GB:.2f} GB per microbatch)",
+        "  * = what this config uses; total* = device model state + activations"
+        + (" + gathered (ZeRO-3: the root and two layers whole, or the whole stage with "
+           "zero.reshard_after_forward=false)" if z.stage == 3 else "")
+        + (" + grad bufs (up to three whole-bucket gradient buffers beside the shard: two reductions in flight "
+           "and the bucket filling; a bucket is zero.bucket_mb, or a larger parameter" + (", or a layer"
+           if z.stage == 3 else "") + ")" if z.stage >= 2 else "")
+        + " (no comm buckets, temporaries, CUDA context or fragmentation)",
+        "  TFLOP/step: model FLOPs of one rank of the stage (megazero.metrics formula on its layers and head; "
+        "recomputation not counted)",
+        "",
+        "totals",
+    ]
+    per_rank = plan.flops_per_step / plan.world_size
+    bubble_formula = "(p-1)/(v*m+p-1)" if par.schedule == "interleaved" else "(p-1)/(m+p-1)"
+    lines += ["  " + ln for ln in _table(["", ""], [
+        ["parameters (whole model)", fmt_count(plan.total_params)],
+        ["model FLOPs per step", f"{fmt_flops(plan.flops_per_step)}; even share per rank (/ world "
+                                 f"{plan.world_size}) {fmt_flops(per_rank)}"],
+        ["tokens per step", f"{plan.tokens_per_step:,} ({t.global_batch:,} sequences x {m.seq_len:,})"],
+        ["microbatches per rank", f"{plan.microbatches} (global_batch {t.global_batch:,} / "
+                                  f"(micro_batch {t.micro_batch} x dp {par.dp}))"],
+        ["pipeline bubble", f"{100 * plan.bubble:.2f}% = {bubble_formula} with p={par.pp}, m={plan.microbatches}"
+                            + (f", v={par.virtual_stages}" if par.schedule == "interleaved" else "")],
+    ], left=2)[1:]]
+    return "\n".join(lines)
