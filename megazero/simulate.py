@@ -24,7 +24,7 @@ import torch
 
 from megazero.config import Config, load_config, resolve_world
 from megazero.errors import UserError
-from megazero.memory import CATEGORIES, MemoryReport, MemoryTracker, watching
+from megazero.memory import CATEGORIES, MemoryTracker, watching
 
 GB = 1e9
 DOES_NOT_FIT = 3  # exit code when a rank class does not fit in launch.memory_gb
@@ -222,7 +222,6 @@ def layer_activation_bytes(cfg: Config, tp_rank: int = 0) -> int:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from megazero.trainer import Trainer  # noqa: F401  (the run's module graph, as a run imports it)
     from models.gpt import build_gpt
     from parallel.topology import Grid
     from parallel.zero import DTYPES
