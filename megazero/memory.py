@@ -102,12 +102,14 @@ class MemoryTracker(TorchDispatchMode):
         """Count these tensors' storages under ``category`` (and as host memory when ``host``), seen or not."""
         for t in tensors:
             self._see(t)
-            entry = self.storages[t.untyped_storage()]
-            self._count(entry, -1)
-            entry.category = category
-            if host is not None:
-                entry.host = host
-            self._count(entry, +1)
+            self._relabel(self.storages[t.untyped_storage()], category, host)
+
+    def _relabel(self, entry: _Storage, category: str, host: Optional[bool]) -> None:
+        self._count(entry, -1)
+        entry.category = category
+        if host is not None:
+            entry.host = host
+        self._count(entry, +1)
 
     def name_state(self, zero: Any) -> None:
         """Name a ZeroOptimizer's persistent tensors (``tensors_by_kind``) and note the model-state bytes."""
@@ -116,9 +118,7 @@ class MemoryTracker(TorchDispatchMode):
             self.name(kinds[kind], kind, host=False)
         for t in kinds["host"]:  # offloaded: host memory, under the kind named above
             entry = self.storages[t.untyped_storage()]
-            self._count(entry, -1)
-            entry.host = True
-            self._count(entry, +1)
+            self._relabel(entry, entry.category, True)
         host = {id(t.untyped_storage()) for t in kinds["host"]}
         seen: set[int] = set()
         self.state_bytes = dict.fromkeys(("params", "grads", "optimizer", "host"), 0)

@@ -188,6 +188,10 @@ def run_simulation(config_path: str, overrides: list[str]) -> int:
     cpu_kernels(cfg)
     plan = make_plan(cfg)
     limit = memory_limit(cfg)
+    out = Path(cfg.log.dir) / "simulate.json"
+    if out.is_symlink() or (out.exists() and not out.is_file()):  # written in place: never through a link
+        raise UserError(f"{cfg.source}: log.dir={cfg.log.dir!r} holds simulate.json, which is not a plain file; "
+                        f"move it away or choose another log.dir")
     p = cfg.parallel
     print(f"simulating {cfg.source}: world {p.tp * p.pp * p.dp} = tp {p.tp} x pp {p.pp} x dp {p.dp}, ZeRO stage "
           f"{cfg.zero.stage}, {p.schedule}, {cfg.microbatches} microbatches, {STEPS} steps per rank, on fake "
@@ -199,7 +203,6 @@ def run_simulation(config_path: str, overrides: list[str]) -> int:
         r.fits = r.peak_bytes <= limit
         results.append(r)
         print("\n".join(format_result(r, limit)), flush=True)
-    out = Path(cfg.log.dir) / "simulate.json"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"config": cfg.source, "memory_bytes": limit,

@@ -193,6 +193,10 @@ def test_cli_reports_each_stage_writes_json_and_exits_3_when_it_does_not_fit(tmp
     bad = _cli(tmp_path, "parallel.world_size=8", "launch.rank=8")
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0, bad.stderr
     assert "launch.rank=8" in bad.stderr and "0 to 7" in bad.stderr
+    (tmp_path / "simulate.json").unlink()  # a link there is refused before anything runs; its target untouched
+    (tmp_path / "simulate.json").symlink_to(tmp_path / "elsewhere.json")
+    linked = _cli(tmp_path, "parallel.world_size=8")
+    assert linked.returncode == 2 and "simulate.json" in linked.stderr and not (tmp_path / "elsewhere.json").exists()
 
 
 def test_offloaded_optimizer_states_are_host_memory_not_device_peak():
