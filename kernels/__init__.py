@@ -1,10 +1,15 @@
-"""Fused kernels (Triton) with torch fallbacks: attention and AdamW over flat buffers."""
+"""Fused kernels (Triton) with torch fallbacks: attention and AdamW over flat buffers.
+
+``kernels.attention(q, k, v, causal=True)`` is the attention entry point (``kernels.attend``).
+"""
+
+from kernels.attend import attention  # noqa: F401 (the package's entry point)
 
 
 def resolve_kernels(kernels_cfg, device_type: str, head_dim: int | None = None) -> None:
     """Turn kernels.* = auto into the implementation this machine (and model: its attention head dim) runs;
     refuse 'triton' where it cannot."""
-    from kernels import adam, attention
+    from kernels import adam, attend
 
     kernels_cfg.adam = adam.resolve_impl(kernels_cfg.adam, device_type)
-    kernels_cfg.attention = attention.resolve_impl(kernels_cfg.attention, device_type, head_dim)
+    kernels_cfg.attention = attend.resolve_impl(kernels_cfg.attention, device_type, head_dim)

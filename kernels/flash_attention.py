@@ -1,5 +1,5 @@
 """FlashAttention-2 (Dao 2023, "FlashAttention-2: Faster Attention with Better
-Parallelism and Work Partitioning") in Triton, behind ``kernels.attention``:
+Parallelism and Work Partitioning") in Triton, behind ``kernels.attention`` (``kernels.attend``):
 
 - forward (§3.1.1, Algorithm 1), here: one program per (query block, batch*head), an online
   softmax over key blocks with one rescale of the output at the end; the S x S scores

@@ -14,12 +14,12 @@ import torch
 try:
     import triton
     import triton.language as tl
-except ImportError:  # torch-only installs: impl="torch" still works; kernels.attention.resolve_impl explains
+except ImportError:  # torch-only installs: impl="torch" still works; kernels.attend.resolve_impl explains
     triton = None
     tl = None
 
 LOG2E = 1.4426950408889634
-MAX_HEAD_DIM = 128  # any head dim up to this (larger ones: torch SDPA, see kernels.attention.resolve_impl)
+MAX_HEAD_DIM = 128  # any head dim up to this (larger ones: torch SDPA, see kernels.attend.resolve_impl)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def _jit(fn):  # without triton the kernels stay plain (never called) functions
     return triton.jit(fn) if triton is not None else fn

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from kernels.attention import attention
+from kernels import attention
 from parallel.comm import Comm, copy_to_region
 from parallel.tensor import (
     ColumnParallelLinear,

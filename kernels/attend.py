@@ -2,7 +2,10 @@
 
 ``impl="torch"`` is torch's scaled_dot_product_attention; ``impl="triton"`` is
 ``kernels.flash_attention`` (Dao 2023). ``kernels.attention: auto | triton |
-torch`` in the config chooses, through :func:`resolve_impl`.
+torch`` in the config chooses, through :func:`resolve_impl`. The function is
+importable as ``kernels.attention``. Grouped-query attention (Ainslie et al.
+2023): k and v may have fewer heads than q, a divisor of them; q head i reads
+k/v head i // (q heads / kv heads), with no repeated copy of k or v.
 """
 
 from __future__ import annotations
@@ -20,13 +23,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, impl: str = 
               dq_mode: str = "separate") -> Tensor:
     """softmax(q k^T / sqrt(head_dim)) v on (batch, heads, seq, head_dim) tensors.
 
+    k and v: (batch, kv_heads, seq, head_dim) with kv_heads dividing q's heads (grouped-query attention).
+
     impl: "torch" (scaled_dot_product_attention) or "triton" (FlashAttention-2 above);
     :func:`resolve_impl` turns a config value ("auto" | "torch" | "triton") into one.
     dq_mode (triton): how the backward gets dQ, "separate" (deterministic) or "atomic"
     (see ``kernels.flash_backward``).
     """
     if impl == "torch":
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
     if impl != "triton":
         raise ValueError(f"attention impl must be 'torch' or 'triton', got {impl!r}")
     if q.dim() != 4 or not q.shape == k.shape == v.shape or not supports_head_dim(q.shape[-1]):
