@@ -5,8 +5,10 @@
 * ``data.paths`` lists raw text (``.txt``/``.jsonl`` files or directories) or
   preprocessed prefixes (``PREFIX.bin`` + ``PREFIX.idx``); empty means the
   built-in corpus (the Python standard library, see ``corpus``).
-* ``data.tokenizer`` is a sentencepiece ``.model`` or ``'train'`` (a BPE of
-  ``model.vocab_size`` pieces trained on the raw text).
+* ``data.tokenizer`` is a Hugging Face ``tokenizer.json`` (the ids a model
+  imported from the Hub was trained on), a sentencepiece ``.model``, or
+  ``'train'`` (a BPE of ``model.vocab_size`` pieces trained on the raw text).
+  ``Tokenizer.load`` tells the two files apart.
 * Tokenizers, tokenised datasets and the built-in corpus go to
   ``data.cache_dir`` under names that hash their inputs (paths, sizes,
   modification times), the tokenizer and the vocabulary size, so a changed
@@ -206,7 +208,7 @@ def _plan(cfg_data: Any, vocab_size: int, builtin_max_bytes: int) -> _Plan:
         if prefixes:
             raise UserError(
                 f"data.tokenizer: 'train' cannot be used with the preprocessed dataset {prefixes[0]} in data.paths; "
-                "set data.tokenizer to the .model file that dataset was built with"
+                "set data.tokenizer to the tokenizer file (.model or tokenizer.json) that dataset was built with"
             )
         if vocab_size < MIN_VOCAB_SIZE:
             raise UserError(
@@ -218,14 +220,12 @@ def _plan(cfg_data: Any, vocab_size: int, builtin_max_bytes: int) -> _Plan:
         tokenizer = Path(cfg_data.tokenizer)
         if not tokenizer.is_file():
             raise UserError(
-                f"data.tokenizer: {tokenizer} does not exist; give a sentencepiece .model file or 'train'"
+                f"data.tokenizer: {tokenizer} does not exist; give a Hugging Face tokenizer.json, "
+                "a sentencepiece .model file or 'train'"
             )
-        pieces = Tokenizer.load(tokenizer).vocab_size
-        if pieces > vocab_size:
-            raise UserError(
-                f"data.tokenizer {tokenizer} has {pieces} pieces, more than model.vocab_size {vocab_size}; "
-                f"set model.vocab_size >= {pieces} (a larger vocabulary is fine: the extra rows go unused)"
-            )
+        tokenises = any(s.kind != "prefix" for s in sources)
+        _check_tokenizer(Tokenizer.load(tokenizer, "data.tokenizer"), vocab_size, tokenises)
+        # the file's bytes, whichever kind: they alone decide the ids (the kind is read from them too)
         tok_fingerprint = hashlib.sha256(tokenizer.read_bytes()).hexdigest()[:16]
 
     planned = []
@@ -236,6 +236,21 @@ def _plan(cfg_data: Any, vocab_size: int, builtin_max_bytes: int) -> _Plan:
             s = _Source(s.label, s.kind, s.files, s.fingerprint, prefix)
         planned.append(s)
     return _Plan(tuple(planned), tokenizer, cfg_data.tokenizer == "train", json_key, builtin_max_bytes)
+
+
+def _check_tokenizer(tok: Tokenizer, vocab_size: int, tokenises: bool) -> None:
+    """A given tokenizer must fit the model and, when it will tokenise text, separate documents.
+
+    Checked on every rank before any build, so a bad file fails everywhere at once (see ``build_data``).
+    """
+    if tok.vocab_size > vocab_size:
+        raise UserError(
+            f"data.tokenizer {tok.path} has {tok.vocab_size} pieces, more than model.vocab_size {vocab_size}; "
+            f"set model.vocab_size >= {tok.vocab_size} (a larger vocabulary is fine: the extra rows go unused)"
+        )
+    if tokenises and tok.eos_id < 0:
+        raise UserError(f"data.tokenizer {tok.path} has no end-of-text token ({tok.eos_help}), so documents "
+                        "could not be separated; give a tokenizer that has one")
 
 
 def _build(plan: _Plan, vocab_size: int) -> None:

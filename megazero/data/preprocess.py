@@ -1,7 +1,7 @@
 """Tokenise raw text into an indexed dataset.
 
     python -m megazero.data.preprocess --input FILE_OR_DIR [...] \\
-        --tokenizer MODEL.model --output PREFIX [--json-key text]
+        --tokenizer MODEL.model|tokenizer.json --output PREFIX [--json-key text]
 
 Each document is followed by the tokenizer's EOS id, so that samples cut
 from the concatenated stream show the model where one document ends and an
@@ -40,7 +40,8 @@ def preprocess(
     """
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer.load(tokenizer)
     if tok.eos_id < 0:
-        raise UserError(f"tokenizer {tok.path} has no EOS piece; documents could not be separated")
+        raise UserError(f"tokenizer {tok.path} has no end-of-text token ({tok.eos_help}); "
+                        "documents could not be separated")
     files = expand_inputs(inputs, what)
     with IndexedDatasetBuilder(output_prefix, tok.vocab_size) as builder:
         n_tokens = 0
@@ -74,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Tokenise .txt (one document per file) and .jsonl (one document per line) into PREFIX.bin/.idx.",
     )
     parser.add_argument("--input", nargs="+", required=True, help=".txt/.jsonl files or directories of them")
-    parser.add_argument("--tokenizer", required=True, help="sentencepiece .model file")
+    parser.add_argument("--tokenizer", required=True, help="sentencepiece .model or Hugging Face tokenizer.json file")
     parser.add_argument("--output", required=True, help="output prefix: writes PREFIX.bin and PREFIX.idx")
     parser.add_argument("--json-key", default="text", help="field of each .jsonl record that holds the text")
     args = parser.parse_args(argv)
@@ -82,7 +83,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if Path(args.output).is_dir() or args.output.endswith(("/", os.sep)):
             raise UserError(f"--output {args.output!r} is a folder; give a prefix inside it, such as "
                             f"{str(Path(args.output) / 'corpus')!r} (writes corpus.bin and corpus.idx there)")
-        prefix = preprocess(args.input, args.tokenizer, args.output, args.json_key, what="--input")
+        tokenizer = Tokenizer.load(args.tokenizer, "--tokenizer")
+        prefix = preprocess(args.input, tokenizer, args.output, args.json_key, what="--input")
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,4 +1,7 @@
-"""Sentencepiece BPE tokenizer: training and a thin wrapper for encode/decode.
+"""Tokenizers: the interface the data pipeline uses, sentencepiece BPE (training and encode/decode).
+
+A Hugging Face ``tokenizer.json`` is the other implementation, in ``hf_tokenizer``;
+``Tokenizer.load`` picks between them.
 
 Kudo & Richardson, "SentencePiece: A simple and language independent subword
 tokenizer and detokenizer for Neural Text Processing", EMNLP 2018; the merges
@@ -17,6 +20,7 @@ import io
 import os
 import random
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -34,24 +38,78 @@ MIN_VOCAB_SIZE = 3 + 256 + 1
 _MAX_LINE_CHARS = 4096
 
 
-class Tokenizer:
-    """A loaded sentencepiece model; ``Tokenizer.load(path)`` builds one."""
+class Tokenizer(ABC):
+    """What the data pipeline asks of a tokenizer, whichever library implements it.
+
+    ``Tokenizer.load(path)`` is the one place that picks the implementation: a
+    Hugging Face ``tokenizer.json`` (so a model imported from the Hub keeps the
+    ids it was trained on) or a sentencepiece ``.model`` (trained by megazero
+    or brought along). Callers never branch on the kind.
+    """
+
+    path: Path
+
+    @classmethod
+    def load(cls, path: str | Path, what: str = "tokenizer") -> Tokenizer:
+        """Open ``path`` as a tokenizer.json when it is one (by name or by content), else as sentencepiece.
+
+        ``what`` names the setting the path came from (``data.tokenizer``, ``--tokenizer``), for messages.
+        Neither kind executes anything from the file: both are parsed as plain data.
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(f"{what} {path} does not exist; give a sentencepiece .model or a Hugging Face "
+                            "tokenizer.json file")
+        from megazero.data.hf_tokenizer import HFTokenizer, looks_like_tokenizer_json
+
+        if looks_like_tokenizer_json(path):
+            return HFTokenizer.open(path, what)
+        return SentencePieceTokenizer.open(path, what)
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Rows the embedding needs: every id ``encode`` (or the EOS) can produce is below it."""
+
+    @property
+    @abstractmethod
+    def eos_id(self) -> int:
+        """Id that ends a document in the token stream; -1 when the tokenizer has none."""
+
+    @property
+    @abstractmethod
+    def eos_help(self) -> str:
+        """What this kind of tokenizer would need for ``eos_id`` to exist, for the message when it does not."""
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """The ids of ``text`` alone: no BOS/EOS added, so documents are joined only by the EOS we append."""
+
+    @abstractmethod
+    def encode_batch(self, texts: Sequence[str], num_threads: int = 0) -> list[list[int]]:
+        """``[encode(t) for t in texts]``, faster: the library spreads the texts over threads."""
+
+    @abstractmethod
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ``ids``; special tokens (the EOS) decode to nothing, as in a document's own text."""
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A loaded sentencepiece model (megazero's trained tokenizers are these)."""
 
     def __init__(self, processor: spm.SentencePieceProcessor, path: Path):
         self._sp = processor
         self.path = path
 
     @classmethod
-    def load(cls, path: str | Path) -> Tokenizer:
-        path = Path(path)
-        if not path.is_file():
-            raise UserError(f"tokenizer {path} does not exist (expected a sentencepiece .model file)")
+    def open(cls, path: Path, what: str = "tokenizer") -> SentencePieceTokenizer:
         processor = spm.SentencePieceProcessor()
         try:
             processor.Load(model_file=str(path))
         except Exception as e:  # sentencepiece raises OSError or RuntimeError with a multi-line text
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserError(f"tokenizer {path} is not a valid sentencepiece model ({reason})") from None
+            raise UserError(f"{what} {path} is neither a valid sentencepiece model ({reason}) nor a Hugging Face "
+                            "tokenizer.json") from None
         return cls(processor, path)
 
     @property
@@ -60,14 +118,16 @@ class Tokenizer:
 
     @property
     def eos_id(self) -> int:
-        """Id of the end-of-document piece; -1 when the model has none."""
         return int(self._sp.eos_id())
+
+    @property
+    def eos_help(self) -> str:
+        return "the model defines no eos piece"
 
     def encode(self, text: str) -> list[int]:
         return list(self._sp.Encode(text))
 
     def encode_batch(self, texts: Sequence[str], num_threads: int = 0) -> list[list[int]]:
-        """Encode many texts at once (sentencepiece spreads them over threads)."""
         threads = num_threads or (os.cpu_count() or 1)
         return [list(ids) for ids in self._sp.Encode(list(texts), num_threads=threads)]
 
