@@ -34,13 +34,18 @@ MAX_LIST = 65536  # entries in a list value (data.paths, parallel.pp_layers)
 
 @dataclass
 class ModelConfig:
+    arch: str = "gpt2"  # gpt2 | llama (RMSNorm, rotary positions, SwiGLU, grouped-query attention)
     layers: int = 2
     hidden: int = 64
     heads: int = 4
     seq_len: int = 64
     vocab_size: int = 512
-    ffn_hidden: Union[int, None] = None  # None -> 4 * hidden
-    bias: bool = True
+    ffn_hidden: Union[int, None] = None  # None -> 4 * hidden (gpt2); 8/3 * hidden rounded up to 256 (llama)
+    kv_heads: Union[int, None] = None  # grouped-query attention: k/v heads, dividing heads; None -> heads
+    bias: Union[bool, str] = AUTO  # auto: true for gpt2, false for llama
+    tie_embeddings: Union[bool, str] = AUTO  # output head = token embedding; auto: true for gpt2, false for llama
+    norm_eps: float = 1e-5  # the LayerNorm / RMSNorm epsilon
+    rope_theta: float = 10000.0  # llama: the base of the rotary position frequencies (Su et al. 2021)
     dropout: float = 0.0
     activation_checkpointing: bool = False
     # with activation_checkpointing: recompute only the first k layers of each model chunk (Megatron's
@@ -51,7 +56,8 @@ class ModelConfig:
 
     # The keys that define the network a checkpoint holds; the others (dropout, activation checkpointing,
     # init_std) may change between a save and a resume.
-    ARCHITECTURE = ("layers", "hidden", "heads", "seq_len", "vocab_size", "ffn_hidden", "bias", "vocab_pad_multiple")
+    ARCHITECTURE = ("arch", "layers", "hidden", "heads", "kv_heads", "seq_len", "vocab_size", "ffn_hidden", "bias",
+                    "tie_embeddings", "norm_eps", "rope_theta", "vocab_pad_multiple")
 
     @property
     def padded_vocab(self) -> int:
@@ -67,6 +73,11 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    @property
+    def kv_head_count(self) -> int:
+        """k/v heads: ``kv_heads``, or every head (multi-head attention) when unset."""
+        return self.kv_heads or self.heads
 
 
 @dataclass
@@ -116,6 +127,7 @@ class TrainConfig:
     on_nonfinite: str = "stop"  # stop | skip: a non-finite loss or gradient norm stops the run, or skips the update
     max_skipped: int = 10  # consecutive skipped updates before the run stops (fp16: at the minimum loss scale)
     async_save: bool = False  # write checkpoints in the background while training goes on
+    init_from: str = ""  # a Hugging Face model folder (GPT-2 or Llama) the weights start from; optimizer fresh
 
 
 @dataclass

@@ -26,6 +26,7 @@ import torch
 from megazero.config import AUTO, Config
 from megazero.metrics import flops_per_token, model_flops_per_token
 from models.gpt import GPT, count_parameters
+from models.llama import kv_replicas_needed
 from parallel.comm import Comm
 from parallel.pipeline import partition_layers
 from parallel.schedules import Action, build_schedule, virtual_stage
@@ -140,9 +141,9 @@ def planned_world_size(cfg: Config, launcher_world: int) -> int:
     return launcher_world
 
 
-def _planning_comm(tp: int) -> Comm:
-    """A Comm that claims rank 0 of a tp group of the given size, with no process group behind it."""
-    comm = Comm(None, "tp")
+def _planning_comm(tp: int, name: str = "tp") -> Comm:
+    """A Comm that claims rank 0 of a group of the given size, with no process group behind it."""
+    comm = Comm(None, name)
     comm.rank, comm.size = 0, tp
     return comm
 
@@ -151,7 +152,8 @@ def _built_parameters(cfg: Config, layer_ids: range, first: bool, last: bool) ->
     """(held, replicated over tp) parameter counts of a model chunk on one tp rank, built on meta."""
     with torch.device("meta"):
         model = GPT(cfg.model, tp=_planning_comm(cfg.parallel.tp), layer_ids=layer_ids, first_stage=first,
-                    last_stage=last, sequence_parallel=cfg.parallel.sequence_parallel)
+                    last_stage=last, sequence_parallel=cfg.parallel.sequence_parallel,
+                    kv_replicas=_planning_comm(kv_replicas_needed(cfg.model, cfg.parallel.tp), "kv"))
     held = sum(p.numel() for p in model.parameters())
     replicated = sum(p.numel() for p in model.parameters() if p.tp_split_dim is None)
     return held, replicated

@@ -29,6 +29,7 @@ AUTO = "auto"  # a value fixed later: by resolve_world (parallel.dp, zero.reshar
 
 # Allowed values and ranges, per key. A key absent here only needs the right type.
 _CHOICES = {
+    ("model", "arch"): ("gpt2", "llama"),
     ("train", "precision"): ("fp32", "bf16", "fp16"),
     ("zero", "stage"): (0, 1, 2, 3),
     ("zero", "offload_optimizer"): ("none", "cpu"),
@@ -43,7 +44,8 @@ _CHOICES = {
 _MIN = {
     ("model", "layers"): 1, ("model", "hidden"): 1, ("model", "heads"): 1, ("model", "seq_len"): 1,
     ("model", "vocab_size"): 2, ("model", "ffn_hidden"): 1, ("model", "vocab_pad_multiple"): 1,
-    ("model", "checkpoint_layers"): 0,
+    ("model", "checkpoint_layers"): 0, ("model", "kv_heads"): 1, ("model", "norm_eps"): 1e-12,
+    ("model", "rope_theta"): 1.0,
     ("parallel", "tp"): 1, ("parallel", "pp"): 1, ("parallel", "dp"): 1, ("parallel", "virtual_stages"): 1,
     ("train", "steps"): 1, ("train", "global_batch"): 1, ("train", "micro_batch"): 1,
     ("train", "lr"): 0.0, ("train", "min_lr"): 0.0, ("train", "warmup_steps"): 0,
@@ -70,7 +72,10 @@ _MAX = {
     ("model", "ffn_hidden"): 2 ** 20,  # 4 * the largest hidden: the MLP weight hidden*ffn < 2^39
     ("model", "vocab_pad_multiple"): 2 ** 16,  # padding beyond 65,536 rows only wastes memory
     ("model", "checkpoint_layers"): 2 ** 31 - 1,  # as model.layers
-    ("model", "init_std"): 10.0,  # GPT-2 uses 0.02; a std past 10 only overflows 16-bit activations
+    ("model", "init_std"): 10.0,
+    ("model", "kv_heads"): 2 ** 18,  # as model.heads, which it divides
+    ("model", "norm_eps"): 1.0,  # added to a mean square; past 1 it outweighs unit-scale activations
+    ("model", "rope_theta"): 1e12,  # Llama 3 uses 500,000; fp32 frequencies theta^(-2i/d) stay normal  # GPT-2 uses 0.02; a std past 10 only overflows 16-bit activations
     ("parallel", "tp"): _WORLD, ("parallel", "pp"): _WORLD, ("parallel", "dp"): _WORLD,
     ("parallel", "world_size"): _WORLD,
     ("parallel", "virtual_stages"): 4096,  # pp * virtual_stages <= model.layers
@@ -122,10 +127,18 @@ def validate(cfg: Config) -> None:
     if isinstance(par.dp, int) and par.tp * par.pp * par.dp > _WORLD:
         raise invalid(src, "parallel.tp*pp*dp", par.tp * par.pp * par.dp,
                       f"must be <= {_WORLD} ranks (tp={par.tp}, pp={par.pp}, dp={par.dp})")
-    if m.ffn_hidden is None:
-        m.ffn_hidden = 4 * m.hidden
+    _resolve_arch(m)
     if m.hidden % m.heads:
         raise invalid(src, "model.heads", m.heads, f"must divide model.hidden={m.hidden}")
+    if m.heads % m.kv_head_count:
+        raise invalid(src, "model.kv_heads", m.kv_heads, f"must divide model.heads={m.heads} (query heads per k/v "
+                      f"head, grouped-query attention)")
+    if m.arch == "gpt2" and m.kv_head_count != m.heads:
+        raise invalid(src, "model.kv_heads", m.kv_heads, f"grouped-query attention needs model.arch=llama; gpt2: "
+                      f"unset or {m.heads}")
+    if m.arch == "llama" and m.head_dim % 2:
+        raise invalid(src, "model.heads", m.heads, f"makes an odd head dim {m.head_dim} (model.hidden / model.heads); "
+                      f"rotary embeddings rotate pairs of features")
     if m.checkpoint_layers and not m.activation_checkpointing:
         raise invalid(src, "model.checkpoint_layers", m.checkpoint_layers,
                       "recomputes layers only with model.activation_checkpointing=true; 0 without it")
@@ -148,7 +161,10 @@ def validate(cfg: Config) -> None:
     _check_split(cfg)
     if cfg.data.tokenizer != "train" and not _exists(src, "data.tokenizer", cfg.data.tokenizer, Path.is_file):
         raise invalid(src, "data.tokenizer", cfg.data.tokenizer,
-                      "valid: 'train' or an existing sentencepiece .model file")
+                      "valid: 'train', an existing sentencepiece .model or Hugging Face tokenizer.json file")
+    if t.init_from and not _exists(src, "train.init_from", t.init_from, Path.is_dir):
+        raise invalid(src, "train.init_from", t.init_from,
+                      "valid: '' or an existing Hugging Face model folder (config.json and *.safetensors)")
     for p in cfg.data.paths:
         if not (_exists(src, "data.paths", p) or _exists(src, "data.paths", p + ".idx")):
             raise invalid(src, "data.paths", p, "no such file or directory (nor a PREFIX.bin/.idx pair)")
@@ -168,11 +184,27 @@ def _exists(src: str, key: str, path: str, test=Path.exists) -> bool:
         raise invalid(src, key, path, f"cannot be checked ({e.strerror or e})") from None
 
 
+def _resolve_arch(m) -> None:
+    """The values ``auto``/unset mean for the architecture: GPT-2 has biases, a tied head and a 4h MLP; Llama
+    none, an untied head and a SwiGLU MLP of 8h/3 rounded up to a multiple of 256 (Touvron et al. 2023)."""
+    llama = m.arch == "llama"
+    if m.bias == AUTO:
+        m.bias = not llama
+    if m.tie_embeddings == AUTO:
+        m.tie_embeddings = not llama
+    if m.ffn_hidden is None:
+        m.ffn_hidden = -(-(8 * m.hidden // 3) // 256) * 256 if llama else 4 * m.hidden
+
+
 def _check_tp(cfg: Config) -> None:
     """Tensor parallelism splits heads, the MLP, the vocabulary and (with SP) the sequence evenly."""
     m, tp, src = cfg.model, cfg.parallel.tp, cfg.source
     if m.heads % tp:
         raise invalid(src, "model.heads", m.heads, f"must be divisible by parallel.tp={tp} (whole heads per rank)")
+    kv = m.kv_head_count
+    if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
+        raise invalid(src, "model.kv_heads", kv, f"must be a multiple or a divisor of parallel.tp={tp} (whole k/v "
+                      f"heads per rank, or each k/v head on tp/kv_heads ranks)")
     if m.ffn_hidden % tp:
         raise invalid(src, "model.ffn_hidden", m.ffn_hidden, f"must be divisible by parallel.tp={tp}")
     if m.padded_vocab % tp:

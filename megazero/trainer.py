@@ -29,7 +29,8 @@ from megazero.signals import StopSignals, exit_code, signal_name
 from megazero.step import train_step
 from megazero.run_dir import Start, clear_earlier_run, plan_start
 from megazero.metrics import MetricsLogger, memory_gb, model_flops_per_token, peak_tflops
-from models.gpt import build_gpt, initial_tp_value
+from models.gpt import InitialValues, build_gpt, initial_tp_value
+from models.llama import kv_replicas_needed
 from parallel.loss_scale import LossScaler
 from parallel.host import host_values
 from parallel.pipeline import PipelineExecutor, partition_layers
@@ -71,6 +72,17 @@ def load_data_everywhere(cfg: Config, grid: Grid, is_builder: bool) -> GPTData:
     return data
 
 
+def initial_values(cfg: Config) -> int | InitialValues:
+    """Where the weights start: the seed of megazero's initialisation, or the Hugging Face model folder of
+    ``train.init_from`` (its config checked against ``model``; each tensor read when its parameter is made)."""
+    if not cfg.train.init_from:
+        return cfg.train.seed
+    from megazero.hf_import import open_hf_model
+
+    weights = open_hf_model(cfg.train.init_from, cfg.model)
+    return lambda name, shape: weights.value(name)
+
+
 class Trainer:
     """One rank's share of a run: its stage of the model, its data share, its optimizer."""
 
@@ -88,12 +100,16 @@ class Trainer:
         last_vs = grid.pp * v - 1
         self.chunks = []
         lazy = cfg.zero.stage == 3  # ZeRO-3 creates the parameters itself, one bucket at a time
+        values = initial_values(cfg)
+        # the tp ranks that share a k/v head when there are fewer than tp (a collective: every rank builds it)
+        kv_replicas = grid.tp_replica_comm(kv_replicas_needed(cfg.model, grid.tp))
         for c in range(v):  # model chunk c of this rank is virtual stage c*pp + pp_rank
             vs = virtual_stage(grid.pp_rank, c, grid.pp)
-            self.chunks.append(build_gpt(cfg.model, cfg.train.seed, device=device, tp=grid.tp_comm,
+            self.chunks.append(build_gpt(cfg.model, values, device=device, tp=grid.tp_comm,
                                          layer_ids=ranges[vs], first_stage=vs == 0, last_stage=vs == last_vs,
                                          sequence_parallel=par.sequence_parallel,
-                                         attention_impl=cfg.kernels.attention, materialise=not lazy))
+                                         attention_impl=cfg.kernels.attention, materialise=not lazy,
+                                         kv_replicas=kv_replicas))
         origin = {p: (m, n) for m in self.chunks for n, p in m.named_parameters()}
         self.named_params = [(n, p) for m in self.chunks for n, p in m.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named_params]
@@ -106,7 +122,7 @@ class Trainer:
         self.zero = ZeroOptimizer(self.chunks, grid, z.stage, cfg.train.precision, cfg.train.lr,
                                   cfg.train.weight_decay, z.bucket_mb, z.reshard_after_forward,
                                   z.offload_optimizer, z.offload_params, adam_impl=cfg.kernels.adam, device=device,
-                                  initial_value=lambda p: initial_tp_value(*origin[p], cfg.train.seed),
+                                  initial_value=lambda p: initial_tp_value(*origin[p], values),
                                   grad_dtype=z.grad_dtype)
         # ZeRO-3 may have given the modules new Parameter objects (fake tensors cannot be swapped in place)
         self.named_params = [(n, p) for m in self.chunks for n, p in m.named_parameters() if p.requires_grad]
@@ -222,12 +238,34 @@ class Trainer:
 
     # ----- checkpoints ------------------------------------------------------------------------
     def _logical(self, local: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
-        """A tp shard as a DTensor over the tp mesh, so DCP stores (and reshards) the whole parameter."""
+        """A tp shard as a DTensor over the tp mesh, so DCP stores (and reshards) the whole parameter.
+
+        A piece replicated on r tp ranks (k/v heads fewer than tp ranks) is the even tp split of the whole
+        tensor seen r times: tp rank t's even share is the (t mod r)-th r-th of its piece, a view, so the save
+        needs no communication; after a load, :meth:`_complete_replicas` gathers the other r-1 parts."""
         if param.tp_split_dim is None or self.grid.tp == 1:
             return local
         from torch.distributed.tensor import DTensor, Shard
 
-        return DTensor.from_local(local, self.grid.mesh["tp"], [Shard(param.tp_split_dim)], run_check=False)
+        replicas, dim = getattr(param, "tp_replicas", 1), param.tp_split_dim
+        if replicas > 1:
+            local = local.chunk(replicas, dim=dim)[self.grid.tp_rank % replicas]
+        return DTensor.from_local(local, self.grid.mesh["tp"], [Shard(dim)], run_check=False)
+
+    def _complete_replicas(self, exported: dict) -> None:
+        """After a load into :meth:`_logical`'s views: each replicated piece's parts, gathered over its ranks."""
+        params = dict(self.named_params)
+        for n, kinds in exported.items():
+            replicas = getattr(params[n], "tp_replicas", 1)
+            if replicas == 1 or self.grid.tp == 1:
+                continue
+            comm, dim = self.grid.tp_replica_comm(replicas), params[n].tp_split_dim
+            for tensor in kinds.values():
+                moved = tensor.movedim(dim, 0)  # collectives concatenate along dim 0
+                part = moved.chunk(replicas)[comm.rank].contiguous()
+                whole = torch.empty_like(moved.contiguous())
+                comm.all_gather_into(whole, part, tag="checkpoint")
+                moved.copy_(whole)
 
     def state_tensors(self) -> tuple[dict[str, torch.Tensor], dict]:
         """Everything a resume needs that is a tensor, under logical names (layout-free), and the
@@ -246,6 +284,8 @@ class Trainer:
         """Checkpoint this step (in the background with train.async_save). A state holding a non-finite value is
         never saved: keep_last would rotate the last good checkpoint away."""
         meta = {"consumed_samples": self.consumed_samples, "optimizer_step": self.zero.step_count,
+                "tokenizer": str(Path(self.data.tokenizer_path).resolve()) if hasattr(self.data, "tokenizer_path")
+                else None,
                 "loss_scaler": self.scaler.state(),
                 "config": self.cfg.to_dict(),
                 "rng": "dropout streams are derived from (train.seed, step, grid coordinates)"}
@@ -269,6 +309,7 @@ class Trainer:
                                 f"keeps the architecture ({', '.join(ModelConfig.ARCHITECTURE)})")
         state, exported = self.state_tensors()
         meta = checkpoint.load(path, state)
+        self._complete_replicas(exported)
         self.zero.import_state(exported, int(meta["optimizer_step"]))
         if "loss_scaler" in meta:
             self.scaler.load(meta["loss_scaler"])

@@ -1,9 +1,12 @@
 """GPT (Radford et al. 2019; Brown et al. 2020) as one pipeline stage built from tensor-parallel layers.
 
-Pre-LayerNorm blocks, learned positions, tanh-GELU, causal self-attention and
-an output head tied to the token embedding. A ``GPT`` holds only the layers of
-its pipeline stage, keyed by their *global* index, so a parameter is called
-``layers.17.mlp.fc1.weight`` on whichever stage holds it.
+``model.arch: gpt2``: pre-LayerNorm blocks, learned positions, tanh-GELU, causal
+self-attention and an output head tied to the token embedding. ``llama``: the
+blocks of ``models.llama`` (RMSNorm, rotary positions, grouped-query attention,
+SwiGLU), no position table, and by default an untied vocab-parallel ``head``.
+A ``GPT`` holds only the layers of its pipeline stage, keyed by their *global*
+index, so a parameter is called ``layers.17.mlp.fc1.weight`` on whichever stage
+holds it.
 
 Tied embeddings across stages: when the first and last stages differ, both hold
 ``embed.tokens.weight`` (the first for the input lookup, the last for the
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +28,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from kernels import attention
+from models.llama import LlamaBlock, rms_norm
 from parallel.comm import Comm, copy_to_region
 from parallel.tensor import (
     ColumnParallelLinear,
@@ -40,23 +44,37 @@ from parallel.tensor import (
 )
 
 LN_EPS = 1e-5
-RESIDUAL_PROJECTIONS = ("attn.proj.weight", "mlp.fc2.weight")
+RESIDUAL_PROJECTIONS = ("attn.proj.weight", "mlp.fc2.weight", "mlp.down.weight")
 NORMS = ("ln1", "ln2", "final_norm")
+PARALLEL_ATTRS = ("tp_split_dim", "tp_replicas", "sequence_parallel")  # what the parallel layers mark
 
 
 def _ffn_hidden(cfg: Any) -> int:
     return cfg.ffn_hidden or 4 * cfg.hidden
 
 
-class _Parallel:
-    """How a stage is split: the tp group, sequence parallelism, the per-rank random stream."""
+def _is_llama(cfg: Any) -> bool:
+    return getattr(cfg, "arch", "gpt2") == "llama"
 
-    def __init__(self, tp: Optional[Comm], sequence_parallel: bool, rng: TPRandom, attention_impl: str = "torch"):
+
+def _tied(cfg: Any) -> bool:
+    """The output head is the token embedding (``model.tie_embeddings``; auto/unset: GPT-2 ties, Llama not)."""
+    tie = getattr(cfg, "tie_embeddings", "auto")
+    return (not _is_llama(cfg)) if tie == "auto" else bool(tie)
+
+
+class _Parallel:
+    """How a stage is split: the tp group, sequence parallelism, the per-rank random stream, and the groups
+    of tp ranks that share a replicated k/v head (grouped-query attention with kv_heads < tp)."""
+
+    def __init__(self, tp: Optional[Comm], sequence_parallel: bool, rng: TPRandom, attention_impl: str = "torch",
+                 kv_replicas: Optional[Comm] = None):
         self.tp = tp
         self.attention_impl = attention_impl
         self.rank, self.size = tp_rank_and_size(tp)
         self.sp = sequence_parallel and self.size > 1
         self.rng = rng
+        self.kv_replicas = kv_replicas
 
 
 class LayerNorm(nn.LayerNorm):
@@ -75,8 +93,10 @@ class LayerNorm(nn.LayerNorm):
         return y
 
 
-def _norm(cfg: Any, par: _Parallel) -> nn.LayerNorm:
-    norm = LayerNorm(cfg.hidden, eps=LN_EPS, bias=cfg.bias)
+def _norm(cfg: Any, par: _Parallel) -> nn.Module:
+    if _is_llama(cfg):
+        return rms_norm(cfg, par)
+    norm = LayerNorm(cfg.hidden, eps=getattr(cfg, "norm_eps", LN_EPS), bias=bool(cfg.bias))
     if par.sp:
         mark_sequence_parallel(norm)
     return norm
@@ -161,11 +181,12 @@ class GPT(nn.Module):
         last_stage: bool = True,
         sequence_parallel: bool = False,
         attention_impl: str = "torch",
+        kv_replicas: Optional[Comm] = None,
     ):
         super().__init__()
         self.cfg = cfg
         self.rng = TPRandom()
-        self.par = _Parallel(tp, sequence_parallel, self.rng, attention_impl)
+        self.par = _Parallel(tp, sequence_parallel, self.rng, attention_impl, kv_replicas)
         self.tp, self.tp_rank, self.tp_size = tp, self.par.rank, self.par.size
         self.sequence_parallel = self.par.sp
         self.layer_ids = range(cfg.layers) if layer_ids is None else layer_ids
@@ -175,25 +196,32 @@ class GPT(nn.Module):
         # the first k layers of this chunk are recomputed in backward (all of them when k is 0)
         self.checkpointed = cfg.checkpoint_layers or len(self.layer_ids)
 
-        self.embed = Embedding(cfg, self.par, positions=first_stage) if first_stage or last_stage else None
+        self.tied = _tied(cfg)
+        positions = first_stage and not _is_llama(cfg)
+        self.embed = Embedding(cfg, self.par, positions) if first_stage or (last_stage and self.tied) else None
         self.embed_dropout = ShardedDropout(cfg.dropout, self.rng, split=self.par.sp) if first_stage else None
-        self.layers = nn.ModuleDict({str(i): Block(cfg, self.par) for i in self.layer_ids})
+        block = LlamaBlock if _is_llama(cfg) else Block
+        self.layers = nn.ModuleDict({str(i): block(cfg, self.par) for i in self.layer_ids})
         self.final_norm = _norm(cfg, self.par) if last_stage else None
+        # the untied output head: vocab-parallel rows, as the embedding's
+        self.head = (ColumnParallelLinear(cfg.hidden, cfg.padded_vocab, False, tp, sequence_parallel=self.par.sp)
+                     if last_stage and not self.tied else None)
         mark_replicated(self)
 
     @property
     def shares_embedding_across_stages(self) -> bool:
         """True on the first and last stage when they differ: ``embed.tokens.weight`` grads must be summed."""
-        return self.first_stage != self.last_stage
+        return self.first_stage != self.last_stage and self.tied
 
     def _embed(self, ids: Tensor) -> Tensor:
         s = ids.shape[1]
         assert s <= self.cfg.seq_len, f"sequence length {s} exceeds model.seq_len={self.cfg.seq_len}"
         x = self.embed.tokens(ids)  # (b, s/tp, h) under sequence parallelism
-        local = x.shape[1]
-        start = self.tp_rank * local if self.sequence_parallel else 0
-        pos = torch.arange(start, start + local, device=ids.device)
-        return self.embed_dropout(x + self.embed.positions(pos))
+        if self.embed.positions is not None:
+            local = x.shape[1]
+            start = self.tp_rank * local if self.sequence_parallel else 0
+            x = x + self.embed.positions(torch.arange(start, start + local, device=ids.device))
+        return self.embed_dropout(x)
 
     def forward(self, x: Tensor, targets: Tensor | None = None) -> Tensor:
         if self.first_stage:
@@ -205,15 +233,18 @@ class GPT(nn.Module):
                 x = layer(x)
         if not self.last_stage:
             return x
-        tokens = self.embed.tokens
         h = self.final_norm(x)
-        if self.sequence_parallel:
-            logits = sequence_gathered_linear(h, tokens.weight, None, self.tp)
+        if self.head is not None:
+            weight, vocab_start = self.head.weight, self.tp_rank * self.head.weight.shape[0]
         else:
-            logits = F.linear(copy_to_region(h, self.tp), tokens.weight)
+            weight, vocab_start = self.embed.tokens.weight, self.embed.tokens.vocab_start
+        if self.sequence_parallel:
+            logits = sequence_gathered_linear(h, weight, None, self.tp)
+        else:
+            logits = F.linear(copy_to_region(h, self.tp), weight)
         if targets is None:
-            return mask_padded_vocab(logits, tokens.vocab_start, self.cfg.vocab_size)
-        return vocab_parallel_cross_entropy(logits, targets, tokens.vocab_start, self.cfg.vocab_size, self.tp)
+            return mask_padded_vocab(logits, vocab_start, self.cfg.vocab_size)
+        return vocab_parallel_cross_entropy(logits, targets, vocab_start, self.cfg.vocab_size, self.tp)
 
 
 def mark_replicated(model: nn.Module) -> None:
@@ -223,6 +254,8 @@ def mark_replicated(model: nn.Module) -> None:
             p.tp_split_dim = None
         if not hasattr(p, "sequence_parallel"):
             p.sequence_parallel = False
+        if not hasattr(p, "tp_replicas"):
+            p.tp_replicas = 1
 
 
 # --- initialisation -----------------------------------------------------------------------------
@@ -251,24 +284,35 @@ def initial_value(name: str, full_shape: tuple[int, ...], seed: int, cfg: Any) -
     return torch.empty(full_shape).normal_(0.0, std, generator=_generator(seed, name))
 
 
-def initial_tp_value(model: GPT, name: str, seed: int) -> Tensor:
-    """This tp rank's slice of the initial value of the parameter ``name`` of ``model`` (CPU, float32)."""
+InitialValues = Callable[[str, tuple[int, ...]], Tensor]  # (name, full shape) -> the full float32 value
+
+
+def initial_tp_value(model: GPT, name: str, seed: int | InitialValues) -> Tensor:
+    """This tp rank's slice of the initial value of the parameter ``name`` of ``model`` (CPU, float32).
+
+    ``seed``: the seed of :func:`initial_value`, or a function giving each full value (an imported
+    Hugging Face model's weights, ``train.init_from``)."""
     module_name, _, pname = name.rpartition(".")
     module = model.get_submodule(module_name)
     tp_rank, tp_size = getattr(module, "tp_rank", 0), getattr(module, "tp_size", 1)
     p = getattr(module, pname)
     dim = p.tp_split_dim
+    pieces = tp_size // getattr(p, "tp_replicas", 1)  # replicated k/v heads: tp/replicas distinct pieces
     full_shape = list(p.shape)
     if dim is not None:
-        full_shape[dim] *= tp_size
-    value = initial_value(name, tuple(full_shape), seed, model.cfg)
-    if dim is not None and tp_size > 1:
-        value = value.chunk(tp_size, dim=dim)[tp_rank]
+        full_shape[dim] *= pieces
+    if callable(seed):
+        value = seed(name, tuple(full_shape))
+        assert tuple(value.shape) == tuple(full_shape), (name, tuple(value.shape), full_shape)
+    else:
+        value = initial_value(name, tuple(full_shape), seed, model.cfg)
+    if dim is not None and pieces > 1:
+        value = value.chunk(pieces, dim=dim)[tp_rank * pieces // tp_size]
     return value
 
 
 @torch.no_grad()
-def init_parameters(model: GPT, seed: int) -> None:
+def init_parameters(model: GPT, seed: int | InitialValues) -> None:
     """Set every parameter to its layout-independent initial value (this rank's tp slice of it)."""
     for name, p in model.named_parameters():
         p.copy_(initial_tp_value(model, name, seed))
@@ -276,7 +320,7 @@ def init_parameters(model: GPT, seed: int) -> None:
 
 def build_gpt(
     cfg: Any,
-    seed: int,
+    seed: int | InitialValues,
     device: torch.device | str = "cpu",
     tp: Optional[Comm] = None,
     layer_ids: range | None = None,
@@ -285,6 +329,7 @@ def build_gpt(
     sequence_parallel: bool = False,
     attention_impl: str = "torch",
     materialise: bool = True,
+    kv_replicas: Optional[Comm] = None,
 ) -> GPT:
     """Build a stage on the meta device (no memory), materialise it on ``device``, initialise it.
 
@@ -292,7 +337,7 @@ def build_gpt(
     bucket at a time from :func:`initial_tp_value`; the model still computes on ``device``.
     """
     with torch.device("meta"):
-        model = GPT(cfg, tp, layer_ids, first_stage, last_stage, sequence_parallel, attention_impl)
+        model = GPT(cfg, tp, layer_ids, first_stage, last_stage, sequence_parallel, attention_impl, kv_replicas)
     model.rng.device = torch.device(device)
     if not materialise:
         return model
@@ -303,19 +348,27 @@ def build_gpt(
         for name, p in list(module.named_parameters(recurse=False)):
             if id(p) not in made:
                 made[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
-                made[id(p)].tp_split_dim, made[id(p)].sequence_parallel = p.tp_split_dim, p.sequence_parallel
+                for attr in PARALLEL_ATTRS:
+                    setattr(made[id(p)], attr, getattr(p, attr))
             setattr(module, name, made[id(p)])
     init_parameters(model, seed)
     return model
 
 
 def count_parameters(cfg: Any) -> int:
-    """Parameters of the whole model (every stage and tp rank, tied head counted once).
+    """Parameters of the whole model (every stage and tp rank, a tied head counted once).
 
-    The token embedding counts its padded rows because they are stored and
-    multiplied like any other.
+    The token embedding (and an untied head) count their padded rows because they are stored and
+    multiplied like any other. Llama: RMSNorms (no bias), q/o of h x h, k/v of h x kv_heads*head_dim, and
+    SwiGLU's three ffn x h matrices; no position table.
     """
     h, f, n_bias = cfg.hidden, _ffn_hidden(cfg), int(bool(cfg.bias))
+    head = 0 if _tied(cfg) else cfg.padded_vocab * h
+    if _is_llama(cfg):
+        kv = cfg.kv_head_count * (h // cfg.heads)
+        norm = h
+        block = 2 * norm + 2 * h * h + 2 * h * kv + n_bias * (2 * h + 2 * kv) + 3 * f * h + n_bias * (2 * f + h)
+        return cfg.padded_vocab * h + head + cfg.layers * block + norm
     norm = h * (1 + n_bias)
     block = (
         2 * norm
@@ -324,4 +377,4 @@ def count_parameters(cfg: Any) -> int:
         + f * h + n_bias * f  # fc1
         + h * f + n_bias * h  # fc2
     )
-    return cfg.padded_vocab * h + cfg.seq_len * h + cfg.layers * block + norm
+    return cfg.padded_vocab * h + head + cfg.seq_len * h + cfg.layers * block + norm

@@ -12,9 +12,10 @@ cross entropy is computed on the vocabulary shards without ever gathering
 full-vocabulary logits.
 
 Every parameter carries ``tp_split_dim`` (the dimension split over the tensor
-parallel group, or None when replicated) and ``sequence_parallel`` (True when
-it is replicated but sees only this rank's tokens, so its gradient must be
-summed over the tp group). Initialisation and checkpoints build or read the
+parallel group, or None when replicated), ``tp_replicas`` (consecutive tp ranks
+holding the same piece of a split parameter: 1, or more for k/v heads fewer than
+tp ranks) and ``sequence_parallel`` (True when it is replicated but sees only
+this rank's tokens, so its gradient must be summed over the tp group). Initialisation and checkpoints build or read the
 full tensor and keep this rank's slice, so a model is the same at any
 tensor-parallel size.
 
@@ -58,6 +59,7 @@ def _param(shape: tuple[int, ...], tp_split_dim: Optional[int], sequence_paralle
     p = nn.Parameter(torch.empty(shape))
     p.tp_split_dim = tp_split_dim
     p.sequence_parallel = sequence_parallel
+    p.tp_replicas = 1  # tp ranks holding the same piece (ColumnParallelLinear's replicas)
     return p
 
 
@@ -103,76 +105,145 @@ class ColumnParallelLinear(nn.Module):
     Input: replicated (f: copy), or sequence-sharded with ``sequence_parallel``
     (all-gather along the sequence). The output stays split over the feature
     dimension unless ``gather_output``; a RowParallelLinear consumes it split.
+
+    ``replicas``: the group of consecutive tp ranks that hold the same rows, for outputs split into fewer
+    pieces than tp ranks (grouped-query attention's k/v heads when kv_heads < tp, replicated as in
+    Megatron-LM): rows are split into tp/replicas pieces, tp rank r holds piece r // replicas, and the
+    weight's gradient is summed over the group, each replica having seen only its own ranks' query heads.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, tp: Optional[Comm] = None,
-                 gather_output: bool = False, sequence_parallel: bool = False):
+                 gather_output: bool = False, sequence_parallel: bool = False, replicas: Optional[Comm] = None):
         super().__init__()
         self.tp = tp
         self.tp_rank, self.tp_size = tp_rank_and_size(tp)
+        self.replicas = replicas if replicas is not None and replicas.size > 1 else None
+        n_replicas = 1 if self.replicas is None else self.replicas.size
+        assert not (gather_output and self.replicas), "a replicated output is not gathered"
         self.in_features, self.out_features = in_features, out_features
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel and self.tp_size > 1
-        per_rank = _divide(out_features, self.tp_size, "output features")
+        per_rank = _divide(out_features, _divide(self.tp_size, n_replicas, "replicas"), "output features")
         self.weight = _param((per_rank, in_features), tp_split_dim=0)
         self.bias = _param((per_rank,), tp_split_dim=0) if bias else None
+        for p in self.parameters():
+            p.tp_replicas = n_replicas
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.sequence_parallel:
-            y = sequence_gathered_linear(x, self.weight, self.bias, self.tp)
-        else:
-            y = F.linear(copy_to_region(x, self.tp), self.weight, self.bias)
-        return gather_from_region(y, self.tp) if self.gather_output else y
+        return column_parallel_linears(x, [self])[0]
+
+    def weights(self) -> tuple[Tensor, Optional[Tensor]]:
+        """(weight, bias) as the forward uses them: through the replica gradient sum when replicated."""
+        return sum_over_replicas(self.weight, self.replicas), sum_over_replicas(self.bias, self.replicas)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, tp={self.tp_rank}/{self.tp_size}"
 
 
-class _SequenceGatheredLinear(torch.autograd.Function):
-    """y = all_gather_seq(x) W^T + b that keeps only this rank's sequence shard x for backward.
+def column_parallel_linears(x: Tensor, linears: list[ColumnParallelLinear]) -> list[Tensor]:
+    """Several column-parallel linears of one input (q, k, v; SwiGLU's gate and up) with one collective.
+
+    Separate parameters keep the logical (layout-free) shapes that checkpoints and Hugging Face use, while the
+    input is copied, or gathered along the sequence, once for all of them: one all-gather forward and one
+    reduce-scatter backward under sequence parallelism, as a fused weight would need."""
+    first = linears[0]
+    assert all(lin.tp is first.tp and lin.sequence_parallel == first.sequence_parallel for lin in linears)
+    weights = [lin.weights() for lin in linears]
+    if first.sequence_parallel:
+        ys = sequence_gathered_linears(x, weights, first.tp)
+    else:
+        x = copy_to_region(x, first.tp)
+        ys = [F.linear(x, w, b) for w, b in weights]
+    return [gather_from_region(y, lin.tp) if lin.gather_output else y for y, lin in zip(ys, linears)]
+
+
+class _SumOverReplicas(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the ranks that hold the same replicated piece."""
+
+    @staticmethod
+    def forward(ctx, w: Tensor, comm: Comm) -> Tensor:
+        ctx.comm = comm
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.contiguous()
+        ctx.comm.all_reduce(grad, tag="grad")
+        return grad, None
+
+
+def sum_over_replicas(w: Optional[Tensor], comm: Optional[Comm]) -> Optional[Tensor]:
+    """``w`` whose gradient is summed over ``comm`` (the identity without a group of two or more)."""
+    if w is None or comm is None or comm.size == 1:
+        return w
+    return _SumOverReplicas.apply(w, comm)
+
+
+class _SequenceGatheredLinears(torch.autograd.Function):
+    """ys_i = all_gather_seq(x) W_i^T + b_i that keeps only this rank's sequence shard x for backward.
 
     Saving the gathered input, as autograd would for ``F.linear(gather(x))``, would keep a full-sequence
     activation per column-parallel linear and undo sequence parallelism's 1/tp activation memory. Backward
-    gathers x again, overlapped with dX = dY W, and reduce-scatters dX overlapped with dW = dY^T X
-    (Korthikanti et al. 2022, §4.2.2; Megatron-LM's linear with async communication).
+    gathers x again, overlapped with dX = sum_i dY_i W_i, and reduce-scatters dX overlapped with
+    dW_i = dY_i^T X (Korthikanti et al. 2022, §4.2.2; Megatron-LM's linear with async communication).
+    Several weights share the one gather and the one reduce-scatter.
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor], comm: Comm) -> Tensor:
+    def forward(ctx, x: Tensor, comm: Comm, has_bias: tuple, *weights_and_biases: Tensor):
         device = x.device.type
         if torch.is_autocast_enabled(device):  # gather in the dtype the matmul will read, as autocast would cast
             x = x.to(torch.get_autocast_dtype(device))
         total = comm.all_gather(x, dim=SEQ_DIM)
-        ctx.save_for_backward(x, weight)
-        ctx.comm, ctx.has_bias = comm, bias is not None
-        return F.linear(total, weight, bias)  # under autocast: the cached low-precision weight, as any linear
+        n = len(has_bias)
+        weights, biases = weights_and_biases[:n], weights_and_biases[n:]
+        ctx.save_for_backward(x, *weights)
+        ctx.comm, ctx.has_bias = comm, has_bias
+        # under autocast: the cached low-precision weight, as any linear
+        return tuple(F.linear(total, w, b if hb else None) for w, b, hb in zip(weights, biases, has_bias))
 
     @staticmethod
-    def backward(ctx, grad: Tensor):
-        x, weight = ctx.saved_tensors
+    def backward(ctx, *grads: Optional[Tensor]):
+        x, *weights = ctx.saved_tensors
         comm = ctx.comm
-        x = x.to(grad.dtype)  # the compute dtype of the forward (autocast's, or the input's)
+        dtype = next(g.dtype for g in grads if g is not None)
+        x = x.to(dtype)  # the compute dtype of the forward (autocast's, or the input's)
         moved = x.movedim(SEQ_DIM, 0).contiguous()  # collectives concatenate along dim 0
         gathered = moved.new_empty((comm.size * moved.shape[0],) + moved.shape[1:])
         work = comm.all_gather_into(gathered, moved, tag="activation_regather", async_op=True)
-        grad_total = grad.matmul(weight.to(grad.dtype))
+        grad_total = None
+        for g, w in zip(grads, weights):
+            if g is not None:
+                part = g.matmul(w.to(g.dtype))
+                grad_total = part if grad_total is None else grad_total.add_(part)
         grad_moved = grad_total.movedim(SEQ_DIM, 0).contiguous()
         work.wait()
         grad_x = grad_moved.new_empty((grad_moved.shape[0] // comm.size,) + grad_moved.shape[1:])
         work = comm.reduce_scatter_into(grad_x, grad_moved, tag="activation", async_op=True)
         total = gathered.movedim(0, SEQ_DIM).reshape(-1, x.shape[-1])
-        flat_grad = grad.reshape(-1, grad.shape[-1])
-        grad_weight = flat_grad.t().matmul(total)  # autograd casts it to the weight's dtype
-        grad_bias = flat_grad.sum(0) if ctx.has_bias else None
+        grad_weights, grad_biases = [], []
+        for g, hb in zip(grads, ctx.has_bias):
+            flat = None if g is None else g.reshape(-1, g.shape[-1])
+            grad_weights.append(None if flat is None else flat.t().matmul(total))  # autograd casts to the weight's
+            grad_biases.append(flat.sum(0) if hb and flat is not None else None)
         work.wait()
-        return grad_x.movedim(0, SEQ_DIM), grad_weight, grad_bias, None
+        return (grad_x.movedim(0, SEQ_DIM), None, None, *grad_weights, *grad_biases)
+
+
+def sequence_gathered_linears(x: Tensor, weights: list[tuple[Tensor, Optional[Tensor]]],
+                              comm: Optional[Comm]) -> list[Tensor]:
+    """Column-parallel linears on one sequence-parallel input: gathers the sequence once, keeps only the shard."""
+    if comm is None or comm.size == 1:
+        return [F.linear(x, w, b) for w, b in weights]
+    has_bias = tuple(b is not None for _, b in weights)
+    ws = [w for w, _ in weights]
+    bs = [b if b is not None else x.new_empty(0) for _, b in weights]
+    return list(_SequenceGatheredLinears.apply(x, comm, has_bias, *ws, *bs))
 
 
 def sequence_gathered_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], comm: Optional[Comm]) -> Tensor:
     """A column-parallel linear on sequence-parallel input: gathers the sequence, keeps only the shard."""
-    if comm is None or comm.size == 1:
-        return F.linear(x, weight, bias)
-    return _SequenceGatheredLinear.apply(x, weight, bias, comm)
+    return sequence_gathered_linears(x, [(weight, bias)], comm)[0]
 
 
 class RowParallelLinear(nn.Module):

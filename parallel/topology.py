@@ -78,6 +78,7 @@ class Grid:
     embed_group: Optional[dist.ProcessGroup] = None
     counter: CommCounter = field(default_factory=CommCounter)
     timeout: Optional[timedelta] = None  # every group's collective timeout (None: torch's default)
+    replica_comms: dict = field(default_factory=dict)  # tp_replica_comm's groups, by size
 
     def __post_init__(self) -> None:
         self.tp_comm = Comm(self.tp_group, "tp", self.counter)
@@ -114,6 +115,23 @@ class Grid:
                    tp_group=mesh.get_group("tp"), dp_group=mesh.get_group("dp"),
                    pp_group=mesh.get_group("pp"), embed_group=new_embedding_group(tp, pp, dp, timeout),
                    timeout=timeout)
+
+    def tp_replica_comm(self, size: int) -> Comm:
+        """This rank's group of ``size`` consecutive tp ranks: the ranks that hold one replicated k/v head when
+        a model has fewer k/v heads than tp ranks (``parallel.tensor.ColumnParallelLinear``'s replicas).
+
+        Collective the first time for a size: every rank of the world calls it together."""
+        assert size >= 1 and self.tp % size == 0, (size, self.tp)
+        if size not in self.replica_comms:
+            mine = None
+            if size > 1 and dist.is_initialized():
+                for group in group_ranks("tp", self.tp, self.pp, self.dp):
+                    for start in range(0, self.tp, size):
+                        made = dist.new_group(group[start:start + size], timeout=self.timeout)
+                        if self.rank in group[start:start + size]:
+                            mine = made
+            self.replica_comms[size] = Comm(mine, "kv", self.counter)
+        return self.replica_comms[size]
 
     @property
     def world_size(self) -> int:

@@ -126,8 +126,8 @@ class BucketLayout:
     def mask_runs(self, b: Bucket, tp_rank: int) -> tuple[list[Run], list[Run], list[Run]]:
         """Per element of the optimizer's range, as maximal runs ``(start, end, flag)`` that tile it: (weight
         decay applies, counts toward the gradient norm, sequence-parallel: summed over tp). Matrices decay;
-        biases and norms do not. A tp-replicated parameter counts on tp rank 0 only and the tied embedding's
-        copy not at all, so the norm counts each once. Padding is False in all three. Computed from the
+        biases and norms do not. A tp-replicated parameter counts on tp rank 0 only, a piece replicated on r tp
+        ranks on the first of them, and the tied embedding's copy not at all, so the norm counts each once. Padding is False in all three. Computed from the
         parameters alone (no tensor is read), so a simulated run (fake tensors) builds them as a real one."""
         lo, hi = self.range(b)
         runs: tuple[list[Run], list[Run], list[Run]] = ([], [], [])
@@ -146,8 +146,8 @@ class BucketLayout:
                 continue
             if a > at:
                 put(at, a, (False, False, False))
-            put(a, z, (p.dim() >= 2, (getattr(p, "tp_split_dim", None) is not None or tp_rank == 0)
-                       and not getattr(p, "tied_copy", False), bool(getattr(p, "sequence_parallel", False))))
+            put(a, z, (p.dim() >= 2, _counted_here(p, tp_rank) and not getattr(p, "tied_copy", False),
+                       bool(getattr(p, "sequence_parallel", False))))
             at = z
         if at < hi - lo:
             put(at, hi - lo, (False, False, False))
@@ -167,6 +167,13 @@ class BucketLayout:
                 owner[name] = r
                 load[r] += p.numel()
         return owner
+
+
+def _counted_here(p: nn.Parameter, tp_rank: int) -> bool:
+    """Whether this tp rank's copy of ``p`` counts toward the gradient norm (each distinct value once)."""
+    if getattr(p, "tp_split_dim", None) is None:
+        return tp_rank == 0
+    return tp_rank % getattr(p, "tp_replicas", 1) == 0
 
 
 def _by_layer(chunks: list[nn.Module]) -> list[tuple[list, Optional[nn.Module], bool, int]]:

@@ -1,0 +1,142 @@
+"""The Llama block (Touvron et al. 2023): RMSNorm, rotary positions, grouped-query attention, a SwiGLU MLP.
+
+Built from the same tensor-parallel layers as GPT-2's block, and used by ``models.gpt.GPT`` when
+``model.arch`` is llama (the stage, embeddings and head are shared). Parameter names follow the logical
+tensors, one per Hugging Face tensor (``attn.q``, ``attn.k``, ``attn.v``, ``mlp.gate``, ``mlp.up``,
+``mlp.down``), so checkpoints stay layout-free and conversion is a renaming; the q, k, v projections (and
+gate, up) still share one input copy or sequence gather (``column_parallel_linears``).
+
+Grouped-query attention (Ainslie et al. 2023): ``kv_heads`` k/v heads, each read by heads/kv_heads query
+heads. With kv_heads >= tp every rank holds kv_heads/tp whole k/v heads beside the query heads that read
+them; with fewer, each k/v head is replicated on tp/kv_heads consecutive ranks and its gradient summed over
+them (``ColumnParallelLinear(replicas=...)``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kernels import attention
+from parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    ShardedDropout,
+    column_parallel_linears,
+    mark_sequence_parallel,
+)
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x²) + eps) * weight (Zhang & Sennrich 2019), computed in float32.
+
+    Returns autocast's dtype under autocast (as ``models.gpt.LayerNorm``, for the collectives that follow),
+    else the input's."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
+        device = x.device.type
+        return y.to(torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype)
+
+
+def rms_norm(cfg: Any, par: Any) -> RMSNorm:
+    norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+    if par.sp:
+        mark_sequence_parallel(norm)
+    return norm
+
+
+def rotary_tables(seq: int, head_dim: int, theta: float, device: torch.device) -> tuple[Tensor, Tensor]:
+    """cos and sin (seq, head_dim) of RoFormer's rotation (Su et al. 2021), for positions 0..seq-1.
+
+    The frequencies theta^(-2i/d) are computed in float32 exactly as Hugging Face's Llama does, and the
+    halves layout (``rotate_half``) is theirs, so imported weights need no permutation."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    freqs = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate (batch, heads, seq, head_dim) by position: x cos + rotate_half(x) sin."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    """Causal grouped-query self-attention with rotary positions; this tp rank computes heads/tp query heads
+    and the k/v heads they read."""
+
+    def __init__(self, cfg: Any, par: Any):
+        super().__init__()
+        tp, kv = par.size, cfg.kv_head_count
+        assert cfg.heads % tp == 0 and cfg.heads % kv == 0 and (kv % tp == 0 or tp % kv == 0), (cfg.heads, kv, tp)
+        self.head_dim = cfg.hidden // cfg.heads
+        self.local_heads = cfg.heads // tp
+        self.local_kv = max(kv // tp, 1)
+        self.theta = cfg.rope_theta
+        replicas = par.kv_replicas if kv < tp else None
+        assert kv >= tp or (replicas is not None and replicas.size == tp // kv), "kv_heads < tp needs its replicas"
+        d, h, sp = self.head_dim, cfg.hidden, par.sp
+        self.q = ColumnParallelLinear(h, cfg.heads * d, cfg.bias, par.tp, sequence_parallel=sp)
+        self.k = ColumnParallelLinear(h, kv * d, cfg.bias, par.tp, sequence_parallel=sp, replicas=replicas)
+        self.v = ColumnParallelLinear(h, kv * d, cfg.bias, par.tp, sequence_parallel=sp, replicas=replicas)
+        self.proj = RowParallelLinear(cfg.heads * d, h, cfg.bias, par.tp, sequence_parallel=sp)
+        self.dropout = ShardedDropout(cfg.dropout, par.rng, split=sp)
+        self.impl = par.attention_impl
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = column_parallel_linears(x, [self.q, self.k, self.v])
+        b, s, _ = q.shape
+        q = q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)  # (b, heads, s, d)
+        k = k.view(b, s, self.local_kv, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, self.local_kv, self.head_dim).transpose(1, 2)
+        cos, sin = rotary_tables(s, self.head_dim, self.theta, x.device)
+        y = attention(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, causal=True, impl=self.impl)
+        y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
+        return self.dropout(self.proj(y))
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate x) * up x) (Shazeer 2020): gate and up column-parallel, down row-parallel."""
+
+    def __init__(self, cfg: Any, par: Any):
+        super().__init__()
+        h, f, sp = cfg.hidden, cfg.ffn_hidden, par.sp
+        self.gate = ColumnParallelLinear(h, f, cfg.bias, par.tp, sequence_parallel=sp)
+        self.up = ColumnParallelLinear(h, f, cfg.bias, par.tp, sequence_parallel=sp)
+        self.down = RowParallelLinear(f, h, cfg.bias, par.tp, sequence_parallel=sp)
+        self.dropout = ShardedDropout(cfg.dropout, par.rng, split=sp)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = column_parallel_linears(x, [self.gate, self.up])
+        return self.dropout(self.down(F.silu(gate) * up))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, cfg: Any, par: Any):
+        super().__init__()
+        self.ln1 = rms_norm(cfg, par)
+        self.attn = LlamaAttention(cfg, par)
+        self.ln2 = rms_norm(cfg, par)
+        self.mlp = SwiGLU(cfg, par)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+def kv_replicas_needed(cfg: Any, tp: int) -> int:
+    """How many tp ranks hold each k/v head: tp/kv_heads when there are fewer k/v heads than ranks, else 1."""
+    kv = cfg.kv_head_count if getattr(cfg, "arch", "gpt2") == "llama" else cfg.heads
+    return tp // kv if kv < tp else 1
+
