@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 
 from megazero.config import AUTO, Config
-from megazero.metrics import flops_per_token, model_flops_per_token
+from megazero.metrics import flops_per_token, model_flops_per_token, model_shape
 from models.gpt import GPT, count_parameters
 from models.llama import kv_replicas_needed
 from parallel.comm import Comm
@@ -84,7 +84,8 @@ def model_state_bytes(psi: int, stage: int, dp: int, precision: str, offload_opt
 
 def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
                                sequence_parallel: bool = False, recompute: bool = False, flash: bool = True,
-                               precision: str = "bf16") -> int:
+                               precision: str = "bf16", ffn: int | None = None, kv_heads: int | None = None,
+                               swiglu: bool = False) -> int:
     """Activation bytes one transformer layer keeps for backward, per microbatch.
 
     Korthikanti et al. 2022, §4, Eq. (1)-(5), 16-bit activations:
@@ -95,13 +96,22 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
     flash-style attention (torch SDPA, kernels.attention) stores none of them,
     so ``flash=True`` drops it. fp32 activations (train.precision fp32) double
     every term.
+
+    The 24 split over tp is q, k, v and the attention output (8) and the MLP's
+    2·sbf twice (16 at ffn = 4h). The same count for a Llama block: k and v are
+    kv_heads/heads of q's size (each k/v head on tp/kv_heads ranks when fewer),
+    and SwiGLU keeps four ffn-wide tensors (gate and up outputs, silu(gate), the
+    product), 8·sbf; norms, block inputs and dropout masks are as GPT-2's 10.
     """
     s, b, h, a, t = seq_len, micro_batch, hidden, heads, tp
+    f = 4 * h if ffn is None else ffn
+    kv = a if kv_heads is None else kv_heads
     sbh = s * b * h
     if recompute:
         per = Fraction(2 * sbh, t if sequence_parallel else 1)
     else:
-        core = Fraction(34, t) if sequence_parallel else 10 + Fraction(24, t)
+        split = 4 + Fraction(4 * kv, a * min(kv, t)) * t + Fraction((8 if swiglu else 4) * f, h)  # then / t
+        core = (10 + split) / t if sequence_parallel else 10 + split / t
         scores = 0 if flash else Fraction(5 * a * s, h * t)
         per = sbh * (core + scores)
     return math.ceil(per * (2 if precision == "fp32" else 1))
@@ -230,7 +240,8 @@ def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action], p
 
     def layer(recompute: bool) -> int:
         return activation_bytes_per_layer(m.seq_len, t.micro_batch, m.hidden, m.heads, par.tp, sp, recompute,
-                                          flash=True, precision=t.precision)
+                                          flash=True, precision=t.precision, ffn=m.ffn_hidden,
+                                          kv_heads=m.kv_head_count, swiglu=m.arch == "llama")
 
     logits = t.micro_batch * m.seq_len * (m.padded_vocab // par.tp) * LOGIT_BYTES
     head = [logits if vs == last_vs else 0 for vs in chunks]
@@ -247,7 +258,8 @@ def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action], p
     n_layers = sum(len(ranges[vs]) for vs in chunks)
     tokens = t.global_batch * m.seq_len // par.dp  # this dp replica's share
     vocab = m.padded_vocab if last_vs in chunks else 0
-    flops = flops_per_token(n_layers, m.hidden, m.ffn_hidden, m.seq_len, vocab) * tokens / par.tp
+    per_token = flops_per_token(n_layers, m.hidden, m.ffn_hidden, m.seq_len, vocab, **model_shape(m))
+    flops = per_token * tokens / par.tp
     ranks = [coords_to_rank(r, d, k, par.tp, par.dp) for d in range(par.dp) for k in range(par.tp)]
     return StagePlan(r, sorted(ranks), [ranges[vs] for vs in chunks], psi, replicated, state, ckpt, full,
                      count, max(head), flops, _gathered(cfg, chunks, ranges, psi, params),
@@ -271,7 +283,7 @@ def _grad_buffers(cfg: Config, chunks: list[int], psi: int, params: ParamCounts)
         largest = max([params.layer[0]] + [params.ends[(vs == 0, vs == last_vs)][0] for vs in chunks])
     else:
         h, f, t = m.hidden, m.ffn_hidden, p.tp
-        largest = max(f * h, 3 * h * h) // t
+        largest = max(f * h, (h if m.arch == "llama" else 3 * h) * h) // t  # MLP, or fused qkv / q
         if any(vs in (0, last_vs) for vs in chunks):
             largest = max(largest, m.padded_vocab // t * h)
         largest = max(largest, int(z.bucket_mb * 2 ** 20) // g)

@@ -56,8 +56,10 @@ def format_plan(plan: Plan) -> str:
         f"dry run of {cfg.source}: world {plan.world_size} = tp {par.tp} x pp {par.pp} x dp {par.dp} | "
         f"zero stage {z.stage} | precision {t.precision} | schedule {sched} | sequence parallel "
         f"{'on' if sp else 'off'} | activation checkpointing {'on' if ckpt else 'off'}",
-        f"model: {m.layers} layers, hidden {m.hidden:,}, {m.heads} heads, ffn {m.ffn_hidden:,}, seq {m.seq_len:,}, "
-        f"vocab {m.vocab_size:,} (padded {m.padded_vocab:,})",
+        f"model: {m.arch}, {m.layers} layers, hidden {m.hidden:,}, {m.heads} heads"
+        f"{f' ({m.kv_head_count} k/v)' if m.kv_head_count != m.heads else ''}, ffn {m.ffn_hidden:,}, "
+        f"seq {m.seq_len:,}, vocab {m.vocab_size:,} (padded {m.padded_vocab:,}"
+        f"{', untied head' if not m.tie_embeddings else ''})",
         "",
         "per rank, one row per pipeline stage (its tp and dp ranks hold and do the same); memory in GB (1e9 bytes)",
     ]

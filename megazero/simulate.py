@@ -226,6 +226,7 @@ def layer_activation_bytes(cfg: Config, tp_rank: int = 0) -> int:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from models.gpt import build_gpt
+    from models.llama import kv_replicas_needed
     from parallel.topology import Grid
     from parallel.zero import DTYPES
 
@@ -233,12 +234,13 @@ def layer_activation_bytes(cfg: Config, tp_rank: int = 0) -> int:
     dist.init_process_group("fake", rank=tp_rank, world_size=p.tp, store=FakeStore())
     try:
         grid = Grid.build(p.tp, 1, 1, "cpu")
+        kv_replicas = grid.tp_replica_comm(kv_replicas_needed(m, p.tp))
         held = []
         with FakeTensorMode(allow_non_fake_inputs=True):
             for layers in (1, 2):
                 model = build_gpt(m, t.seed, tp=grid.tp_comm, layer_ids=range(layers), first_stage=False,
                                   last_stage=False, sequence_parallel=p.sequence_parallel,
-                                  attention_impl=cfg.kernels.attention)
+                                  attention_impl=cfg.kernels.attention, kv_replicas=kv_replicas)
                 for q in model.parameters():  # as ZeRO holds them (Module.to cannot swap fake parameters)
                     q.data = q.data.to(DTYPES[t.precision])
                 model.train()

@@ -1,0 +1,135 @@
+"""Llama (model.arch: llama) against its single-process run at every layout the GPT suites cover.
+
+A tiny Llama with grouped-query attention (8 query heads, 2 k/v heads: kv_heads < tp at tp 4, so each k/v head
+is replicated on two ranks) and an untied head trains 10 steps at each layout; its loss curve must equal the
+single-process curve to 1e-5 relative (fp32 on CPU: only the order of sums over tp shards, microbatches and dp
+ranks differs, ~1e-7 in practice; 1e-5 is the DESIGN's bound). A replicated k/v head whose gradient were not
+summed over its ranks drifts by ~3e-4 within 10 steps, so the bound separates right from wrong.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megazero.config import load_config
+from megazero.metrics import flops_per_token, model_flops_per_token
+from megazero.plan import activation_bytes_per_layer
+from megazero.run import run
+from models.gpt import count_parameters
+from tests.dist import run_ranks
+from tests.hostile import assert_one_line, call, pretrain_main
+from tests.runs import ROOT, read_metrics, small_overrides, write_corpus
+
+CONFIG = str(ROOT / "configs" / "tiny-llama.yaml")
+STEPS = 10
+LLAMA = {"model.arch": "llama", "model.layers": 8, "model.heads": 8, "model.kv_heads": 2, "model.ffn_hidden": 96,
+         "model.tie_embeddings": "false", "model.rope_theta": 500000.0}
+SCHEDULES = {"gpipe": ["parallel.schedule=gpipe"], "1f1b": ["parallel.schedule=1f1b"],
+             "interleaved": ["parallel.schedule=interleaved", "parallel.virtual_stages=2"]}
+
+TWO = [("tp2", ["parallel.tp=2"]), ("tp2_sp", ["parallel.tp=2", "parallel.sequence_parallel=true"])]
+# pp 2 runs at dp 2, each with a ZeRO stage: stages 1-3 with dp > 1 (stage 0's dp 2 is the 8-rank run)
+FOUR = [("tp4_sp_z3", ["parallel.tp=4", "parallel.sequence_parallel=true", "zero.stage=3"])] + \
+       [(f"pp4_{s}", SCHEDULES[s] + ["parallel.pp=4"]) for s in SCHEDULES] + \
+       [(f"pp2_{s}_z{z}", SCHEDULES[s] + ["parallel.pp=2", f"zero.stage={z}"])
+        for s, z in zip(SCHEDULES, (1, 2, 3))]
+EIGHT = [("tp2_pp2_dp2", ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"])]
+
+
+def _overrides(text, cache, log_dir, extra=()):
+    return small_overrides(text, cache, log_dir, steps=STEPS, **LLAMA) + list(extra)
+
+
+def _train_layouts(rank, world, text, cache, base, layouts):
+    for name, extra in layouts:
+        run(CONFIG, _overrides(text, cache, base / name, extra))
+    return True
+
+
+def _four_ranks(rank, world, text, cache, base):
+    """tp 4 stops after 5 steps (replicated k/v heads saved) and resumes: the checkpoint holds each replicated
+    piece once and a load hands every replica its whole piece back; then the other 4-rank layouts."""
+    over = _overrides(text, cache, base / "tp4", ["parallel.tp=4"])
+    run(CONFIG, over + ["train.exit_after=5"])
+    run(CONFIG, over + ["train.resume=auto"])
+    return _train_layouts(rank, world, text, cache, base, FOUR)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("llama")
+    text, cache = write_corpus(base / "text"), base / "cache"
+    run(CONFIG, _overrides(text, cache, base / "one"))
+    run_ranks(2, _train_layouts, text, cache, base, TWO)
+    run_ranks(4, _four_ranks, text, cache, base)
+    run_ranks(8, _train_layouts, text, cache, base, EIGHT)
+    return base
+
+
+def _losses(log_dir) -> list[float]:
+    return [r["loss"] for r in read_metrics(log_dir) if "loss" in r]
+
+
+@pytest.mark.parametrize("name", [n for n, _ in TWO + FOUR + EIGHT] + ["tp4"])
+def test_loss_curve_matches_one_process(runs, name):
+    want, got = _losses(runs / "one"), _losses(runs / name)
+    assert len(want) == len(got) == STEPS, (len(want), len(got))
+    for step, (a, b) in enumerate(zip(want, got), 1):
+        assert abs(a - b) <= 1e-5 * abs(a), (name, step, a, b)
+
+
+def test_the_runs_were_llama_with_replicated_kv_heads(runs):
+    """The layouts ran the model under test: the stored config is llama, GQA, untied (not a silent GPT-2)."""
+    metas = sorted((runs / "tp4" / "checkpoints").glob("step_*/meta.json"))
+    assert [p.parent.name for p in metas] == ["step_00000005", "step_00000010"], metas
+    meta = json.loads(metas[0].read_text())
+    m = meta["config"]["model"]
+    assert (m["arch"], m["kv_heads"], m["heads"], m["tie_embeddings"], m["bias"]) == ("llama", 2, 8, False, False)
+    assert meta["config"]["parallel"]["tp"] == 4  # 2 k/v heads on 4 ranks: each replicated twice
+
+
+def test_published_sizes_and_flops():
+    """Llama 3 8B and 70B count their published parameters (8.03B, 70.6B); the FLOPs formula counts SwiGLU's
+    three matrices and GQA's narrower k/v, and reduces to GPT-2's at full heads and two MLP matrices."""
+    for name, params in (("llama3-8b", 8_030_261_248), ("llama3-70b", 70_553_706_496)):
+        cfg = load_config(ROOT / "configs" / f"{name}.yaml")
+        m = cfg.model
+        assert count_parameters(m) == params
+        h, f, kv = m.hidden, m.ffn_hidden, m.kv_head_count * m.head_dim
+        per_layer = 2 * h * h + 2 * h * kv + 3 * h * f
+        want = 6 * (m.layers * per_layer + m.padded_vocab * h) + 12 * m.layers * m.seq_len * h
+        assert model_flops_per_token(m) == want
+        # 6 x (matmul params): the matmul params are the model's params less embeddings and norms
+        matmul = count_parameters(m) - m.padded_vocab * h - (2 * m.layers + 1) * h
+        assert want == 6 * matmul + 12 * m.layers * m.seq_len * h
+    assert flops_per_token(2, 64, 256, 32, 512) == flops_per_token(2, 64, 256, 32, 512, kv_hidden=64, mlp_matrices=2)
+
+
+def test_activation_count_of_a_llama_layer():
+    """At kv_heads = heads and ffn = 4h without SwiGLU the count is Korthikanti's 34 sbh; a Llama 3 8B layer
+    (ffn 3.5h, k/v a quarter of q) keeps 10 + 4 + 1 + 28 = 43 sbh, over tp 4 with sequence parallelism /4."""
+    s, b, h, a = 8192, 1, 4096, 32
+    sbh = s * b * h
+    assert activation_bytes_per_layer(s, b, h, a, 1, ffn=4 * h, kv_heads=a) == 34 * sbh
+    assert activation_bytes_per_layer(s, b, h, a, 1, ffn=14336, kv_heads=8, swiglu=True) == 43 * sbh
+    assert activation_bytes_per_layer(s, b, h, a, 4, True, ffn=14336, kv_heads=8, swiglu=True) == 43 * sbh // 4
+    # 2 k/v heads over tp 8: each rank holds one (replicated on 4 ranks), not 2/8 of one
+    one_head = activation_bytes_per_layer(s, b, h, a, 8, True, ffn=14336, kv_heads=2, swiglu=True)
+    assert one_head == sbh * (10 + 4 + 4 * 2 / 32 * 8 / 2 + 28) // 8
+
+
+@pytest.mark.parametrize("sets, key", [
+    (["model.kv_heads=3"], "model.kv_heads"),  # does not divide 8 heads
+    (["model.kv_heads=4", "model.arch=gpt2"], "model.kv_heads"),  # grouped-query attention is llama's
+    (["model.arch=mistral"], "model.arch"),
+    (["model.heads=12", "model.kv_heads=3", "parallel.tp=4"], "model.kv_heads"),  # 3 k/v heads on 4 ranks
+])
+def test_bad_attention_shapes_are_one_line(sets, key, capsys):
+    """kv_heads that do not divide heads (or tp, or its multiple), GQA on gpt2, an unknown arch: pretrain.py
+    --dry-run says so in one line naming the key, exit 2."""
+    argv = ["--config", CONFIG, "--dry-run", "--set", "model.heads=8", "--set", "parallel.world_size=16"]
+    for s in sets:
+        argv += ["--set", s]
+    code, _, err = call(pretrain_main, argv, capsys)
+    assert_one_line(code, err, key)
