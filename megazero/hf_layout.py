@@ -67,14 +67,14 @@ def model_config(model_cfg: Any) -> ModelConfig:
     """A resolved copy of ``model_cfg`` (a ModelConfig, or a checkpoint's model section as a dict): the
     architecture's meaning of auto/unset bias, tie_embeddings and ffn_hidden filled in, as a config load
     does, so callers compare and shape with concrete values."""
-    from megazero.rules import _resolve_arch
+    from megazero.rules import resolve_arch
 
     if isinstance(model_cfg, Mapping):
         names = {f.name for f in dataclasses.fields(ModelConfig)}
         m = ModelConfig(**{k: v for k, v in model_cfg.items() if k in names})
     else:
         m = dataclasses.replace(model_cfg)
-    _resolve_arch(m)
+    resolve_arch(m)
     return m
 
 

@@ -127,7 +127,7 @@ def validate(cfg: Config) -> None:
     if isinstance(par.dp, int) and par.tp * par.pp * par.dp > _WORLD:
         raise invalid(src, "parallel.tp*pp*dp", par.tp * par.pp * par.dp,
                       f"must be <= {_WORLD} ranks (tp={par.tp}, pp={par.pp}, dp={par.dp})")
-    _resolve_arch(m)
+    resolve_arch(m)
     if m.hidden % m.heads:
         raise invalid(src, "model.heads", m.heads, f"must divide model.hidden={m.hidden}")
     if m.heads % m.kv_head_count:
@@ -184,7 +184,7 @@ def _exists(src: str, key: str, path: str, test=Path.exists) -> bool:
         raise invalid(src, key, path, f"cannot be checked ({e.strerror or e})") from None
 
 
-def _resolve_arch(m) -> None:
+def resolve_arch(m) -> None:
     """The values ``auto``/unset mean for the architecture: GPT-2 has biases, a tied head and a 4h MLP; Llama
     none, an untied head and a SwiGLU MLP of 8h/3 rounded up to a multiple of 256 (Touvron et al. 2023)."""
     llama = m.arch == "llama"

@@ -50,6 +50,7 @@ def run(config_path: str, overrides: list[str]) -> list[dict]:
     # before any process group: a refusal is a config error
     resolve_kernels(cfg.kernels, device.type, cfg.model.head_dim)
     check_fits(cfg, device, info.rank, info.local_rank, local_world)
+    check_init_from(cfg)
     start = plan_start(cfg)  # continue, start afresh or refuse: decided from the folder, before anything is built
     with StopSignals() as stop:
         created, grid = False, None
@@ -144,6 +145,15 @@ def _report(line: str, every_node: bool = False, every_rank: bool = False, stdou
         print(f"{head} (rank {rank}, {socket.gethostname()}): {rest}", file=stream, flush=True)
 
 
+def check_init_from(cfg) -> None:
+    """A ``train.init_from`` folder that is not the configured model is a config error, found before any process
+    group: its config.json and tensor headers are read, no weights."""
+    if cfg.train.init_from:
+        from megazero.hf_import import open_hf_model
+
+        open_hf_model(cfg.train.init_from, cfg.model)
+
+
 def dry_run(config_path: str, overrides: list[str]) -> Plan:
     """Validate as a run does, then print each rank role's plan (rank 0 prints).
 
@@ -164,6 +174,7 @@ def dry_run(config_path: str, overrides: list[str]) -> Plan:
         if cfg.parallel.world_size > 0:
             raise
         raise UserError(f"{e}; to plan another size use --set parallel.world_size=N") from None
+    check_init_from(cfg)
     plan = make_plan(cfg)
     if info.rank == 0:
         print(format_plan(plan), flush=True)

@@ -30,11 +30,10 @@ from torch.utils.checkpoint import checkpoint
 from kernels import attention
 from models.llama import LlamaBlock, rms_norm
 from parallel.comm import Comm, copy_to_region
+from parallel.tp_random import ShardedDropout, TPRandom
 from parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
-    ShardedDropout,
-    TPRandom,
     VocabParallelEmbedding,
     mark_sequence_parallel,
     mask_padded_vocab,

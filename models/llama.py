@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernels import attention
+from parallel.tp_random import ShardedDropout
 from parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
-    ShardedDropout,
     column_parallel_linears,
     mark_sequence_parallel,
 )

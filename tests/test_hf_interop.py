@@ -292,3 +292,26 @@ def test_missing_misshapen_and_pickled_weights_are_one_line_errors(tmp_path):
     weights.unlink()
     torch.save({}, tmp_path / "pytorch_model.bin")
     _raises(tmp_path, OURS_LLAMA, "pytorch_model.bin, a pickle")
+
+
+def test_pretrain_refuses_a_folder_of_another_model_before_starting(tmp_path, capsys):
+    """Through pretrain.py (--dry-run and a run alike, before any process group): one line, exit 2."""
+    from tests.hostile import assert_one_line, call, pretrain_main
+
+    mistral = tmp_path / "mistral"
+    transformers.MistralConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                               intermediate_size=128, vocab_size=VOCAB).save_pretrained(mistral)
+    llama = tmp_path / "llama"
+    _hf_llama(llama)
+    capsys.readouterr()  # transformers' own progress output
+    base = ["--config", "configs/tiny-llama.yaml", "--set", f"log.dir={tmp_path / 'run'}"]
+    for s in OURS_LLAMA + ["parallel.tp=1", "parallel.pp=1", "parallel.sequence_parallel=false"]:
+        base += ["--set", s]
+    for extra, fragments in (([f"train.init_from={mistral}", "--dry-run"], ("model_type 'mistral'",)),
+                             ([f"train.init_from={mistral}"], ("model_type 'mistral'",)),
+                             ([f"train.init_from={llama}", "--set", "model.kv_heads=4", "--dry-run"],
+                              ("model.kv_heads is 2 there and 4 here",))):
+        argv = base + ["--set"] + extra
+        code, _, err = call(pretrain_main, argv, capsys)
+        assert_one_line(code, err, "train.init_from", *fragments)
+        assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before anything ran

@@ -410,7 +410,8 @@ def test_export_refuses_a_non_empty_folder_and_force_replaces_it_whole(made, cas
     assert [p.name for p in out.iterdir()] == ["mine.txt"]
     code, err = export(capsys, ckpts / STEP2, out, "--force")
     assert code == 0, err
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    # the weights and the run's tokenizer (a GPT-2 run's sentencepiece model, as tokenizer.model)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.model"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run"]  # no temporary siblings left
     empty = tmp_path / "empty"
     empty.mkdir()
