@@ -106,7 +106,7 @@ def _bench(fn: Callable[[], object], device: torch.device) -> Optional[float]:
 def _contenders() -> dict[str, Callable]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from kernels.attention import attention
+    from kernels import attention
 
     def sdpa(backend):
         def run(q, k, v):

@@ -6,10 +6,11 @@ memory of the target, spills registers to local memory, and lowers ``tl.dot`` to
 asynchronous warpgroup MMA (``wgmma``) or to the older ``mma.sync``. That is how the autotune
 sets in ``kernels.attention_configs`` were chosen, and how the tests keep them valid.
 
-    python -m kernels.aot [--arch 90] [--head-dims 64,128] [--all]
+    python -m kernels.aot [--arch 90] [--head-dims 64,128] [--groups 1,4] [--all]
 
-prints one line per (kernel, head dim, configuration); ``--all`` adds the wider grid the sets were
-picked from. Needs triton and no ``TRITON_INTERPRET=1`` (the interpreter has nothing to compile).
+prints one line per (group, kernel, head dim, configuration); ``--all`` adds the wider grid the sets were
+picked from; ``--groups``, grouped-query (GQA) group sizes: compile-time constants of the kernels. Needs
+triton and no ``TRITON_INTERPRET=1`` (the interpreter has nothing to compile).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ _POINTERS = {"fwd": ("Q", "K", "V", "O", "LSE", "VISITS"), "dkdv": _DKDV_POINTER
              "dq": ("Q", "K", "V", "DO", "DQ", "LSE", "DELTA", "VISITS")}
 _SCALARS = {"fwd": ("qk_scale",), "dkdv": ("qk_scale", "sm_scale"), "dq": ("qk_scale", "sm_scale"),
             "dkdvq": ("qk_scale", "sm_scale")}
-_FLAGS = ("HEAD_DIM", "CAUSAL", "PRECISION", "COUNT_VISITS", "ATOMIC_DQ", "BLOCK_M", "BLOCK_N", "BLOCK_D")
+_FLAGS = ("GROUP", "HEAD_DIM", "CAUSAL", "PRECISION", "COUNT_VISITS", "ATOMIC_DQ", "BLOCK_M", "BLOCK_N", "BLOCK_D")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class Resources:
     kind: str
     head_dim: int
     config: tuple[int, int, int, int]  # BLOCK_M, BLOCK_N, num_warps, num_stages
+    group: int  # query heads per key/value head (GQA)
     shared_bytes: int  # dynamic shared memory
     registers: int  # per thread
     stack_bytes: int  # per thread; > 0 means spilled registers
@@ -81,8 +83,10 @@ def _cuobjdump() -> str:
 
 
 def compile_attention(kind: str, head_dim: int, config: tuple[int, int, int, int], causal: bool = True,
-                      dtype: str = "bf16", arch: int = 90) -> Resources:
-    """Compile one attention kernel ("fwd" | "dkdv" | "dq") for sm_<arch> and read its resource usage."""
+                      dtype: str = "bf16", arch: int = 90, group: int = 1) -> Resources:
+    """Compile one attention kernel ("fwd" | "dkdv" | "dq" | "dkdvq") for sm_<arch> and read its resource usage.
+
+    group: query heads per key/value head (GQA, a compile-time constant of the kernels; 1: multi-head)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -91,7 +95,7 @@ def compile_attention(kind: str, head_dim: int, config: tuple[int, int, int, int
         raise RuntimeError("kernels.aot compiles real kernels: unset TRITON_INTERPRET")
     block_m, block_n, warps, stages = config
     sig, constexprs, attrs = _signature(kind, dtype)
-    constexprs.update(HEAD_DIM=head_dim, CAUSAL=causal, PRECISION="ieee", COUNT_VISITS=False,
+    constexprs.update(GROUP=group, HEAD_DIM=head_dim, CAUSAL=causal, PRECISION="ieee", COUNT_VISITS=False,
                       BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=FA.block_d(head_dim))
     if "ATOMIC_DQ" in sig:
         constexprs["ATOMIC_DQ"] = kind == "dkdvq"
@@ -106,7 +110,7 @@ def compile_attention(kind: str, head_dim: int, config: tuple[int, int, int, int
     found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
     assert found, f"unexpected cuobjdump output: {usage[-300:]}"
     ptx = compiled.asm["ptx"]
-    return Resources(kind, head_dim, tuple(config), compiled.metadata.shared, int(found.group(1)),
+    return Resources(kind, head_dim, tuple(config), group, compiled.metadata.shared, int(found.group(1)),
                      int(found.group(2)), ptx.count("wgmma.mma_async"), ptx.count("mma.sync"))
 
 
@@ -118,12 +122,12 @@ def candidates(kind: str, head_dim: int, wide: bool) -> list[tuple[int, int, int
             for w in (4, 8) for s in (2, 3, 4)]
 
 
-def _describe(job: tuple[str, int, tuple[int, int, int, int], int]) -> dict:
-    kind, d, config, arch = job
+def _describe(job: tuple[str, int, tuple[int, int, int, int], int, int]) -> dict:
+    kind, d, config, arch, group = job
     try:
-        return asdict(compile_attention(kind, d, config, arch=arch))
+        return asdict(compile_attention(kind, d, config, arch=arch, group=group))
     except Exception as err:  # noqa: BLE001 -- one configuration failing must not end the table
-        return {"kind": kind, "head_dim": d, "config": config,
+        return {"kind": kind, "head_dim": d, "config": config, "group": group,
                 "error": (str(err).splitlines() or [type(err).__name__])[0][:200]}
 
 
@@ -133,13 +137,15 @@ def main() -> None:
     parser.add_argument("--head-dims", default="64,128")
     parser.add_argument("--all", action="store_true", help="the wider grid, not only the autotune sets")
     parser.add_argument("--kinds", default="fwd,dkdv,dq,dkdvq")
+    parser.add_argument("--groups", default="1", help="GQA group sizes (query heads per kv head), e.g. 1,4")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiles in parallel")
     args = parser.parse_args()
     import json
     from concurrent.futures import ProcessPoolExecutor
 
-    jobs = [(kind, d, config, args.arch) for kind in args.kinds.split(",")
-            for d in (int(x) for x in args.head_dims.split(",")) for config in candidates(kind, d, args.all)]
+    jobs = [(kind, d, config, args.arch, g) for g in (int(x) for x in args.groups.split(","))
+            for kind in args.kinds.split(",") for d in (int(x) for x in args.head_dims.split(","))
+            for config in candidates(kind, d, args.all)]
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         for row in pool.map(_describe, jobs):  # in order
             print(json.dumps(row), flush=True)

@@ -34,9 +34,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, impl: str = 
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
     if impl != "triton":
         raise ValueError(f"attention impl must be 'torch' or 'triton', got {impl!r}")
-    if q.dim() != 4 or not q.shape == k.shape == v.shape or not supports_head_dim(q.shape[-1]):
-        raise ValueError(f"triton attention needs q, k, v of one (batch, heads, seq, head_dim) shape with head_dim "
-                         f"<= {MAX_HEAD_DIM}, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    gqa_shapes = (q.dim() == k.dim() == 4 and k.shape == v.shape and k.shape[0] == q.shape[0]
+                  and k.shape[2:] == q.shape[2:] and k.shape[1] >= 1 and q.shape[1] % k.shape[1] == 0)
+    if not gqa_shapes or not supports_head_dim(q.shape[-1]):
+        raise ValueError(f"triton attention needs q (batch, heads, seq, head_dim) and k, v (batch, kv_heads, seq, "
+                         f"head_dim), kv_heads dividing heads, head_dim <= {MAX_HEAD_DIM}; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
     if q.dtype not in DTYPES or not q.dtype == k.dtype == v.dtype or not q.device == k.device == v.device:
         raise ValueError(f"triton attention needs q, k, v of one fp16/bf16/fp32 dtype on one device, got "
                          f"{q.dtype}, {k.dtype}, {v.dtype} on {q.device}, {k.device}, {v.device}")

@@ -7,6 +7,12 @@ Parallelism and Work Partitioning") in Triton, behind ``kernels.attention`` (``k
 - backward (§3.1.2, Algorithm 2): ``kernels.flash_backward``; P is recomputed from Q, K, L;
   dQ by a second deterministic pass, or by §3.2's atomic adds (``dq_mode``).
 - causal: blocks above the diagonal are skipped by the loop bounds (``kernels.flash_blocks``).
+- grouped-query attention (Ainslie et al. 2023, "GQA: Training Generalized Multi-Query Transformer
+  Models from Multi-Head Checkpoints"): k and v may have fewer heads, a divisor of q's; query head h
+  reads key/value head h // group through the pointers, with no repeated copy of k or v; the backward
+  sums each group's dK, dV inside one program (``kernels.flash_backward``). The group is a compile-time
+  constant; group 1 (multi-head attention) takes the same path and compiles to the PTX the kernels had
+  before GQA.
 
 Head dims up to 128: a head dim that is not a power of two (80, 96, ...) is padded up to one in
 registers, its extra lanes loaded as zero and never stored; powers of two compile exactly as
@@ -71,17 +77,20 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, skd, svn, svd, offs_m, lo,
 @_jit
 def _fwd_kernel(Q, K, V, O, LSE, VISITS, qk_scale,
                 sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod, H, N_CTX,
-                HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
                 COUNT_VISITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """O and L for one query block (Algorithm 1; §3.2: one program per block, no cross-block sync)."""
+    """O and L for one query block (Algorithm 1; §3.2: one program per block, no cross-block sync).
+
+    GQA: query head h reads key/value head h // GROUP in place (GROUP = 1: multi-head attention)."""
     pid, hz = tl.program_id(0), tl.program_id(1)
     b, h = (hz // H).to(tl.int64), (hz % H).to(tl.int64)
+    hk = h // GROUP
     offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     rows = offs_m < N_CTX
     tile = rows[:, None] & _lanes(offs_d, HEAD_DIM, BLOCK_D)[None, :]
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, mask=tile, other=0.0)
-    k_base, v_base = K + b * skb + h * skh, V + b * svb + h * svh
+    k_base, v_base = K + b * skb + hk * skh, V + b * svb + hk * svh
     m_i, l_i = tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     split, end = _fwd_bounds(pid, N_CTX, CAUSAL, BLOCK_M, BLOCK_N)
@@ -103,7 +112,7 @@ def _fwd_kernel(Q, K, V, O, LSE, VISITS, qk_scale,
 _KERNELS = MappingProxyType({"fwd": _fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel,
                              "dkdvq": _bwd_dkdv_kernel})
 if triton is not None:
-    _KEY = ["N_CTX", "HEAD_DIM", "CAUSAL"]
+    _KEY = ["N_CTX", "HEAD_DIM", "CAUSAL", "GROUP"]  # GROUP: a dK/dV program's work grows with it
     _TUNED = MappingProxyType({
         (kind, d): triton.autotune([triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
                                     for m, n, w, s in configs_for(kind, d)], key=_KEY,
@@ -115,9 +124,9 @@ def _launch(kind: str, s: int, bh: int, args: tuple, rest: tuple, flags: dict, b
             count_visits: bool) -> Tensor | None:
     """Launch one kernel: explicit blocks, else the interpreter's fixed ones, else autotuned (env read now).
 
-    One program per query block (fwd, dq) or key block (dkdv, dkdvq) of each (batch, head): §3.2's
-    sequence parallelism. Kernel arguments are ``args``, the visit counts (when
-    ``count_visits``; returned), ``rest``.
+    One program per query block (fwd, dq) of each (batch, head), or key block (dkdv, dkdvq) of each
+    (batch, kv head): §3.2's sequence parallelism; ``bh`` counts those pairs. Kernel arguments are
+    ``args``, the visit counts (when ``count_visits``; returned), ``rest``.
     """
     if blocks is None and _interpreting():
         blocks = INTERPRETER_BLOCKS[kind]
@@ -146,20 +155,32 @@ def _empty_bshd(q: Tensor) -> Tensor:
     return torch.empty((b, s, h, d), dtype=q.dtype, device=q.device).transpose(1, 2)
 
 
-def _flags(q: Tensor, causal: bool) -> dict:
-    """fp32 inputs use IEEE dot products unless torch matmuls may use TF32 too (allow_tf32)."""
+def group_size(q: Tensor, k: Tensor) -> int:
+    """Query heads per key/value head (GQA; 1: multi-head attention); a ValueError unless kv heads divide q heads."""
+    h, kv_heads = q.shape[1], k.shape[1]
+    if kv_heads < 1 or h % kv_heads:
+        raise ValueError(f"grouped-query attention needs k/v heads dividing q's {h} heads, got {kv_heads}")
+    return h // kv_heads
+
+
+def _flags(q: Tensor, k: Tensor, causal: bool) -> dict:
+    """fp32 inputs use IEEE dot products unless torch matmuls may use TF32 too (allow_tf32). GROUP (GQA) is a
+    compile-time constant: one kernel per group size, and group 1 compiles exactly as multi-head attention."""
     tf32 = q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
     d = q.shape[-1]
-    return dict(HEAD_DIM=d, BLOCK_D=block_d(d), CAUSAL=causal, PRECISION="tf32" if tf32 else "ieee")
+    return dict(HEAD_DIM=d, BLOCK_D=block_d(d), CAUSAL=causal, PRECISION="tf32" if tf32 else "ieee",
+                GROUP=group_size(q, k))
 
 
 def flash_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, blocks: tuple[int, int] | None = None,
                   count_visits: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
-    """(O, LSE (b, h, s) fp32 natural log, key blocks visited per query-block program or None)."""
+    """(O, LSE (b, h, s) fp32 natural log, key blocks visited per query-block program or None).
+
+    k, v: (b, kv_heads, s, d), kv_heads dividing h (GQA: read in place, never repeated)."""
     b, h, s, d = q.shape
     o, lse = _empty_bshd(q), torch.empty((b, h, s), dtype=torch.float32, device=q.device)
     rest = (LOG2E / math.sqrt(d), *q.stride(), *k.stride(), *v.stride(), *o.stride(), h, s)
-    visits = _launch("fwd", s, b * h, (q, k, v, o, lse), rest, _flags(q, causal), blocks, count_visits)
+    visits = _launch("fwd", s, b * h, (q, k, v, o, lse), rest, _flags(q, k, causal), blocks, count_visits)
     return o, lse, visits
 
 
@@ -168,6 +189,9 @@ def flash_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: 
                    dq_mode: str = "separate") -> tuple[Tensor, Tensor, Tensor, tuple | None]:
     """(dQ, dK, dV, (query blocks visited per dK/dV program, key blocks per dQ program or None) or None).
 
+    GQA (k, v with fewer heads): dK, dV have k's heads, each the sum over its group's query heads, summed
+    inside the dK/dV program (one per key block of each (batch, kv head); its visits count every query head).
+
     dq_mode: "separate" (a deterministic second pass) or "atomic" (added by the dK/dV programs; see
     ``kernels.flash_backward``). blocks: ((BLOCK_M, BLOCK_N) of the dK/dV pass, (BLOCK_M, BLOCK_N) of
     the dQ pass, None with "atomic").
@@ -175,26 +199,29 @@ def flash_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: 
     if dq_mode not in DQ_MODES:
         raise ValueError(f"dq_mode must be one of {DQ_MODES}, got {dq_mode!r}")
     b, h, s, d = q.shape
+    flags = _flags(q, k, causal)
     delta = torch.empty_like(lse)
     if s > 0:
         _bwd_delta_kernel[(triton.cdiv(s, 64), b * h)](o, do, delta, *o.stride(), *do.stride(), h, s,
                                                        HEAD_DIM=d, BLOCK_M=64, BLOCK_D=block_d(d))
-    dk, dv = _empty_bshd(q), _empty_bshd(q)
+    dk, dv = _empty_bshd(k), _empty_bshd(k)
     kv_blocks, q_blocks = blocks if blocks is not None else (None, None)
     scales = (1.0 / math.sqrt(d) * LOG2E, 1.0 / math.sqrt(d))
     strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride())
-    flags = _flags(q, causal)
+    kv_programs = b * k.shape[1]  # dK/dV: one per key block of each (batch, kv head)
     if dq_mode == "atomic":
         dq_acc = torch.zeros((b, h, s, d), dtype=torch.float32, device=q.device)
         rest = (*scales, *strides, *dq_acc.stride()[:3], h, s)
-        kv_visits = _launch("dkdvq", s, b * h, (q, k, v, do, dk, dv, dq_acc, lse, delta), rest,
+        kv_visits = _launch("dkdvq", s, kv_programs, (q, k, v, do, dk, dv, dq_acc, lse, delta), rest,
                             dict(flags, ATOMIC_DQ=True), kv_blocks, count_visits)
         return (dq_acc * scales[1]).to(q.dtype), dk, dv, (kv_visits, None) if count_visits else None
     dq = _empty_bshd(q)
-    kv_visits = _launch("dkdv", s, b * h, (q, k, v, do, dk, dv, q, lse, delta), (*scales, *strides, 0, 0, 0, h, s),
-                        dict(flags, ATOMIC_DQ=False), kv_blocks, count_visits)  # q: an unused DQ_ACC
-    q_visits = _launch("dq", s, b * h, (q, k, v, do, dq, lse, delta), (*scales, *strides, h, s), flags, q_blocks,
-                       count_visits)
+    kv_visits = _launch("dkdv", s, kv_programs, (q, k, v, do, dk, dv, q, lse, delta),
+                        (*scales, *strides, 0, 0, 0, h, s), dict(flags, ATOMIC_DQ=False), kv_blocks,
+                        count_visits)  # q: an unused DQ_ACC
+    q_strides = (*strides[:-4], *dq.stride())  # dQ's own (dK's has the kv heads)
+    q_visits = _launch("dq", s, b * h, (q, k, v, do, dq, lse, delta), (*scales, *q_strides, h, s), flags,
+                       q_blocks, count_visits)
     return dq, dk, dv, (kv_visits, q_visits) if count_visits else None
 
 

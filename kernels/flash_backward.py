@@ -2,7 +2,11 @@
 
 delta = rowsum(dO * O) first (the P^T dP term of dS, once per row). Then one program per key
 block walks the query blocks, recomputing P from Q, K and the saved log-sum-exp, and accumulates
-dK, dV in registers (§3.2: parallel over keys). dQ comes one of two ways:
+dK, dV in registers (§3.2: parallel over keys). Grouped-query attention (Ainslie et al. 2023,
+"GQA: Training Generalized Multi-Query Transformer Models from Multi-Head Checkpoints"): a key
+block's program belongs to one key/value head and walks the query blocks of every query head of its
+group, so the group's sum of dK, dV stays in its registers, is written once, and needs no atomics
+nor a per-query-head copy to reduce. dQ comes one of two ways:
 
 - "separate" (the default): a second pass, one program per query block over its key blocks.
   Deterministic, at the price of recomputing Q K^T and dO V^T: 7 matrix products per block pair.
@@ -30,21 +34,40 @@ def _bwd_delta_kernel(O, DO, DELTA, sob, soh, som, sod, sdb, sdh, sdm, sdd, H, N
 
 
 @_jit
-def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqm, sqd, sdm, sdd, sam, offs_n,
-                    lo, hi, N_CTX, qk_scale, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                    PRECISION: tl.constexpr, BLOCK_D: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqh, sqm, sqd, sdh, sdm, sdd, sah,
+                    sam, offs_n, lo, hi, N_CTX, qk_scale, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                    GROUP: tl.constexpr):
+    """The query blocks in [lo, hi) of each of the GROUP query heads from q_base (rows of LSE/DELTA N_CTX apart).
+
+    GQA: one loop over (head, block) pairs, the head changing every ceil((hi - lo) / BLOCK_M) blocks, rather
+    than a loop over heads around the masked and unmasked passes: compiled for sm_90 (``kernels.aot``), that
+    nesting spilled registers (up to ~300 B per thread) in most autotune configurations; this loop keeps the
+    registers of multi-head attention. GROUP = 1 is the plain block loop, the code as before GQA."""
     offs_d = tl.arange(0, BLOCK_D)
     lanes = _lanes(offs_d, HEAD_DIM, BLOCK_D)
     visits = 0
-    for start_m in range(lo, hi, BLOCK_M):
+    if GROUP == 1:
+        end = hi
+    else:
+        span = tl.cdiv(hi - lo, BLOCK_M) * BLOCK_M  # one head's pass, in whole blocks
+        end = lo + GROUP * span
+    for start in range(lo, end, BLOCK_M):
+        if GROUP == 1:
+            start_m, q_h, do_h, lse_h, delta_h, dq_h = start, q_base, do_base, lse_base, delta_base, dq_base
+        else:
+            g = (start - lo) // span  # the group's query head this block belongs to
+            start_m = start - g * span
+            q_h, do_h, dq_h = q_base + g * sqh, do_base + g * sdh, dq_base + g * sah
+            lse_h, delta_h = lse_base + g * N_CTX, delta_base + g * N_CTX
         offs_m = start_m + tl.arange(0, BLOCK_M)
         rows = offs_m < N_CTX
-        qt = tl.load(q_base + offs_m[None, :] * sqm + offs_d[:, None] * sqd, mask=rows[None, :] & lanes[:, None],
+        qt = tl.load(q_h + offs_m[None, :] * sqm + offs_d[:, None] * sqd, mask=rows[None, :] & lanes[:, None],
                      other=0.0)
-        do = tl.load(do_base + offs_m[:, None] * sdm + offs_d[None, :] * sdd, mask=rows[:, None] & lanes[None, :],
+        do = tl.load(do_h + offs_m[:, None] * sdm + offs_d[None, :] * sdd, mask=rows[:, None] & lanes[None, :],
                      other=0.0)
-        lse = tl.load(lse_base + offs_m, mask=rows, other=float("inf"))  # +inf: padded rows get P = 0
-        delta = tl.load(delta_base + offs_m, mask=rows, other=0.0)
+        lse = tl.load(lse_h + offs_m, mask=rows, other=float("inf"))  # +inf: padded rows get P = 0
+        delta = tl.load(delta_h + offs_m, mask=rows, other=0.0)
         pt = tl.math.exp2(tl.dot(k, qt, input_precision=PRECISION) * qk_scale - lse[None, :] * 1.4426950408889634)
         if MASKED:
             pt = tl.where(offs_m[None, :] >= offs_n[:, None], pt, 0.0)
@@ -54,7 +77,7 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base
         dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=PRECISION)
         if ATOMIC_DQ:  # this key block's share of the rows' dQ, added into the fp32 buffer
             dq = tl.dot(tl.trans(dst.to(k.dtype)), k, input_precision=PRECISION)
-            tl.atomic_add(dq_base + offs_m[:, None] * sam + offs_d[None, :], dq, mask=rows[:, None] & lanes[None, :])
+            tl.atomic_add(dq_h + offs_m[:, None] * sam + offs_d[None, :], dq, mask=rows[:, None] & lanes[None, :])
         visits += 1
     return dk, dv, visits
 
@@ -62,33 +85,39 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base
 @_jit
 def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, VISITS, qk_scale, sm_scale,
                      sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
-                     sgb, sgh, sgm, sgd, sab, sah, sam, H, N_CTX, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-                     PRECISION: tl.constexpr, COUNT_VISITS: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                     sgb, sgh, sgm, sgd, sab, sah, sam, H, N_CTX, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     CAUSAL: tl.constexpr, PRECISION: tl.constexpr, COUNT_VISITS: tl.constexpr,
+                     ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """dK, dV of one key block, over its query blocks (Algorithm 2's outer loop; §3.2 parallel over keys).
 
+    GQA: the program holds a block of key/value head hk, and its loops walk the query blocks of each query
+    head hk * GROUP .. hk * GROUP + GROUP - 1 that reads it, summing their dK, dV in the same registers:
+    written once, in a fixed order, no atomics (GROUP = 1: multi-head attention, the code as without GQA).
+    DK, DV (strides sgb..sgd) have the key/value heads.
     ATOMIC_DQ: also add the block's share of dQ into DQ_ACC (fp32, (b, h, s, head_dim) with strides
     sab, sah, sam), so no dQ pass is needed; otherwise DQ_ACC and its strides are unused."""
-    pid, hz = tl.program_id(0), tl.program_id(1)
-    b, h = (hz // H).to(tl.int64), (hz % H).to(tl.int64)
+    pid, hz = tl.program_id(0), tl.program_id(1)  # hz: (batch, kv head)
+    b, hk = (hz // (H // GROUP)).to(tl.int64), (hz % (H // GROUP)).to(tl.int64)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     cols = offs_n < N_CTX
     tile = cols[:, None] & _lanes(offs_d, HEAD_DIM, BLOCK_D)[None, :]
-    k = tl.load(K + b * skb + h * skh + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=tile, other=0.0)
-    v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=tile, other=0.0)
+    k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=tile, other=0.0)
+    v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=tile, other=0.0)
+    h = hk * GROUP  # the group's first query head; its LSE/DELTA row (b * H + h) is hz * GROUP
     q_base, do_base, dq_base = Q + b * sqb + h * sqh, DO + b * sdb + h * sdh, DQ_ACC + b * sab + h * sah
-    lse_base, delta_base = LSE + hz.to(tl.int64) * N_CTX, DELTA + hz.to(tl.int64) * N_CTX
+    row = (hz * GROUP).to(tl.int64) * N_CTX
+    lse_base, delta_base = LSE + row, DELTA + row
     dk, dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32), tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     begin = (pid * BLOCK_N) // BLOCK_M * BLOCK_M if CAUSAL else 0
     split = tl.minimum(tl.cdiv(pid * BLOCK_N + BLOCK_N, BLOCK_M) * BLOCK_M, N_CTX) if CAUSAL else 0
-    dk, dv, n1 = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqm, sqd, sdm, sdd,
-                                 sam, offs_n, begin, split, N_CTX, qk_scale, True, HEAD_DIM, BLOCK_M, PRECISION,
-                                 BLOCK_D, ATOMIC_DQ)
-    dk, dv, n2 = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqm, sqd, sdm, sdd,
-                                 sam, offs_n, split, N_CTX, N_CTX, qk_scale, False, HEAD_DIM, BLOCK_M, PRECISION,
-                                 BLOCK_D, ATOMIC_DQ)
-    g = b * sgb + h * sgh + offs_n[:, None] * sgm + offs_d[None, :] * sgd
+    dk, dv, n1 = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqh, sqm, sqd, sdh,
+                                 sdm, sdd, sah, sam, offs_n, begin, split, N_CTX, qk_scale, True, HEAD_DIM, BLOCK_M,
+                                 PRECISION, BLOCK_D, ATOMIC_DQ, GROUP)
+    dk, dv, n2 = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqh, sqm, sqd, sdh,
+                                 sdm, sdd, sah, sam, offs_n, split, N_CTX, N_CTX, qk_scale, False, HEAD_DIM, BLOCK_M,
+                                 PRECISION, BLOCK_D, ATOMIC_DQ, GROUP)
+    g = b * sgb + hk * sgh + offs_n[:, None] * sgm + offs_d[None, :] * sgd
     tl.store(DK + g, (dk * sm_scale).to(DK.dtype.element_ty), mask=tile)
     tl.store(DV + g, dv.to(DV.dtype.element_ty), mask=tile)
     if COUNT_VISITS:
@@ -119,12 +148,15 @@ def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, skd, svn, svd, off
 @_jit
 def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, VISITS, qk_scale, sm_scale,
                    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
-                   sgb, sgh, sgm, sgd, H, N_CTX, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-                   PRECISION: tl.constexpr, COUNT_VISITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   sgb, sgh, sgm, sgd, H, N_CTX, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   CAUSAL: tl.constexpr, PRECISION: tl.constexpr, COUNT_VISITS: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """dQ of one query block: a second pass in place of Algorithm 2's atomic adds (§3.2), so deterministic."""
+    """dQ of one query block: a second pass in place of Algorithm 2's atomic adds (§3.2), so deterministic.
+
+    GQA: query head h reads key/value head h // GROUP in place."""
     pid, hz = tl.program_id(0), tl.program_id(1)
     b, h = (hz // H).to(tl.int64), (hz % H).to(tl.int64)
+    hk = h // GROUP
     offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     rows = offs_m < N_CTX
@@ -133,7 +165,7 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, VISITS, qk_scale, sm_scale,
     do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_d[None, :] * sdd, mask=tile, other=0.0)
     lse = tl.load(LSE + hz.to(tl.int64) * N_CTX + offs_m, mask=rows, other=float("inf")) * 1.4426950408889634
     delta = tl.load(DELTA + hz.to(tl.int64) * N_CTX + offs_m, mask=rows, other=0.0)
-    k_base, v_base = K + b * skb + h * skh, V + b * svb + h * svh
+    k_base, v_base = K + b * skb + hk * skh, V + b * svb + hk * svh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     split, end = _fwd_bounds(pid, N_CTX, CAUSAL, BLOCK_M, BLOCK_N)
     dq, n1 = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, skd, svn, svd, offs_m, 0, split, N_CTX,

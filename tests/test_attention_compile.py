@@ -1,7 +1,8 @@
 """The attention autotune sets compile for Hopper (sm_90) into kernels that can run well there.
 
 No GPU is needed: ``kernels.aot`` compiles each (kernel, head dim, configuration) the autotuner may
-try, in bf16 and causal as the model calls it, and reads the cubin's resource usage. A configuration
+try, in bf16 and causal as the model calls it, and reads the cubin's resource usage; the dK/dV kernels
+again with a grouped-query (GQA) group of 8, whose loops walk several query heads. A configuration
 that needs more than the 227 KB of shared memory a Hopper block can have would fail to launch (the
 autotuner would drop it, silently narrowing the search); one that spills registers to local memory
 or misses the wgmma tensor-core path would be slow. Compiled in a fresh process without
@@ -29,21 +30,30 @@ def compile_for_hopper(tmp_path, *args: str) -> list[dict]:
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
+GQA_GROUP = 8  # Llama 3 70B: 64 query heads over 8 kv heads
+GQA_KINDS = ("dkdv", "dkdvq")  # the group changes only their loops (fwd, dQ: which k/v head a program reads)
+
+
 @pytest.fixture(scope="module")
 def autotune_sets(tmp_path_factory):
-    return compile_for_hopper(tmp_path_factory.mktemp("triton-cache"), "--head-dims", "64,80,128")
+    cache = tmp_path_factory.mktemp("triton-cache")
+    return (compile_for_hopper(cache, "--head-dims", "64,80,128")
+            + compile_for_hopper(cache, "--head-dims", "128", "--groups", str(GQA_GROUP),
+                                 "--kinds", ",".join(GQA_KINDS)))
 
 
 def test_every_autotune_config_fits_hopper(autotune_sets):
     from kernels.attention_configs import SMALL_CONFIG, configs_for
 
-    expected = {(kind, d, tuple(c)) for kind in ("fwd", "dkdv", "dq", "dkdvq") for d in (64, 80, 128)  # 80: padded
+    expected = {(kind, d, tuple(c), 1) for kind in ("fwd", "dkdv", "dq", "dkdvq") for d in (64, 80, 128)  # 80: padded
                 for c in configs_for(kind, d)}
-    assert {(r["kind"], r["head_dim"], tuple(r["config"])) for r in autotune_sets} == expected, \
+    # the group's loops at head dim 128, the one with the most registers per thread (64 had no spill either)
+    expected |= {(kind, 128, tuple(c), GQA_GROUP) for kind in GQA_KINDS for c in configs_for(kind, 128)}
+    assert {(r["kind"], r["head_dim"], tuple(r["config"]), r["group"]) for r in autotune_sets} == expected, \
         [r for r in autotune_sets if "error" in r]
     small = tuple(SMALL_CONFIG)
     for r in autotune_sets:
-        where = f"{r['kind']} head_dim {r['head_dim']} config {r['config']}"
+        where = f"{r['kind']} head_dim {r['head_dim']} config {r['config']} group {r['group']}"
         assert r["shared_bytes"] <= HOPPER_SHARED_BYTES, f"{where}: {r['shared_bytes']} B of shared memory"
         assert r["stack_bytes"] == 0, f"{where}: spills ({r['stack_bytes']} B of stack per thread)"
         assert r["registers"] <= 255

@@ -34,13 +34,18 @@ SHAPES = [(2, 2, 1), (2, 2, 17), (1, 2, 64), (1, 2, 100)]
 
 
 def reference(q, k, v, causal):
-    """float64 leaves, output and LSE of softmax(q k^T / sqrt(d) + mask) v."""
+    """float64 leaves, output and LSE of softmax(q k^T / sqrt(d) + mask) v.
+
+    GQA (k, v with fewer heads): each k/v head repeated for its group of q heads (repeat_interleave), the plain
+    definition, so the leaves' gradients are the sums over each group."""
     q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
-    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    group = q.shape[1] // k.shape[1]
+    kr, vr = (x.repeat_interleave(group, dim=1) for x in (k, v))
+    scores = q @ kr.transpose(-1, -2) / math.sqrt(q.shape[-1])
     if causal:
         s = q.shape[2]
         scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
-    return (q, k, v), torch.softmax(scores, -1) @ v, torch.logsumexp(scores, -1)
+    return (q, k, v), torch.softmax(scores, -1) @ vr, torch.logsumexp(scores, -1)
 
 
 def close(actual, expected, tol, what):
@@ -51,23 +56,39 @@ def close(actual, expected, tol, what):
     assert err <= tol, f"{what}: error {err:.3g} of scale {scale:.3g} > {tol}"
 
 
-def qkv_like_model(b, h, s, d, dtype, layout):
-    """q, k, v leaves laid out as the model makes them: strided views of one (b, s, h, 3, d) qkv."""
+def qkv_like_model(b, h, s, d, dtype, layout, kv_heads=None):
+    """q, k, v leaves laid out as the model makes them: strided views of one (b, s, h, 3, d) qkv; with
+    ``kv_heads`` (GQA), of one (b, s, h + 2 * kv_heads, d) projection: q's heads, then k's, then v's."""
+    kv = h if kv_heads is None else kv_heads
     if layout == "contiguous":
-        return [torch.randn(b, h, s, d, dtype=dtype).requires_grad_() for _ in range(3)], None
-    qkv = torch.randn(b, s, h, 3, d, dtype=dtype).requires_grad_()
-    return [qkv[:, :, :, i].transpose(1, 2) for i in range(3)], qkv
+        return [torch.randn(b, n, s, d, dtype=dtype).requires_grad_() for n in (h, kv, kv)], None
+    if kv_heads is None:
+        qkv = torch.randn(b, s, h, 3, d, dtype=dtype).requires_grad_()
+        return [qkv[:, :, :, i].transpose(1, 2) for i in range(3)], qkv
+    qkv = torch.randn(b, s, h + 2 * kv, d, dtype=dtype).requires_grad_()
+    return list(_split_heads(qkv, h, kv)), qkv
 
 
-def check(b, h, s, d, dtype, causal, layout="model", dq_mode="separate"):
+def _split_heads(x, h, kv):
+    """The (b, heads, s, d) q, k, v views of a (b, s, h + 2 * kv, d) tensor."""
+    return (x[:, :, lo:hi].transpose(1, 2) for lo, hi in ((0, h), (h, h + kv), (h + kv, h + 2 * kv)))
+
+
+def check(b, h, s, d, dtype, causal, layout="model", dq_mode="separate", kv_heads=None):
     torch.manual_seed(1000 * s + d)
-    (q, k, v), leaf = qkv_like_model(b, h, s, d, dtype, layout)
+    (q, k, v), leaf = qkv_like_model(b, h, s, d, dtype, layout, kv_heads)
     out = A.attention(q, k, v, causal=causal, impl="triton", dq_mode=dq_mode)
     assert out.shape == q.shape and out.dtype == dtype
-    lse = out.grad_fn.saved_tensors[4]  # what the forward saved for the backward (freed by backward())
+    saved_k, saved_v, lse = (out.grad_fn.saved_tensors[i] for i in (1, 2, 4))  # freed by backward()
+    assert saved_k.data_ptr() == k.data_ptr() and saved_v.data_ptr() == v.data_ptr()  # k, v themselves, no copy
     dout = torch.randn(b, s, h, d, dtype=dtype).transpose(1, 2)  # a strided dO, too
     out.backward(dout)
-    grads = [leaf.grad[:, :, :, i].transpose(1, 2) for i in range(3)] if leaf is not None else [x.grad for x in (q, k, v)]
+    if leaf is None:
+        grads = [x.grad for x in (q, k, v)]
+    elif kv_heads is None:
+        grads = [leaf.grad[:, :, :, i].transpose(1, 2) for i in range(3)]
+    else:
+        grads = list(_split_heads(leaf.grad, h, kv_heads))
     ref_leaves, ref_out, ref_lse = reference(q, k, v, causal)
     ref_out.backward(dout.double())
     tol = TOL[dtype]
@@ -105,6 +126,63 @@ def test_other_head_dims_and_contiguous_inputs(d, dtype, causal, layout):
 def test_atomic_dq_matches_float64_reference(shape, d, causal, dtype):
     """The one-pass backward (dQ by atomic adds, Dao 2023 §3.2) against the same float64 reference."""
     check(*shape, d, dtype, causal, dq_mode="atomic")
+
+
+# --- grouped-query attention (Ainslie et al. 2023): k, v with fewer heads, read in place ------------
+
+
+GQA_CASES = [(1, 8, True, "separate"), (1, 8, False, "separate"),  # group 1: multi-head attention, same path
+             (2, 4, True, "separate"), (2, 4, False, "separate"), (2, 4, True, "atomic"),
+             (2, 1, True, "separate"), (2, 1, False, "separate"), (2, 1, False, "atomic")]
+
+
+@pytest.mark.parametrize("b,kv_heads,causal,dq_mode", [
+    pytest.param(*c, id=f"b{c[0]}-group{8 // c[1]}-{'causal' if c[2] else 'full'}-{c[3]}") for c in GQA_CASES])
+def test_gqa_matches_repeated_float64_reference(b, kv_heads, causal, dq_mode):
+    """8 query heads over 8, 4 and 1 key/value heads (groups 1, 2, 8); batch 2 with groups (the kernels split a
+    program's (batch, head) index by the kv heads); seq 33 (several blocks, ragged for every interpreter block);
+    against the float64 reference on k, v repeated per group (repeat_interleave), so dK, dV must be each group's
+    sum. fp32: TOL as above, a dK/dV element now sums over up to 8 heads' query rows (8 * 33 terms), still a
+    few hundred fp32 additions; <= 6.4e-7 observed."""
+    check(b, 8, 33, 16, torch.float32, causal, dq_mode=dq_mode, kv_heads=kv_heads)
+
+
+def test_gqa_contiguous_inputs():
+    check(1, 4, 20, 32, torch.float32, True, layout="contiguous", kv_heads=2)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_gqa_torch_impl_matches_repeated_reference(causal):
+    """impl="torch" (SDPA, enable_gqa) against the same repeated float64 reference: one meaning for both impls.
+    fp32 with SDPA's own kernels: TOL as above."""
+    torch.manual_seed(7)
+    (q, k, v), leaf = qkv_like_model(2, 8, 33, 16, torch.float32, "model", kv_heads=2)
+    out = A.attention(q, k, v, causal=causal, impl="torch")
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    ref_leaves, ref_out, _ = reference(q, k, v, causal)
+    ref_out.backward(dout.double())
+    close(out, ref_out, TOL[torch.float32], "O")
+    for name, g, r in zip(("dQ", "dK", "dV"), _split_heads(leaf.grad, 8, 2), ref_leaves):
+        close(g, r.grad, TOL[torch.float32], name)
+
+
+@pytest.mark.parametrize("kv_shape", [(1, 4, 8, 16), (1, 0, 8, 16), (2, 3, 8, 16), (1, 3, 9, 16), (1, 3, 8, 32)],
+                         ids=["4-of-6-heads", "0-heads", "batch", "seq", "head_dim"])
+def test_gqa_rejects_mismatched_kv(kv_shape):
+    q = torch.randn(1, 6, 8, 16)
+    k = torch.randn(kv_shape)
+    with pytest.raises(ValueError, match=r"kv_heads dividing heads") as err:
+        A.attention(q, k, k, impl="triton")
+    assert "\n" not in str(err.value) and str(tuple(kv_shape)) in str(err.value)
+
+
+def test_gqa_rejects_k_and_v_of_two_shapes():
+    q = torch.randn(1, 6, 8, 16)
+    with pytest.raises(ValueError, match=r"kv_heads dividing heads"):
+        A.attention(q, torch.randn(1, 3, 8, 16), torch.randn(1, 2, 8, 16), impl="triton")
+    with pytest.raises(ValueError, match=r"dividing q's 6 heads, got 4"):  # the launcher's own check
+        FA.flash_forward(q, torch.randn(1, 4, 8, 16), torch.randn(1, 4, 8, 16), True)
 
 
 def test_rejects_unsupported_inputs():
@@ -177,6 +255,20 @@ def test_kernels_visit_what_the_bounds_say(causal):
     *_, (fused_visits, none) = FA.flash_backward(q, k, v, o, lse, torch.randn_like(o), causal, blocks=(kv, None),
                                                 count_visits=True, dq_mode="atomic")
     assert fused_visits.tolist() == [visits_backward(s, *kv, causal)] * bh and none is None
+
+
+def test_gqa_dkdv_programs_visit_each_query_head():
+    """GQA: a dK/dV program (one per key block of each (batch, kv head)) walks the causal bounds once per query
+    head of its group, skipping the same blocks; the forward and dQ programs, one per query head, are unchanged."""
+    s, group = 100, 3
+    q, k, v = torch.randn(1, group, s, 16), torch.randn(1, 1, s, 16), torch.randn(1, 1, s, 16)
+    fwd, kv, dq_blocks = (32, 16), (16, 32), (64, 16)
+    o, lse, visits = FA.flash_forward(q, k, v, True, blocks=fwd, count_visits=True)
+    assert visits.tolist() == [visits_forward(s, *fwd, True)] * group
+    *_, (kv_visits, q_visits) = FA.flash_backward(q, k, v, o, lse, torch.randn_like(o), True,
+                                                 blocks=(kv, dq_blocks), count_visits=True)
+    assert kv_visits.tolist() == [[group * n for n in visits_backward(s, *kv, True)]]
+    assert q_visits.tolist() == [visits_forward(s, *dq_blocks, True)] * group
 
 
 @pytest.mark.parametrize("causal", [True, False])
