@@ -30,6 +30,30 @@ from parallel.tensor import (
 )
 
 
+class _RMSNormFunction(torch.autograd.Function):
+    """y = x / sqrt(mean(x²) + eps) * weight in float32, keeping for backward only the input in its own dtype and
+    the per-token 1/rms: autograd through the float32 formula would keep a float32 copy of every norm's input
+    (twice a bf16 run's bytes). Backward: dx = r (g - x̂ mean(g x̂)) with g = dy * weight, x̂ = x r."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        compute = torch.promote_types(x.dtype, torch.float32)  # float32, or float64 for a float64 input
+        xf = x.to(compute)
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return xf * rstd * weight.to(compute)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        xhat = x.to(rstd.dtype) * rstd
+        grad = grad.to(rstd.dtype)
+        grad_weight = (grad * xhat).reshape(-1, x.shape[-1]).sum(0)
+        g = grad * weight.to(rstd.dtype)
+        grad_x = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_weight.to(weight.dtype), None
+
+
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x²) + eps) * weight (Zhang & Sennrich 2019), computed in float32.
 
@@ -42,7 +66,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        y = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
+        y = _RMSNormFunction.apply(x, self.weight, self.eps)
         device = x.device.type
         return y.to(torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype)
 

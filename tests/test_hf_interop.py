@@ -315,3 +315,25 @@ def test_pretrain_refuses_a_folder_of_another_model_before_starting(tmp_path, ca
         code, _, err = call(pretrain_main, argv, capsys)
         assert_one_line(code, err, "train.init_from", *fragments)
         assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before anything ran
+
+
+def test_llama_gradients_equal_transformers(tmp_path):
+    """Backward too: every parameter's gradient of the mean token loss equals transformers' (RoPE's, RMSNorm's
+    own autograd function, GQA's k/v summed over their query heads, SwiGLU). fp32, the same sums in another
+    order: 1e-4 relative to each gradient's largest entry, with 1e-6 absolute for tiny ones."""
+    hf = _hf_llama(tmp_path)
+    cfg = _cfg(OURS_LLAMA)
+    model = build_gpt(cfg.model, seed=0)
+    load_into(model, open_hf_model(tmp_path, cfg.model))
+    ids = _ids()
+    model(ids[:, :-1], ids[:, 1:]).mean().backward()
+    logits = hf(input_ids=ids[:, :-1]).logits
+    torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1)).backward()
+    theirs = dict(hf.named_parameters())
+    for name, link in links(cfg.model).items():
+        ours = dict(model.named_parameters())[name].grad
+        want = theirs[link.hf].grad
+        if name in ("embed.tokens.weight", "head.weight"):
+            ours = ours[:VOCAB]
+        scale = want.abs().max().item()
+        assert scale > 0 and (ours - want).abs().max().item() <= 1e-4 * scale + 1e-6, name
