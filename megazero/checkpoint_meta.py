@@ -92,6 +92,11 @@ def check_model_section(where: Path, model: Any) -> None:
             raise _bad(where, f"config.model.{key}", v, f">= {low}")
     if m.heads < 1 or m.hidden % m.heads:
         raise _bad(where, "config.model.heads", m.heads, f"a divisor of config.model.hidden={m.hidden}")
+    if m.arch not in ("gpt2", "llama"):
+        raise _bad(where, "config.model.arch", m.arch, "gpt2 | llama")
+    if m.heads % m.kv_head_count or (m.arch == "gpt2" and m.kv_head_count != m.heads):
+        raise _bad(where, "config.model.kv_heads", m.kv_heads,
+                   f"a divisor of config.model.heads={m.heads} (llama), or unset")
     if not 0.0 <= m.dropout < 1.0:
         raise _bad(where, "config.model.dropout", m.dropout, "a probability in [0, 1)")
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from megazero.data.samples import parse_split
 from megazero.errors import UserError, invalid
+from models import arch
 from parallel.schedules import SCHEDULES, schedule_constraint
 
 if TYPE_CHECKING:  # annotations only: megazero.config imports this module
@@ -165,6 +166,10 @@ def validate(cfg: Config) -> None:
     if t.init_from and not _exists(src, "train.init_from", t.init_from, Path.is_dir):
         raise invalid(src, "train.init_from", t.init_from,
                       "valid: '' or an existing Hugging Face model folder (config.json and *.safetensors)")
+    if t.init_from and cfg.data.tokenizer == "train":
+        raise invalid(src, "data.tokenizer", "train", f"would train a new vocabulary for the weights of "
+                      f"train.init_from={t.init_from}; give the model's own tokenizer (its tokenizer.json or "
+                      f"sentencepiece .model)")
     for p in cfg.data.paths:
         if not (_exists(src, "data.paths", p) or _exists(src, "data.paths", p + ".idx")):
             raise invalid(src, "data.paths", p, "no such file or directory (nor a PREFIX.bin/.idx pair)")
@@ -185,15 +190,9 @@ def _exists(src: str, key: str, path: str, test=Path.exists) -> bool:
 
 
 def resolve_arch(m) -> None:
-    """The values ``auto``/unset mean for the architecture: GPT-2 has biases, a tied head and a 4h MLP; Llama
-    none, an untied head and a SwiGLU MLP of 8h/3 rounded up to a multiple of 256 (Touvron et al. 2023)."""
-    llama = m.arch == "llama"
-    if m.bias == AUTO:
-        m.bias = not llama
-    if m.tie_embeddings == AUTO:
-        m.tie_embeddings = not llama
-    if m.ffn_hidden is None:
-        m.ffn_hidden = -(-(8 * m.hidden // 3) // 256) * 256 if llama else 4 * m.hidden
+    """Fix the values ``auto``/unset mean for the architecture (``models.arch``): GPT-2 has biases, a tied head
+    and a 4h MLP; Llama none, an untied head and a SwiGLU MLP of 8h/3 rounded up to a multiple of 256."""
+    m.bias, m.tie_embeddings, m.ffn_hidden = arch.has_bias(m), arch.tied(m), arch.ffn_hidden(m)
 
 
 def _check_tp(cfg: Config) -> None:
@@ -205,6 +204,9 @@ def _check_tp(cfg: Config) -> None:
     if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
         raise invalid(src, "model.kv_heads", kv, f"must be a multiple or a divisor of parallel.tp={tp} (whole k/v "
                       f"heads per rank, or each k/v head on tp/kv_heads ranks)")
+    if kv < tp and m.head_dim % (tp // kv):  # a checkpoint stores each replica's even share of the head
+        raise invalid(src, "model.kv_heads", kv, f"puts each k/v head on {tp // kv} ranks (parallel.tp={tp}), which "
+                      f"must divide the head dim {m.head_dim}")
     if m.ffn_hidden % tp:
         raise invalid(src, "model.ffn_hidden", m.ffn_hidden, f"must be divisible by parallel.tp={tp}")
     if m.padded_vocab % tp:

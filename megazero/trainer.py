@@ -24,6 +24,7 @@ from megazero import checkpoint, optim
 from megazero.config import Config, ModelConfig
 from megazero.data import GPTData, build_data
 from megazero.errors import NonFiniteStop, Preempted, UserError
+from megazero.hf_layout import model_config
 from megazero.nonfinite import NonFiniteGuard
 from megazero.signals import StopSignals, exit_code, signal_name
 from megazero.step import train_step
@@ -302,10 +303,15 @@ class Trainer:
 
     def load(self, path: Path) -> None:
         stored = checkpoint.read_meta(path).get("config", {}).get("model", {})
+        # compared as resolved values: a key an older checkpoint lacks has its old meaning (arch gpt2, a tied
+        # head, every head a k/v head), and kv_heads unset equals kv_heads = heads
+        theirs = model_config(stored)
         for key in ModelConfig.ARCHITECTURE:
-            ours = getattr(self.cfg.model, key)
-            if key in stored and stored[key] != ours:
-                raise UserError(f"checkpoint {path}: model.{key} is {stored[key]!r} there and {ours!r} here; a resume "
+            ours, there = getattr(self.cfg.model, key), getattr(theirs, key)
+            if key == "kv_heads":
+                ours, there = self.cfg.model.kv_head_count, theirs.kv_head_count
+            if (key in stored or key in ("arch", "tie_embeddings", "kv_heads")) and there != ours:
+                raise UserError(f"checkpoint {path}: model.{key} is {there!r} there and {ours!r} here; a resume "
                                 f"keeps the architecture ({', '.join(ModelConfig.ARCHITECTURE)})")
         state, exported = self.state_tensors()
         meta = checkpoint.load(path, state)

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from kernels import attention
+from models.arch import ffn_hidden, has_bias, is_llama, tied
 from models.llama import LlamaBlock, rms_norm
 from parallel.comm import Comm, copy_to_region
 from parallel.tp_random import ShardedDropout, TPRandom
@@ -46,20 +47,6 @@ LN_EPS = 1e-5
 RESIDUAL_PROJECTIONS = ("attn.proj.weight", "mlp.fc2.weight", "mlp.down.weight")
 NORMS = ("ln1", "ln2", "final_norm")
 PARALLEL_ATTRS = ("tp_split_dim", "tp_replicas", "sequence_parallel")  # what the parallel layers mark
-
-
-def _ffn_hidden(cfg: Any) -> int:
-    return cfg.ffn_hidden or 4 * cfg.hidden
-
-
-def _is_llama(cfg: Any) -> bool:
-    return getattr(cfg, "arch", "gpt2") == "llama"
-
-
-def _tied(cfg: Any) -> bool:
-    """The output head is the token embedding (``model.tie_embeddings``; auto/unset: GPT-2 ties, Llama not)."""
-    tie = getattr(cfg, "tie_embeddings", "auto")
-    return (not _is_llama(cfg)) if tie == "auto" else bool(tie)
 
 
 class _Parallel:
@@ -93,9 +80,9 @@ class LayerNorm(nn.LayerNorm):
 
 
 def _norm(cfg: Any, par: _Parallel) -> nn.Module:
-    if _is_llama(cfg):
+    if is_llama(cfg):
         return rms_norm(cfg, par)
-    norm = LayerNorm(cfg.hidden, eps=getattr(cfg, "norm_eps", LN_EPS), bias=bool(cfg.bias))
+    norm = LayerNorm(cfg.hidden, eps=getattr(cfg, "norm_eps", LN_EPS), bias=has_bias(cfg))
     if par.sp:
         mark_sequence_parallel(norm)
     return norm
@@ -110,8 +97,8 @@ class Attention(nn.Module):
         self.local_heads = cfg.heads // par.size
         self.head_dim = cfg.hidden // cfg.heads
         # Output rows are grouped per head, [q_h; k_h; v_h], so a contiguous tp slice is whole heads.
-        self.qkv = ColumnParallelLinear(cfg.hidden, 3 * cfg.hidden, cfg.bias, par.tp, sequence_parallel=par.sp)
-        self.proj = RowParallelLinear(cfg.hidden, cfg.hidden, cfg.bias, par.tp, sequence_parallel=par.sp)
+        self.qkv = ColumnParallelLinear(cfg.hidden, 3 * cfg.hidden, has_bias(cfg), par.tp, sequence_parallel=par.sp)
+        self.proj = RowParallelLinear(cfg.hidden, cfg.hidden, has_bias(cfg), par.tp, sequence_parallel=par.sp)
         self.dropout = ShardedDropout(cfg.dropout, par.rng, split=par.sp)
         self.impl = par.attention_impl
 
@@ -128,8 +115,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: Any, par: _Parallel):
         super().__init__()
-        self.fc1 = ColumnParallelLinear(cfg.hidden, _ffn_hidden(cfg), cfg.bias, par.tp, sequence_parallel=par.sp)
-        self.fc2 = RowParallelLinear(_ffn_hidden(cfg), cfg.hidden, cfg.bias, par.tp, sequence_parallel=par.sp)
+        self.fc1 = ColumnParallelLinear(cfg.hidden, ffn_hidden(cfg), has_bias(cfg), par.tp, sequence_parallel=par.sp)
+        self.fc2 = RowParallelLinear(ffn_hidden(cfg), cfg.hidden, has_bias(cfg), par.tp, sequence_parallel=par.sp)
         self.dropout = ShardedDropout(cfg.dropout, par.rng, split=par.sp)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -195,11 +182,11 @@ class GPT(nn.Module):
         # the first k layers of this chunk are recomputed in backward (all of them when k is 0)
         self.checkpointed = cfg.checkpoint_layers or len(self.layer_ids)
 
-        self.tied = _tied(cfg)
-        positions = first_stage and not _is_llama(cfg)
+        self.tied = tied(cfg)
+        positions = first_stage and not is_llama(cfg)
         self.embed = Embedding(cfg, self.par, positions) if first_stage or (last_stage and self.tied) else None
         self.embed_dropout = ShardedDropout(cfg.dropout, self.rng, split=self.par.sp) if first_stage else None
-        block = LlamaBlock if _is_llama(cfg) else Block
+        block = LlamaBlock if is_llama(cfg) else Block
         self.layers = nn.ModuleDict({str(i): block(cfg, self.par) for i in self.layer_ids})
         self.final_norm = _norm(cfg, self.par) if last_stage else None
         # the untied output head: vocab-parallel rows, as the embedding's
@@ -233,14 +220,15 @@ class GPT(nn.Module):
         if not self.last_stage:
             return x
         h = self.final_norm(x)
-        if self.head is not None:
-            weight, vocab_start = self.head.weight, self.tp_rank * self.head.weight.shape[0]
+        if self.head is not None:  # called as a module: ZeRO waits for its parameters' gather in its pre-hook
+            logits, vocab_start = self.head(h), self.tp_rank * self.head.weight.shape[0]
         else:
-            weight, vocab_start = self.embed.tokens.weight, self.embed.tokens.vocab_start
-        if self.sequence_parallel:
-            logits = sequence_gathered_linear(h, weight, None, self.tp)
-        else:
-            logits = F.linear(copy_to_region(h, self.tp), weight)
+            tokens = self.embed.tokens
+            vocab_start = tokens.vocab_start
+            if self.sequence_parallel:
+                logits = sequence_gathered_linear(h, tokens.weight, None, self.tp)
+            else:
+                logits = F.linear(copy_to_region(h, self.tp), tokens.weight)
         if targets is None:
             return mask_padded_vocab(logits, vocab_start, self.cfg.vocab_size)
         return vocab_parallel_cross_entropy(logits, targets, vocab_start, self.cfg.vocab_size, self.tp)
@@ -361,9 +349,9 @@ def count_parameters(cfg: Any) -> int:
     multiplied like any other. Llama: RMSNorms (no bias), q/o of h x h, k/v of h x kv_heads*head_dim, and
     SwiGLU's three ffn x h matrices; no position table.
     """
-    h, f, n_bias = cfg.hidden, _ffn_hidden(cfg), int(bool(cfg.bias))
-    head = 0 if _tied(cfg) else cfg.padded_vocab * h
-    if _is_llama(cfg):
+    h, f, n_bias = cfg.hidden, ffn_hidden(cfg), int(has_bias(cfg))
+    head = 0 if tied(cfg) else cfg.padded_vocab * h
+    if is_llama(cfg):
         kv = cfg.kv_head_count * (h // cfg.heads)
         norm = h
         block = 2 * norm + 2 * h * h + 2 * h * kv + n_bias * (2 * h + 2 * kv) + 3 * f * h + n_bias * (2 * f + h)

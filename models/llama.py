@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernels import attention
+from models.arch import ffn_hidden, has_bias, is_llama
 from parallel.tp_random import ShardedDropout
 from parallel.tensor import (
     ColumnParallelLinear,
@@ -110,11 +111,11 @@ class LlamaAttention(nn.Module):
         self.theta = cfg.rope_theta
         replicas = par.kv_replicas if kv < tp else None
         assert kv >= tp or (replicas is not None and replicas.size == tp // kv), "kv_heads < tp needs its replicas"
-        d, h, sp = self.head_dim, cfg.hidden, par.sp
-        self.q = ColumnParallelLinear(h, cfg.heads * d, cfg.bias, par.tp, sequence_parallel=sp)
-        self.k = ColumnParallelLinear(h, kv * d, cfg.bias, par.tp, sequence_parallel=sp, replicas=replicas)
-        self.v = ColumnParallelLinear(h, kv * d, cfg.bias, par.tp, sequence_parallel=sp, replicas=replicas)
-        self.proj = RowParallelLinear(cfg.heads * d, h, cfg.bias, par.tp, sequence_parallel=sp)
+        d, h, sp, bias = self.head_dim, cfg.hidden, par.sp, has_bias(cfg)
+        self.q = ColumnParallelLinear(h, cfg.heads * d, bias, par.tp, sequence_parallel=sp)
+        self.k = ColumnParallelLinear(h, kv * d, bias, par.tp, sequence_parallel=sp, replicas=replicas)
+        self.v = ColumnParallelLinear(h, kv * d, bias, par.tp, sequence_parallel=sp, replicas=replicas)
+        self.proj = RowParallelLinear(cfg.heads * d, h, bias, par.tp, sequence_parallel=sp)
         self.dropout = ShardedDropout(cfg.dropout, par.rng, split=sp)
         self.impl = par.attention_impl
 
@@ -135,10 +136,10 @@ class SwiGLU(nn.Module):
 
     def __init__(self, cfg: Any, par: Any):
         super().__init__()
-        h, f, sp = cfg.hidden, cfg.ffn_hidden, par.sp
-        self.gate = ColumnParallelLinear(h, f, cfg.bias, par.tp, sequence_parallel=sp)
-        self.up = ColumnParallelLinear(h, f, cfg.bias, par.tp, sequence_parallel=sp)
-        self.down = RowParallelLinear(f, h, cfg.bias, par.tp, sequence_parallel=sp)
+        h, f, sp, bias = cfg.hidden, ffn_hidden(cfg), par.sp, has_bias(cfg)
+        self.gate = ColumnParallelLinear(h, f, bias, par.tp, sequence_parallel=sp)
+        self.up = ColumnParallelLinear(h, f, bias, par.tp, sequence_parallel=sp)
+        self.down = RowParallelLinear(f, h, bias, par.tp, sequence_parallel=sp)
         self.dropout = ShardedDropout(cfg.dropout, par.rng, split=sp)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -161,6 +162,6 @@ class LlamaBlock(nn.Module):
 
 def kv_replicas_needed(cfg: Any, tp: int) -> int:
     """How many tp ranks hold each k/v head: tp/kv_heads when there are fewer k/v heads than ranks, else 1."""
-    kv = cfg.kv_head_count if getattr(cfg, "arch", "gpt2") == "llama" else cfg.heads
+    kv = cfg.kv_head_count if is_llama(cfg) else cfg.heads
     return tp // kv if kv < tp else 1
 

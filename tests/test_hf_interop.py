@@ -304,13 +304,19 @@ def test_pretrain_refuses_a_folder_of_another_model_before_starting(tmp_path, ca
     llama = tmp_path / "llama"
     _hf_llama(llama)
     capsys.readouterr()  # transformers' own progress output
-    base = ["--config", "configs/tiny-llama.yaml", "--set", f"log.dir={tmp_path / 'run'}"]
+    tokenizer = tmp_path / "tokenizer.json"  # read only once data is built, after the refusals under test
+    tokenizer.write_text("{}")
+    base = ["--config", "configs/tiny-llama.yaml", "--set", f"log.dir={tmp_path / 'run'}",
+            "--set", f"data.tokenizer={tokenizer}"]
     for s in OURS_LLAMA + ["parallel.tp=1", "parallel.pp=1", "parallel.sequence_parallel=false"]:
         base += ["--set", s]
     for extra, fragments in (([f"train.init_from={mistral}", "--dry-run"], ("model_type 'mistral'",)),
                              ([f"train.init_from={mistral}"], ("model_type 'mistral'",)),
                              ([f"train.init_from={llama}", "--set", "model.kv_heads=4", "--dry-run"],
-                              ("model.kv_heads is 2 there and 4 here",))):
+                              ("model.kv_heads is 2 there and 4 here",)),
+                             # a run that would train a new vocabulary for imported weights
+                             ([f"train.init_from={llama}", "--set", "data.tokenizer=train", "--dry-run"],
+                              ("data.tokenizer", "the model's own tokenizer"))):
         argv = base + ["--set"] + extra
         code, _, err = call(pretrain_main, argv, capsys)
         assert_one_line(code, err, "train.init_from", *fragments)

@@ -52,7 +52,7 @@ def _overrides(text, cache, base, name):
     _, keys = MODELS[name]
     return small_overrides(text, cache, base / name, steps=STEPS, **LAYOUT, **keys, **{
         "model.layers": 4, "model.hidden": 64, "model.heads": 4, "model.seq_len": SEQ, "model.vocab_size": VOCAB,
-        "train.init_from": str(base / f"hf_{name}")})
+        "train.init_from": str(base / f"hf_{name}"), "data.tokenizer": str(base / "tokenizer.json")})
 
 
 def _train(rank, world, text, cache, base):
@@ -65,6 +65,7 @@ def _train(rank, world, text, cache, base):
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("hf")
     text, cache = write_corpus(base / "text"), base / "cache"
+    _tokenizer_json(text, base / "tokenizer.json")
     for name, (hf_config, _) in MODELS.items():
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
@@ -75,6 +76,18 @@ def runs(tmp_path_factory):
         model.save_pretrained(base / f"hf_{name}")
     run_ranks(8, _train, text, cache, base)
     return base, text, cache
+
+
+def _tokenizer_json(text, path) -> None:
+    """The model's own tokenizer, as a Hugging Face folder ships it: a byte-level BPE of 500 ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train([str(f) for f in sorted(text.iterdir())], trainer)
+    tok.save(str(path))
 
 
 def _hf(folder) -> torch.nn.Module:
@@ -108,3 +121,9 @@ def test_imported_model_trains_and_exports(runs, name, tmp_path):
     print(f"{name}: export logits max diff {(got - mine).abs().max().item():.2e}")
     assert (got - mine).abs().max().item() <= 1e-4, (got - mine).abs().max().item()
     assert (got - imported).abs().max().item() > 1e-3  # the export holds the trained weights, not the import's
+    # the run's tokenizer.json went with it: transformers encodes as the run did
+    from megazero.data.tokenizer import Tokenizer
+
+    text = "def main():\n    return 42  # the answer"
+    assert transformers.AutoTokenizer.from_pretrained(out)(text)["input_ids"] == \
+        Tokenizer.load(base / "tokenizer.json").encode(text)

@@ -30,12 +30,14 @@ SCHEDULES = {"gpipe": ["parallel.schedule=gpipe"], "1f1b": ["parallel.schedule=1
              "interleaved": ["parallel.schedule=interleaved", "parallel.virtual_stages=2"]}
 
 TWO = [("tp2", ["parallel.tp=2"]), ("tp2_sp", ["parallel.tp=2", "parallel.sequence_parallel=true"])]
-# pp 2 runs at dp 2, each with a ZeRO stage: stages 1-3 with dp > 1 (stage 0's dp 2 is the 8-rank run)
+# pp 2 runs at dp 2, each with a ZeRO stage: stages 1-3 with dp > 1 (stage 0's dp 2 is the 8-rank run). Stages
+# 1-2 with 20 KB buckets: q, k, v, gate, up and the head each fill buckets of their own, whose post-step
+# gathers a forward must wait for although their modules are never called (column_parallel_linears)
 FOUR = [("tp4_sp_z3", ["parallel.tp=4", "parallel.sequence_parallel=true", "zero.stage=3"])] + \
        [(f"pp4_{s}", SCHEDULES[s] + ["parallel.pp=4"] + (EIGHT_LAYERS if s == "interleaved" else []))
         for s in SCHEDULES] + \
-       [(f"pp2_{s}_z{z}", SCHEDULES[s] + ["parallel.pp=2", f"zero.stage={z}"])
-        for s, z in zip(SCHEDULES, (1, 2, 3))]
+       [(f"pp2_{s}_z{z}", SCHEDULES[s] + ["parallel.pp=2", f"zero.stage={z}"]
+         + (["zero.bucket_mb=0.02"] if z < 3 else [])) for s, z in zip(SCHEDULES, (1, 2, 3))]
 EIGHT = [("tp2_pp2_dp2", ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"])]
 
 
@@ -136,3 +138,38 @@ def test_bad_attention_shapes_are_one_line(sets, key, capsys):
         argv += ["--set", s]
     code, _, err = call(pretrain_main, argv, capsys)
     assert_one_line(code, err, key)
+
+
+def _gathers_waited(rank, world):
+    """ZeRO-1 at dp 2 with small buckets: after each step the gatherer starts one all-gather per bucket, and a
+    forward must wait for every bucket whose parameters it reads. Llama reads q, k, v, gate, up through their
+    parent's forward (column_parallel_linears) and the untied head at the chunk's end."""
+    import torch
+
+    from megazero.config import ModelConfig
+    from megazero.rules import resolve_arch
+    from models.gpt import build_gpt
+    from parallel.topology import Grid
+    from parallel.zero.optimizer import ZeroOptimizer
+
+    m = ModelConfig(arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab_size=512,
+                    seq_len=16)
+    resolve_arch(m)
+    model = build_gpt(m, 0)
+    zero = ZeroOptimizer([model], Grid.build(1, 1, 2, "cpu"), 1, "fp32", 1e-3, 0.0, bucket_mb=0.02)
+    ids = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(rank))
+    pending, buckets = [], len(zero.buckets)
+    for _ in range(3):
+        zero.begin(1)
+        loss = model(ids, ids).mean()
+        pending.append(sorted(n for b in zero.buckets if zero.gatherer.work[b.index] is not None for n, _ in b.params))
+        loss.backward()
+        zero.reduce()
+        zero.step(1e-1, 0.0)
+    return buckets, pending
+
+
+def test_a_forward_waits_for_every_gathered_bucket_it_reads():
+    for buckets, pending in run_ranks(2, _gathers_waited):
+        assert buckets > 10  # q, k, v, gate, up, head... in buckets of their own
+        assert pending == [[], [], []], pending

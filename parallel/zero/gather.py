@@ -74,15 +74,24 @@ class ParamGatherer:
                 self.gathered[b.index] = False
 
     def _install_use_hooks(self, chunks: list[nn.Module]) -> None:
+        """A bucket is waited for before the forward of each module holding one of its parameters, and of that
+        module's parent below the chunk: a parent may read a child's weights without calling it (a Llama
+        attention's q, k, v share one input gather through ``column_parallel_linears``)."""
         where = {id(p): b for b in self.layout.buckets for _, p in b.params}
         for chunk in chunks:
+            parent = {id(child): m for m in chunk.modules() for child in m.children()}
+            waits: dict[int, tuple[nn.Module, dict]] = {}
             for module in chunk.modules():
                 mine = {where[id(p)].index: where[id(p)] for p in module.parameters(recurse=False)
                         if id(p) in where}
                 if module is chunk:  # deferred buckets (the tied copy) are read by the chunk's own forward
                     mine.update({b.index: b for b in self.layout.buckets if b.deferred})
+                up = parent.get(id(module))
+                for target in [module] + ([up] if up is not None and up is not chunk and mine else []):
+                    waits.setdefault(id(target), (target, {}))[1].update(mine)
+            for target, mine in waits.values():
                 if mine:
-                    module.register_forward_pre_hook(self._wait_hook(list(mine.values())))
+                    target.register_forward_pre_hook(self._wait_hook(list(mine.values())))
 
     def _wait_hook(self, buckets: list[Bucket]):
         def hook(module, args):

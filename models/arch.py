@@ -1,0 +1,33 @@
+"""What ``model.arch`` means for the keys a config may leave as auto or unset.
+
+``megazero.rules.resolve_arch`` fixes these values when a config is loaded; a model config built directly
+(tests, benchmarks, a checkpoint's stored section) gets the same meaning here, so the model never reads
+the string 'auto' as true.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+
+def is_llama(cfg: Any) -> bool:
+    return getattr(cfg, "arch", "gpt2") == "llama"
+
+
+def tied(cfg: Any) -> bool:
+    """The output head is the token embedding: GPT-2 ties it, Llama does not (unless told)."""
+    tie = getattr(cfg, "tie_embeddings", "auto")
+    return (not is_llama(cfg)) if tie == "auto" else bool(tie)
+
+
+def has_bias(cfg: Any) -> bool:
+    """Biases in linears and norms: GPT-2 has them, Llama not (unless told)."""
+    bias = getattr(cfg, "bias", "auto")
+    return (not is_llama(cfg)) if bias == "auto" else bool(bias)
+
+
+def ffn_hidden(cfg: Any) -> int:
+    """The MLP width: 4h for GPT-2; for Llama's SwiGLU 8h/3 rounded up to a multiple of 256 (Touvron et al.
+    2023), keeping about GPT-2's MLP parameters in three matrices."""
+    if cfg.ffn_hidden:
+        return cfg.ffn_hidden
+    return -(-(8 * cfg.hidden // 3) // 256) * 256 if is_llama(cfg) else 4 * cfg.hidden
