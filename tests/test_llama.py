@@ -9,6 +9,7 @@ summed over its ranks drifts by ~3e-4 within 10 steps, so the bound separates ri
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -129,6 +130,10 @@ def test_activation_count_of_a_llama_layer():
     (["model.kv_heads=4", "model.arch=gpt2"], "model.kv_heads"),  # grouped-query attention is llama's
     (["model.arch=mistral"], "model.arch"),
     (["model.heads=12", "model.kv_heads=3", "parallel.tp=4"], "model.kv_heads"),  # 3 k/v heads on 4 ranks
+    # 2 k/v heads on 6 ranks: each on 3, which must divide the head dim (here 32) for the checkpoint's split
+    (["model.hidden=192", "model.heads=6", "model.kv_heads=2", "parallel.tp=6", "parallel.world_size=12",
+      "model.ffn_hidden=516", "model.vocab_pad_multiple=768", "parallel.sequence_parallel=false"],
+     "must divide the head dim 32"),
 ])
 def test_bad_attention_shapes_are_one_line(sets, key, capsys):
     """kv_heads that do not divide heads (or tp, or its multiple), GQA on gpt2, an unknown arch: pretrain.py
@@ -173,3 +178,27 @@ def test_a_forward_waits_for_every_gathered_bucket_it_reads():
     for buckets, pending in run_ranks(2, _gathers_waited):
         assert buckets > 10  # q, k, v, gate, up, head... in buckets of their own
         assert pending == [[], [], []], pending
+
+
+def test_a_resume_keeps_the_architecture(runs, tmp_path):
+    """A Llama checkpoint resumed as GPT-2 (or with other k/v heads) is one line naming the key, not a load
+    that fails deep inside, or worse, succeeds."""
+    from megazero.errors import UserError
+
+    text, cache = runs / "text", runs / "cache"
+    ckpt = runs / "one" / "checkpoints" / f"step_{STEPS:08d}"
+    # a GPT-2 checkpoint of the same sizes written before model.arch existed: its stored model section lacks
+    # arch, kv_heads and tie_embeddings, which then mean gpt2, every head, tied
+    old = tmp_path / "old" / f"step_{STEPS:08d}"
+    shutil.copytree(ckpt, old)
+    meta = json.loads((old / "meta.json").read_text())
+    for key in ("arch", "kv_heads", "tie_embeddings", "norm_eps", "rope_theta"):
+        del meta["config"]["model"][key]
+    (old / "meta.json").write_text(json.dumps(meta))
+    for sets, where, message in (
+            (["model.arch=gpt2", "model.kv_heads=8"], ckpt, "model.arch is 'llama' there and 'gpt2' here"),
+            (["model.kv_heads=4"], ckpt, "model.kv_heads is 2 there and 4 here"),
+            ([], old, "model.arch is 'gpt2' there and 'llama' here")):
+        with pytest.raises(UserError, match=message):
+            run(CONFIG, _overrides(text, cache, tmp_path / str(len(sets)), sets + [f"train.resume={where}",
+                                                                                 "train.steps=11"]))
