@@ -58,7 +58,7 @@ def _four_ranks(rank, world, text, cache, base):
     over = _overrides(text, cache, base / "tp4", ["parallel.tp=4"])
     run(CONFIG, over + ["train.exit_after=5"])
     run(CONFIG, over + ["train.resume=auto"])
-    return _train_layouts(rank, world, text, cache, base, FOUR)
+    return _train_layouts(rank, world, text, cache, base, TWO + FOUR)
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +67,7 @@ def runs(tmp_path_factory):
     text, cache = write_corpus(base / "text"), base / "cache"
     run(CONFIG, _overrides(text, cache, base / "one"))
     run(CONFIG, _overrides(text, cache, base / "one_8_layers", EIGHT_LAYERS))
-    run_ranks(2, _train_layouts, text, cache, base, TWO)
-    run_ranks(4, _four_ranks, text, cache, base)
+    run_ranks(4, _four_ranks, text, cache, base)  # the tp 2 layouts too, at dp 2 (one spawn fewer)
     run_ranks(8, _train_layouts, text, cache, base, EIGHT)
     return base
 
