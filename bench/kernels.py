@@ -311,8 +311,8 @@ def bench_gqa(sz: Sizes, dtype: torch.dtype) -> dict:
         return run if gqa else repeated(run)
 
     contenders = {"megazero triton": lambda q, k, v: attention(q, k, v, causal=True, impl="triton"),
-                  "sdpa enable_gqa": sdpa([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
-                                           SDPBackend.EFFICIENT_ATTENTION], True),
+                  "sdpa flash enable_gqa": sdpa(SDPBackend.FLASH_ATTENTION, True),
+                  "sdpa cudnn enable_gqa": sdpa(SDPBackend.CUDNN_ATTENTION, True),
                   "sdpa flash, k/v repeated": sdpa(SDPBackend.FLASH_ATTENTION, False)}
     _emit(f"| seq | batch x heads (k/v heads) | " + " | ".join(f"{n} fwd+bwd" for n in contenders) + " | "
           + " | ".join(f"{n} error" for n in contenders) + " |", "|" + "---|" * (2 + 2 * len(contenders)))
@@ -324,25 +324,28 @@ def bench_gqa(sz: Sizes, dtype: torch.dtype) -> dict:
         k, v = (torch.randn(b, kv, s, d, device=sz.device, dtype=dtype, generator=gen).requires_grad_()
                 for _ in range(2))
         dout = torch.randn(b, h, s, d, device=sz.device, dtype=dtype, generator=gen)
-        ref_in = [x.detach()[:1].float().requires_grad_() for x in (q, k, v)]  # one sequence: the reference
+        # the error reference: one sequence, one k/v head and its group of query heads (dK, dV summed over it)
+        one = [q[:1, :group], k[:1, :1], v[:1, :1]]
+        ref_in = [x.detach().float().requires_grad_() for x in one]
         with sdpa_kernel(SDPBackend.MATH):
             ref_out = F.scaled_dot_product_attention(ref_in[0], *(x.repeat_interleave(group, 1) for x in ref_in[1:]),
                                                      is_causal=True)
-        ref = [ref_out, *torch.autograd.grad(ref_out, ref_in, dout[:1].float())]
+        ref = [ref_out, *torch.autograd.grad(ref_out, ref_in, dout[:1, :group].float())]
+        del ref_in, ref_out
         _, flops_all = attention_flops(b, h, s, d)
         for name, fn in contenders.items():
             ms = _bench(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout), sz.device)
             try:
-                one = [x[:1].detach().requires_grad_() for x in (q, k, v)]
+                one = [x.detach().contiguous().requires_grad_() for x in (q[:1, :group], k[:1, :1], v[:1, :1])]
                 out = fn(*one)
-                got = [out, *torch.autograd.grad(out, one, dout[:1])]
+                got = [out, *torch.autograd.grad(out, one, dout[:1, :group])]
                 error = max((g.float() - r).abs().max().item() for g, r in zip(got, ref))
             except Exception:  # noqa: BLE001 (a backend that cannot run this shape: n/a)
                 error = None
             results[s, name] = (None if ms is None else flops_all / ms / 1e9, error)
         _emit(f"| {s} | {b} x {h} ({kv}) | " + " | ".join(_fmt(results[s, n][0]) for n in contenders) + " | "
               + " | ".join(_fmt(results[s, n][1], ".2e") for n in contenders) + " |")
-        del q, k, v, dout, ref, ref_in
+        del q, k, v, dout, ref
         _release(sz.device)
     return results
 
@@ -382,13 +385,17 @@ def main() -> None:
     attn = bench_attention(sz, dtype)
     _emit(f"\n### Attention, {dt}: max |error| against SDPA math in fp32 (1 sequence, 2 heads)\n")
     errors = check_attention(sz, dtype)
-    d, _, group = _gqa_shape(sz)
-    _emit(f"\n### Grouped-query attention, {dt}, causal, head_dim {d}, {group} query heads per k/v head: fwd+bwd "
-          f"TFLOP/s and max |error| against SDPA math in fp32\n")
-    bench_gqa(sz, dtype)
     _emit(f"\n### AdamW over {sz.adam_elements} elements ({sz.adam_elements / 2**20:.0f} Mi)\n")
     adam = bench_adam(sz)
     _emit("\n### Targets\n", *targets(sz, attn, errors, adam, dt))
+    # last: the grouped-query kernel's first runs on a GPU; a fault there must not cost the results above
+    d, _, group = _gqa_shape(sz)
+    _emit(f"\n### Grouped-query attention, {dt}, causal, head_dim {d}, {group} query heads per k/v head: fwd+bwd "
+          f"TFLOP/s and max |error| against SDPA math in fp32 (one k/v head and its group)\n")
+    try:
+        bench_gqa(sz, dtype)
+    except Exception as err:  # noqa: BLE001
+        _emit(f"failed: {(str(err).splitlines() or [type(err).__name__])[0][:200]}")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 import torch
 
+from models import arch
+
 # Dense peak TFLOP/s per device, by name fragment and compute dtype (vendor data sheets).
 _GPU_PEAK_TFLOPS = {
     "H200": {"bf16": 989.4, "fp32": 66.9},
@@ -45,13 +47,12 @@ def flops_per_token(layers: int, hidden: int, ffn_hidden: int, seq_len: int, voc
 def model_shape(model_cfg) -> dict:
     """The keyword arguments of :func:`flops_per_token` that depend on the architecture."""
     m = model_cfg
-    llama = getattr(m, "arch", "gpt2") == "llama"
-    return {"kv_hidden": m.kv_head_count * m.head_dim, "mlp_matrices": 3 if llama else 2}
+    return {"kv_hidden": m.kv_head_count * m.head_dim, "mlp_matrices": 3 if arch.is_llama(m) else 2}
 
 
 def model_flops_per_token(model_cfg) -> float:
     m = model_cfg
-    return flops_per_token(m.layers, m.hidden, m.ffn_hidden, m.seq_len, m.padded_vocab, **model_shape(m))
+    return flops_per_token(m.layers, m.hidden, arch.ffn_hidden(m), m.seq_len, m.padded_vocab, **model_shape(m))
 
 
 def measure_cpu_tflops(dtype: torch.dtype = torch.float32, size: int = 1024, repeats: int = 4,

@@ -304,13 +304,15 @@ class Trainer:
     def load(self, path: Path) -> None:
         stored = checkpoint.read_meta(path).get("config", {}).get("model", {})
         # compared as resolved values: a key an older checkpoint lacks has its old meaning (arch gpt2, a tied
-        # head, every head a k/v head), and kv_heads unset equals kv_heads = heads
+        # head, every head a k/v head, norm eps 1e-5), and kv_heads unset equals kv_heads = heads
         theirs = model_config(stored)
         for key in ModelConfig.ARCHITECTURE:
             ours, there = getattr(self.cfg.model, key), getattr(theirs, key)
             if key == "kv_heads":
                 ours, there = self.cfg.model.kv_head_count, theirs.kv_head_count
-            if (key in stored or key in ("arch", "tie_embeddings", "kv_heads")) and there != ours:
+            if key == "rope_theta" and self.cfg.model.arch == theirs.arch == "gpt2":
+                continue  # GPT-2 has no rotary positions
+            if there != ours:
                 raise UserError(f"checkpoint {path}: model.{key} is {there!r} there and {ours!r} here; a resume "
                                 f"keeps the architecture ({', '.join(ModelConfig.ARCHITECTURE)})")
         state, exported = self.state_tensors()

@@ -33,7 +33,7 @@ def test_smoke_prints_every_table_and_target():
         values = [float(c) for c in cells.split("|")]
         assert len(values) == 4 and max(values) < 1e-4  # fp32 kernels against the fp32 math backend
     # grouped-query attention: megazero's kernel on 2 query heads per k/v head, timed and within fp32 error
-    gqa = re.findall(r"^\| 64 \| 2 x 2 \(1\) \| ([^|]+) \|[^|]+\|[^|]+\| ([^|]+) \|", out, re.M)
+    gqa = re.findall(r"^\| 64 \| 2 x 2 \(1\) \| ([^|]+) \|[^|]+\|[^|]+\|[^|]+\| ([^|]+) \|", out, re.M)
     assert len(gqa) == 1 and gqa[0][0].strip() != "n/a" and float(gqa[0][1]) < 1e-4, gqa
     adam = re.findall(r"^\| (megazero triton AdamW|megazero torch adamw_step|torch.optim.AdamW)[^|]*\| 28 \| "
                       r"([0-9.]+) \|", out, re.M)

@@ -201,3 +201,13 @@ def test_a_resume_keeps_the_architecture(runs, tmp_path):
         with pytest.raises(UserError, match=message):
             run(CONFIG, _overrides(text, cache, tmp_path / str(len(sets)), sets + [f"train.resume={where}",
                                                                                  "train.steps=11"]))
+    # and an older GPT-2 checkpoint still resumes as GPT-2 (its absent keys mean what they meant)
+    gpt2 = ["model.arch=gpt2", "model.kv_heads=8", "model.tie_embeddings=auto"]
+    run(CONFIG, _overrides(text, cache, tmp_path / "gpt2", gpt2 + ["train.steps=2"]))
+    meta_file = tmp_path / "gpt2" / "checkpoints" / "step_00000002" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    for key in ("arch", "kv_heads", "tie_embeddings", "norm_eps", "rope_theta"):
+        del meta["config"]["model"][key]
+    meta_file.write_text(json.dumps(meta))
+    run(CONFIG, _overrides(text, cache, tmp_path / "gpt2", gpt2 + ["train.steps=3", "train.resume=auto"]))
+    assert [r["step"] for r in read_metrics(tmp_path / "gpt2") if "loss" in r] == [1, 2, 3]

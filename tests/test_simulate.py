@@ -174,8 +174,11 @@ def test_layer_activations_match_korthikanti(dropout, checkpointing, per_sbh_t):
 
 def test_llama_layer_activations_match_the_plan():
     """A Llama layer (GQA with k/v a quarter of q, SwiGLU at ffn 3.5h, RMSNorm) at tp 4 with sequence
-    parallelism, no dropout: within 10% of megazero.plan's count (measured 10.51 against 10.75 sbh at Llama 3 8B's
-    shape, the 0.25 being the plan's two dropout masks /t)."""
+    parallelism, no dropout: within 1% of megazero.plan's count (measured 11.02 against 11.00 sbh·/t here: the
+    plan's two dropout masks, absent at dropout 0, about offset the per-token 1/rms and the attention's
+    log-sum-exp it leaves out; a count of storages on fake tensors, deterministic). 1% separates the count from
+    its likely slips: k/v counted as split over all 4 ranks rather than replicated on 2 (2.3% lower) or a 4h
+    MLP (9% higher)."""
     from megazero.plan import activation_bytes_per_layer
     from megazero.simulate import layer_activation_bytes
 
@@ -185,7 +188,7 @@ def test_llama_layer_activations_match_the_plan():
                    "parallel.sequence_parallel=true", "train.global_batch=8"], 4)
     got = layer_activation_bytes(cfg)
     want = activation_bytes_per_layer(s, b, h, 8, t, True, ffn=1792, kv_heads=2, swiglu=True)
-    assert abs(got - want) <= 0.10 * want, (got / (s * b * h), want / (s * b * h))
+    assert abs(got - want) <= 0.01 * want, (got / (s * b * h), want / (s * b * h))
 
 
 def _cli(tmp_path, *sets: str) -> subprocess.CompletedProcess:

@@ -9,7 +9,8 @@ views, and the tensors autograd saved, stay valid and see the data again once it
 Sharded optimizer, whole parameters (stages 1-2): after the update every rank holds only its own slice
 up to date. The all-gather of every bucket is started asynchronously, in forward order, and each is
 waited for just before its first use in the next forward (a pre-hook on every module that holds
-parameters), as Megatron-LM's ``overlap_param_gather`` does: the gathers overlap the next step's data
+parameters, and on its parent, which may read them without calling it), as Megatron-LM's
+``overlap_param_gather`` does: the gathers overlap the next step's data
 loading and first layers instead of blocking the step's end.
 """
 from __future__ import annotations
