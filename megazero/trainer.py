@@ -23,6 +23,7 @@ from kernels import resolve_kernels
 from megazero import checkpoint, optim
 from megazero.config import Config, ModelConfig
 from megazero.data import GPTData, build_data
+from megazero.checkpoint_layout import complete_replicas, logical
 from megazero.errors import NonFiniteStop, Preempted, UserError
 from megazero.hf_layout import model_config
 from megazero.nonfinite import NonFiniteGuard
@@ -238,36 +239,6 @@ class Trainer:
                                            for k, v in zip(kinds, values[1:])}}
 
     # ----- checkpoints ------------------------------------------------------------------------
-    def _logical(self, local: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
-        """A tp shard as a DTensor over the tp mesh, so DCP stores (and reshards) the whole parameter.
-
-        A piece replicated on r tp ranks (k/v heads fewer than tp ranks) is the even tp split of the whole
-        tensor seen r times: tp rank t's even share is the (t mod r)-th r-th of its piece, a view, so the save
-        needs no communication; after a load, :meth:`_complete_replicas` gathers the other r-1 parts."""
-        if param.tp_split_dim is None or self.grid.tp == 1:
-            return local
-        from torch.distributed.tensor import DTensor, Shard
-
-        replicas, dim = getattr(param, "tp_replicas", 1), param.tp_split_dim
-        if replicas > 1:
-            local = local.chunk(replicas, dim=dim)[self.grid.tp_rank % replicas]
-        return DTensor.from_local(local, self.grid.mesh["tp"], [Shard(dim)], run_check=False)
-
-    def _complete_replicas(self, exported: dict) -> None:
-        """After a load into :meth:`_logical`'s views: each replicated piece's parts, gathered over its ranks."""
-        params = dict(self.named_params)
-        for n, kinds in exported.items():
-            replicas = getattr(params[n], "tp_replicas", 1)
-            if replicas == 1 or self.grid.tp == 1:
-                continue
-            comm, dim = self.grid.tp_replica_comm(replicas), params[n].tp_split_dim
-            for tensor in kinds.values():
-                moved = tensor.movedim(dim, 0)  # collectives concatenate along dim 0
-                part = moved.chunk(replicas)[comm.rank].contiguous()
-                whole = torch.empty_like(moved.contiguous())
-                comm.all_gather_into(whole, part, tag="checkpoint")
-                moved.copy_(whole)
-
     def state_tensors(self) -> tuple[dict[str, torch.Tensor], dict]:
         """Everything a resume needs that is a tensor, under logical names (layout-free), and the
         per-parameter views it was made from (for loading back into the ZeRO buffers)."""
@@ -276,9 +247,9 @@ class Trainer:
         state = {}
         for n, kinds in exported.items():
             p = params[n]
-            state[f"model/{n}"] = self._logical(kinds["param"], p)
+            state[f"model/{n}"] = logical(kinds["param"], p, self.grid)
             for k in ("master", "exp_avg", "exp_avg_sq"):
-                state[f"optim/{n}/{k}"] = self._logical(kinds[k], p)
+                state[f"optim/{n}/{k}"] = logical(kinds[k], p, self.grid)
         return state, exported
 
     def save(self, writer: checkpoint.CheckpointWriter) -> Path:
@@ -317,7 +288,7 @@ class Trainer:
                                 f"keeps the architecture ({', '.join(ModelConfig.ARCHITECTURE)})")
         state, exported = self.state_tensors()
         meta = checkpoint.load(path, state)
-        self._complete_replicas(exported)
+        complete_replicas(exported, dict(self.named_params), self.grid)
         self.zero.import_state(exported, int(meta["optimizer_step"]))
         if "loss_scaler" in meta:
             self.scaler.load(meta["loss_scaler"])

@@ -232,6 +232,10 @@ def test_resume_after_a_crash_a_roll_back_and_a_changed_setting(corpus, tmp_path
 
     first = train(6)
     shutil.rmtree(ckpts / "step_00000006")  # the job died before step 6 was committed
+    # a resumed job starts later than the one it resumes: TensorBoard orders event files by name, whose
+    # whole-second timestamp ties within one second and then falls back to a per-process counter compared as
+    # text ("10" < "9"), which a long test session reaches; a real resume is another process, seconds later
+    time.sleep(1.05)
     second = train(6, "train.resume=auto", "model.dropout=0.1")
     assert [r["step"] for r in second] == [5, 6]
     records = read_metrics(run_dir)
