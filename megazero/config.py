@@ -46,6 +46,14 @@ class ModelConfig:
     tie_embeddings: Union[bool, str] = AUTO  # output head = token embedding; auto: true for gpt2, false for llama
     norm_eps: float = 1e-5  # the LayerNorm / RMSNorm epsilon
     rope_theta: float = 10000.0  # llama: the base of the rotary position frequencies (Su et al. 2021)
+    # llama: none | llama3, Llama 3.1's frequency scaling for long context (the four keys below, as its
+    # config.json's rope_scaling): frequencies whose wavelength exceeds original_positions/low_freq_factor are
+    # divided by rope_factor, those below original_positions/high_freq_factor kept, the band between blended
+    rope_scaling: str = "none"
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_positions: int = 8192
     dropout: float = 0.0
     activation_checkpointing: bool = False
     # with activation_checkpointing: recompute only the first k layers of each model chunk (Megatron's
@@ -57,7 +65,8 @@ class ModelConfig:
     # The keys that define the network a checkpoint holds; the others (dropout, activation checkpointing,
     # init_std) may change between a save and a resume.
     ARCHITECTURE = ("arch", "layers", "hidden", "heads", "kv_heads", "seq_len", "vocab_size", "ffn_hidden", "bias",
-                    "tie_embeddings", "norm_eps", "rope_theta", "vocab_pad_multiple")
+                    "tie_embeddings", "norm_eps", "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor",
+                    "rope_high_freq_factor", "rope_original_positions", "vocab_pad_multiple")
 
     @property
     def padded_vocab(self) -> int:

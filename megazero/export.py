@@ -104,11 +104,16 @@ def _llama_config(m: Any) -> dict:
     """Unknown bos/eos ids are written as null: left out, transformers would assume Llama 2's 1 and 2.
     rope_theta is written both ways: transformers 5 reads rope_parameters, 4.x the top-level key."""
     theta = float(m.rope_theta)
+    scaling = None
+    if getattr(m, "rope_scaling", "none") == "llama3":  # Llama 3.1's long-context frequencies
+        scaling = {"rope_type": "llama3", "factor": float(m.rope_factor),
+                   "low_freq_factor": float(m.rope_low_freq_factor), "high_freq_factor": float(m.rope_high_freq_factor),
+                   "original_max_position_embeddings": int(m.rope_original_positions)}
     return {"hidden_size": m.hidden, "intermediate_size": m.ffn_hidden, "num_hidden_layers": m.layers,
             "num_attention_heads": m.heads, "num_key_value_heads": m.kv_head_count, "head_dim": m.head_dim,
             "hidden_act": "silu", "max_position_embeddings": m.seq_len, "rms_norm_eps": float(m.norm_eps),
-            "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
-            "rope_scaling": None, "attention_bias": bool(m.bias), "mlp_bias": bool(m.bias),
+            "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta, **(scaling or {})},
+            "rope_scaling": scaling, "attention_bias": bool(m.bias), "mlp_bias": bool(m.bias),
             "attention_dropout": 0.0, "pretraining_tp": 1, "use_cache": True}
 
 

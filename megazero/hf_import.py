@@ -94,22 +94,32 @@ def _architecture(raw: dict, where: str) -> str:
                     f"(gpt2, GPT2LMHeadModel) or Llama (llama, LlamaForCausalLM)")
 
 
-def _rope_theta(raw: dict, f: _Fields) -> float:
-    """rope_theta from transformers 5's rope_parameters or 4.x's top level; scaled rope is refused."""
+_LLAMA3_KEYS = (("factor", "rope_factor", float), ("low_freq_factor", "rope_low_freq_factor", float),
+                ("high_freq_factor", "rope_high_freq_factor", float),
+                ("original_max_position_embeddings", "rope_original_positions", int))
+
+
+def _rope(raw: dict, f: _Fields) -> dict[str, Any]:
+    """rope_theta and the scaling, in megazero's keys, from transformers 5's rope_parameters or 4.x's top level
+    and rope_scaling: none ('default') or Llama 3.1's 'llama3'; any other scaling is refused."""
     params, scaling = raw.get("rope_parameters"), raw.get("rope_scaling")
-    theta = f.get("rope_theta", float, 10000.0)
+    out: dict[str, Any] = {"rope_theta": f.get("rope_theta", float, 10000.0), "rope_scaling": "none"}
     for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
         if value is None:
             continue
         kind = value.get("rope_type", value.get("type", "default")) if isinstance(value, dict) else value
         if isinstance(value, dict) and any(isinstance(v, dict) for v in value.values()):
             kind = "per layer type"
-        if kind != "default":
+        if kind not in ("default", "llama3"):
             raise UserError(f"{f.where}: config.json {key} has rope type {shown(kind)}; megazero's rotary "
-                            f"embedding has no scaling: valid: none or 'default'")
+                            f"embedding scales only as Llama 3.1 does: valid: none, 'default' or 'llama3'")
+        fields = _Fields(value, f.where)
         if "rope_theta" in value:
-            theta = _Fields(value, f.where).get("rope_theta", float)
-    return theta
+            out["rope_theta"] = fields.get("rope_theta", float)
+        if kind == "llama3":
+            out["rope_scaling"] = "llama3"
+            out.update({ours: fields.get(theirs, kind_of) for theirs, ours, kind_of in _LLAMA3_KEYS})
+    return out
 
 
 def _hf_model(raw: dict, arch: str, where: str) -> dict[str, Any]:
@@ -141,8 +151,7 @@ def _hf_model(raw: dict, arch: str, where: str) -> dict[str, Any]:
     return {"arch": "llama", "layers": f.get("num_hidden_layers", int), "hidden": hidden, "heads": heads,
             "kv_heads": f.get("num_key_value_heads", int, heads), "ffn_hidden": f.get("intermediate_size", int),
             "vocab_size": f.get("vocab_size", int), "norm_eps": f.get("rms_norm_eps", float, 1e-6),
-            "rope_theta": _rope_theta(raw, f), "tie_embeddings": f.get("tie_word_embeddings", bool, False),
-            "bias": bias}
+            **_rope(raw, f), "tie_embeddings": f.get("tie_word_embeddings", bool, False), "bias": bias}
 
 
 def _show(value: Any) -> str:
@@ -153,7 +162,10 @@ def _differences(there: dict[str, Any], m: Any) -> list[str]:
     """'model.KEY is A there and B here' for every key where the folder's model and the config differ."""
     here = {"arch": m.arch, "layers": m.layers, "hidden": m.hidden, "heads": m.heads, "kv_heads": m.kv_head_count,
             "ffn_hidden": m.ffn_hidden, "vocab_size": m.vocab_size, "norm_eps": m.norm_eps,
-            "rope_theta": m.rope_theta, "tie_embeddings": bool(m.tie_embeddings), "bias": bool(m.bias)}
+            "rope_theta": m.rope_theta, "tie_embeddings": bool(m.tie_embeddings), "bias": bool(m.bias),
+            "rope_scaling": m.rope_scaling}
+    if m.rope_scaling != "none":
+        here.update({ours: getattr(m, ours) for _, ours, _ in _LLAMA3_KEYS})
     out = []
     for key, value in here.items():
         if key in there and there[key] != value:

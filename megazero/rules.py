@@ -31,6 +31,7 @@ AUTO = "auto"  # a value fixed later: by resolve_world (parallel.dp, zero.reshar
 # Allowed values and ranges, per key. A key absent here only needs the right type.
 _CHOICES = {
     ("model", "arch"): ("gpt2", "llama"),
+    ("model", "rope_scaling"): ("none", "llama3"),
     ("train", "precision"): ("fp32", "bf16", "fp16"),
     ("zero", "stage"): (0, 1, 2, 3),
     ("zero", "offload_optimizer"): ("none", "cpu"),
@@ -46,7 +47,8 @@ _MIN = {
     ("model", "layers"): 1, ("model", "hidden"): 1, ("model", "heads"): 1, ("model", "seq_len"): 1,
     ("model", "vocab_size"): 2, ("model", "ffn_hidden"): 1, ("model", "vocab_pad_multiple"): 1,
     ("model", "checkpoint_layers"): 0, ("model", "kv_heads"): 1, ("model", "norm_eps"): 1e-12,
-    ("model", "rope_theta"): 1.0,
+    ("model", "rope_theta"): 1.0, ("model", "rope_factor"): 1.0, ("model", "rope_low_freq_factor"): 1e-6,
+    ("model", "rope_high_freq_factor"): 1e-6, ("model", "rope_original_positions"): 1,
     ("parallel", "tp"): 1, ("parallel", "pp"): 1, ("parallel", "dp"): 1, ("parallel", "virtual_stages"): 1,
     ("train", "steps"): 1, ("train", "global_batch"): 1, ("train", "micro_batch"): 1,
     ("train", "lr"): 0.0, ("train", "min_lr"): 0.0, ("train", "warmup_steps"): 0,
@@ -76,7 +78,10 @@ _MAX = {
     ("model", "init_std"): 10.0,
     ("model", "kv_heads"): 2 ** 18,  # as model.heads, which it divides
     ("model", "norm_eps"): 1.0,  # added to a mean square; past 1 it outweighs unit-scale activations
-    ("model", "rope_theta"): 1e12,  # Llama 3 uses 500,000; fp32 frequencies theta^(-2i/d) stay normal  # GPT-2 uses 0.02; a std past 10 only overflows 16-bit activations
+    ("model", "rope_theta"): 1e12,  # Llama 3 uses 500,000; fp32 frequencies theta^(-2i/d) stay normal
+    ("model", "rope_factor"): 1e6,  # Llama 3.1: 8; a context a million times the original is past any use
+    ("model", "rope_low_freq_factor"): 1e6, ("model", "rope_high_freq_factor"): 1e6,  # Llama 3.1: 1 and 4
+    ("model", "rope_original_positions"): 2 ** 20,  # as model.seq_len  # GPT-2 uses 0.02; a std past 10 only overflows 16-bit activations
     ("parallel", "tp"): _WORLD, ("parallel", "pp"): _WORLD, ("parallel", "dp"): _WORLD,
     ("parallel", "world_size"): _WORLD,
     ("parallel", "virtual_stages"): 4096,  # pp * virtual_stages <= model.layers
@@ -137,6 +142,11 @@ def validate(cfg: Config) -> None:
     if m.arch == "gpt2" and m.kv_head_count != m.heads:
         raise invalid(src, "model.kv_heads", m.kv_heads, f"grouped-query attention needs model.arch=llama; gpt2: "
                       f"unset or {m.heads}")
+    if m.rope_scaling != "none" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        raise invalid(src, "model.rope_high_freq_factor", m.rope_high_freq_factor,
+                      f"must be > model.rope_low_freq_factor={m.rope_low_freq_factor} (the band between is blended)")
+    if m.rope_scaling != "none" and m.arch != "llama":
+        raise invalid(src, "model.rope_scaling", m.rope_scaling, "scales rotary positions, which only llama has")
     if m.arch == "llama" and m.head_dim % 2:
         raise invalid(src, "model.heads", m.heads, f"makes an odd head dim {m.head_dim} (model.hidden / model.heads); "
                       f"rotary embeddings rotate pairs of features")

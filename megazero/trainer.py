@@ -74,6 +74,9 @@ def load_data_everywhere(cfg: Config, grid: Grid, is_builder: bool) -> GPTData:
     return data
 
 
+_ROPE_SCALING_KEYS = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_positions")
+
+
 def initial_values(cfg: Config) -> int | InitialValues:
     """Where the weights start: the seed of megazero's initialisation, or the Hugging Face model folder of
     ``train.init_from`` (its config checked against ``model``; each tensor read when its parameter is made)."""
@@ -281,8 +284,10 @@ class Trainer:
             ours, there = getattr(self.cfg.model, key), getattr(theirs, key)
             if key == "kv_heads":
                 ours, there = self.cfg.model.kv_head_count, theirs.kv_head_count
-            if key == "rope_theta" and self.cfg.model.arch == theirs.arch == "gpt2":
+            if key.startswith("rope_") and self.cfg.model.arch == theirs.arch == "gpt2":
                 continue  # GPT-2 has no rotary positions
+            if key in _ROPE_SCALING_KEYS and self.cfg.model.rope_scaling == theirs.rope_scaling == "none":
+                continue  # unscaled on both sides: the scaling's parameters are unused
             if there != ours:
                 raise UserError(f"checkpoint {path}: model.{key} is {there!r} there and {ours!r} here; a resume "
                                 f"keeps the architecture ({', '.join(ModelConfig.ARCHITECTURE)})")

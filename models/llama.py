@@ -14,6 +14,7 @@ them (``ColumnParallelLinear(replicas=...)``).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -79,15 +80,32 @@ def rms_norm(cfg: Any, par: Any) -> RMSNorm:
     return norm
 
 
-def rotary_tables(seq: int, head_dim: int, theta: float, device: torch.device) -> tuple[Tensor, Tensor]:
+def rotary_tables(seq: int, head_dim: int, theta: float, device: torch.device,
+                  scaling: tuple[float, float, float, int] | None = None) -> tuple[Tensor, Tensor]:
     """cos and sin (seq, head_dim) of RoFormer's rotation (Su et al. 2021), for positions 0..seq-1.
 
     The frequencies theta^(-2i/d) are computed in float32 exactly as Hugging Face's Llama does, and the
-    halves layout (``rotate_half``) is theirs, so imported weights need no permutation."""
+    halves layout (``rotate_half``) is theirs, so imported weights need no permutation. ``scaling`` =
+    (factor, low_freq_factor, high_freq_factor, original positions) is Llama 3.1's long-context rescaling
+    (Grattafiori et al. 2024, §3.2.2 and its reference code): a frequency whose wavelength is longer than
+    original/low_freq_factor is divided by factor, one shorter than original/high_freq_factor is kept, and
+    the band between is interpolated linearly in original/wavelength."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    if scaling is not None:
+        factor, low, high, original = scaling
+        ratio = original * inv_freq / (2 * math.pi)  # original context / wavelength
+        blend = ((ratio - low) / (high - low)).clamp(0.0, 1.0)  # 0: long wavelengths, 1: short ones
+        inv_freq = (1 - blend) * inv_freq / factor + blend * inv_freq
     freqs = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
+
+
+def rope_scaling(cfg: Any) -> tuple[float, float, float, int] | None:
+    """``rotary_tables``' scaling from the config's rope keys (None without ``model.rope_scaling``)."""
+    if getattr(cfg, "rope_scaling", "none") != "llama3":
+        return None
+    return cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_positions
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -108,7 +126,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.hidden // cfg.heads
         self.local_heads = cfg.heads // tp
         self.local_kv = max(kv // tp, 1)
-        self.theta = cfg.rope_theta
+        self.theta, self.scaling = cfg.rope_theta, rope_scaling(cfg)
         replicas = par.kv_replicas if kv < tp else None
         assert kv >= tp or (replicas is not None and replicas.size == tp // kv), "kv_heads < tp needs its replicas"
         d, h, sp, bias = self.head_dim, cfg.hidden, par.sp, has_bias(cfg)
@@ -125,7 +143,7 @@ class LlamaAttention(nn.Module):
         q = q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)  # (b, heads, s, d)
         k = k.view(b, s, self.local_kv, self.head_dim).transpose(1, 2)
         v = v.view(b, s, self.local_kv, self.head_dim).transpose(1, 2)
-        cos, sin = rotary_tables(s, self.head_dim, self.theta, x.device)
+        cos, sin = rotary_tables(s, self.head_dim, self.theta, x.device, self.scaling)
         y = attention(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, causal=True, impl=self.impl)
         y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
         return self.dropout(self.proj(y))

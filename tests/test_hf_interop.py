@@ -271,9 +271,9 @@ def test_folders_megazero_cannot_read_are_one_line_errors(tmp_path):
     scaled = tmp_path / "scaled"
     transformers.LlamaConfig(**LLAMA).save_pretrained(scaled)
     raw = json.loads((scaled / "config.json").read_text())
-    raw["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}
+    raw["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0}
     (scaled / "config.json").write_text(json.dumps(raw))
-    _raises(scaled, OURS_LLAMA, "rope type 'llama3'")
+    _raises(scaled, OURS_LLAMA, "rope type 'yarn'", "'llama3'")
     (scaled / "config.json").write_text(json.dumps({**raw, "rope_parameters": None, "hidden_size": "64"}))
     _raises(scaled, OURS_LLAMA, "hidden_size='64' is invalid")
 
@@ -343,3 +343,34 @@ def test_llama_gradients_equal_transformers(tmp_path):
             ours = ours[:VOCAB]
         scale = want.abs().max().item()
         assert scale > 0 and (ours - want).abs().max().item() <= 1e-4 * scale + 1e-6, name
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}  # 16 < SEQ: the scaled frequencies matter here
+OURS_LLAMA3_ROPE = ["model.rope_scaling=llama3", "model.rope_factor=8", "model.rope_low_freq_factor=1",
+                    "model.rope_high_freq_factor=4", "model.rope_original_positions=16"]
+
+
+def test_llama31_scaled_rope_folder_gives_transformers_logits_and_exports_back(tmp_path):
+    """Llama 3.1's rope_scaling ('llama3': long wavelengths divided by factor, short ones kept, the band
+    between blended) equals transformers' at tp 1 (1e-5, as the unscaled case); the export writes it back
+    and transformers' logits on the export equal megazero's (1e-4). A config without the scaling is refused,
+    naming the key."""
+    hf = _hf_llama(tmp_path / "in", rope_scaling=LLAMA3_ROPE)
+    cfg = _cfg(OURS_LLAMA + OURS_LLAMA3_ROPE)
+    model = build_gpt(cfg.model, seed=0).eval()
+    load_into(model, open_hf_model(tmp_path / "in", cfg.model))
+    ids = _ids()
+    with torch.no_grad():
+        theirs = hf(ids).logits
+    torch.testing.assert_close(_logits(model, ids), theirs, rtol=1e-5, atol=1e-5)
+    unscaled = build_gpt(_cfg(OURS_LLAMA).model, seed=0).eval()
+    unscaled.load_state_dict(model.state_dict())
+    assert (_logits(unscaled, ids) - theirs).abs().max() > 1e-2  # the scaling changes the logits here
+    _raises(tmp_path / "in", OURS_LLAMA, "model.rope_scaling is llama3 there and none here")
+
+    hf_config, hf_state = to_hf_state_dict(model.state_dict(), cfg.model)
+    write_hf_folder(tmp_path / "out", hf_config, hf_state)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, _logits(model, ids), rtol=1e-4, atol=1e-4)

@@ -25,7 +25,9 @@ from tests.runs import ROOT, read_metrics, small_overrides, write_corpus
 CONFIG = str(ROOT / "configs" / "tiny-llama.yaml")
 STEPS = 10
 LLAMA = {"model.arch": "llama", "model.layers": 4, "model.heads": 8, "model.kv_heads": 2, "model.ffn_hidden": 96,
-         "model.tie_embeddings": "false", "model.rope_theta": 500000.0}
+         "model.tie_embeddings": "false", "model.rope_theta": 500000.0,
+         # Llama 3.1's scaled frequencies, from an original context of 16 (< seq 32: they matter)
+         "model.rope_scaling": "llama3", "model.rope_original_positions": 16}
 EIGHT_LAYERS = ["model.layers=8"]  # pp 4 with two chunks per rank needs 8 (virtual) stages; its own reference
 SCHEDULES = {"gpipe": ["parallel.schedule=gpipe"], "1f1b": ["parallel.schedule=1f1b"],
              "interleaved": ["parallel.schedule=interleaved", "parallel.virtual_stages=2"]}
@@ -128,6 +130,8 @@ def test_activation_count_of_a_llama_layer():
     (["model.kv_heads=3"], "model.kv_heads"),  # does not divide 8 heads
     (["model.kv_heads=4", "model.arch=gpt2"], "model.kv_heads"),  # grouped-query attention is llama's
     (["model.arch=mistral"], "model.arch"),
+    (["model.arch=gpt2", "model.kv_heads=8", "model.rope_scaling=llama3"], "model.rope_scaling"),
+    (["model.rope_scaling=llama3", "model.rope_high_freq_factor=1"], "model.rope_high_freq_factor"),
     (["model.heads=12", "model.kv_heads=3", "parallel.tp=4"], "model.kv_heads"),  # 3 k/v heads on 4 ranks
     # 2 k/v heads on 6 ranks: each on 3, which must divide the head dim (here 32) for the checkpoint's split
     (["model.hidden=192", "model.heads=6", "model.kv_heads=2", "parallel.tp=6", "parallel.world_size=12",
@@ -179,6 +183,10 @@ def test_a_forward_waits_for_every_gathered_bucket_it_reads():
         assert pending == [[], [], []], pending
 
 
+NEW_MODEL_KEYS = ("arch", "kv_heads", "tie_embeddings", "norm_eps", "rope_theta", "rope_scaling", "rope_factor",
+                  "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_positions")  # since Llama
+
+
 def test_a_resume_keeps_the_architecture(runs, tmp_path):
     """A Llama checkpoint resumed as GPT-2 (or with other k/v heads) is one line naming the key, not a load
     that fails deep inside, or worse, succeeds."""
@@ -191,22 +199,23 @@ def test_a_resume_keeps_the_architecture(runs, tmp_path):
     old = tmp_path / "old" / f"step_{STEPS:08d}"
     shutil.copytree(ckpt, old)
     meta = json.loads((old / "meta.json").read_text())
-    for key in ("arch", "kv_heads", "tie_embeddings", "norm_eps", "rope_theta"):
+    for key in NEW_MODEL_KEYS:
         del meta["config"]["model"][key]
     (old / "meta.json").write_text(json.dumps(meta))
     for sets, where, message in (
-            (["model.arch=gpt2", "model.kv_heads=8"], ckpt, "model.arch is 'llama' there and 'gpt2' here"),
+            (["model.arch=gpt2", "model.kv_heads=8", "model.rope_scaling=none"], ckpt,
+             "model.arch is 'llama' there and 'gpt2' here"),
             (["model.kv_heads=4"], ckpt, "model.kv_heads is 2 there and 4 here"),
             ([], old, "model.arch is 'gpt2' there and 'llama' here")):
         with pytest.raises(UserError, match=message):
             run(CONFIG, _overrides(text, cache, tmp_path / str(len(sets)), sets + [f"train.resume={where}",
                                                                                  "train.steps=11"]))
     # and an older GPT-2 checkpoint still resumes as GPT-2 (its absent keys mean what they meant)
-    gpt2 = ["model.arch=gpt2", "model.kv_heads=8", "model.tie_embeddings=auto"]
+    gpt2 = ["model.arch=gpt2", "model.kv_heads=8", "model.tie_embeddings=auto", "model.rope_scaling=none"]
     run(CONFIG, _overrides(text, cache, tmp_path / "gpt2", gpt2 + ["train.steps=2"]))
     meta_file = tmp_path / "gpt2" / "checkpoints" / "step_00000002" / "meta.json"
     meta = json.loads(meta_file.read_text())
-    for key in ("arch", "kv_heads", "tie_embeddings", "norm_eps", "rope_theta"):
+    for key in NEW_MODEL_KEYS:
         del meta["config"]["model"][key]
     meta_file.write_text(json.dumps(meta))
     run(CONFIG, _overrides(text, cache, tmp_path / "gpt2", gpt2 + ["train.steps=3", "train.resume=auto"]))
