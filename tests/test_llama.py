@@ -36,7 +36,9 @@ TWO = [("tp2", ["parallel.tp=2"]), ("tp2_sp", ["parallel.tp=2", "parallel.sequen
 # pp 2 runs at dp 2, each with a ZeRO stage: stages 1-3 with dp > 1 (stage 0's dp 2 is the 8-rank run). Stages
 # 1-2 with 20 KB buckets: q, k, v, gate, up and the head each fill buckets of their own, whose post-step
 # gathers a forward must wait for although their modules are never called (column_parallel_linears)
-FOUR = [("tp4_sp_z3", ["parallel.tp=4", "parallel.sequence_parallel=true", "zero.stage=3"])] + \
+M16 = ["train.global_batch=32"]  # 16 microbatches of 2: per-microbatch replica sums and buckets at m >= 16
+FOUR = [("tp4_sp_z3", ["parallel.tp=4", "parallel.sequence_parallel=true", "zero.stage=3"]),
+        ("tp4_m16", ["parallel.tp=4"] + M16)] + \
        [(f"pp4_{s}", SCHEDULES[s] + ["parallel.pp=4"] + (EIGHT_LAYERS if s == "interleaved" else []))
         for s in SCHEDULES] + \
        [(f"pp2_{s}_z{z}", SCHEDULES[s] + ["parallel.pp=2", f"zero.stage={z}"]
@@ -69,6 +71,7 @@ def runs(tmp_path_factory):
     text, cache = write_corpus(base / "text"), base / "cache"
     run(CONFIG, _overrides(text, cache, base / "one"))
     run(CONFIG, _overrides(text, cache, base / "one_8_layers", EIGHT_LAYERS))
+    run(CONFIG, _overrides(text, cache, base / "one_m16", M16))
     run_ranks(4, _four_ranks, text, cache, base)  # the tp 2 layouts too, at dp 2 (one spawn fewer)
     run_ranks(8, _train_layouts, text, cache, base, EIGHT)
     return base
@@ -80,7 +83,8 @@ def _losses(log_dir) -> list[float]:
 
 @pytest.mark.parametrize("name", [n for n, _ in TWO + FOUR + EIGHT] + ["tp4"])
 def test_loss_curve_matches_one_process(runs, name):
-    want, got = _losses(runs / ("one_8_layers" if name == "pp4_interleaved" else "one")), _losses(runs / name)
+    reference = {"pp4_interleaved": "one_8_layers", "tp4_m16": "one_m16"}.get(name, "one")
+    want, got = _losses(runs / reference), _losses(runs / name)
     assert len(want) == len(got) == STEPS, (len(want), len(got))
     for step, (a, b) in enumerate(zip(want, got), 1):
         assert abs(a - b) <= 1e-5 * abs(a), (name, step, a, b)
