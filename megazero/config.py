@@ -95,9 +95,12 @@ class ParallelConfig:
     pp: int = 1
     dp: Union[int, str] = AUTO  # "auto" = world_size / (tp * pp), resolved at launch
     sequence_parallel: bool = False  # split norms/dropout along the sequence over tp (Korthikanti et al. 2022)
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb1p
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved)
     pp_layers: list = field(default_factory=list)  # explicit layers per (virtual) stage; [] = balanced
+    # Domino-style overlap (Wang et al. 2024): each layer's microbatch in two halves, one half's tp collective
+    # in flight under the other half's matmuls
+    tp_overlap: bool = False
     world_size: int = 0  # 0 = the launcher's; set it to plan a run of another size with --dry-run
 
 

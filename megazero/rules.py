@@ -226,6 +226,9 @@ def _check_tp(cfg: Config) -> None:
     if cfg.parallel.sequence_parallel and m.seq_len % tp:
         raise invalid(src, "model.seq_len", m.seq_len,
                       f"must be divisible by parallel.tp={tp} with parallel.sequence_parallel=true")
+    if cfg.parallel.tp_overlap and cfg.train.micro_batch % 2:
+        raise invalid(src, "train.micro_batch", cfg.train.micro_batch,
+                      "must be even with parallel.tp_overlap=true (each microbatch runs as two halves)")
 
 
 def _check_pp(cfg: Config) -> None:

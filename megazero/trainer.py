@@ -114,7 +114,7 @@ class Trainer:
                                          layer_ids=ranges[vs], first_stage=vs == 0, last_stage=vs == last_vs,
                                          sequence_parallel=par.sequence_parallel,
                                          attention_impl=cfg.kernels.attention, materialise=not lazy,
-                                         kv_replicas=kv_replicas))
+                                         kv_replicas=kv_replicas, tp_overlap=par.tp_overlap))
         origin = {p: (m, n) for m in self.chunks for n, p in m.named_parameters()}
         self.named_params = [(n, p) for m in self.chunks for n, p in m.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named_params]

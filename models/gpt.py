@@ -168,6 +168,7 @@ class GPT(nn.Module):
         sequence_parallel: bool = False,
         attention_impl: str = "torch",
         kv_replicas: Optional[Comm] = None,
+        tp_overlap: bool = False,
     ):
         super().__init__()
         self.cfg = cfg
@@ -317,6 +318,7 @@ def build_gpt(
     attention_impl: str = "torch",
     materialise: bool = True,
     kv_replicas: Optional[Comm] = None,
+    tp_overlap: bool = False,
 ) -> GPT:
     """Build a stage on the meta device (no memory), materialise it on ``device``, initialise it.
 
@@ -324,7 +326,8 @@ def build_gpt(
     bucket at a time from :func:`initial_tp_value`; the model still computes on ``device``.
     """
     with torch.device("meta"):
-        model = GPT(cfg, tp, layer_ids, first_stage, last_stage, sequence_parallel, attention_impl, kv_replicas)
+        model = GPT(cfg, tp, layer_ids, first_stage, last_stage, sequence_parallel, attention_impl, kv_replicas,
+                    tp_overlap)
     model.rng.device = torch.device(device)
     if not materialise:
         return model

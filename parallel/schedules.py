@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1p")
 COMPUTE = ("F", "B")
 COMM = ("send_f", "recv_f", "send_b", "recv_b")
 
