@@ -23,6 +23,14 @@ Schedules:
   Bubble (pp - 1) / (m + pp - 1) of the step.
 - ``interleaved``: v chunks per rank, 1F1B over virtual microbatches in
   Megatron's order (m must be a multiple of pp); the bubble shrinks by ~v.
+- ``zb1p`` (ZB-H1, Qi et al. 2023, §3.1): 1F1B with each backward split in
+  two: ``B``, the input gradient the previous stage waits for, and ``W``, the
+  weight gradient nobody waits for. Rank r runs W(i - r) right after B(i) and
+  the r W's it still owes at the end, so the deferred weight gradients fill
+  the cooldown's idle time. With equal F, B and W costs the bubble is
+  (p - 1)(F + B - W), a third of 1F1B's (p - 1)(F + B + W), and at most p
+  microbatches are held on any rank (forwarded, weight gradient not yet
+  taken), as in 1F1B's first stage.
 """
 from __future__ import annotations
 
@@ -30,13 +38,13 @@ from dataclasses import dataclass
 from typing import Iterator
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1p")
-COMPUTE = ("F", "B")
+COMPUTE = ("F", "B", "W")
 COMM = ("send_f", "recv_f", "send_b", "recv_b")
 
 
 @dataclass(frozen=True)
 class Action:
-    kind: str  # F | B | send_f | recv_f | send_b | recv_b
+    kind: str  # F | B | W | send_f | recv_f | send_b | recv_b
     mb: int
     chunk: int = 0
 
@@ -76,12 +84,13 @@ def _interleaved_warmup(pp: int, rank: int, m: int, v: int) -> int:
 def _compute_order(name: str, pp: int, rank: int, m: int, v: int) -> list[tuple[str, int, int]]:
     if name == "gpipe":
         return [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
-    if name == "1f1b":
+    if name in ("1f1b", "zb1p"):
         warmup = min(pp - rank - 1, m)
         order = [("F", i, 0) for i in range(warmup)]
         for i in range(m - warmup):
             order += [("F", warmup + i, 0), ("B", i, 0)]
-        return order + [("B", i, 0) for i in range(m - warmup, m)]
+        order += [("B", i, 0) for i in range(m - warmup, m)]
+        return order if name == "1f1b" else _defer_weight_grads(order, rank, m)
     # interleaved: Megatron-LM's virtual-microbatch order
     total = m * v
 
@@ -98,6 +107,16 @@ def _compute_order(name: str, pp: int, rank: int, m: int, v: int) -> list[tuple[
     return order + [bwd(k) for k in range(total - warmup, total)]
 
 
+def _defer_weight_grads(order: list[tuple[str, int, int]], rank: int, m: int) -> list[tuple[str, int, int]]:
+    """ZB-H1: W(i - rank) right after B(i), the rank's last W's at the end."""
+    out = []
+    for kind, mb, chunk in order:
+        out.append((kind, mb, chunk))
+        if kind == "B" and mb >= rank:
+            out.append(("W", mb - rank, chunk))
+    return out + [("W", i, 0) for i in range(max(m - rank, 0), m)]
+
+
 def _with_comms(rank: int, pp: int, v: int, order: list[tuple[str, int, int]]) -> list[Action]:
     """Receives right before the compute that needs them, sends right after the one that produces them."""
     last = pp * v - 1
@@ -108,6 +127,8 @@ def _with_comms(rank: int, pp: int, v: int, order: list[tuple[str, int, int]]) -
             actions += [Action("recv_f", mb, chunk)] if vs > 0 else []
             actions.append(Action("F", mb, chunk))
             actions += [Action("send_f", mb, chunk)] if vs < last else []
+        elif kind == "W":
+            actions.append(Action("W", mb, chunk))
         else:
             actions += [Action("recv_b", mb, chunk)] if vs < last else []
             actions.append(Action("B", mb, chunk))
@@ -250,17 +271,24 @@ def check_deadlock_free(sched: list[list[Action]], pp: int) -> None:
         assert progressed, f"deadlock: ranks stuck at {stuck}"
 
 
-def simulate(sched: list[list[Action]], pp: int, f_cost: float = 1.0, b_cost: float = 1.0) -> dict:
+def simulate(sched: list[list[Action]], pp: int, f_cost: float = 1.0, b_cost: float = 1.0,
+             w_cost: float = 0.0) -> dict:
     """Discrete-event run with compute costs and free communication.
 
     Each rank runs its computes in order; a forward waits for the previous
     virtual stage's forward of the same microbatch, a backward for the next
-    stage's backward (or its own forward on the last stage). Returns the
-    makespan, per-rank busy time and idle fraction, and the peak number of
-    microbatches in flight (forwarded, not yet backwarded) per rank.
+    stage's backward (or its own forward on the last stage), a weight gradient
+    for its own backward. ``b_cost`` is the input gradient and ``w_cost`` the
+    weight gradient: a schedule without W actions runs both in its B. Returns
+    the makespan, per-rank busy time and idle fraction, and the peak number of
+    microbatches held per rank (forwarded, backward not yet complete: its W
+    where the schedule has one).
     """
     v = 1 + max(a.chunk for actions in sched for a in actions)
     last = pp * v - 1
+    split = any(a.kind == "W" for actions in sched for a in actions)
+    cost = {"F": f_cost, "B": b_cost if split else b_cost + w_cost, "W": w_cost}
+    ends = "W" if split else "B"  # the action that releases a microbatch's activations
     finish: dict[tuple, float] = {}
     clock = [0.0] * pp
     queues = [[a for a in actions if a.kind in COMPUTE] for actions in sched]
@@ -277,15 +305,17 @@ def simulate(sched: list[list[Action]], pp: int, f_cost: float = 1.0, b_cost: fl
             vs = virtual_stage(r, a.chunk, pp)
             if a.kind == "F":
                 deps = [("F", a.mb, vs - 1)] if vs > 0 else []
-            else:
+            elif a.kind == "B":
                 deps = [("F", a.mb, vs)] + ([("B", a.mb, vs + 1)] if vs < last else [])
+            else:
+                deps = [("B", a.mb, vs)]
             if any(d not in finish for d in deps):
                 continue
-            cost = (f_cost if a.kind == "F" else b_cost) / v
+            took = cost[a.kind] / v
             start = max([clock[r]] + [finish[d] for d in deps])
-            finish[(a.kind, a.mb, vs)] = clock[r] = start + cost
-            busy[r] += cost
-            in_flight[r] += 1 if a.kind == "F" else -1
+            finish[(a.kind, a.mb, vs)] = clock[r] = start + took
+            busy[r] += took
+            in_flight[r] += 1 if a.kind == "F" else -1 if a.kind == ends else 0
             peak[r] = max(peak[r], in_flight[r])
             pos[r] += 1
             remaining -= 1

@@ -16,7 +16,7 @@ from parallel.schedules import (
 def cases():
     for pp in (1, 2, 4, 8):
         for m in range(1, 4 * pp + 1):
-            for name, vs in (("gpipe", (1,)), ("1f1b", (1,)), ("interleaved", (2, 3))):
+            for name, vs in (("gpipe", (1,)), ("1f1b", (1,)), ("zb1p", (1,)), ("interleaved", (2, 3))):
                 for v in vs:
                     if schedule_constraint(name, pp, m, v) is None:
                         yield name, pp, m, v
@@ -27,7 +27,7 @@ CASES = list(cases())
 
 def test_the_case_grid_covers_every_schedule():
     names = Counter(c[0] for c in CASES)
-    assert names["gpipe"] == names["1f1b"] == sum(4 * pp for pp in (1, 2, 4, 8))
+    assert names["gpipe"] == names["1f1b"] == names["zb1p"] == sum(4 * pp for pp in (1, 2, 4, 8))
     assert names["interleaved"] == 2 * sum(4 for pp in (2, 4, 8))  # m in {pp, 2pp, 3pp, 4pp}, v in {2, 3}
 
 
@@ -39,10 +39,14 @@ def test_schedule_is_complete_ordered_and_deadlock_free(name, pp, m, v):
         computes = [(a.kind, a.mb, a.chunk) for a in actions if a.kind in ("F", "B")]
         # every microbatch's forward and backward exactly once per chunk
         assert Counter(computes) == Counter((k, mb, c) for k in ("F", "B") for mb in range(m) for c in range(v))
-        # each forward precedes its backward
+        # each forward precedes its backward, which precedes its weight gradient (zb1p: each exactly once)
+        order = [(a.kind, a.mb, a.chunk) for a in actions if a.kind in ("F", "B", "W")]
+        assert sorted(k[1:] for k in order if k[0] == "W") == ([(mb, 0) for mb in range(m)] if name == "zb1p" else [])
         for mb in range(m):
             for c in range(v):
-                assert computes.index(("F", mb, c)) < computes.index(("B", mb, c))
+                assert order.index(("F", mb, c)) < order.index(("B", mb, c))
+                if name == "zb1p":
+                    assert order.index(("B", mb, c)) < order.index(("W", mb, c))
         # a receive comes before the compute that consumes it, a send after the one that produces it
         for i, a in enumerate(actions):
             if a.kind in ("recv_f", "recv_b"):
@@ -83,6 +87,26 @@ def test_interleaving_shrinks_the_bubble(pp, m, v):
         assert max(inter) == pytest.approx((pp - 1) / (v * m + pp - 1), abs=1e-12)
 
 
+@pytest.mark.parametrize("pp", [2, 4, 8])
+def test_zb1p_bubble_is_a_third_of_1f1b_at_the_same_memory(pp):
+    """ZB-H1 (Qi et al. 2023, §3.1) with equal F, B and W costs: 1F1B idles (p-1)(F+B+W) per rank, zb1p
+    (p-1)(F+B-W). The bubble is the idle time (the paper's measure); as a share of zb1p's shorter step it is
+    0.36-0.48 of 1F1B's share over these m. Memory: at most p microbatches held on a rank, as 1F1B's first."""
+    for m in range(pp, 4 * pp + 1):
+        one = simulate(build_schedule("1f1b", pp, m), pp, 1.0, 1.0, 1.0)
+        zb = simulate(build_schedule("zb1p", pp, m), pp, 1.0, 1.0, 1.0)
+        assert one["makespan"] - 3 * m == pytest.approx(3 * (pp - 1))
+        idle = [zb["makespan"] - busy for busy in zb["busy"]]
+        assert max(idle) <= 0.4 * 3 * (pp - 1)
+        assert max(idle) == pytest.approx(pp - 1)  # exactly (p-1)(F+B-W)
+        assert max(zb["peak_in_flight"]) <= max(one["peak_in_flight"]) == pp
+    # unequal costs (W cheaper than B, as when attention's backward is all input gradient): still below 1F1B
+    for m in (pp, 2 * pp):
+        one = simulate(build_schedule("1f1b", pp, m), pp, 1.0, 1.2, 0.8)
+        zb = simulate(build_schedule("zb1p", pp, m), pp, 1.0, 1.2, 0.8)
+        assert zb["makespan"] < one["makespan"] - (pp - 1) * 1.0
+
+
 def test_deadlock_checker_catches_a_bad_order():
     sched = build_schedule("1f1b", 2, 4)
     # rank 1 receives microbatch 1 before microbatch 0: channel order mismatch
@@ -106,6 +130,7 @@ def test_invalid_combinations_are_explained():
     assert "virtual_stages >= 2" in schedule_constraint("interleaved", 4, 8, 1)
     assert "must be 1" in schedule_constraint("1f1b", 4, 8, 2)
     assert "unknown schedule" in schedule_constraint("zigzag", 4, 8, 1)
+    assert "must be 1" in schedule_constraint("zb1p", 4, 8, 2)
 
 
 def test_partition_layers():
