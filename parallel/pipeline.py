@@ -8,6 +8,10 @@ dtypes are known from the config, so no handshake precedes a transfer, and no
 transfer synchronises the host with the device. A stage's output activation
 is released as soon as it has been sent (Megatron's deallocate-output trick):
 backward needs only its autograd graph, not its values.
+
+Schedules with ``W`` actions (zb1p) split each backward: ``B`` computes the
+input gradient the previous stage waits for and keeps the graph; ``W``
+computes the weight gradients from it later (``parallel.weight_grad``).
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from torch import Tensor, nn
 
 from parallel.schedules import Action, batches, peer, virtual_stage
 from parallel.topology import Grid
+from parallel.weight_grad import DeferredWeightGrad, backward_input
 
 
 def partition_layers(layers: int, stages: int, explicit: Sequence[int] = ()) -> list[range]:
@@ -78,6 +83,8 @@ class PipelineExecutor:
         inputs: dict[tuple, Tensor] = {}
         outputs: dict[tuple, Tensor] = {}
         grads: dict[tuple, Tensor] = {}
+        deferred: dict[tuple, DeferredWeightGrad] = {}  # split backwards: what each B left for its W
+        split = any(a.kind == "W" for a in actions)
         total = torch.zeros((), device=self.device)
         self.trace = []
         self.peak_held_bytes = 0
@@ -91,13 +98,16 @@ class PipelineExecutor:
                 a = items[0]
                 if a.kind == "F":
                     total += self._forward(a, microbatches, inputs, outputs, forward_only)
+                elif a.kind == "W":
+                    deferred.pop((a.mb, a.chunk)).run()
                 else:
-                    self._backward(a, inputs, outputs, grads)
+                    self._backward(a, inputs, outputs, grads, deferred if split else None)
                 label = str(a)
             self.trace.append((kind, label, items[0].mb, items[0].chunk, start, self._stamp()))
             held = sum(t.numel() * t.element_size() for t in outputs.values())
             self.peak_held_bytes = max(self.peak_held_bytes, held)
         assert not outputs or forward_only, f"outputs never consumed: {list(outputs)[:4]}"
+        assert not deferred, f"weight gradients never taken: {list(deferred)[:4]}"
         return total
 
     def _forward(self, a: Action, microbatches, inputs, outputs, forward_only: bool) -> Tensor:
@@ -121,14 +131,20 @@ class PipelineExecutor:
             outputs[key] = loss_sum * (self.loss_scale / self.tokens_per_step)
         return loss_sum.detach()
 
-    def _backward(self, a: Action, inputs, outputs, grads) -> None:
+    def _backward(self, a: Action, inputs, outputs, grads, deferred: Optional[dict]) -> None:
+        """The whole backward, or (``deferred`` given) only the input gradient, leaving the weights' for W."""
         key = (a.mb, a.chunk)
         vs = virtual_stage(self.rank, a.chunk, self.pp)
         out = outputs.pop(key)
-        if vs == self.last_vs:
+        grad = torch.ones_like(out) if vs == self.last_vs else grads.pop(key)
+        if deferred is not None:
+            x = [inputs[key]] if vs > 0 else []
+            params = [p for p in self.chunks[a.chunk].parameters() if p.requires_grad]
+            deferred[key] = backward_input([out], [grad], x, params)
+        elif vs == self.last_vs:
             out.backward()
         else:
-            _run_backward(out, grads.pop(key))
+            _run_backward(out, grad)
         if vs > 0:
             grads[("send",) + key] = inputs.pop(key).grad
         else:

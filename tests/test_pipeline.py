@@ -26,7 +26,7 @@ TINY = str(ROOT / "configs" / "tiny.yaml")
 STEPS = 10
 EIGHT_LAYERS = {"model.layers": 8}  # pp=4 with two chunks per rank needs 8 (virtual) stages
 SCHEDULES = {"gpipe": ["parallel.schedule=gpipe"], "1f1b": ["parallel.schedule=1f1b"],
-             "interleaved": ["parallel.schedule=interleaved", "parallel.virtual_stages=2"]}
+             "zb1p": ["parallel.schedule=zb1p"], "interleaved": ["parallel.schedule=interleaved", "parallel.virtual_stages=2"]}
 
 
 def _overrides(text, cache, log_dir, extra=()):
@@ -97,8 +97,12 @@ FOUR = [(f"pp4_{s}", SCHEDULES[s] + ["parallel.pp=4"]) for s in SCHEDULES] + \
        [(f"pp2_dp2_{s}", SCHEDULES[s] + ["parallel.pp=2"]) for s in SCHEDULES] + \
        [(f"pp2_dp2_interleaved_z{z}", SCHEDULES["interleaved"] + ["parallel.pp=2", f"zero.stage={z}"])
         for z in (2, 3)]  # ZeRO's buckets (stage 3: layers) span two model chunks per rank
-EIGHT = [(f"tp2_pp2_dp2_{s}", SCHEDULES[s] + ["parallel.pp=2", "parallel.tp=2"]) for s in SCHEDULES]
-EIGHT[1] = (EIGHT[1][0] + "_sp", EIGHT[1][1] + ["parallel.sequence_parallel=true", "log.pipeline_trace=true"])
+TP2_PP2 = ["parallel.pp=2", "parallel.tp=2"]
+EIGHT = [(f"tp2_pp2_dp2_{s}", SCHEDULES[s] + TP2_PP2) for s in ("gpipe", "interleaved")] + [
+    ("tp2_pp2_dp2_1f1b_sp", SCHEDULES["1f1b"] + TP2_PP2 + ["parallel.sequence_parallel=true", "log.pipeline_trace=true"]),
+    # the split backward under ZeRO: gradient hooks fire in W; stage 3 keeps a layer gathered from its B to its W
+    ("tp2_pp2_dp2_zb1p_z1", SCHEDULES["zb1p"] + TP2_PP2 + ["zero.stage=1", "log.pipeline_trace=true"]),
+    ("tp2_pp2_dp2_zb1p_z3_sp", SCHEDULES["zb1p"] + TP2_PP2 + ["zero.stage=3", "parallel.sequence_parallel=true"])]
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +182,20 @@ def test_pipeline_trace_shows_every_rank(runs):
         assert sorted(names) == ["B0", "B1", "F0", "F1"], (pid, names)
         spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["pid"] == pid)
         assert all(a[1] <= b[0] + 1e-3 for a, b in zip(spans, spans[1:]))  # one rank does one thing at a time
+
+
+def test_zb1p_trace_shows_input_and_weight_gradients_apart(runs):
+    """zb1p's backward is two spans per microbatch: B (input gradient), then W (weight gradient), in the
+    schedule's order: the last stage (pp rank 1) defers W0 past B1; the first runs each W right after its B."""
+    base, _ = runs
+    trace = json.loads((base / "tp2_pp2_dp2_zb1p_z1" / "pipeline_trace.json").read_text())
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "compute"]
+    for pid in range(8):
+        names = [e["name"] for e in sorted(events, key=lambda e: e["ts"]) if e["pid"] == pid]
+        first = pid in (0, 1, 2, 3)  # rank order tp, dp, pp (DESIGN): pids 0-3 are pp rank 0
+        assert names == (["F0", "F1", "B0", "W0", "B1", "W1"] if first else ["F0", "B0", "F1", "B1", "W0", "W1"]), \
+            (pid, names)
+        assert all(e["dur"] > 0 for e in events if e["pid"] == pid)
 
 
 def test_logged_model_state_is_the_largest_ranks(runs):
