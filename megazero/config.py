@@ -97,7 +97,9 @@ class ParallelConfig:
     sequence_parallel: bool = False  # split norms/dropout along the sequence over tp (Korthikanti et al. 2022)
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb1p
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved)
-    pp_layers: list = field(default_factory=list)  # explicit layers per (virtual) stage; [] = balanced
+    # layers per (virtual) stage: a list of counts; [] = even (earlier stages take the remainder); auto = balanced
+    # by cost (parallel.balance: the last stage's head and loss, the first's embedding), resolved to a list
+    pp_layers: Union[list, str] = field(default_factory=list)
     # Domino-style overlap (Wang et al. 2024): each layer's microbatch in two halves, one half's tp collective
     # in flight under the other half's matmuls
     tp_overlap: bool = False
@@ -221,6 +223,8 @@ def _coerce(source: str, section: str, key: str, value: Any, annotation: str) ->
     numbers as numbers); ranges are megazero.rules' job.
     """
     full = f"{section}.{key}"
+    if (section, key) == ("parallel", "pp_layers"):
+        return _layer_counts(source, full, value)
     ann = annotation.replace("typing.", "")
     allows_none = "None" in ann
     allows_auto = "str" in ann and ann.startswith("Union") and (section, key) != ("train", "resume")
@@ -254,16 +258,22 @@ def _coerce(source: str, section: str, key: str, value: Any, annotation: str) ->
     if base == "list":
         if isinstance(value, list) and len(value) > MAX_LIST:
             raise invalid(source, full, value, f"at most {MAX_LIST} entries")
-        if (section, key) == ("parallel", "pp_layers"):
-            if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-                return list(value)
-            raise invalid(source, full, value, "expected a list of layer counts, one per (virtual) stage")
         if isinstance(value, str):
             value = [value]
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             return [_text(source, full, v, "expected a list of paths") for v in value]
         raise invalid(source, full, value, "expected a list of paths")
     raise AssertionError(f"unhandled annotation {annotation} for {full}")
+
+
+def _layer_counts(source: str, full: str, value: Any) -> Union[list, str]:
+    """parallel.pp_layers: a list of integers (their ranges are megazero.rules'), or auto."""
+    if isinstance(value, list) and len(value) > MAX_LIST:
+        raise invalid(source, full, value, f"at most {MAX_LIST} entries")
+    if value == AUTO or (isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool)
+                                                         for v in value)):
+        return list(value) if isinstance(value, list) else value
+    raise invalid(source, full, value, "expected a list of layer counts, one per (virtual) stage, or auto")
 
 
 def _text(source: str, full: str, value: Any, expected: str) -> str:

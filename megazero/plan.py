@@ -25,8 +25,10 @@ import torch
 
 from megazero.config import AUTO, Config
 from megazero.metrics import flops_per_token, model_flops_per_token, model_shape
+from megazero.rules import pipeline_costs
 from models.gpt import GPT, count_parameters
 from models.llama import kv_replicas_needed
+from parallel.balance import balance_layers, rank_costs
 from parallel.comm import Comm
 from parallel.pipeline import partition_layers
 from parallel.schedules import Action, build_schedule, virtual_stage
@@ -217,6 +219,25 @@ class StagePlan:
 
 
 @dataclass(frozen=True)
+class StageBalance:
+    """Each pipeline rank's work as parallel.balance weighs it (megazero.rules.pipeline_costs), for this
+    config's layer counts per virtual stage and for those ``parallel.pp_layers: auto`` gives."""
+
+    counts: list[int]
+    rank_costs: list[float]
+    auto_counts: list[int]
+    auto_rank_costs: list[float]
+
+    @classmethod
+    def of(cls, cfg: Config, ranges: list[range]) -> "StageBalance":
+        par = cfg.parallel
+        costs = pipeline_costs(cfg.model, par.tp, cfg.train.precision)
+        counts = [len(r) for r in ranges]
+        auto = balance_layers(cfg.model.layers, par.pp, costs, par.virtual_stages)
+        return cls(counts, rank_costs(counts, par.pp, costs), auto, rank_costs(auto, par.pp, costs))
+
+
+@dataclass(frozen=True)
 class Plan:
     cfg: Config
     world_size: int
@@ -226,6 +247,7 @@ class Plan:
     tokens_per_step: int
     microbatches: int
     bubble: float
+    balance: StageBalance
 
 
 def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action], params: ParamCounts) -> StagePlan:
@@ -317,4 +339,5 @@ def make_plan(cfg: Config) -> Plan:
     stages = [_stage_plan(cfg, r, ranges, schedule[r], params) for r in range(par.pp)]
     tokens = t.global_batch * m.seq_len
     return Plan(cfg, par.tp * par.pp * par.dp, stages, count_parameters(m), model_flops_per_token(m) * tokens,
-                tokens, mb, pipeline_bubble(par.schedule, par.pp, mb, par.virtual_stages))
+                tokens, mb, pipeline_bubble(par.schedule, par.pp, mb, par.virtual_stages),
+                StageBalance.of(cfg, ranges))

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from megazero.plan import (BYTES_PER_VALUE, GB, Plan, grad_bytes_per_param, optimizer_bytes_per_param)
+from megazero.plan import (BYTES_PER_VALUE, GB, Plan, StageBalance, grad_bytes_per_param,
+                           optimizer_bytes_per_param)
 
 
 def fmt_count(n: float) -> str:
@@ -35,6 +36,36 @@ def fmt_ranges(values: Sequence[int]) -> str:
         if x is not None:
             start = prev = x
     return ",".join(out)
+
+
+def fmt_layer_counts(counts: Sequence[int]) -> str:
+    """[5, 3]; a long list with its runs folded: [21, 20 x 30, 19]."""
+    if len(counts) <= 16:
+        return str(list(counts))
+    runs: list[list[int]] = []
+    for c in counts:
+        if runs and runs[-1][0] == c:
+            runs[-1][1] += 1
+        else:
+            runs.append([c, 1])
+    return "[" + ", ".join(f"{c} x {k}" if k > 1 else str(c) for c, k in runs) + "]"
+
+
+def fmt_balance(balance: StageBalance) -> str:
+    """Layers per (virtual) stage, each pipeline rank's share of the work, the busiest over the least busy;
+    and what parallel.pp_layers=auto would give, where it differs."""
+    def imbalance(costs: Sequence[float]) -> str:
+        return f"busiest / least {max(costs) / min(costs):.2f}"
+
+    costs = balance.rank_costs
+    total = sum(costs)
+    shares = (" / ".join(f"{c / total:.2f}" for c in costs) if len(costs) <= 8
+              else f"{min(costs) / total:.4f} to {max(costs) / total:.4f} over {len(costs)} ranks")
+    text = f"layers {fmt_layer_counts(balance.counts)}, cost share {shares} ({imbalance(costs)})"
+    if balance.auto_counts != balance.counts:
+        text += (f"; parallel.pp_layers=auto: {fmt_layer_counts(balance.auto_counts)}, "
+                 f"{imbalance(balance.auto_rank_costs)}")
+    return text
 
 
 def _table(header: list[str], rows: list[list[str]], left: int) -> list[str]:
@@ -104,6 +135,9 @@ def format_plan(plan: Plan) -> str:
         + " (no comm buckets, temporaries, CUDA context or fragmentation)",
         "  TFLOP/step: model FLOPs of one rank of the stage (megazero.metrics formula on its layers and head; "
         "recomputation not counted)",
+        "  pp stages: each pipeline rank's share of the work per token: those FLOPs, plus the cross entropy and the "
+        "embedding lookup as FLOPs-equivalents of their memory traffic (megazero.rules.pipeline_costs); "
+        "parallel.pp_layers=auto splits the layers to least load the busiest",
         "",
         "totals",
     ]
@@ -118,5 +152,6 @@ def format_plan(plan: Plan) -> str:
                                   f"(micro_batch {t.micro_batch} x dp {par.dp}))"],
         ["pipeline bubble", f"{100 * plan.bubble:.2f}% = {bubble_formula} with p={par.pp}, m={plan.microbatches}"
                             + (f", v={par.virtual_stages}" if par.schedule == "interleaved" else "")],
+        ["pp stages", fmt_balance(plan.balance)],
     ], left=2)[1:]]
     return "\n".join(lines)

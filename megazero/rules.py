@@ -21,12 +21,15 @@ from typing import TYPE_CHECKING
 from megazero.data.samples import parse_split
 from megazero.errors import UserError, invalid
 from models import arch
+from parallel.balance import StageCosts, balance_layers
 from parallel.schedules import SCHEDULES, schedule_constraint
 
 if TYPE_CHECKING:  # annotations only: megazero.config imports this module
     from megazero.config import Config
 
-AUTO = "auto"  # a value fixed later: by resolve_world (parallel.dp, zero.reshard_after_forward) or at launch
+# a value fixed later: by validate (parallel.pp_layers), resolve_world (parallel.dp, zero.reshard_after_forward)
+# or at launch
+AUTO = "auto"
 
 # Allowed values and ranges, per key. A key absent here only needs the right type.
 _CHOICES = {
@@ -188,6 +191,9 @@ def validate(cfg: Config) -> None:
         _check_microbatches(cfg)
     if not cfg.log.dir:
         cfg.log.dir = str(Path("runs") / cfg.name)
+    if par.pp_layers == AUTO:  # last, once every static check has passed: the FLOPs formula imports torch
+        par.pp_layers = balance_layers(m.layers, par.pp, pipeline_costs(m, par.tp, t.precision),
+                                       par.virtual_stages)
 
 
 def _exists(src: str, key: str, path: str, test=Path.exists) -> bool:
@@ -243,7 +249,7 @@ def _check_pp(cfg: Config) -> None:
     if problem:
         raise invalid(src, "parallel.virtual_stages", p.virtual_stages,
                       f"{problem}; model chunks need schedule=interleaved")
-    if p.pp_layers:
+    if p.pp_layers and p.pp_layers != AUTO:
         if len(p.pp_layers) != stages or sum(p.pp_layers) != m.layers or min(p.pp_layers) < 1:
             raise invalid(src, "parallel.pp_layers", p.pp_layers,
                           f"must list {stages} counts (pp*virtual_stages), each >= 1, summing to "
@@ -251,6 +257,35 @@ def _check_pp(cfg: Config) -> None:
     elif m.layers < stages:
         raise invalid(src, "model.layers", m.layers,
                       f"fewer layers than pipeline stages: needs >= parallel.pp*virtual_stages = {stages}")
+
+
+# Memory-bound work as FLOPs-equivalents: the FLOPs a GPU would have done in the time it moves the bytes, its
+# dense peak over its memory bandwidth (H200: 989 TFLOP/s bf16, 67 fp32, over 4.8 TB/s; an H100's 3.35 TB/s
+# gives 295 / 20). The same bytes weigh 15x more beside 16-bit matmuls than beside fp32 ones.
+FLOPS_PER_BYTE_16BIT = 200.0
+FLOPS_PER_BYTE_FP32 = 14.0
+# The vocab-parallel cross entropy (parallel.tensor) reads or writes each fp32 logit of this rank's slice ten
+# times: forward max, subtract (2), exp (2), sum, normalise (2); backward scale (2). The first pass is 16-bit
+# casts under bf16, a little more: not counted.
+CROSS_ENTROPY_BYTES_PER_LOGIT = 40
+# The embedding lookup gathers a row (read, write) and its backward adds the gradient into it (read, write):
+# four fp32 passes over hidden values per token, on every tp rank (the vocabulary is split, the rows are not).
+EMBEDDING_BYTES_PER_VALUE = 16
+
+
+def pipeline_costs(m, tp: int = 1, precision: str = "fp32") -> StageCosts:
+    """What one rank computes per token (parallel.balance): a transformer layer and the output head from the
+    FLOPs formula (megazero.metrics), plus the cross entropy over this rank's V/tp logits and the embedding
+    lookup as FLOPs-equivalents of their memory traffic. ``m``: a model config (auto keys resolved or not).
+    Recomputation (model.activation_checkpointing) is not counted, as in the plan's FLOPs."""
+    from megazero.metrics import flops_per_token, model_shape  # imports torch: only when asked
+
+    ffn, shape = arch.ffn_hidden(m), model_shape(m)
+    layer = flops_per_token(1, m.hidden, ffn, m.seq_len, 0, **shape) / tp
+    head = flops_per_token(0, m.hidden, ffn, m.seq_len, m.padded_vocab, **shape) / tp
+    per_byte = FLOPS_PER_BYTE_FP32 if precision == "fp32" else FLOPS_PER_BYTE_16BIT
+    loss = CROSS_ENTROPY_BYTES_PER_LOGIT * per_byte * m.padded_vocab / tp
+    return StageCosts(layer, EMBEDDING_BYTES_PER_VALUE * per_byte * m.hidden, head + loss)
 
 
 def _check_microbatches(cfg: Config) -> None:
