@@ -9,9 +9,10 @@ per rank the virtual stage is the rank.
 
 Consecutive send/receive actions form one batch that the executor posts at
 once (``batch_isend_irecv``), the way Megatron pairs ``send_forward`` with
-``recv_backward``: :func:`check_deadlock_free` proves, for a given schedule,
-that every batch completes even when a send cannot finish before its receive
-is posted.
+``recv_backward``: ``parallel.schedule_analysis.check_deadlock_free`` proves,
+for a given schedule, that every batch completes even when a send cannot
+finish before its receive is posted. With ``overlap_p2p`` a batch is posted
+early and waited at first use (:func:`events`), which the checker models too.
 
 Schedules:
 
@@ -174,8 +175,54 @@ def _with_prefetched_comms(rank: int, pp: int, v: int, fwd: list[tuple[int, int]
     return actions
 
 
-def build_schedule(name: str, pp: int, m: int, v: int = 1, forward_only: bool = False) -> list[list[Action]]:
-    """Per rank, the ordered actions of one step over m microbatches."""
+def _with_overlapped_comms(rank: int, pp: int, order: list[tuple[str, int, int]]) -> list[Action]:
+    """One model chunk per rank, p2p overlapped with compute (Megatron's ``overlap_p2p_comm`` pattern): a
+    forward's send goes out with the receive of the next forward, a backward's with the receive of the next
+    backward, so each receive is in flight during the compute of the other kind before it. The receive of a
+    compute not yet posted that way (the first backward) goes out right before it."""
+    first, last = rank == 0, rank == pp - 1
+    computes = [(k, mb) for k, mb, _ in order if k in ("F", "B")]
+    fwd = [mb for k, mb in computes if k == "F"]
+    bwd = [mb for k, mb in computes if k == "B"]
+    nxt = {"F": 0, "B": 0}  # per kind: receives posted so far
+
+    def recv(kind: str) -> list[Action]:
+        mbs = fwd if kind == "F" else bwd
+        if nxt[kind] >= len(mbs):
+            return []
+        nxt[kind] += 1
+        needed = not first if kind == "F" else not last
+        return [Action("recv_f" if kind == "F" else "recv_b", mbs[nxt[kind] - 1])] if needed else []
+
+    actions = recv("F")
+    done = 0
+    early: list[Action] = []  # receives posted ahead: each rides with the next batch that sends
+    for kind, mb, chunk in order:
+        actions.append(Action(kind, mb, chunk))
+        if kind == "W":
+            continue
+        done += 1
+        batch = [Action("send_f", mb)] if kind == "F" and not last else []
+        batch += [Action("send_b", mb)] if kind == "B" and not first else []
+        if kind == "F":
+            early += recv("F")
+        if batch:
+            batch, early = batch + early, []
+        if done < len(computes):  # the next compute's receive must be posted now
+            k2, mb2 = computes[done]
+            wanted = "recv_f" if k2 == "F" else "recv_b"
+            if nxt[k2] <= (fwd if k2 == "F" else bwd).index(mb2):
+                early += recv(k2)
+            if any(a.kind == wanted and a.mb == mb2 for a in early):
+                batch, early = batch + early, []
+        actions += batch
+    return actions + early
+
+
+def build_schedule(name: str, pp: int, m: int, v: int = 1, forward_only: bool = False,
+                   overlap_p2p: bool = False) -> list[list[Action]]:
+    """Per rank, the ordered actions of one step over m microbatches. ``overlap_p2p``: receives are posted
+    ahead of the compute before the one that reads them (interleaved always posts ahead)."""
     problem = schedule_constraint(name, pp, m, v)
     assert problem is None, problem
     out = []
@@ -183,6 +230,8 @@ def build_schedule(name: str, pp: int, m: int, v: int = 1, forward_only: bool = 
         order = _compute_order(name, pp, rank, m, v)
         if forward_only:
             out.append(_with_comms(rank, pp, v, [o for o in order if o[0] == "F"]))
+        elif overlap_p2p and v == 1:
+            out.append(_with_overlapped_comms(rank, pp, order))
         elif name == "interleaved":
             fwd = [(mb, c) for k, mb, c in order if k == "F"]
             bwd = [(mb, c) for k, mb, c in order if k == "B"]
@@ -222,105 +271,44 @@ def batches(actions: list[Action]) -> Iterator[tuple[str, list[Action]]]:
         yield "comm", pending
 
 
-def check_deadlock_free(sched: list[list[Action]], pp: int) -> None:
-    """Run the schedule with rendezvous semantics; raise AssertionError on a deadlock or mismatch.
+def events(actions: list[Action], overlap_p2p: bool = False, pp: int = 0, rank: int = 0) -> list[tuple]:
+    """How an executor runs a rank's actions: ("post", i, ops), ("wait", i), ("compute", action).
 
-    A batch completes only when the peer has posted the matching operation
-    (a send cannot finish before its receive exists, as with NCCL), and
-    messages on each directed rank pair must be posted in the same order on
-    both ends (p2p matches in order).
-    """
-    sends: dict[tuple[int, int], list] = {}
-    recvs: dict[tuple[int, int], list] = {}
-    for rank, actions in enumerate(sched):
-        for a in actions:
-            if a.kind in COMM:
-                other = peer(a, rank, pp)[0]
-                key = (rank, other) if a.kind.startswith("send") else (other, rank)
-                (sends if a.kind.startswith("send") else recvs).setdefault(key, []).append(message(a, rank, pp))
-    assert sends.keys() == recvs.keys(), (sends.keys(), recvs.keys())
-    for key in sends:
-        assert sends[key] == recvs[key], f"channel {key}: sends {sends[key]} != receives {recvs[key]}"
-
-    def end(a: Action, rank: int) -> tuple:  # ("send"|"recv", message): a send matches the receive
-        return ("send" if a.kind.startswith("send") else "recv", message(a, rank, pp))
-
-    def counterpart(a: Action, rank: int) -> tuple:
-        return ("recv" if a.kind.startswith("send") else "send", message(a, rank, pp))
-
-    programs = [list(batches(actions)) for actions in sched]
-    pos = [0] * pp
-    done: set = set()
-    while True:
-        progressed = False
-        for rank in range(pp):
-            if pos[rank] >= len(programs[rank]):
-                continue
-            kind, items = programs[rank][pos[rank]]
-            if kind == "comm":
-                posted = {end(a, r) for r in range(pp) if r != rank and pos[r] < len(programs[r])
-                          and programs[r][pos[r]][0] == "comm" for a in programs[r][pos[r]][1]}
-                if not all(counterpart(a, rank) in posted | done for a in items):
-                    continue
-                done.update(end(a, rank) for a in items)
-            pos[rank] += 1
-            progressed = True
-        if all(pos[r] >= len(programs[r]) for r in range(pp)):
-            return
-        stuck = [programs[r][pos[r]] if pos[r] < len(programs[r]) else None for r in range(pp)]
-        assert progressed, f"deadlock: ranks stuck at {stuck}"
-
-
-def simulate(sched: list[list[Action]], pp: int, f_cost: float = 1.0, b_cost: float = 1.0,
-             w_cost: float = 0.0) -> dict:
-    """Discrete-event run with compute costs and free communication.
-
-    Each rank runs its computes in order; a forward waits for the previous
-    virtual stage's forward of the same microbatch, a backward for the next
-    stage's backward (or its own forward on the last stage), a weight gradient
-    for its own backward. ``b_cost`` is the input gradient and ``w_cost`` the
-    weight gradient: a schedule without W actions runs both in its B. Returns
-    the makespan, per-rank busy time and idle fraction, and the peak number of
-    microbatches held per rank (forwarded, backward not yet complete: its W
-    where the schedule has one).
-    """
-    v = 1 + max(a.chunk for actions in sched for a in actions)
-    last = pp * v - 1
-    split = any(a.kind == "W" for actions in sched for a in actions)
-    cost = {"F": f_cost, "B": b_cost if split else b_cost + w_cost, "W": w_cost}
-    ends = "W" if split else "B"  # the action that releases a microbatch's activations
-    finish: dict[tuple, float] = {}
-    clock = [0.0] * pp
-    queues = [[a for a in actions if a.kind in COMPUTE] for actions in sched]
-    pos = [0] * pp
-    busy = [0.0] * pp
-    in_flight, peak = [0] * pp, [0] * pp
-    remaining = sum(len(q) for q in queues)
-    while remaining:
-        progressed = False
-        for r in range(pp):
-            if pos[r] >= len(queues[r]):
-                continue
-            a = queues[r][pos[r]]
-            vs = virtual_stage(r, a.chunk, pp)
-            if a.kind == "F":
-                deps = [("F", a.mb, vs - 1)] if vs > 0 else []
-            elif a.kind == "B":
-                deps = [("F", a.mb, vs)] + ([("B", a.mb, vs + 1)] if vs < last else [])
-            else:
-                deps = [("B", a.mb, vs)]
-            if any(d not in finish for d in deps):
-                continue
-            took = cost[a.kind] / v
-            start = max([clock[r]] + [finish[d] for d in deps])
-            finish[(a.kind, a.mb, vs)] = clock[r] = start + took
-            busy[r] += took
-            in_flight[r] += 1 if a.kind == "F" else -1 if a.kind == ends else 0
-            peak[r] = max(peak[r], in_flight[r])
-            pos[r] += 1
-            remaining -= 1
-            progressed = True
-        assert progressed, "dependency deadlock"
-    makespan = max(clock)
-    return {"makespan": makespan, "busy": busy, "idle_fraction": [1 - b / makespan for b in busy],
-            "peak_in_flight": peak}
+    Without overlap each batch of sends and receives is posted as one group and waited in place. With it
+    (``pp`` and ``rank`` given), a batch is posted as one group per peer; a group is waited just before the
+    first compute that reads one of its receives, a group of sends only before the next group to the same
+    peer is posted (so at most one is outstanding per peer), and whatever is left at the end."""
+    out: list[tuple] = []
+    waiting: dict[tuple, int] = {}  # (kind, mb, chunk) of a compute -> the group holding its receive
+    sends_only: dict[int, int] = {}  # peer -> its outstanding group of sends only
+    unwaited: list[int] = []
+    gid = 0
+    for i, (kind, items) in enumerate(batches(actions)):
+        if kind == "compute":
+            a = items[0]
+            need = waiting.pop((a.kind, a.mb, a.chunk), None)
+            if need is not None and need in unwaited:
+                out.append(("wait", need))
+                unwaited.remove(need)
+            out.append(("compute", a))
+            continue
+        if not overlap_p2p:
+            out += [("post", i, items), ("wait", i)]
+            continue
+        by_peer: dict[int, list[Action]] = {}
+        for a in items:
+            by_peer.setdefault(peer(a, rank, pp)[0], []).append(a)
+        for other, group in by_peer.items():
+            if sends_only.get(other) in unwaited:
+                out.append(("wait", sends_only[other]))
+                unwaited.remove(sends_only.pop(other))
+            out.append(("post", gid, group))
+            unwaited.append(gid)
+            recvs = [a for a in group if a.kind.startswith("recv")]
+            for a in recvs:
+                waiting[("F" if a.kind == "recv_f" else "B", a.mb, a.chunk)] = gid
+            if not recvs:
+                sends_only[other] = gid
+            gid += 1
+    out += [("wait", j) for j in unwaited]
+    return out

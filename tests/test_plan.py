@@ -20,7 +20,8 @@ from megazero.plan import (
     pipeline_bubble,
 )
 from models.gpt import count_parameters
-from parallel.schedules import build_schedule, simulate
+from parallel.schedule_analysis import simulate
+from parallel.schedules import build_schedule
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT13B = ROOT / "configs" / "gpt13b.yaml"

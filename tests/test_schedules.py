@@ -4,11 +4,10 @@ from collections import Counter
 import pytest
 
 from parallel.pipeline import partition_layers
+from parallel.schedule_analysis import check_deadlock_free, simulate
 from parallel.schedules import (
     build_schedule,
-    check_deadlock_free,
     schedule_constraint,
-    simulate,
     virtual_stage,
 )
 
