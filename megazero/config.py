@@ -100,6 +100,8 @@ class ParallelConfig:
     # layers per (virtual) stage: a list of counts; [] = even (earlier stages take the remainder); auto = balanced
     # by cost (parallel.balance: the last stage's head and loss, the first's embedding), resolved to a list
     pp_layers: Union[list, str] = field(default_factory=list)
+    # p2p posted ahead of the compute before its use and waited at first use (Megatron's overlap_p2p_comm)
+    overlap_p2p: bool = True
     # Domino-style overlap (Wang et al. 2024): each layer's microbatch in two halves, one half's tp collective
     # in flight under the other half's matmuls
     tp_overlap: bool = False

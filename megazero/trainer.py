@@ -134,8 +134,10 @@ class Trainer:
         self.params = [p for _, p in self.named_params]
         self.executor = PipelineExecutor(self.chunks, grid, (cfg.train.micro_batch, seq, cfg.model.hidden),
                                          DTYPES[cfg.train.precision], device,
-                                         cfg.train.global_batch * cfg.model.seq_len, self._autocast)
-        self.schedule = build_schedule(par.schedule, grid.pp, cfg.microbatches, v)[grid.pp_rank]
+                                         cfg.train.global_batch * cfg.model.seq_len, self._autocast,
+                                         overlap_p2p=par.overlap_p2p)
+        self.schedule = build_schedule(par.schedule, grid.pp, cfg.microbatches, v,
+                                       overlap_p2p=par.overlap_p2p)[grid.pp_rank]
         self.eval_schedule = build_schedule(par.schedule, grid.pp, cfg.microbatches, v,
                                             forward_only=True)[grid.pp_rank]
         self.step = 0

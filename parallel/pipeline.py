@@ -3,7 +3,9 @@
 The schedules themselves are pure functions in ``parallel.schedules``; here
 their actions meet tensors: forward and backward of model chunks, and batched
 point-to-point transfers through the grid's pp :class:`~parallel.comm.Comm`
-(``Comm.exchange``: ``batch_isend_irecv``, each message counted). Shapes and
+(``Comm.exchange``: ``batch_isend_irecv``, each message counted), posted and
+waited where ``parallel.schedules.events`` says: in place, or with
+``overlap_p2p`` ahead of use and waited at first use. Shapes and
 dtypes are known from the config, so no handshake precedes a transfer, and no
 transfer synchronises the host with the device. A stage's output activation
 is released as soon as it has been sent (Megatron's deallocate-output trick):
@@ -21,7 +23,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from parallel.schedules import Action, batches, peer, virtual_stage
+from parallel.schedules import Action, events, peer, virtual_stage
 from parallel.topology import Grid
 from parallel.weight_grad import DeferredWeightGrad, backward_input
 
@@ -64,8 +66,9 @@ class PipelineExecutor:
     """
 
     def __init__(self, chunks: list[nn.Module], grid: Grid, act_shape: tuple[int, ...], act_dtype: torch.dtype,
-                 device: torch.device, tokens_per_step: int, autocast: Callable):
+                 device: torch.device, tokens_per_step: int, autocast: Callable, overlap_p2p: bool = False):
         self.chunks, self.grid = chunks, grid
+        self.overlap_p2p = overlap_p2p  # post transfers ahead, wait at first use (schedules.events)
         self.comm = grid.pp_comm  # counted p2p; a peer's pp rank is its rank in the pp group
         assert self.comm.size == grid.pp and (grid.pp == 1 or self.comm.rank == grid.pp_rank), (self.comm, grid)
         self.act_shape, self.act_dtype, self.device = act_shape, act_dtype, device
@@ -89,13 +92,20 @@ class PipelineExecutor:
         self.trace = []
         self.peak_held_bytes = 0
         self.trace_origin = self._stamp()
-        for kind, items in batches(actions):
+        in_flight: dict[int, tuple[list, list[Action], list[Tensor]]] = {}  # posted groups: works, ops, tensors
+        for ev in events(actions, self.overlap_p2p, self.pp, self.rank):
             start = self._stamp()
-            if kind == "comm":
-                self._communicate(items, inputs, outputs, grads, forward_only)
-                label = "+".join(str(a) for a in items)
+            if ev[0] == "post":
+                in_flight[ev[1]] = self._post(ev[2], inputs, outputs, grads, forward_only)
+                a, label = ev[2][0], "+".join(str(x) for x in ev[2])
+            elif ev[0] == "wait":
+                works, items, _ = in_flight.pop(ev[1])
+                for work in works:
+                    work.wait()
+                self._received(items, inputs, outputs, forward_only)
+                a, label = items[0], "wait " + "+".join(str(x) for x in items)
             else:
-                a = items[0]
+                a = label = ev[1]
                 if a.kind == "F":
                     total += self._forward(a, microbatches, inputs, outputs, forward_only)
                 elif a.kind == "W":
@@ -103,9 +113,11 @@ class PipelineExecutor:
                 else:
                     self._backward(a, inputs, outputs, grads, deferred if split else None)
                 label = str(a)
-            self.trace.append((kind, label, items[0].mb, items[0].chunk, start, self._stamp()))
+            self.trace.append(("compute" if ev[0] == "compute" else "comm", label, a.mb, a.chunk, start,
+                               self._stamp()))
             held = sum(t.numel() * t.element_size() for t in outputs.values())
             self.peak_held_bytes = max(self.peak_held_bytes, held)
+        assert not in_flight, f"transfers never waited: {list(in_flight)[:4]}"
         assert not outputs or forward_only, f"outputs never consumed: {list(outputs)[:4]}"
         assert not deferred, f"weight gradients never taken: {list(deferred)[:4]}"
         return total
@@ -150,8 +162,9 @@ class PipelineExecutor:
         else:
             inputs.pop(key, None)
 
-    def _communicate(self, items: list[Action], inputs, outputs, grads, forward_only: bool) -> None:
-        ops = []
+    def _post(self, items: list[Action], inputs, outputs, grads, forward_only: bool) -> tuple:
+        """Start a group of sends and receives: (works, the actions, the tensors they read or fill)."""
+        ops, tensors = [], []
         for a in items:
             key = (a.mb, a.chunk)
             if a.kind == "send_f":
@@ -166,15 +179,18 @@ class PipelineExecutor:
                     inputs[key] = t
                 else:
                     grads[key] = t
+            tensors.append(t)  # a send reads its tensor until waited
             ops.append(("send" if a.kind.startswith("send") else "recv", t, peer(a, self.rank, self.pp)[0],
                         "activation" if a.kind.endswith("_f") else "grad"))
-        for work in self.comm.exchange(ops):
-            work.wait()
+        return self.comm.exchange(ops), items, tensors
+
+    def _received(self, items: list[Action], inputs, outputs, forward_only: bool) -> None:
+        """A group is complete: received inputs join autograd; a sent output keeps only its graph."""
         for a in items:
             key = (a.mb, a.chunk)
             if a.kind == "recv_f" and not forward_only:
                 inputs[key].requires_grad_()
-            elif a.kind == "send_f" and not forward_only:
+            elif a.kind == "send_f" and not forward_only and key in outputs:
                 _release(outputs[key])  # backward needs the graph, not the values
 
     def _stamp(self) -> object:

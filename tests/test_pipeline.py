@@ -96,7 +96,9 @@ def _train_layouts(rank, world, text, cache, base, layouts):
 FOUR = [(f"pp4_{s}", SCHEDULES[s] + ["parallel.pp=4"]) for s in SCHEDULES] + \
        [(f"pp2_dp2_{s}", SCHEDULES[s] + ["parallel.pp=2"]) for s in SCHEDULES] + \
        [(f"pp2_dp2_interleaved_z{z}", SCHEDULES["interleaved"] + ["parallel.pp=2", f"zero.stage={z}"])
-        for z in (2, 3)]  # ZeRO's buckets (stage 3: layers) span two model chunks per rank
+        for z in (2, 3)] + \
+       [("pp4_1f1b_waited", SCHEDULES["1f1b"] + ["parallel.pp=4", "parallel.overlap_p2p=false"])]
+# (every other layout posts p2p ahead and waits at first use, the default)
 TP2_PP2 = ["parallel.pp=2", "parallel.tp=2"]
 EIGHT = [(f"tp2_pp2_dp2_{s}", SCHEDULES[s] + TP2_PP2) for s in ("gpipe", "interleaved")] + [
     ("tp2_pp2_dp2_1f1b_sp", SCHEDULES["1f1b"] + TP2_PP2 + ["parallel.sequence_parallel=true", "log.pipeline_trace=true"]),
@@ -138,12 +140,13 @@ def test_p2p_goes_through_the_pp_comm_and_is_counted(runs):
 
 
 def test_outputs_are_released_once_sent(runs):
-    """GPipe keeps every microbatch in flight, yet a stage holds at most one output's values at a time:
-    the rest live on only as autograd graphs after being sent."""
+    """GPipe keeps every microbatch in flight, yet a stage holds at most two outputs' values at a time: the
+    one just computed and the one whose send is still in flight (p2p overlap waits a send lazily, before the
+    next transfer to that peer); the rest live on only as autograd graphs. 64 bytes: the loss scalars."""
     _, grads = runs
     for rank in range(3):  # stages that send (the last one returns losses)
         held, one_output, m = grads[rank]["held"]["gpipe"]
-        assert m == 4 and one_output <= held < 2 * one_output, (rank, held, one_output)
+        assert m == 4 and one_output <= held <= 2 * one_output + 64, (rank, held, one_output)
 
 
 def test_pipeline_gradients_equal_the_full_model(runs):

@@ -6,7 +6,10 @@ import pytest
 from parallel.pipeline import partition_layers
 from parallel.schedule_analysis import check_deadlock_free, simulate
 from parallel.schedules import (
+    COMM,
+    Action,
     build_schedule,
+    events,
     schedule_constraint,
     virtual_stage,
 )
@@ -60,6 +63,11 @@ def test_schedule_is_complete_ordered_and_deadlock_free(name, pp, m, v):
             assert not (vs == 0 and a.kind in ("recv_f", "send_b"))
             assert not (vs == pp * v - 1 and a.kind in ("send_f", "recv_b"))
     check_deadlock_free(sched, pp)   # sends/receives pair up in order; rendezvous semantics never stall
+    ahead = build_schedule(name, pp, m, v, overlap_p2p=True)  # posted ahead, waited at first use
+    assert [[a for a in r if a.kind not in COMM] for r in ahead] == [[a for a in r if a.kind not in COMM]
+                                                                     for r in sched]
+    assert [sorted(map(str, r)) for r in ahead] == [sorted(map(str, r)) for r in sched]
+    check_deadlock_free(ahead, pp, overlap_p2p=True)
     simulate(sched, pp)              # cross-stage dependencies can all be met in the ranks' orders
     evaluation = build_schedule(name, pp, m, v, forward_only=True)
     assert all(a.kind in ("F", "send_f", "recv_f") for actions in evaluation for a in actions)
@@ -106,6 +114,37 @@ def test_zb1p_bubble_is_a_third_of_1f1b_at_the_same_memory(pp):
         assert zb["makespan"] < one["makespan"] - (pp - 1) * 1.0
 
 
+def test_overlap_posts_receives_ahead_and_waits_at_use():
+    """1F1B at pp 4: a forward's receive is posted before the backward that precedes the forward (so it
+    overlaps that compute) and waited right before the forward; at most one group of sends only per peer
+    is outstanding."""
+    sched = build_schedule("1f1b", 4, 8, overlap_p2p=True)
+    ev = events(sched[1], True, 4, 1)
+    post = {str(a): i for i, e in enumerate(ev) if e[0] == "post" for a in e[2]}
+    wait = {e[1]: i for i, e in enumerate(ev) if e[0] == "wait"}
+    group = {str(a): e[1] for e in ev if e[0] == "post" for a in e[2]}
+    compute = {str(e[1]): i for i, e in enumerate(ev) if e[0] == "compute"}
+    for k in range(4, 8):  # steady state: rank 1 runs F(k), B(k-3), F(k+1)
+        assert post[f"recv_f{k}"] < compute[f"B{k - 3}"] < wait[group[f"recv_f{k}"]] < compute[f"F{k}"]
+    assert sum(e[0] == "wait" for e in ev) == sum(e[0] == "post" for e in ev)
+
+
+def test_checker_rejects_receives_ahead_that_cross_on_a_pair():
+    """Receives of both directions posted ahead (the backward's too) cross on a rank pair: rank 1 posts
+    the receive of grad 1 before the send of activation 3, rank 2 the receive of activation 3 before the
+    send of grad 1. One stream per pair (NCCL) serves each end in its own order: a cycle."""
+    text = ["F0 send_f0 F1 send_f1 F2 send_f2 F3 send_f3 recv_b0 B0 recv_b1 B1 recv_b2 B2 recv_b3 B3",
+            "recv_f0 F0 send_f0 recv_f1 F1 send_f1 recv_f2 F2 send_f2 recv_f3 recv_b0 B0 send_b0 recv_b1 F3 "
+            "send_f3 B1 send_b1 recv_b2 B2 send_b2 recv_b3 B3 send_b3",
+            "recv_f0 F0 send_f0 recv_f1 F1 send_f1 recv_f2 recv_b0 B0 send_b0 recv_b1 F2 send_f2 recv_f3 B1 "
+            "send_b1 recv_b2 F3 send_f3 B2 send_b2 recv_b3 B3 send_b3",
+            "recv_f0 F0 B0 send_b0 recv_f1 F1 B1 send_b1 recv_f2 F2 B2 send_b2 recv_f3 F3 B3 send_b3"]
+    sched = [[Action(w.rstrip("0123456789"), int(w[len(w.rstrip("0123456789")):])) for w in line.split()]
+             for line in text]
+    with pytest.raises(AssertionError, match="deadlock"):
+        check_deadlock_free(sched, 4, overlap_p2p=True)
+
+
 def test_deadlock_checker_catches_a_bad_order():
     sched = build_schedule("1f1b", 2, 4)
     # rank 1 receives microbatch 1 before microbatch 0: channel order mismatch
@@ -116,8 +155,6 @@ def test_deadlock_checker_catches_a_bad_order():
     with pytest.raises(AssertionError):
         check_deadlock_free(bad, 2)
     # rank 0 waits for the gradient before sending the activation it depends on: a rendezvous deadlock
-    from parallel.schedules import Action
-
     stuck = [[Action("F", 0), Action("recv_b", 0), Action("B", 0), Action("send_f", 0)],
              [Action("recv_f", 0), Action("F", 0), Action("B", 0), Action("send_b", 0)]]
     with pytest.raises(AssertionError):
