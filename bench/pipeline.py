@@ -1,16 +1,20 @@
-"""Pipeline benchmark: megazero's 1F1B executor against torch.distributed.pipelining's Schedule1F1B.
+"""Pipeline benchmark: megazero's schedules, p2p overlap and cost-balanced stages, and torch's Schedule1F1B.
 
-Both run the same GPT stages (megazero's own ``build_gpt`` modules, the very
-same objects), the same microbatches and the same loss (per-token loss summed
-and divided by the step's token count), on N gloo CPU ranks spawned here.
-Steps alternate between the two so both see the same machine noise; the
-table reports medians and the ratio between them, and megazero's measured
-idle fraction per stage (from the executor's trace) next to the 1F1B ideal
-(p-1)/(m+p-1) and the unit-cost simulation of ``parallel.schedules``.
+Every contender runs the same GPT stages (``build_gpt`` modules; one set per layer split), the same
+microbatches and the same loss (per-token loss summed and divided by the step's token count) on pp gloo
+CPU ranks spawned here, one thread each. Within a round the contenders alternate step by step, so all see
+the same machine noise; each round takes ``--steps`` timed steps per contender after warm-up, and the
+table quotes the median over the rounds of each round's median. A step's time is the slowest rank's,
+between barriers.
 
-    python bench/pipeline.py [--pp 2] [--microbatches 8] [--steps 5]
+For each megazero contender it reports, per stage, the compute time of a step (the executor's trace: F, B
+and W spans), the idle share of the step (1 - compute / step), and the idle share the schedule simulates
+(``parallel.schedule_analysis.simulate``) with that stage's measured F, B and W costs, and the ratio of
+step times against 1F1B at the even split with p2p waited in place.
 
-Not a test: nothing here asserts, except that the two runs see the same loss.
+    python bench/pipeline.py [--pp 2] [--layers 8] [--microbatches 4] [--steps 20] [--rounds 2]
+
+Not a test: nothing here asserts, except that every contender sees the same first loss.
 """
 from __future__ import annotations
 
@@ -29,177 +33,209 @@ import time  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megazero.config import ModelConfig  # noqa: E402
 from bench.timing import timed_between_barriers  # noqa: E402
+from megazero.config import ModelConfig  # noqa: E402
+from megazero.rules import pipeline_costs, resolve_arch  # noqa: E402
 from models.gpt import build_gpt  # noqa: E402
+from parallel.balance import balance_layers  # noqa: E402
 from parallel.pipeline import PipelineExecutor, partition_layers  # noqa: E402
-from parallel.schedules import build_schedule, simulate  # noqa: E402
+from parallel.schedule_analysis import simulate  # noqa: E402
+from parallel.schedules import build_schedule  # noqa: E402
 from parallel.topology import Grid  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 
 WARMUP = 2
-MICRO_BATCH, SEQ_LEN, HIDDEN, HEADS, VOCAB = 2, 64, 128, 4, 512
 DATA_SEED, MODEL_SEED = 1234, 0
+# (name, schedule, virtual stages, split, overlap_p2p); the first is the reference of the ratios
+CONTENDERS = [
+    ("1f1b even, waited", "1f1b", 1, "even", False),
+    ("1f1b even, overlap", "1f1b", 1, "even", True),
+    ("zb1p even, waited", "zb1p", 1, "even", False),
+    ("zb1p even, overlap", "zb1p", 1, "even", True),
+    ("1f1b auto, overlap", "1f1b", 1, "auto", True),
+    ("zb1p auto, overlap", "zb1p", 1, "auto", True),
+    ("interleaved v2 even, overlap", "interleaved", 2, "even", True),
+]
 
 
-def _model_cfg(pp: int) -> ModelConfig:
-    return ModelConfig(layers=2 * pp, hidden=HIDDEN, heads=HEADS, seq_len=SEQ_LEN, vocab_size=VOCAB)
+def model_cfg(args) -> ModelConfig:
+    cfg = ModelConfig(layers=args.layers, hidden=args.hidden, heads=args.heads, seq_len=args.seq,
+                      vocab_size=args.vocab)
+    resolve_arch(cfg)
+    return cfg
 
 
-def _bench_rank(rank: int, world: int, pp: int, m: int, steps: int) -> dict:
+def splits(cfg: ModelConfig, pp: int, v: int) -> dict[str, list[int]]:
+    """Layer counts per virtual stage: even (earlier stages take the remainder) and cost-balanced."""
+    even = [len(r) for r in partition_layers(cfg.layers, pp * v)]
+    return {"even": even, "auto": balance_layers(cfg.layers, pp, pipeline_costs(cfg, 1, "fp32", "cpu"), v)}
+
+
+def _bench_rank(rank: int, world: int, args) -> dict:
     torch.set_num_threads(1)
-    cfg = _model_cfg(pp)
+    pp, m = args.pp, args.microbatches
+    cfg = model_cfg(args)
     grid = Grid.build(tp=1, pp=pp, dp=1, device_type="cpu")
     device = torch.device("cpu")
-    first, last = grid.is_first_stage, grid.is_last_stage
-    stage = build_gpt(cfg, MODEL_SEED, device=device, tp=grid.tp_comm,
-                      layer_ids=partition_layers(cfg.layers, pp)[grid.pp_rank],
-                      first_stage=first, last_stage=last)
-    stage.train()
-
     gen = torch.Generator().manual_seed(DATA_SEED)
-    batch = torch.randint(0, VOCAB, (m * MICRO_BATCH, SEQ_LEN + 1), generator=gen)
-    microbatches = list(batch.split(MICRO_BATCH))
-    tokens = m * MICRO_BATCH * SEQ_LEN
+    batch = torch.randint(0, cfg.vocab_size, (m * args.micro_batch, cfg.seq_len + 1), generator=gen)
+    microbatches = list(batch.split(args.micro_batch))
+    tokens = m * args.micro_batch * cfg.seq_len
+    shape = (args.micro_batch, cfg.seq_len, cfg.hidden)
 
-    # --- megazero: one executor, the 1F1B schedule's actions for this rank ---------------------
-    executor = PipelineExecutor([stage], grid, (MICRO_BATCH, SEQ_LEN, HIDDEN), torch.float32, device,
-                                tokens, contextlib.nullcontext)
-    actions = build_schedule("1f1b", pp, m)[grid.pp_rank]
-    mz = {"loss": None}
+    chunks_of: dict[tuple, list] = {}  # (split name, v) -> this rank's model chunks
 
-    def mz_step() -> None:
-        stage.zero_grad(set_to_none=True)
-        loss_sum = executor.run(actions, microbatches)
-        mz["loss"] = (loss_sum / tokens).item()
+    def chunks(split: str, v: int) -> list:
+        if (split, v) not in chunks_of:
+            ranges = partition_layers(cfg.layers, pp * v, splits(cfg, pp, v)[split])
+            chunks_of[(split, v)] = [build_gpt(cfg, MODEL_SEED, device=device, layer_ids=ranges[c * pp + rank],
+                                               first_stage=c * pp + rank == 0,
+                                               last_stage=c * pp + rank == pp * v - 1) for c in range(v)]
+        return chunks_of[(split, v)]
 
-    # --- torch.distributed.pipelining: the same module in a PipelineStage ----------------------
-    peer_error = None
-    th = {"loss": None}
-    try:
+    runs = []
+    for name, schedule, v, split, overlap in CONTENDERS:
+        cs = chunks(split, v)
+        executor = PipelineExecutor(cs, grid, shape, torch.float32, device, tokens, contextlib.nullcontext,
+                                    overlap_p2p=overlap)
+        actions = build_schedule(schedule, pp, m, v, overlap_p2p=overlap)[rank]
+        runs.append({"name": name, "chunks": cs, "executor": executor, "actions": actions, "loss": None})
+
+    def step(r: dict) -> None:
+        for c in r["chunks"]:
+            c.zero_grad(set_to_none=True)
+        r["loss"] = (r["executor"].run(r["actions"], microbatches) / tokens).item()
+
+    th_step, peer_error, th = None, None, {"loss": None}
+    try:  # torch.distributed.pipelining's Schedule1F1B on the even split's stage
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-        pipe_stage = PipelineStage(stage, grid.pp_rank, pp, device, group=grid.pp_group)
+        stage = chunks("even", 1)[0]
+        pipe_stage = PipelineStage(stage, rank, pp, device, group=grid.pp_group)
 
-        # The last stage's module returns per-token losses given ``targets`` (a model kwarg, split into
-        # microbatches like the inputs); loss_fn only reduces them. scale_grads=False because the loss
-        # is already divided by the step's token count (the default would also divide grads by m).
         def loss_fn(token_loss: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
-            return token_loss.sum() / tokens
+            return token_loss.sum() / tokens  # the loss is already per token: no scale_grads
 
         schedule = Schedule1F1B(pipe_stage, m, loss_fn=loss_fn, scale_grads=False)
-        inputs = batch[:, :-1].contiguous()
-        targets = batch[:, 1:].contiguous()
+        inputs, targets = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
         def th_step() -> None:
             stage.zero_grad(set_to_none=True)
             losses: list = []
-            if first:
+            if rank == 0:
                 schedule.step(inputs, return_outputs=False)
-            elif last:
+            elif rank == pp - 1:
                 schedule.step(targets=targets, target=targets, losses=losses, return_outputs=False)
             else:
                 schedule.step(return_outputs=False)
-            if last:
+            if rank == pp - 1:
                 th["loss"] = sum(x.detach() for x in losses).item()
     except Exception as e:  # report, and still measure megazero
         peer_error = f"{type(e).__name__}: {e}"
-        th_step = None
 
-    def grads() -> dict:
-        return {n: p.grad.clone() for n, p in stage.named_parameters() if p.grad is not None}
-
-    for _ in range(WARMUP):
-        timed_between_barriers(mz_step)
-        if th_step is not None:
-            try:
-                timed_between_barriers(th_step)
-            except Exception as e:
-                peer_error, th_step = f"{type(e).__name__}: {e}", None
-                dist.barrier()
-
-    mz_times, th_times, compute, comm, f_times, b_times = [], [], [], [], [], []
-    first_losses, grad_diff = {}, None
-    for i in range(steps):
-        mz_times.append(timed_between_barriers(mz_step))
-        events = executor.chrome_trace(rank)  # durations in microseconds, host clock or CUDA events alike
-        spans = [(e["name"], e["dur"] / 1e6) for e in events if e["cat"] == "compute"]
-        compute.append(sum(d for _, d in spans))
-        comm.append(sum(e["dur"] / 1e6 for e in events if e["cat"] == "comm"))
-        f_times += [d for label, d in spans if label.startswith("F")]
-        b_times += [d for label, d in spans if label.startswith("B")]
-        if i == 0:
-            first_losses["megazero"] = mz["loss"]
-            mz_grads = grads()
-        if th_step is not None:
-            th_times.append(timed_between_barriers(th_step))
-            if i == 0:
-                first_losses["torch"] = th["loss"]
-                th_grads = grads()
-                grad_diff = max(((mz_grads[n] - g).abs().max() / mz_grads[n].abs().max().clamp_min(1e-30)).item()
-                                for n, g in th_grads.items())
-                assert th_grads.keys() == mz_grads.keys(), (th_grads.keys(), mz_grads.keys())
-
-    idle = [1 - c / t for c, t in zip(compute, mz_times)]
-    in_p2p = [c / t for c, t in zip(comm, mz_times)]
-    return {"rank": rank, "pp_rank": grid.pp_rank, "mz_times": mz_times, "th_times": th_times,
-            "idle": statistics.median(idle), "p2p": statistics.median(in_p2p), "f_ms": 1e3 * statistics.mean(f_times),
-            "b_ms": 1e3 * statistics.mean(b_times), "losses": first_losses, "grad_diff": grad_diff,
-            "peer_error": peer_error, "params": sum(p.numel() for p in stage.parameters())}
+    times = {r["name"]: [] for r in runs}
+    times["torch Schedule1F1B even"] = []
+    per_stage = {r["name"]: {"compute": [], "F": [], "B": [], "W": []} for r in runs}
+    first_loss = {}
+    for rnd in range(args.rounds):
+        round_times = {k: [] for k in times}
+        for i in range(WARMUP + args.steps):
+            for r in runs:
+                t = timed_between_barriers(lambda: step(r))
+                if i < WARMUP:
+                    continue
+                round_times[r["name"]].append(t)
+                spans = [(e["name"], e["dur"] / 1e6) for e in r["executor"].chrome_trace(rank)
+                         if e["cat"] == "compute"]
+                ps = per_stage[r["name"]]
+                ps["compute"].append(sum(d for _, d in spans))
+                for kind in "FBW":
+                    ps[kind] += [d for label, d in spans if label.startswith(kind)]
+                if rnd == 0 and i == WARMUP:
+                    first_loss[r["name"]] = r["loss"]
+            if th_step is not None:
+                try:
+                    t = timed_between_barriers(th_step)
+                except Exception as e:
+                    peer_error, th_step = f"{type(e).__name__}: {e}", None
+                    continue
+                if i >= WARMUP:
+                    round_times["torch Schedule1F1B even"].append(t)
+                    if rnd == 0 and i == WARMUP:
+                        first_loss["torch Schedule1F1B even"] = th["loss"]
+        for k, ts in round_times.items():
+            times[k].append(ts)
+    summary = {name: {"compute": statistics.median(ps["compute"]),
+                      **{k: (statistics.mean(ps[k]) if ps[k] else 0.0) for k in "FBW"}}
+               for name, ps in per_stage.items()}
+    return {"rank": rank, "times": times, "stage": summary, "first_loss": first_loss, "peer_error": peer_error,
+            "params": {name: sum(p.numel() for c in r["chunks"] for p in c.parameters())
+                       for name, r in ((r["name"], r) for r in runs)}}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pp", type=int, default=2)
-    ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=5)
-    args = ap.parse_args()
-    pp, m, steps = args.pp, args.microbatches, args.steps
-    assert pp >= 2 and m >= 1 and steps >= 1, "need --pp >= 2, --microbatches >= 1, --steps >= 1"
-
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--micro-batch", type=int, default=4)
+    args = ap.parse_args(argv)
+    pp, m = args.pp, args.microbatches
+    assert pp >= 2 and m % pp == 0 and args.layers >= 2 * pp, "need pp >= 2, m a multiple of pp, layers >= 2pp"
     wall = time.perf_counter()
-    results = run_ranks(pp, _bench_rank, pp, m, steps, timeout=600)
+    results = sorted(run_ranks(pp, _bench_rank, args, timeout=3600), key=lambda r: r["rank"])
+    cfg = model_cfg(args)
     cores = os.cpu_count() or 1
+    print(f"pipeline benchmark: pp={pp}, m={m} microbatches of {args.micro_batch}x{args.seq} tokens, GPT "
+          f"{args.layers} layers hidden {args.hidden} heads {args.heads} vocab {args.vocab}, fp32, CPU gloo, "
+          f"{cores} cores for {pp} ranks (1 thread each); {args.rounds} rounds of {args.steps} timed steps after "
+          f"{WARMUP} warm-up, contenders alternating step by step")
+    print(f"splits: even {splits(cfg, pp, 1)['even']}, auto {splits(cfg, pp, 1)['auto']} "
+          f"(parallel.pp_layers: auto; interleaved: {splits(cfg, pp, 2)['even']})")
 
-    cfg = _model_cfg(pp)
-    sim = simulate(build_schedule("1f1b", pp, m), pp)
-    ideal = (pp - 1) / (m + pp - 1)
-    share = f"{cores} cores shared by {pp} ranks" + (" -> ranks time-share cores, idle and step time include "
-                                                      "waiting for a core" if pp > cores else "")
-    print(f"pipeline benchmark: pp={pp}, m={m} microbatches of {MICRO_BATCH}x{SEQ_LEN} tokens, "
-          f"GPT {cfg.layers} layers ({cfg.layers // pp}/stage) hidden {HIDDEN} heads {HEADS} vocab {VOCAB}, "
-          f"{steps} timed steps after {WARMUP} warm-up, fp32 (CPU, gloo, {share}, 1 thread/rank)")
-    print(f"{'stage':<6} {'idle measured':<14} {'idle ideal (p-1)/(m+p-1)':<25} {'idle simulated':<15} "
-          f"{'of which in p2p':<16} {'F ms/mb':<8} {'B ms/mb':<8} params")
-    for r in sorted(results, key=lambda r: r["pp_rank"]):
-        s = r["pp_rank"]
-        print(f"{s:<6} {r['idle']:<14.3f} {ideal:<25.3f} {sim['idle_fraction'][s]:<15.3f} "
-              f"{r['p2p']:<16.3f} {r['f_ms']:<8.2f} {r['b_ms']:<8.2f} {r['params']}")
+    def median_of_rounds(name: str) -> tuple[float, list[float]]:
+        rounds = [statistics.median(max(ts) for ts in zip(*(r["times"][name][k] for r in results)))
+                  for k in range(args.rounds)]
+        return statistics.median(rounds), rounds
 
-    # a step's time is its makespan: the slowest rank between the two barriers
-    mz_steps = [max(ts) for ts in zip(*(r["mz_times"] for r in results))]
-    mz = statistics.median(mz_steps)
-    last = next(r for r in results if r["pp_rank"] == pp - 1)
+    ref, _ = median_of_rounds(CONTENDERS[0][0])
+    print(f"\n| contender | step s (median) | rounds | vs {CONTENDERS[0][0]} | per stage: compute ms, idle "
+          f"measured / simulated | busiest / least compute |")
+    print("|---|---|---|---|---|---|")
+    for name, schedule, v, split, overlap in CONTENDERS:
+        med, rounds = median_of_rounds(name)
+        cells = []
+        for r in results:
+            s = r["stage"][name]
+            b = s["B"] if schedule == "zb1p" else s["B"] + s["W"]
+            sim = simulate(build_schedule(schedule, pp, m, v), pp, s["F"] * v, b * v, s["W"] * v)
+            cells.append(f"{1e3 * s['compute']:.1f}, {1 - s['compute'] / med:.3f} / "
+                         f"{sim['idle_fraction'][r['rank']]:.3f}")
+        computes = [r["stage"][name]["compute"] for r in results]
+        print(f"| {name} | {med:.4f} | {' '.join(f'{x:.4f}' for x in rounds)} | {med / ref:.3f} | "
+              f"{'; '.join(cells)} | {max(computes) / min(computes):.2f} |")
     err = next((r["peer_error"] for r in results if r["peer_error"]), None)
-    if err is None and all(r["th_times"] for r in results):
-        th_steps = [max(ts) for ts in zip(*(r["th_times"] for r in results))]
-        th = statistics.median(th_steps)
-        print(f"step time (median): megazero 1F1B {mz:.3f} s | torch.distributed.pipelining Schedule1F1B "
-              f"{th:.3f} s | ratio megazero/torch {mz / th:.2f}")
-        print(f"step time (fastest): megazero 1F1B {min(mz_steps):.3f} s | torch {min(th_steps):.3f} s | "
-              f"ratio {min(mz_steps) / min(th_steps):.2f}   (steps alternate megazero/torch; a noisy machine "
-              f"moves the median more than the minimum)")
-        print(f"loss (first timed step): megazero {last['losses']['megazero']:.6f}  "
-              f"torch {last['losses']['torch']:.6f}  (|diff| "
-              f"{abs(last['losses']['megazero'] - last['losses']['torch']):.1e}); "
-              f"max rel grad diff over stages {max(r['grad_diff'] for r in results):.1e}")
+    if err is None and results[0]["times"]["torch Schedule1F1B even"][0]:
+        med, rounds = median_of_rounds("torch Schedule1F1B even")
+        print(f"| torch Schedule1F1B even | {med:.4f} | {' '.join(f'{x:.4f}' for x in rounds)} | "
+              f"{med / ref:.3f} | | |")
     else:
-        print(f"step time (median): megazero 1F1B {mz:.3f} s | torch.distributed.pipelining Schedule1F1B: "
-              f"not run ({err})")
-        print(f"loss (first timed step): megazero {last['losses']['megazero']:.6f}")
-    print("idle = 1 - (time in F/B actions) / (step time between barriers); it counts p2p waits (bubble, "
-          "stage imbalance, transfers), Python between actions and, when ranks share cores, waiting for one. "
-          "F/B: mean ms per microbatch.")
+        print(f"torch Schedule1F1B: not run ({err})")
+    last = results[-1]["first_loss"]
+    print(f"\nfirst timed step's loss: " + ", ".join(f"{k} {v:.6f}" for k, v in last.items()))
+    print("F/B/W ms per microbatch (mean), stage by stage: " + "; ".join(
+        f"{name}: " + " | ".join(f"{1e3 * r['stage'][name]['F']:.1f}/{1e3 * r['stage'][name]['B']:.1f}/"
+                                 f"{1e3 * r['stage'][name]['W']:.1f}" for r in results)
+        for name, *_ in CONTENDERS))
+    print("idle measured = 1 - (time in F/B/W spans) / (median step); simulated: the schedule run with the "
+          "stage's own measured F, B, W costs on every stage (no imbalance, free p2p). 1f1b's B is the whole "
+          "backward.")
     print(f"wall time {time.perf_counter() - wall:.1f} s (spawn and import included)")
 
 

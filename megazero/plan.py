@@ -25,7 +25,7 @@ import torch
 
 from megazero.config import AUTO, Config
 from megazero.metrics import flops_per_token, model_flops_per_token, model_shape
-from megazero.rules import pipeline_costs
+from megazero.rules import compute_device, pipeline_costs
 from models.gpt import GPT, count_parameters
 from models.llama import kv_replicas_needed
 from parallel.balance import balance_layers, rank_costs
@@ -231,7 +231,7 @@ class StageBalance:
     @classmethod
     def of(cls, cfg: Config, ranges: list[range]) -> "StageBalance":
         par = cfg.parallel
-        costs = pipeline_costs(cfg.model, par.tp, cfg.train.precision)
+        costs = pipeline_costs(cfg.model, par.tp, cfg.train.precision, compute_device(cfg.launch.device))
         counts = [len(r) for r in ranges]
         auto = balance_layers(cfg.model.layers, par.pp, costs, par.virtual_stages)
         return cls(counts, rank_costs(counts, par.pp, costs), auto, rank_costs(auto, par.pp, costs))

@@ -135,8 +135,9 @@ def format_plan(plan: Plan) -> str:
         + " (no comm buckets, temporaries, CUDA context or fragmentation)",
         "  TFLOP/step: model FLOPs of one rank of the stage (megazero.metrics formula on its layers and head; "
         "recomputation not counted)",
-        "  pp stages: each pipeline rank's share of the work per token: those FLOPs, plus the cross entropy and the "
-        "embedding lookup as FLOPs-equivalents of their memory traffic (megazero.rules.pipeline_costs); "
+        "  pp stages: each pipeline rank's share of the work per token: those FLOPs, plus each layer's elementwise "
+        "work, the cross entropy and the embedding lookup as FLOPs-equivalents of their memory traffic on "
+        "launch.device (megazero.rules.pipeline_costs); "
         "parallel.pp_layers=auto splits the layers to least load the busiest",
         "",
         "totals",

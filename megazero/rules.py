@@ -192,8 +192,8 @@ def validate(cfg: Config) -> None:
     if not cfg.log.dir:
         cfg.log.dir = str(Path("runs") / cfg.name)
     if par.pp_layers == AUTO:  # last, once every static check has passed: the FLOPs formula imports torch
-        par.pp_layers = balance_layers(m.layers, par.pp, pipeline_costs(m, par.tp, t.precision),
-                                       par.virtual_stages)
+        costs = pipeline_costs(m, par.tp, t.precision, compute_device(cfg.launch.device))
+        par.pp_layers = balance_layers(m.layers, par.pp, costs, par.virtual_stages)
 
 
 def _exists(src: str, key: str, path: str, test=Path.exists) -> bool:
@@ -264,6 +264,9 @@ def _check_pp(cfg: Config) -> None:
 # gives 295 / 20). The same bytes weigh 15x more beside 16-bit matmuls than beside fp32 ones.
 FLOPS_PER_BYTE_16BIT = 200.0
 FLOPS_PER_BYTE_FP32 = 14.0
+# On a CPU core (fp32): ~90 GFLOP/s in a layer's matmuls against the cross entropy's ~4.3 ns per logit
+# (40 bytes) measured on the 2-core development machine: ~10 FLOPs per byte.
+FLOPS_PER_BYTE_CPU = 10.0
 # The vocab-parallel cross entropy (parallel.tensor) reads or writes each fp32 logit of this rank's slice ten
 # times: forward max, subtract (2), exp (2), sum, normalise (2); backward scale (2). The first pass is 16-bit
 # casts under bf16, a little more: not counted.
@@ -271,21 +274,44 @@ CROSS_ENTROPY_BYTES_PER_LOGIT = 40
 # The embedding lookup gathers a row (read, write) and its backward adds the gradient into it (read, write):
 # four fp32 passes over hidden values per token, on every tp rank (the vocabulary is split, the rows are not).
 EMBEDDING_BYTES_PER_VALUE = 16
+# A layer's elementwise work, per token, in activation values read or written: two norms (forward 2h, backward
+# 3h each) and two residual adds (forward 3h, backward 2h each), 20h; the MLP's activation function, forward 2
+# and backward 3 passes over each of its ffn-wide inputs (GELU: one, SwiGLU: gate and up). Small beside a
+# layer's matmuls at large h (it grows with h, they with h^2), a tenth of them at h = 256.
+LAYER_PASSES_PER_HIDDEN = 20
+LAYER_PASSES_PER_MLP_INPUT = 5
 
 
-def pipeline_costs(m, tp: int = 1, precision: str = "fp32") -> StageCosts:
+def pipeline_costs(m, tp: int = 1, precision: str = "fp32", device: str = "cuda") -> StageCosts:
     """What one rank computes per token (parallel.balance): a transformer layer and the output head from the
-    FLOPs formula (megazero.metrics), plus the cross entropy over this rank's V/tp logits and the embedding
-    lookup as FLOPs-equivalents of their memory traffic. ``m``: a model config (auto keys resolved or not).
+    FLOPs formula (megazero.metrics), plus as FLOPs-equivalents of their memory traffic the layer's
+    elementwise work, the cross entropy over this rank's V/tp logits and the embedding lookup. ``m``: a model
+    config (auto keys resolved or not); ``device``: cuda or cpu, whose matmuls outpace memory differently.
     Recomputation (model.activation_checkpointing) is not counted, as in the plan's FLOPs."""
     from megazero.metrics import flops_per_token, model_shape  # imports torch: only when asked
 
     ffn, shape = arch.ffn_hidden(m), model_shape(m)
-    layer = flops_per_token(1, m.hidden, ffn, m.seq_len, 0, **shape) / tp
+    matmuls = flops_per_token(1, m.hidden, ffn, m.seq_len, 0, **shape) / tp
     head = flops_per_token(0, m.hidden, ffn, m.seq_len, m.padded_vocab, **shape) / tp
-    per_byte = FLOPS_PER_BYTE_FP32 if precision == "fp32" else FLOPS_PER_BYTE_16BIT
+    if device == "cpu":
+        per_byte = FLOPS_PER_BYTE_CPU
+    else:
+        per_byte = FLOPS_PER_BYTE_FP32 if precision == "fp32" else FLOPS_PER_BYTE_16BIT
+    value_bytes = 4 if precision == "fp32" else 2
+    mlp_inputs = 2 if arch.is_llama(m) else 1
+    elementwise = (LAYER_PASSES_PER_HIDDEN * m.hidden + LAYER_PASSES_PER_MLP_INPUT * mlp_inputs * ffn / tp)
+    layer = matmuls + elementwise * value_bytes * per_byte
     loss = CROSS_ENTROPY_BYTES_PER_LOGIT * per_byte * m.padded_vocab / tp
     return StageCosts(layer, EMBEDDING_BYTES_PER_VALUE * per_byte * m.hidden, head + loss)
+
+
+def compute_device(launch_device: str) -> str:
+    """launch.device as the cost model sees it: auto is cuda where this machine has a GPU."""
+    if launch_device != AUTO:
+        return launch_device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _check_microbatches(cfg: Config) -> None:
