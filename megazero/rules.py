@@ -165,6 +165,11 @@ def validate(cfg: Config) -> None:
                       f"{_TRITON_GRID_Y}; lower train.micro_batch or use kernels.attention=auto")
     if cfg.zero.offload_params == "cpu" and cfg.zero.stage != 3:
         raise invalid(src, "zero.offload_params", "cpu", f"needs zero.stage=3 (got {cfg.zero.stage})")
+    if cfg.zero.stage == 3 and cfg.zero.reshard_after_forward is True and cfg.parallel.schedule == "zb1p":
+        raise invalid(src, "zero.reshard_after_forward", True,
+                      "cannot be true with parallel.schedule=zb1p: a layer stays gathered from its input "
+                      "gradient (B) to its weight gradient (W), and later forwards run in between; use auto or "
+                      "false (auto is false with a pipeline)")
     if t.min_lr > t.lr:
         raise invalid(src, "train.min_lr", t.min_lr, f"must be <= train.lr={t.lr}")
     if t.global_batch % t.micro_batch:

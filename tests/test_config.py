@@ -91,6 +91,8 @@ BAD = [
       "train.global_batch=24", "train.micro_batch=8"],
      ["train.global_batch=24", "3 microbatches", "multiple of parallel.pp (2)"]),
     (["parallel.schedule=zigzag"], ["parallel.schedule='zigzag'", "gpipe | 1f1b | interleaved | zb1p"]),
+    (["parallel.pp=2", "parallel.schedule=zb1p", "zero.stage=3", "zero.reshard_after_forward=true"],
+     ["zero.reshard_after_forward=True", "parallel.schedule=zb1p"]),
     (["zero.stage=4"], ["zero.stage=4", "0 | 1 | 2 | 3"]),
     (["zero.offload_params=cpu"], ["zero.offload_params='cpu'", "zero.stage=3"]),
     (["zero.offload_optimizer=nvme"], ["zero.offload_optimizer='nvme'", "none | cpu"]),
