@@ -73,16 +73,22 @@ class TPRandom:
             snapshot["state"] = tracker.state
             yield
 
-        @contextlib.contextmanager
-        def recompute():
-            after = tracker.state
-            tracker.state = snapshot["state"]
-            try:
-                yield
-            finally:
-                tracker.state = after
+        return forward(), _Replay(tracker, snapshot)
 
-        return forward(), recompute()
+
+class _Replay:
+    """Recomputation restarts from the forward's stream; re-enterable, as a split backward (zb1p) recomputes a
+    checkpointed layer twice: for the input gradient and again for the weight gradient."""
+
+    def __init__(self, tracker: "TPRandom", snapshot: dict):
+        self.tracker, self.snapshot, self.after = tracker, snapshot, None
+
+    def __enter__(self) -> None:
+        self.after = self.tracker.state
+        self.tracker.state = self.snapshot["state"]
+
+    def __exit__(self, *exc) -> None:
+        self.tracker.state = self.after
 
 
 class ShardedDropout(nn.Module):

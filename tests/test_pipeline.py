@@ -97,7 +97,9 @@ FOUR = [(f"pp4_{s}", SCHEDULES[s] + ["parallel.pp=4"]) for s in SCHEDULES] + \
        [(f"pp2_dp2_{s}", SCHEDULES[s] + ["parallel.pp=2"]) for s in SCHEDULES] + \
        [(f"pp2_dp2_interleaved_z{z}", SCHEDULES["interleaved"] + ["parallel.pp=2", f"zero.stage={z}"])
         for z in (2, 3)] + \
-       [("pp4_1f1b_waited", SCHEDULES["1f1b"] + ["parallel.pp=4", "parallel.overlap_p2p=false"])]
+       [("pp4_1f1b_waited", SCHEDULES["1f1b"] + ["parallel.pp=4", "parallel.overlap_p2p=false"]),
+        # a checkpointed layer is recomputed for B and again for W
+        ("pp2_dp2_zb1p_recompute", SCHEDULES["zb1p"] + ["parallel.pp=2", "model.activation_checkpointing=true"])]
 # (every other layout posts p2p ahead and waits at first use, the default)
 TP2_PP2 = ["parallel.pp=2", "parallel.tp=2"]
 EIGHT = [(f"tp2_pp2_dp2_{s}", SCHEDULES[s] + TP2_PP2) for s in ("gpipe", "interleaved")] + [
