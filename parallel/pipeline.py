@@ -93,7 +93,7 @@ class PipelineExecutor:
         self.peak_held_bytes = 0
         self.trace_origin = self._stamp()
         in_flight: dict[int, tuple[list, list[Action], list[Tensor]]] = {}  # posted groups: works, ops, tensors
-        for ev in events(actions, self.overlap_p2p, self.pp, self.rank):
+        for ev in events(actions, self.overlap_p2p):
             start = self._stamp()
             if ev[0] == "post":
                 in_flight[ev[1]] = self._post(ev[2], inputs, outputs, grads, forward_only)

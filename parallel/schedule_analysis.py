@@ -13,12 +13,11 @@ def check_deadlock_free(sched: list[list[Action]], pp: int, overlap_p2p: bool = 
     a deadlock or a mismatch.
 
     Messages on each directed rank pair must be posted in the same order on both ends (p2p matches in
-    order). A batch is one group (``batch_isend_irecv``): it completes once the batch holding each
-    counterpart is posted, as a send cannot finish before its receive exists. With overlap the executor
-    posts a batch as one group per peer, and a rank's groups to one peer complete in the order it posted
-    them (NCCL runs a pair's transfers on one stream): a group completes once each counterpart's group is
-    posted and every group posted before either of them on that pair has completed. A wait blocks its rank
-    until its batch completes.
+    order). Each batch is one group (``batch_isend_irecv``), and a rank's groups run in the order it posted
+    them, whatever their peers: NCCL runs a process group's batched transfers on one stream (torch picks the
+    group's communicator for them, as for a collective). A group starts once every group its rank posted
+    before it has completed, and completes once the group holding each of its counterparts has started: a
+    send cannot finish before its receive is running. A wait blocks its rank until the group completes.
     """
     sends: dict[tuple[int, int], list] = {}
     recvs: dict[tuple[int, int], list] = {}
@@ -38,44 +37,35 @@ def check_deadlock_free(sched: list[list[Action]], pp: int, overlap_p2p: bool = 
     def counterpart(a: Action, rank: int) -> tuple:
         return ("recv" if a.kind.startswith("send") else "send", message(a, rank, pp))
 
-    programs = [events(actions, overlap_p2p, pp, rank) for rank, actions in enumerate(sched)]
+    programs = [events(actions, overlap_p2p) for actions in sched]
     pos = [0] * pp
-    group_of: dict[tuple, tuple] = {}  # an end -> (rank, peer or None, index of its group on that queue)
-    queues: dict[tuple, list] = {}  # (rank, peer or None) -> its groups in posting order: [ends, complete]
-    batch_groups: list[dict] = [{} for _ in range(pp)]  # per rank: batch id -> its groups
+    queues: list[list] = [[] for _ in range(pp)]  # per rank: its groups in posting order, [counterparts, done]
+    by_id: list[dict] = [{} for _ in range(pp)]  # per rank: batch id -> its group
+    where: dict[tuple, tuple[int, int]] = {}  # an end -> (rank, index of its group in that rank's queue)
     while True:
         progressed = False
         for rank in range(pp):
             while pos[rank] < len(programs[rank]):
                 ev = programs[rank][pos[rank]]
                 if ev[0] == "post":
-                    by_peer: dict = {}
                     for a in ev[2]:
-                        by_peer.setdefault(peer(a, rank, pp)[0] if overlap_p2p else None, []).append(a)
-                    batch_groups[rank][ev[1]] = []
-                    for other, items in by_peer.items():
-                        q = queues.setdefault((rank, other), [])
-                        for a in items:
-                            group_of[end(a, rank)] = (rank, other, len(q))
-                        q.append([[counterpart(a, rank) for a in items], False])
-                        batch_groups[rank][ev[1]].append(q[-1])
-                elif ev[0] == "wait" and not all(g[1] for g in batch_groups[rank][ev[1]]):
+                        where[end(a, rank)] = (rank, len(queues[rank]))
+                    group = [[counterpart(a, rank) for a in ev[2]], False]
+                    queues[rank].append(group)
+                    by_id[rank][ev[1]] = group
+                elif ev[0] == "wait" and not by_id[rank][ev[1]][1]:
                     break
                 pos[rank] += 1
                 progressed = True
-        for (rank, other), q in queues.items():
-            for k, g in enumerate(q):
+
+        def started(r: int, k: int) -> bool:
+            return all(g[1] for g in queues[r][:k])
+
+        for rank in range(pp):
+            for k, g in enumerate(queues[rank]):
                 if g[1]:
                     continue
-                if k and not q[k - 1][1]:
-                    break  # a pair's groups complete in order
-                ready = True
-                for c in g[0]:
-                    where = group_of.get(c)
-                    if where is None or (where[2] and not queues[where[:2]][where[2] - 1][1]):
-                        ready = False
-                        break
-                if not ready:
+                if not started(rank, k) or not all(c in where and started(*where[c]) for c in g[0]):
                     break
                 g[1] = progressed = True
         if all(pos[r] >= len(programs[r]) for r in range(pp)):

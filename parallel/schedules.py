@@ -271,18 +271,17 @@ def batches(actions: list[Action]) -> Iterator[tuple[str, list[Action]]]:
         yield "comm", pending
 
 
-def events(actions: list[Action], overlap_p2p: bool = False, pp: int = 0, rank: int = 0) -> list[tuple]:
-    """How an executor runs a rank's actions: ("post", i, ops), ("wait", i), ("compute", action).
+def events(actions: list[Action], overlap_p2p: bool = False) -> list[tuple]:
+    """How an executor runs a rank's actions: ("post", i, batch), ("wait", i), ("compute", action).
 
-    Without overlap each batch of sends and receives is posted as one group and waited in place. With it
-    (``pp`` and ``rank`` given), a batch is posted as one group per peer; a group is waited just before the
-    first compute that reads one of its receives, a group of sends only before the next group to the same
-    peer is posted (so at most one is outstanding per peer), and whatever is left at the end."""
+    Each batch of sends and receives is posted as one group (``batch_isend_irecv``). Without overlap it is
+    waited in place. With it, a batch is waited just before the first compute that reads one of its
+    receives; a batch of sends only before the next batch is posted (so at most one is outstanding), and
+    whatever is left at the end."""
     out: list[tuple] = []
-    waiting: dict[tuple, int] = {}  # (kind, mb, chunk) of a compute -> the group holding its receive
-    sends_only: dict[int, int] = {}  # peer -> its outstanding group of sends only
+    waiting: dict[tuple, int] = {}  # (kind, mb, chunk) of a compute -> the batch holding its receive
+    sends_only: list[int] = []
     unwaited: list[int] = []
-    gid = 0
     for i, (kind, items) in enumerate(batches(actions)):
         if kind == "compute":
             a = items[0]
@@ -295,20 +294,15 @@ def events(actions: list[Action], overlap_p2p: bool = False, pp: int = 0, rank: 
         if not overlap_p2p:
             out += [("post", i, items), ("wait", i)]
             continue
-        by_peer: dict[int, list[Action]] = {}
-        for a in items:
-            by_peer.setdefault(peer(a, rank, pp)[0], []).append(a)
-        for other, group in by_peer.items():
-            if sends_only.get(other) in unwaited:
-                out.append(("wait", sends_only[other]))
-                unwaited.remove(sends_only.pop(other))
-            out.append(("post", gid, group))
-            unwaited.append(gid)
-            recvs = [a for a in group if a.kind.startswith("recv")]
-            for a in recvs:
-                waiting[("F" if a.kind == "recv_f" else "B", a.mb, a.chunk)] = gid
-            if not recvs:
-                sends_only[other] = gid
-            gid += 1
+        for j in sends_only:
+            if j in unwaited:
+                out.append(("wait", j))
+                unwaited.remove(j)
+        out.append(("post", i, items))
+        unwaited.append(i)
+        recvs = [a for a in items if a.kind.startswith("recv")]
+        for a in recvs:
+            waiting[("F" if a.kind == "recv_f" else "B", a.mb, a.chunk)] = i
+        sends_only = [] if recvs else [i]
     out += [("wait", j) for j in unwaited]
     return out

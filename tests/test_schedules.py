@@ -114,25 +114,29 @@ def test_zb1p_bubble_is_a_third_of_1f1b_at_the_same_memory(pp):
         assert zb["makespan"] < one["makespan"] - (pp - 1) * 1.0
 
 
-def test_overlap_posts_receives_ahead_and_waits_at_use():
-    """1F1B at pp 4: a forward's receive is posted before the backward that precedes the forward (so it
-    overlaps that compute) and waited right before the forward; at most one group of sends only per peer
-    is outstanding."""
+def test_overlap_waits_transfers_late():
+    """1F1B at pp 4, rank 1, steady state (F(k), then B(k-3)): the gradient sent after B(k-3) is waited only
+    after the next forward, which it overlaps; the activation sent after F(k) goes out with the receives of
+    the next forward and backward, waited just before that backward; one wait per post."""
     sched = build_schedule("1f1b", 4, 8, overlap_p2p=True)
-    ev = events(sched[1], True, 4, 1)
+    ev = events(sched[1], True)
     post = {str(a): i for i, e in enumerate(ev) if e[0] == "post" for a in e[2]}
-    wait = {e[1]: i for i, e in enumerate(ev) if e[0] == "wait"}
     group = {str(a): e[1] for e in ev if e[0] == "post" for a in e[2]}
+    wait = {e[1]: i for i, e in enumerate(ev) if e[0] == "wait"}
     compute = {str(e[1]): i for i, e in enumerate(ev) if e[0] == "compute"}
-    for k in range(4, 8):  # steady state: rank 1 runs F(k), B(k-3), F(k+1)
-        assert post[f"recv_f{k}"] < compute[f"B{k - 3}"] < wait[group[f"recv_f{k}"]] < compute[f"F{k}"]
+    for k in range(4, 8):
+        assert compute[f"B{k - 3}"] < post[f"send_b{k - 3}"] < compute[f"F{k}"] < wait[group[f"send_b{k - 3}"]]
+        assert group[f"send_f{k - 1}"] == group[f"recv_f{k}"] == group[f"recv_b{k - 3}"]
+        assert compute[f"F{k - 1}"] < post[f"recv_f{k}"] < wait[group[f"recv_f{k}"]] < compute[f"B{k - 3}"]
     assert sum(e[0] == "wait" for e in ev) == sum(e[0] == "post" for e in ev)
+    waited = [events(build_schedule("1f1b", 4, 8)[1])[i:i + 2] for i in range(0, 2)]
+    assert waited[0][0][0] == "post" and waited[0][1] == ("wait", waited[0][0][1])  # without overlap: in place
 
 
 def test_checker_rejects_receives_ahead_that_cross_on_a_pair():
     """Receives of both directions posted ahead (the backward's too) cross on a rank pair: rank 1 posts
     the receive of grad 1 before the send of activation 3, rank 2 the receive of activation 3 before the
-    send of grad 1. One stream per pair (NCCL) serves each end in its own order: a cycle."""
+    send of grad 1. Each rank's groups run in posting order (NCCL's one stream per process group): a cycle."""
     text = ["F0 send_f0 F1 send_f1 F2 send_f2 F3 send_f3 recv_b0 B0 recv_b1 B1 recv_b2 B2 recv_b3 B3",
             "recv_f0 F0 send_f0 recv_f1 F1 send_f1 recv_f2 F2 send_f2 recv_f3 recv_b0 B0 send_b0 recv_b1 F3 "
             "send_f3 B1 send_b1 recv_b2 B2 send_b2 recv_b3 B3 send_b3",
