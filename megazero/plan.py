@@ -122,22 +122,29 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
 def activation_peak(actions: Sequence[Action], per_microbatch: Sequence[int]) -> tuple[int, int]:
     """(peak bytes, peak count) of microbatches in flight along one rank's schedule.
 
-    A forward of chunk c adds ``per_microbatch[c]`` until its backward frees it;
+    A forward of chunk c adds ``per_microbatch[c]`` until its backward frees it
+    (zb1p: its weight gradient W; the input gradient B keeps the graph for it);
     the peak over the action order is what the rank must hold (1F1B: at most
-    min(pp - r, m) microbatches, Narayanan et al. 2021; GPipe: all m).
+    min(pp - r, m) microbatches, Narayanan et al. 2021; GPipe: all m; zb1p:
+    min(pp, m) on every rank). Not counted: the output gradients zb1p's B
+    records for W.
     """
+    ends = "W" if any(a.kind == "W" for a in actions) else "B"
     held = count = peak_bytes = peak_count = 0
     for a in actions:
         if a.kind == "F":
             held, count = held + per_microbatch[a.chunk], count + 1
             peak_bytes, peak_count = max(peak_bytes, held), max(peak_count, count)
-        elif a.kind == "B":
+        elif a.kind == ends:
             held, count = held - per_microbatch[a.chunk], count - 1
     return peak_bytes, peak_count
 
 
 def pipeline_bubble(schedule: str, pp: int, m: int, v: int = 1) -> float:
-    """Idle fraction of a step: (p-1)/(m+p-1), and (p-1)/(v·m+p-1) interleaved (Narayanan et al. 2021)."""
+    """Idle fraction of a step: (p-1)/(m+p-1), and (p-1)/(v·m+p-1) interleaved (Narayanan et al. 2021);
+    zb1p with equal F, B and W costs: (p-1)/(3m+p-1) (ZB-H1 idles (p-1)(F+B-W), Qi et al. 2023, §3.1)."""
+    if schedule == "zb1p":
+        return (pp - 1) / (3 * m + pp - 1)
     chunks = v if schedule == "interleaved" else 1
     return (pp - 1) / (chunks * m + pp - 1)
 

@@ -311,12 +311,9 @@ def pipeline_costs(m, tp: int = 1, precision: str = "fp32", device: str = "cuda"
 
 
 def compute_device(launch_device: str) -> str:
-    """launch.device as the cost model sees it: auto is cuda where this machine has a GPU."""
-    if launch_device != AUTO:
-        return launch_device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """launch.device as the cost model sees it: auto weighs memory traffic as a GPU does, whatever machine
+    validates the config (a --dry-run on a login node plans the GPU run), and without touching CUDA."""
+    return "cpu" if launch_device == "cpu" else "cuda"
 
 
 def _check_microbatches(cfg: Config) -> None:

@@ -75,12 +75,17 @@ class DeferredWeightGrad:
 
 
 def backward_input(outputs: Sequence[Tensor], grads: Sequence[Optional[Tensor]], inputs: Sequence[Tensor],
-                   params: Sequence[Tensor]) -> DeferredWeightGrad:
-    """B: accumulate d(outputs)/d(inputs) into ``inputs[i].grad``; return what W needs for ``params``."""
+                   params: Sequence[Tensor], now: Sequence[Tensor] = ()) -> DeferredWeightGrad:
+    """B: accumulate d(outputs)/d(inputs) into ``inputs[i].grad``, and the gradients of the parameters ``now``
+    (those of recomputed layers: W would recompute them again, once per group); return what W needs for the
+    other ``params``."""
     roots = [n for n in map(_node, outputs) if n is not None]
-    targets = {n for n in map(_node, inputs) if n is not None}
-    if not targets:
+    if not any(n is not None for n in map(_node, inputs)):
         return DeferredWeightGrad([], full=(tuple(outputs), tuple(grads)))
+    inputs = list(inputs) + [p for p in now if _node(p) is not None]
+    immediate = {id(p) for p in now}
+    params = [p for p in params if id(p) not in immediate]
+    targets = {n for n in map(_node, inputs) if n is not None}
     # the graph below the outputs, and which of its nodes lead to the inputs (they run in B)
     parents: dict[Node, list[Node]] = {}
     seen, stack = set(roots), list(roots)

@@ -114,7 +114,8 @@ def test_sequence_parallel_divides_the_replicated_part_by_t():
 
 
 @pytest.mark.parametrize("name, pp, m, v", [("1f1b", 4, 8, 1), ("1f1b", 4, 2, 1), ("gpipe", 3, 5, 1),
-                                            ("interleaved", 4, 8, 2), ("interleaved", 2, 4, 3)])
+                                            ("interleaved", 4, 8, 2), ("interleaved", 2, 4, 3), ("zb1p", 4, 8, 1),
+                                            ("zb1p", 8, 16, 1), ("zb1p", 4, 2, 1)])
 def test_microbatches_in_flight_match_the_schedule(name, pp, m, v):
     sched = build_schedule(name, pp, m, v)
     peaks = simulate(sched, pp)["peak_in_flight"]
@@ -125,6 +126,8 @@ def test_microbatches_in_flight_match_the_schedule(name, pp, m, v):
             assert count == min(pp - r, m)
         if name == "gpipe":
             assert count == m
+        if name == "zb1p":  # held from F to W: the deferred weight gradients keep later ranks' microbatches
+            assert count == min(pp, m)
 
 
 def test_pipeline_bubble():
@@ -132,6 +135,9 @@ def test_pipeline_bubble():
     assert pipeline_bubble("gpipe", 4, 8) == pytest.approx(3 / 11)
     assert pipeline_bubble("interleaved", 4, 8, 2) == pytest.approx(3 / 19)
     assert pipeline_bubble("1f1b", 1, 8) == 0
+    for pp, m in ((2, 4), (4, 8), (8, 8)):  # zb1p: the simulated idle share with equal F, B and W costs
+        sim = simulate(build_schedule("zb1p", pp, m), pp, 1.0, 1.0, 1.0)
+        assert pipeline_bubble("zb1p", pp, m) == pytest.approx(max(sim["idle_fraction"]))
 
 
 # --- parameters per stage, built on meta ---------------------------------------------------------
