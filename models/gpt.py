@@ -31,6 +31,7 @@ from kernels import attention
 from models.arch import ffn_hidden, has_bias, is_llama, tied
 from models.llama import LlamaBlock, rms_norm
 from parallel.comm import Comm, copy_to_region
+from parallel.tp_overlap import Entry, Sublayer, overlapped_block
 from parallel.tp_random import ShardedDropout, TPRandom
 from parallel.tensor import (
     ColumnParallelLinear,
@@ -50,15 +51,17 @@ PARALLEL_ATTRS = ("tp_split_dim", "tp_replicas", "sequence_parallel")  # what th
 
 
 class _Parallel:
-    """How a stage is split: the tp group, sequence parallelism, the per-rank random stream, and the groups
-    of tp ranks that share a replicated k/v head (grouped-query attention with kv_heads < tp)."""
+    """How a stage is split: the tp group, sequence parallelism, the per-rank random stream, the groups
+    of tp ranks that share a replicated k/v head (grouped-query attention with kv_heads < tp), and whether
+    blocks run their microbatch as two halves that hide each other's tp collectives (``parallel.tp_overlap``)."""
 
     def __init__(self, tp: Optional[Comm], sequence_parallel: bool, rng: TPRandom, attention_impl: str = "torch",
-                 kv_replicas: Optional[Comm] = None):
+                 kv_replicas: Optional[Comm] = None, overlap: bool = False):
         self.tp = tp
         self.attention_impl = attention_impl
         self.rank, self.size = tp_rank_and_size(tp)
         self.sp = sequence_parallel and self.size > 1
+        self.overlap = overlap and self.size > 1
         self.rng = rng
         self.kv_replicas = kv_replicas
 
@@ -102,14 +105,15 @@ class Attention(nn.Module):
         self.dropout = ShardedDropout(cfg.dropout, par.rng, split=par.sp)
         self.impl = par.attention_impl
 
-    def forward(self, x: Tensor) -> Tensor:
-        qkv = self.qkv(x)
+    def forward(self, x: Tensor, entry: Optional[Entry] = None) -> Tensor:
+        """With ``entry`` (one half under ``parallel.tp_overlap``): proj's partial sums, reduced by the caller."""
+        qkv = self.qkv(x, entry)
         b, s, _ = qkv.shape
         qkv = qkv.view(b, s, self.local_heads, 3, self.head_dim)
         q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))  # (b, heads, s, d)
         y = attention(q, k, v, causal=True, impl=self.impl)
         y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
-        return self.dropout(self.proj(y))
+        return self.proj.partial(y) if entry is not None else self.dropout(self.proj(y))
 
 
 class MLP(nn.Module):
@@ -119,8 +123,10 @@ class MLP(nn.Module):
         self.fc2 = RowParallelLinear(ffn_hidden(cfg), cfg.hidden, has_bias(cfg), par.tp, sequence_parallel=par.sp)
         self.dropout = ShardedDropout(cfg.dropout, par.rng, split=par.sp)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.dropout(self.fc2(F.gelu(self.fc1(x), approximate="tanh")))
+    def forward(self, x: Tensor, entry: Optional[Entry] = None) -> Tensor:
+        """With ``entry`` (one half under ``parallel.tp_overlap``): fc2's partial sums, reduced by the caller."""
+        y = F.gelu(self.fc1(x, entry), approximate="tanh")
+        return self.fc2.partial(y) if entry is not None else self.dropout(self.fc2(y))
 
 
 class Block(nn.Module):
@@ -130,8 +136,12 @@ class Block(nn.Module):
         self.attn = Attention(cfg, par)
         self.ln2 = _norm(cfg, par)
         self.mlp = MLP(cfg, par)
+        self.overlap = par.overlap
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.overlap:
+            return overlapped_block(x, (Sublayer(self.ln1, self.attn, self.attn.proj, self.attn.dropout),
+                                        Sublayer(self.ln2, self.mlp, self.mlp.fc2, self.mlp.dropout)))
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
@@ -173,7 +183,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.rng = TPRandom()
-        self.par = _Parallel(tp, sequence_parallel, self.rng, attention_impl, kv_replicas)
+        self.par = _Parallel(tp, sequence_parallel, self.rng, attention_impl, kv_replicas, tp_overlap)
         self.tp, self.tp_rank, self.tp_size = tp, self.par.rank, self.par.size
         self.sequence_parallel = self.par.sp
         self.layer_ids = range(cfg.layers) if layer_ids is None else layer_ids
@@ -209,6 +219,14 @@ class GPT(nn.Module):
             start = self.tp_rank * local if self.sequence_parallel else 0
             x = x + self.embed.positions(torch.arange(start, start + local, device=ids.device))
         return self.embed_dropout(x)
+
+    def recomputed_parameters(self) -> list[nn.Parameter]:
+        """The parameters of the layers recomputed in backward (activation checkpointing): a split backward
+        (zb1p) takes their gradients with the input's, as a second recomputation would cost more."""
+        if not self.activation_checkpointing:
+            return []
+        layers = list(self.layers.values())[:self.checkpointed]
+        return [p for layer in layers for p in layer.parameters() if p.requires_grad]
 
     def forward(self, x: Tensor, targets: Tensor | None = None) -> Tensor:
         if self.first_stage:

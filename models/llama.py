@@ -15,7 +15,7 @@ them (``ColumnParallelLinear(replicas=...)``).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from kernels import attention
 from models.arch import ffn_hidden, has_bias, is_llama
+from parallel.tp_overlap import Entry, Sublayer, overlapped_block
 from parallel.tp_random import ShardedDropout
 from parallel.tensor import (
     ColumnParallelLinear,
@@ -137,8 +138,9 @@ class LlamaAttention(nn.Module):
         self.dropout = ShardedDropout(cfg.dropout, par.rng, split=sp)
         self.impl = par.attention_impl
 
-    def forward(self, x: Tensor) -> Tensor:
-        q, k, v = column_parallel_linears(x, [self.q, self.k, self.v])
+    def forward(self, x: Tensor, entry: Optional[Entry] = None) -> Tensor:
+        """With ``entry`` (one half under ``parallel.tp_overlap``): proj's partial sums, reduced by the caller."""
+        q, k, v = column_parallel_linears(x, [self.q, self.k, self.v], entry)
         b, s, _ = q.shape
         q = q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)  # (b, heads, s, d)
         k = k.view(b, s, self.local_kv, self.head_dim).transpose(1, 2)
@@ -146,7 +148,7 @@ class LlamaAttention(nn.Module):
         cos, sin = rotary_tables(s, self.head_dim, self.theta, x.device, self.scaling)
         y = attention(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, causal=True, impl=self.impl)
         y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
-        return self.dropout(self.proj(y))
+        return self.proj.partial(y) if entry is not None else self.dropout(self.proj(y))
 
 
 class SwiGLU(nn.Module):
@@ -160,9 +162,11 @@ class SwiGLU(nn.Module):
         self.down = RowParallelLinear(f, h, bias, par.tp, sequence_parallel=sp)
         self.dropout = ShardedDropout(cfg.dropout, par.rng, split=sp)
 
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = column_parallel_linears(x, [self.gate, self.up])
-        return self.dropout(self.down(F.silu(gate) * up))
+    def forward(self, x: Tensor, entry: Optional[Entry] = None) -> Tensor:
+        """With ``entry`` (one half under ``parallel.tp_overlap``): down's partial sums, reduced by the caller."""
+        gate, up = column_parallel_linears(x, [self.gate, self.up], entry)
+        y = F.silu(gate) * up
+        return self.down.partial(y) if entry is not None else self.dropout(self.down(y))
 
 
 class LlamaBlock(nn.Module):
@@ -172,8 +176,12 @@ class LlamaBlock(nn.Module):
         self.attn = LlamaAttention(cfg, par)
         self.ln2 = rms_norm(cfg, par)
         self.mlp = SwiGLU(cfg, par)
+        self.overlap = par.overlap
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.overlap:
+            return overlapped_block(x, (Sublayer(self.ln1, self.attn, self.attn.proj, self.attn.dropout),
+                                        Sublayer(self.ln2, self.mlp, self.mlp.down, self.mlp.dropout)))
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 

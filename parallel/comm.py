@@ -23,7 +23,10 @@ reduce_scatter_to_sequence reduce-scatter, seq dim all-gather, seq dim
 Each is the identity when the group has one rank (or is None). The
 column-parallel linears do gather_from_sequence's work themselves
 (``parallel.tensor.sequence_gathered_linear``), keeping only the shard for
-backward.
+backward. f and g sum in place, nothing cloned: their inputs are fresh matmul
+outputs and gradients that nothing else reads. A :class:`Pending` carries a
+collective launched in one autograd node to the later node that waits for it
+(``parallel.tp_overlap``).
 """
 from __future__ import annotations
 
@@ -219,25 +222,54 @@ def _reduce_scatter_single(out: Tensor, x: Tensor, group) -> None:
 # --- autograd functions ---------------------------------------------------------------------------
 
 
+class Pending:
+    """Collectives launched in one autograd node and waited in a later one (``parallel.tp_overlap``)."""
+
+    def __init__(self) -> None:
+        self.works: list = []
+
+    def put(self, work) -> None:
+        if work is not None:
+            self.works.append(work)
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works.clear()
+
+
 class _CopyToRegion(torch.autograd.Function):
-    """f: every rank uses the same input, so its gradient is the sum of theirs."""
+    """f: every rank uses the same input, so its gradient is the sum of theirs.
+
+    The sum is taken in place: f's output feeds column-parallel matmuls only, whose input gradient is a fresh
+    tensor no other node holds. With ``pending`` it is left in flight there, for a later node to wait."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, comm: Comm) -> Tensor:
-        ctx.comm = comm
+    def forward(ctx, x: Tensor, comm: Comm, pending: Optional[Pending]) -> Tensor:
+        ctx.comm, ctx.pending = comm, pending
         return x
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return ctx.comm.all_reduce(grad.contiguous().clone()), None
+        grad = grad.contiguous()
+        if ctx.pending is None:
+            return ctx.comm.all_reduce(grad), None, None
+        ctx.pending.put(ctx.comm.all_reduce(grad, async_op=True))
+        return grad, None, None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
-    """g: partial sums from every rank are added; each rank's gradient is the whole one."""
+    """g: partial sums from every rank are added; each rank's gradient is the whole one.
+
+    In place on its input (a matmul's or an embedding's fresh output, which autograd does not keep), unless
+    that is not contiguous and a contiguous copy is summed instead."""
 
     @staticmethod
     def forward(ctx, x: Tensor, comm: Comm) -> Tensor:
-        return comm.all_reduce(x.contiguous().clone())
+        y = x.contiguous()
+        if y is x:
+            ctx.mark_dirty(x)
+        return comm.all_reduce(y)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -296,8 +328,9 @@ def _active(comm: Optional[Comm]) -> bool:
     return comm is not None and comm.size > 1
 
 
-def copy_to_region(x: Tensor, comm: Optional[Comm]) -> Tensor:
-    return _CopyToRegion.apply(x, comm) if _active(comm) else x
+def copy_to_region(x: Tensor, comm: Optional[Comm], pending: Optional[Pending] = None) -> Tensor:
+    """f; with ``pending``, backward's all-reduce is launched and left there to be waited by a later node."""
+    return _CopyToRegion.apply(x, comm, pending) if _active(comm) else x
 
 
 def reduce_from_region(x: Tensor, comm: Optional[Comm]) -> Tensor:

@@ -26,7 +26,7 @@ arithmetic that never touches torch.distributed.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,12 +36,16 @@ from torch import Tensor, nn
 from parallel.comm import (
     SEQ_DIM,
     Comm,
+    Pending,
     copy_to_region,
     gather_from_region,
     reduce_from_region,
     reduce_scatter_to_sequence,
     scatter_to_region,
 )
+
+if TYPE_CHECKING:
+    from parallel.tp_overlap import Entry
 
 
 def tp_rank_and_size(tp: Optional[Comm]) -> tuple[int, int]:
@@ -128,8 +132,8 @@ class ColumnParallelLinear(nn.Module):
         for p in self.parameters():
             p.tp_replicas = n_replicas
 
-    def forward(self, x: Tensor) -> Tensor:
-        return column_parallel_linears(x, [self])[0]
+    def forward(self, x: Tensor, entry: Optional["Entry"] = None) -> Tensor:
+        return column_parallel_linears(x, [self], entry)[0]
 
     def weights(self) -> tuple[Tensor, Optional[Tensor]]:
         """(weight, bias) as the forward uses them: through the replica gradient sum when replicated."""
@@ -139,19 +143,24 @@ class ColumnParallelLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, tp={self.tp_rank}/{self.tp_size}"
 
 
-def column_parallel_linears(x: Tensor, linears: list[ColumnParallelLinear]) -> list[Tensor]:
+def column_parallel_linears(x: Tensor, linears: list[ColumnParallelLinear],
+                            entry: Optional["Entry"] = None) -> list[Tensor]:
     """Several column-parallel linears of one input (q, k, v; SwiGLU's gate and up) with one collective.
 
     Separate parameters keep the logical (layout-free) shapes that checkpoints and Hugging Face use, while the
     input is copied, or gathered along the sequence, once for all of them: one all-gather forward and one
-    reduce-scatter backward under sequence parallelism, as a fused weight would need."""
+    reduce-scatter backward under sequence parallelism, as a fused weight would need.
+
+    ``entry`` (``parallel.tp_overlap``): one half of a microbatch enters here; the backward collective on the
+    input's gradient is left in flight in ``entry.pending``, and the weights are shared with the other half."""
     first = linears[0]
     assert all(lin.tp is first.tp and lin.sequence_parallel == first.sequence_parallel for lin in linears)
-    weights = [lin.weights() for lin in linears]
+    weights = [lin.weights() if entry is None else entry.weights(lin) for lin in linears]
+    pending = None if entry is None else entry.pending
     if first.sequence_parallel:
-        ys = sequence_gathered_linears(x, weights, first.tp)
+        ys = sequence_gathered_linears(x, weights, first.tp, pending)
     else:
-        x = copy_to_region(x, first.tp)
+        x = copy_to_region(x, first.tp, pending)
         ys = [F.linear(x, w, b) for w, b in weights]
     return [gather_from_region(y, lin.tp) if lin.gather_output else y for y, lin in zip(ys, linears)]
 
@@ -185,11 +194,13 @@ class _SequenceGatheredLinears(torch.autograd.Function):
     activation per column-parallel linear and undo sequence parallelism's 1/tp activation memory. Backward
     gathers x again, overlapped with dX = sum_i dY_i W_i, and reduce-scatters dX overlapped with
     dW_i = dY_i^T X (Korthikanti et al. 2022, §4.2.2; Megatron-LM's linear with async communication).
-    Several weights share the one gather and the one reduce-scatter.
+    Several weights share the one gather and the one reduce-scatter; with ``pending`` the reduce-scatter is
+    left in flight for a later node to wait (``parallel.tp_overlap``).
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, comm: Comm, has_bias: tuple, *weights_and_biases: Tensor):
+    def forward(ctx, x: Tensor, comm: Comm, pending: Optional[Pending], has_bias: tuple,
+                *weights_and_biases: Tensor):
         device = x.device.type
         if torch.is_autocast_enabled(device):  # gather in the dtype the matmul will read, as autocast would cast
             x = x.to(torch.get_autocast_dtype(device))
@@ -197,7 +208,7 @@ class _SequenceGatheredLinears(torch.autograd.Function):
         n = len(has_bias)
         weights, biases = weights_and_biases[:n], weights_and_biases[n:]
         ctx.save_for_backward(x, *weights)
-        ctx.comm, ctx.has_bias = comm, has_bias
+        ctx.comm, ctx.pending, ctx.has_bias = comm, pending, has_bias
         # under autocast: the cached low-precision weight, as any linear
         return tuple(F.linear(total, w, b if hb else None) for w, b, hb in zip(weights, biases, has_bias))
 
@@ -225,19 +236,23 @@ class _SequenceGatheredLinears(torch.autograd.Function):
             flat = None if g is None else g.reshape(-1, g.shape[-1])
             grad_weights.append(None if flat is None else flat.t().matmul(total))  # autograd casts to the weight's
             grad_biases.append(flat.sum(0) if hb and flat is not None else None)
-        work.wait()
-        return (grad_x.movedim(0, SEQ_DIM), None, None, *grad_weights, *grad_biases)
+        if ctx.pending is None:
+            work.wait()
+        else:  # once: zb1p's deferred weight gradients run this node again, and nobody waits for that
+            ctx.pending.put(work)
+            ctx.pending = None
+        return (grad_x.movedim(0, SEQ_DIM), None, None, None, *grad_weights, *grad_biases)
 
 
 def sequence_gathered_linears(x: Tensor, weights: list[tuple[Tensor, Optional[Tensor]]],
-                              comm: Optional[Comm]) -> list[Tensor]:
+                              comm: Optional[Comm], pending: Optional[Pending] = None) -> list[Tensor]:
     """Column-parallel linears on one sequence-parallel input: gathers the sequence once, keeps only the shard."""
     if comm is None or comm.size == 1:
         return [F.linear(x, w, b) for w, b in weights]
     has_bias = tuple(b is not None for _, b in weights)
     ws = [w for w, _ in weights]
     bs = [b if b is not None else x.new_empty(0) for _, b in weights]
-    return list(_SequenceGatheredLinears.apply(x, comm, has_bias, *ws, *bs))
+    return list(_SequenceGatheredLinears.apply(x, comm, pending, has_bias, *ws, *bs))
 
 
 def sequence_gathered_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], comm: Optional[Comm]) -> Tensor:
@@ -266,11 +281,16 @@ class RowParallelLinear(nn.Module):
         self.bias = _param((out_features,), None, self.sequence_parallel) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        if not self.input_is_parallel:
-            x = scatter_to_region(x, self.tp)
-        y = F.linear(x, self.weight)
+        y = self.partial(x)
         y = reduce_scatter_to_sequence(y, self.tp) if self.sequence_parallel else reduce_from_region(y, self.tp)
         return y if self.bias is None else y + self.bias
+
+    def partial(self, x: Tensor) -> Tensor:
+        """This rank's partial sums, before the reduction over ranks and the bias (``parallel.tp_overlap``
+        reduces them asynchronously)."""
+        if not self.input_is_parallel:
+            x = scatter_to_region(x, self.tp)
+        return F.linear(x, self.weight)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, tp={self.tp_rank}/{self.tp_size}"
