@@ -19,6 +19,9 @@
    model too big for the device is refused with its free memory.
 6. ``bench/offload_overlap.py``: with the optimizer offloaded, the gradients' copies to the host overlap
    the backward (at least half the bytes land before it ends).
+7. ``bench/pipeline.py``: 1F1B, zb1p and interleaved, p2p waited or overlapped, even or cost-balanced
+   stages, on gloo CPU ranks (one GPU cannot hold a pipeline; the machine's cores give each rank its own).
+8. ``bench/tp_overlap.py``: Domino-style tensor-parallel overlap on and off at tp = 2, on gloo CPU ranks.
 
     python bench/gpu_checks.py [--out DIR] [--budget SECONDS] [--seqs 1024,...] [--only kernels,train,...] [--smoke]
 
@@ -50,7 +53,7 @@ BF16_LOSS_RTOL = 2e-2
 # Offloaded vs on-GPU optimizer: the same fp32 AdamW arithmetic, on the CPU by torch vs on the GPU by
 # Triton (FMA contraction may differ in the last bit): fp32-level differences, amplified through bf16.
 OFFLOAD_LOSS_RTOL = 2e-2
-SECTIONS = ("kernels", "train", "throughput", "profile", "longrun", "offload")
+SECTIONS = ("kernels", "train", "throughput", "profile", "longrun", "offload", "pipeline", "tp_overlap")
 TINY_1GPU = ["parallel.tp=1", "parallel.sequence_parallel=false", "parallel.pp=1", "parallel.dp=1",
              "train.eval_every=0", "log.tensorboard=false", "train.precision=bf16"]
 GPT2_SMALL_BODY = ["model.layers=12", "model.hidden=768", "model.heads=12", "model.seq_len=1024",
@@ -263,6 +266,20 @@ def main() -> int:
         lines = checks.run("bench/offload_overlap.py", offload_cmd, env)
         if lines is not None:
             checks.note("", "Offloaded gradient copies (bench/offload_overlap.py):", *lines.strip().splitlines())
+    if "pipeline" in only:  # 7. schedules, p2p overlap and stage balance (CPU ranks)
+        pipe_cmd = [sys.executable, "bench/pipeline.py"] + (
+            ["--steps", "1", "--rounds", "1", "--layers", "4", "--hidden", "32", "--seq", "16", "--vocab", "256",
+             "--micro-batch", "2", "--microbatches", "2"] if args.smoke else ["--steps", "20", "--rounds", "1"])
+        lines = checks.run("bench/pipeline.py", pipe_cmd, env)
+        if lines is not None:
+            checks.note("", "Pipeline schedules (bench/pipeline.py):", *lines.strip().splitlines())
+    if "tp_overlap" in only:  # 8. tensor-parallel collectives under the other half's matmuls (CPU ranks)
+        tpo_cmd = [sys.executable, "bench/tp_overlap.py"] + (
+            ["--layers", "1", "--hidden", "128", "--seq", "32", "--micro-batch", "2", "--steps", "1", "--repeats", "1"]
+            if args.smoke else ["--steps", "20", "--repeats", "2"])
+        lines = checks.run("bench/tp_overlap.py", tpo_cmd, env)
+        if lines is not None:
+            checks.note("", "Tensor-parallel overlap (bench/tp_overlap.py):", *lines.strip().splitlines())
     return checks.finish()
 
 

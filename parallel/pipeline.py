@@ -151,8 +151,11 @@ class PipelineExecutor:
         grad = torch.ones_like(out) if vs == self.last_vs else grads.pop(key)
         if deferred is not None:
             x = [inputs[key]] if vs > 0 else []
-            params = [p for p in self.chunks[a.chunk].parameters() if p.requires_grad]
-            deferred[key] = backward_input([out], [grad], x, params)
+            chunk = self.chunks[a.chunk]
+            params = [p for p in chunk.parameters() if p.requires_grad]
+            # a recomputed layer's weight gradients are taken in B: W would recompute it again
+            now = chunk.recomputed_parameters() if hasattr(chunk, "recomputed_parameters") else []
+            deferred[key] = backward_input([out], [grad], x, params, now)
         elif vs == self.last_vs:
             out.backward()
         else:

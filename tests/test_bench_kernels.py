@@ -73,6 +73,9 @@ def test_gpu_checks_smoke(tmp_path):
         assert len(re.findall(rf"^- ok {check}", summary, re.M)) == 1, check
     # the offloaded optimizer's copies: the script runs (on the CPU it has no copies to time)
     assert "Offloaded gradient copies (bench/offload_overlap.py):" in summary
+    # the CPU-rank benchmarks: pipeline schedules and tensor-parallel overlap run and report
+    assert re.search(r"^\| zb1p even, overlap \| [0-9.]+ \|", summary, re.M)
+    assert "Tensor-parallel overlap (bench/tp_overlap.py):" in summary
     # the step profile: a wall time per kernel set, in profile.md and summarised in summary.md
     assert len(re.findall(r"^- wall: [0-9.]+ ms/step", summary, re.M)) == 2
     assert len(re.findall(r"^- enqueueing one attention forward \(batch 1\): \d+ us",
@@ -87,4 +90,4 @@ def test_gpu_checks_report_what_the_budget_left_out(tmp_path):
     assert proc.returncode == 1
     summary = (tmp_path / "summary.md").read_text()
     assert summary.startswith("# GPU checks (smoke, CPU): FAILED: environment: not run, the time budget is spent")
-    assert len(re.findall(r"^- FAILED .*: not run, the time budget is spent$", summary, re.M)) == 15  # every command of every section, offload_overlap.py included
+    assert len(re.findall(r"^- FAILED .*: not run, the time budget is spent$", summary, re.M)) == 17  # every command of every section, the CPU-rank benchmarks included
