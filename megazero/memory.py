@@ -241,7 +241,7 @@ def watching(tracker: MemoryTracker, executor: Any, zero: Any) -> Iterator[None]
         return call
 
     wrapped = [(executor, "run", run), (executor, "_forward", forward), (executor, "_backward", backward),
-               (executor, "_communicate", roled("comm")),
+               (executor, "_post", roled("comm")),
                (zero, "reduce", roled("temporaries", "step {step}: completing the gradient reduction")),
                (zero, "step", roled("temporaries", "step {step}: optimizer step")),
                (zero.reducer, "_alloc", roled("grads")), (zero.gatherer, "after_step", roled("comm"))]
