@@ -25,36 +25,59 @@ from tests.dist import run_ranks
 from tests.runs import ROOT, executor_for, read_metrics, small_overrides, write_corpus
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
-STEPS = 20
+STEPS = 10
+HALF = STEPS // 2  # the resumed runs continue from this step's checkpoint
+SAVE_HALF = [f"train.save_every={HALF}"]  # keep_last 2 keeps it next to the final one
 
 
 def _over(text, cache, log_dir, extra=(), steps=STEPS, **values):
     return small_overrides(text, cache, log_dir, steps=steps, **values) + list(extra)
 
 
-DP2 = [(f"dp2_z{s}", [f"zero.stage={s}"]) for s in range(4)] + \
+DP2 = [(f"dp2_z{s}", [f"zero.stage={s}"] + (SAVE_HALF if s == 2 else [])) for s in range(4)] + \
       [("dp2_z1_offload", ["zero.stage=1", "zero.offload_optimizer=cpu"]),
        ("dp2_z3_offload", ["zero.stage=3", "zero.offload_optimizer=cpu", "zero.offload_params=cpu"]),
        ("dp2_z3_keep", ["zero.stage=3", "zero.reshard_after_forward=false"]),
        ("dp2_z3_ckpt", ["zero.stage=3", "model.activation_checkpointing=true"]),
        ("dp2_z3_ckpt1", ["zero.stage=3", "model.activation_checkpointing=true", "model.checkpoint_layers=1"]),
        ("dp2_z1_bf16", ["zero.stage=1", "train.precision=bf16"]),
-       ("dp2_z3_bf16", ["zero.stage=3", "train.precision=bf16"]),
-       # a dp=1 stage-0 checkpoint at step 10 resumed at dp=2 under stage 3: checkpoints are layout-free
-       ("dp1_then_dp2_z3", ["zero.stage=3", "train.resume=auto"]),
-       # and back: a dp=2 stage-2 checkpoint (each rank wrote the half it owns) resumed at dp=1 (fixture)
-       ("dp2_z2_then_dp1", ["zero.stage=2", "train.exit_after=10"])]
+       ("dp2_z3_bf16", ["zero.stage=3", "train.precision=bf16"])]
 DP4 = [(f"dp4_z{s}", [f"zero.stage={s}", "train.micro_batch=1"]) for s in range(4)]
-EIGHT = [(f"tp2_pp2_dp2_z{s}", [f"zero.stage={s}", "parallel.tp=2", "parallel.pp=2",
-                                "parallel.sequence_parallel=true"]) for s in (0, 1, 2, 3)] + \
-        [("tp2_pp2_dp2_z3_then_dp1", ["zero.stage=3", "parallel.tp=2", "parallel.pp=2", "train.exit_after=10"])]
-THEN_DP1 = ("dp2_z2_then_dp1", "tp2_pp2_dp2_z3_then_dp1")  # finished at dp=1, stage 0, from their step-10 save
+# stage 0 at tp2 x pp2 x dp2 (1f1b, sequence parallel) is test_pipeline.py's tp2_pp2_dp2_1f1b_sp
+EIGHT = [(f"tp2_pp2_dp2_z{s}", [f"zero.stage={s}", "parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"]
+          + (SAVE_HALF if s == 3 else [])) for s in (1, 2, 3)]
+# Checkpoints are layout-free: a run resumed from another layout's step-HALF checkpoint continues its curve
+# (the checkpoints are the ones those runs save on their way to STEPS; no run of its own stops there).
+# name: (the run that saved it, the resumed run's settings)
+RESUMED = {"dp1_then_dp2_z3": ("dp1", ["zero.stage=3"]),  # a dp=1 stage-0 checkpoint at dp=2 under stage 3
+           # and back: a dp=2 stage-2 checkpoint (each rank wrote the half it owns) at dp=1
+           "dp2_z2_then_dp1": ("dp2_z2", ["zero.stage=0"]),
+           # a tp2 x pp2 x dp2 stage-3 checkpoint (sequence parallel) at one process
+           "tp2_pp2_dp2_z3_then_dp1": ("tp2_pp2_dp2_z3", ["zero.stage=0"])}
+
+
+def _resumed(base, name):
+    """(name, settings) of a resumed run: RESUMED's settings and the checkpoint it starts from."""
+    saved_by, extra = RESUMED[name]
+    return name, extra + [f"train.resume={base / saved_by / 'checkpoints' / f'step_{HALF:08d}'}"]
 
 
 def _train(rank, world, text, cache, base, layouts):
     for name, extra in layouts:
         run(TINY, _over(text, cache, base / name, extra))
     return True
+
+
+def _train_dp2(rank, world, text, cache, base, layouts):
+    """The dp=2 layouts, then the fp16 overflow check: one spawn of two ranks (each costs ~2 s of imports)."""
+    _train(rank, world, text, cache, base, layouts)
+    return _overflow(rank, world, text, cache, base)
+
+
+def _train_dp4(rank, world, text, cache, base, layouts):
+    """The dp=4 layouts, then the dp=4 measurements: one spawn of four ranks."""
+    _train(rank, world, text, cache, base, layouts)
+    return _measurements(rank, world, text, cache, base)
 
 
 def _trainer(text, cache, base, world, extra, **values):
@@ -122,42 +145,46 @@ def _overflow(rank, world, text, cache, base):
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("zero")
     text, cache = write_corpus(base / "text"), base / "cache"
-    run(TINY, _over(text, cache, base / "dp1"))
+    run(TINY, _over(text, cache, base / "dp1", SAVE_HALF))
     run(TINY, _over(text, cache, base / "dp1_mb1", ["train.micro_batch=1"]))
     run(TINY, _over(text, cache, base / "dp1_bf16", ["train.precision=bf16"]))
-    run(TINY, _over(text, cache, base / "dp1_then_dp2_z3", ["train.exit_after=10"]))
-    run_ranks(2, _train, text, cache, base, DP2)
-    overflow = run_ranks(2, _overflow, text, cache, base)
-    measured = run_ranks(4, _measurements, text, cache, base)
-    run_ranks(4, _train, text, cache, base, DP4)
+    overflow = run_ranks(2, _train_dp2, text, cache, base, DP2 + [_resumed(base, "dp1_then_dp2_z3")])
+    measured = run_ranks(4, _train_dp4, text, cache, base, DP4)
     run_ranks(8, _train, text, cache, base, EIGHT)
-    for name in THEN_DP1:
-        run(TINY, _over(text, cache, base / name, ["zero.stage=0", "train.resume=auto"]))
+    for name in ("dp2_z2_then_dp1", "tp2_pp2_dp2_z3_then_dp1"):
+        run(TINY, _over(text, cache, base / name, _resumed(base, name)[1]))
     return base, overflow, measured
 
 
 def _curve(base, name):
     got = read_metrics(base / name)
-    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    first = HALF + 1 if name in RESUMED else 1  # a resumed run logs the steps it ran
+    assert [r["step"] for r in got] == list(range(first, STEPS + 1))
     return got
 
 
-@pytest.mark.parametrize("name", [n for n, _ in DP2 + DP4 + EIGHT if "bf16" not in n])
+@pytest.mark.parametrize("name", [n for n, _ in DP2 + DP4 + EIGHT if "bf16" not in n] + list(RESUMED))
 def test_fp32_curve_matches_dp1(runs, name):
     base = runs[0]
     ref = _curve(base, "dp1_mb1" if name.startswith("dp4") else "dp1")
-    for a, b in zip(ref, _curve(base, name)):
+    got = _curve(base, name)
+    for a, b in zip(ref[len(ref) - len(got):], got):
+        assert a["step"] == b["step"]
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (name, a["step"], a["loss"], b["loss"])
         assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4), (name, a["step"])
 
 
 @pytest.mark.parametrize("name", [n for n, _ in DP2 if "bf16" in n])
 def test_bf16_curve_follows_dp1(runs, name):
+    """Within 2e-2 of the dp=1 bf16 curve, and learning: two runs whose updates never reached the bf16
+    parameters would agree on a flat curve. The loss must fall by more than 0.3 in the 10 steps (the fp32
+    curve falls 0.39; the 0.5 asked before was for 20 steps, which fall 0.56), over twice the band (~0.12 at
+    a loss of 6)."""
     base = runs[0]
     ref, got = _curve(base, "dp1_bf16"), _curve(base, name)
     for a, b in zip(ref, got):
         assert math.isclose(a["loss"], b["loss"], rel_tol=2e-2), (name, a["step"], a["loss"], b["loss"])
-    assert got[-1]["loss"] < got[0]["loss"] - 0.5
+    assert got[-1]["loss"] < got[0]["loss"] - 0.3
 
 
 @pytest.mark.parametrize("stage", range(4))

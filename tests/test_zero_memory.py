@@ -53,9 +53,12 @@ def _peaks(rank, world):
         zero = ZeroOptimizer([model], grid, stage, "fp32", 1e-3, 0.1, bucket_mb=BUCKET_MB,
                              device=torch.device("cpu"))
         bucket = max(b.numel for b in zero.buckets) * 4
-        # the first m = 1 step warms up (first-touch pages, autograd's caches); then each m twice, and the
-        # higher of its two peaks is its peak (what a run must have room for)
-        for i, m in enumerate((1, 1, 16, 1, 16)):
+        # the first m = 1 step warms up (first-touch pages, autograd's caches); then m = 1 twice, around the
+        # m = 16 step, and the higher of its two peaks is its peak (what a run must have room for: m = 1's
+        # varied by 10 MB with the heap's state). m = 16 once: a step of it costs sixteen of m = 1's, and the
+        # fault this guards (reductions waited only at the step's end) adds hundreds of MB to every m = 16
+        # step, which one measure shows as well as two (measured with the bound removed: see the test)
+        for i, m in enumerate((1, 1, 16, 1)):
             mbs = [torch.randint(0, cfg.vocab_size, (1, cfg.seq_len + 1), generator=gen) for _ in range(m)]
             driver = executor_for(model, grid, mbs)
             libc.malloc_trim(0)
@@ -84,7 +87,8 @@ def peaks():
 @pytest.mark.parametrize("stage", [2, 3])
 def test_peak_gradient_bytes_do_not_grow_with_microbatches(peaks, stage):
     """m = 1 and m = 16 peak within one bucket, by the reducer's count and by the process's peak memory. The
-    model is >= 20M parameters, so 16 un-waited half-model fp32 reductions would be ~600 MB over, not 8."""
+    model is >= 20M parameters, so 16 un-waited half-model fp32 reductions would be ~600 MB over, not 8
+    (measured with the in-flight bound removed: 2.1 GB counted and 2.8 GB measured over, at stage 2)."""
     for r in peaks:
         assert r[stage]["psi"] >= 20_000_000, r[stage]
         one, many, bucket = r[(stage, 1)], r[(stage, 16)], r[stage]["bucket"]
