@@ -153,8 +153,11 @@ class PipelineExecutor:
             x = [inputs[key]] if vs > 0 else []
             chunk = self.chunks[a.chunk]
             params = [p for p in chunk.parameters() if p.requires_grad]
-            # a recomputed layer's weight gradients are taken in B: W would recompute it again
+            # taken in B: a recomputed layer's weight gradients (W would recompute it again), and the
+            # vectors (norm scales, biases): O(tokens*h) reductions the node computes in the same call, where
+            # deferring them would cost W one more engine run each for work far under a matmul's
             now = chunk.recomputed_parameters() if hasattr(chunk, "recomputed_parameters") else []
+            now = list({id(p): p for p in now + [p for p in params if p.dim() < 2]}.values())
             deferred[key] = backward_input([out], [grad], x, params, now)
         elif vs == self.last_vs:
             out.backward()
