@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
+from megazero.data_paths import parse_data_paths
 from megazero.errors import UserError, invalid, shown, shown_name
 from megazero.rules import AUTO, resolve_world, validate  # noqa: F401 (resolve_world: re-exported for callers)
 from megazero.yaml_load import YamlSyntaxError, load_yaml, read_config_text
@@ -148,7 +149,8 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    paths: list = field(default_factory=list)
+    paths: list = field(default_factory=list)  # paths, or {path, weight, name} mappings (megazero.data_paths)
+    text_key: str = "text"  # the field of a .jsonl/.parquet record that holds the document
     tokenizer: str = "train"
     split: str = "98,2"
     cache_dir: str = ".cache/megazero"
@@ -227,6 +229,10 @@ def _coerce(source: str, section: str, key: str, value: Any, annotation: str) ->
     full = f"{section}.{key}"
     if (section, key) == ("parallel", "pp_layers"):
         return _layer_counts(source, full, value)
+    if (section, key) == ("data", "paths"):
+        if isinstance(value, list) and len(value) > MAX_LIST:
+            raise invalid(source, full, value, f"at most {MAX_LIST} entries")
+        return parse_data_paths(source, full, value, _text)
     ann = annotation.replace("typing.", "")
     allows_none = "None" in ann
     allows_auto = "str" in ann and ann.startswith("Union") and (section, key) != ("train", "resume")

@@ -111,6 +111,13 @@ _TB_TAGS = {
 }
 
 
+def _tb_tag(key: str) -> str:
+    """A jsonl key's TensorBoard tag: val_loss/<source> goes beside val/loss, as val/loss/<source>."""
+    if key.startswith("val_loss/"):
+        return "val/loss/" + key[len("val_loss/"):]
+    return _TB_TAGS.get(key, f"train/{key}")
+
+
 def _step_of(line: str) -> float:
     """A metrics.jsonl record's step; infinity for a line a crash cut short."""
     try:
@@ -162,7 +169,7 @@ class MetricsLogger:
         if self.writer is not None:
             for key, value in values.items():
                 if isinstance(value, (int, float)) and math.isfinite(value):
-                    self.writer.add_scalar(_TB_TAGS.get(key, f"train/{key}"), value, step)
+                    self.writer.add_scalar(_tb_tag(key), value, step)
         self._console(step, values)
 
     def _console(self, step: int, v: dict) -> None:
@@ -174,6 +181,9 @@ class MetricsLogger:
             parts.append(f"loss {v['loss']:.4f}")
         if "val_loss" in v:
             parts.append(f"val {v['val_loss']:.4f} (ppl {v.get('val_ppl', float('nan')):.1f})")
+            per_source = [f"{k[len('val_loss/'):]} {x:.4f}" for k, x in v.items() if k.startswith("val_loss/")]
+            if per_source:
+                parts.append("val " + ", ".join(per_source))
         if "lr" in v:
             parts.append(f"lr {v['lr']:.2e}")
         if "grad_norm" in v:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megazero.data.samples import parse_split
+from megazero.data_paths import entry_path
 from megazero.errors import UserError, invalid
 from models import arch
 from parallel.balance import StageCosts, balance_layers
@@ -188,9 +189,10 @@ def validate(cfg: Config) -> None:
         raise invalid(src, "data.tokenizer", "train", f"would train a new vocabulary for the weights of "
                       f"train.init_from={t.init_from}; give the model's own tokenizer (its tokenizer.json or "
                       f"sentencepiece .model)")
-    for p in cfg.data.paths:
-        if not (_exists(src, "data.paths", p) or _exists(src, "data.paths", p + ".idx")):
-            raise invalid(src, "data.paths", p, "no such file or directory (nor a PREFIX.bin/.idx pair)")
+    for i, entry in enumerate(cfg.data.paths):
+        p, key = entry_path(entry), "data.paths" if isinstance(entry, str) else f"data.paths[{i}].path"
+        if not (_exists(src, key, p) or _exists(src, key, p + ".idx")):
+            raise invalid(src, key, p, "no such file or directory (nor a PREFIX.bin/.idx pair)")
     if isinstance(cfg.parallel.dp, int):
         _check_batch(cfg, cfg.parallel.dp)
         _check_microbatches(cfg)

@@ -60,7 +60,8 @@ def load_data_everywhere(cfg: Config, grid: Grid, is_builder: bool) -> GPTData:
     data, error = None, None
     if is_builder:
         try:
-            data = build_data(cfg.data, m.vocab_size, m.seq_len, t.seed, is_builder=True, barrier=noop)
+            data = build_data(cfg.data, m.vocab_size, m.seq_len, t.seed, is_builder=True, barrier=noop,
+                              train_samples=t.steps * t.global_batch)
         except UserError as e:
             error = str(e)
     if dist.is_initialized():
@@ -203,18 +204,27 @@ class Trainer:
         cfg, grid = self.cfg, self.grid
         for m in self.chunks:
             m.eval()
-        total = torch.zeros((), device=self.device)
+        # one source: its validation batches; several: each source's own, eval_batches of them each
+        names = self.data.source_names  # a source too small to hold validation samples is only trained on
+        sources = [None] if len(names) == 1 else [k for k in range(len(names)) if self.data.samples.val_sizes[k]]
+        totals = torch.zeros(len(sources), device=self.device)
         self.zero.gather_root()
-        for b in range(cfg.train.eval_batches):
-            microbatches = self.data.val_microbatches(b, grid.dp_rank, grid.dp, cfg.train.micro_batch,
-                                                      cfg.train.global_batch)
-            total += self.executor.run(self.eval_schedule, microbatches, forward_only=True)
+        for i, source in enumerate(sources):
+            for b in range(cfg.train.eval_batches):
+                microbatches = self.data.val_microbatches(b, grid.dp_rank, grid.dp, cfg.train.micro_batch,
+                                                          cfg.train.global_batch, source)
+                totals[i] += self.executor.run(self.eval_schedule, microbatches, forward_only=True)
         self.zero.release()
-        grid.dp_comm.all_reduce(total, tag="loss")
+        grid.dp_comm.all_reduce(totals, tag="loss")
         if not grid.is_last_stage:
             return {}
-        val = (total / (self.tokens_per_step * cfg.train.eval_batches)).item()
-        return {"val_loss": val, "val_ppl": math.exp(min(val, 50.0))}
+        tokens = self.tokens_per_step * cfg.train.eval_batches  # per source
+        per_source = [v / tokens for v in host_values(totals)]
+        val = sum(v * tokens for v in per_source) / (tokens * len(sources))  # token-weighted mean over sources
+        record = {"val_loss": val, "val_ppl": math.exp(min(val, 50.0))}
+        if len(sources) > 1:
+            record.update({f"val_loss/{names[k]}": v for k, v in zip(sources, per_source)})
+        return record
 
     def write_pipeline_trace(self) -> None:
         """Every rank's timeline of the last step in one Chrome-trace/Perfetto file (pid = rank)."""

@@ -301,10 +301,10 @@ def _data(synthetic, tok_model: Path, tmp_path: Path, seed: int = 7, split: str 
     return data
 
 
-def _streams(sources: tuple[list[np.ndarray], ...], split: str, seq: int = SEQ) -> tuple[np.ndarray, np.ndarray]:
-    """The train and validation streams, by the rule (independently of the code): each source's first k
-    documents train and the rest validate, k (1 <= k < documents, when there are two or more) putting the
-    cut nearest to the train weight of its tokens, the later cut on a tie; the sources' parts end to end."""
+def _streams(sources: tuple[list[np.ndarray], ...], split: str, seq: int = SEQ) -> tuple[list, list]:
+    """Each source's train and validation streams, by the rule (independently of the code): a source's first
+    k documents train and the rest validate, k (1 <= k < documents, when there are two or more) putting the
+    cut nearest to the train weight of its tokens, the later cut on a tie."""
     w = [float(x) for x in split.split(",")]
     w_train = w[0] / sum(w)
     train, val = [], []
@@ -314,27 +314,50 @@ def _streams(sources: tuple[list[np.ndarray], ...], split: str, seq: int = SEQ) 
             mark = round(sum(len(d) for d in docs) * w_train)
             ends = {k: sum(len(d) for d in docs[:k]) for k in range(1, len(docs))}
             cut = min(ends, key=lambda k: (abs(ends[k] - mark), -k))
-        train += docs[:cut]
-        val += docs[cut:]
-    joined = [np.concatenate(part) if part else np.zeros(0, dtype=np.int64) for part in (train, val)]
-    return joined[0], joined[1]
+        train.append(np.concatenate(docs[:cut]) if cut else np.zeros(0, dtype=np.int64))
+        val.append(np.concatenate(docs[cut:]) if cut < len(docs) else np.zeros(0, dtype=np.int64))
+    return train, val
 
 
-def _counts(streams: tuple[np.ndarray, np.ndarray], seq: int = SEQ) -> tuple[int, int]:
-    return tuple(max(len(s) - 1, 0) // seq for s in streams)
+def _sizes(streams: list, seq: int = SEQ) -> list[int]:
+    return [max(len(s) - 1, 0) // seq for s in streams]
+
+
+def _counts(streams: tuple[list, list], seq: int = SEQ) -> tuple[int, int]:
+    """Train and validation samples: each source's windows (none across sources)."""
+    return tuple(sum(_sizes(part, seq)) for part in streams)
 
 
 def _sample(stream: np.ndarray, i: int, seq: int = SEQ) -> np.ndarray:
     return stream[i * seq : i * seq + seq + 1]
 
 
+def _windows(streams: list, seq: int = SEQ) -> np.ndarray:
+    """Every source's samples, source by source: the id order (validation's, unshuffled)."""
+    return np.stack([_sample(s, i, seq) for s, n in zip(streams, _sizes(streams, seq)) for i in range(n)])
+
+
 def _expected_train(sources, seed: int, consumed: int, gb: int) -> np.ndarray:
+    """Global samples [consumed, consumed + gb) by the blend rule of megazero.data.blend, written out:
+    a source of c of a period's 2^20 positions (by largest remainder of its share of the samples) puts its
+    i-th at time (i + 0.5) / c; positions go in time order, the earlier source first on a tie; a source's
+    j-th draw is position j % n of its epoch j // n's permutation (source 0: rng((seed, epoch)), source k:
+    rng((seed, epoch, k)))."""
     train, _ = _streams(sources, "90,10")
-    n_train = _counts((train, train))[0]
+    sizes = _sizes(train)
+    period = 1 << 20
+    exact = [n / sum(sizes) * period for n in sizes]
+    counts = [int(x) for x in exact]
+    for k in sorted(range(len(sizes)), key=lambda k: -(exact[k] - counts[k]))[: period - sum(counts)]:
+        counts[k] += 1
+    end = consumed + gb
+    assert end <= period
+    times = sorted(((i + 0.5) / c, k, i) for k, c in enumerate(counts) for i in range(min(c, end)))[:end]
     rows = []
-    for g in range(consumed, consumed + gb):
-        perm = np.random.default_rng((seed, g // n_train)).permutation(n_train)
-        rows.append(_sample(train, perm[g % n_train]))
+    for _, k, j in times[consumed:end]:
+        epoch, pos = divmod(j, sizes[k])
+        rng = np.random.default_rng((seed, epoch) if k == 0 else (seed, epoch, k))
+        rows.append(_sample(train[k], rng.permutation(sizes[k])[pos]))
     return np.stack(rows)
 
 
@@ -343,25 +366,30 @@ def _cat(batches) -> np.ndarray:
 
 
 def test_samples_cross_documents_and_split(synthetic, tok_model: Path, tmp_path: Path) -> None:
-    train, val_stream = _streams(synthetic[1], "90,10")
+    train, val_streams = _streams(synthetic[1], "90,10")
     data = _data(synthetic, tok_model, tmp_path)
-    n_train, n_val = _counts((train, val_stream))
+    n_train, n_val = _counts((train, val_streams))
     assert (data.train_samples, data.val_samples) == (n_train, n_val)
-    assert n_val > 0
+    assert n_val > 0 and data.source_names == ["one", "two"]
     eos = Tokenizer.load(tok_model).eos_id
     epoch = _cat(data.train_microbatches(0, 0, 1, 1, n_train))
     assert all(b.shape == (1, SEQ + 1) for b in data.train_microbatches(0, 0, 1, 1, 4))
-    # One epoch is a permutation of exactly the windows of the train stream.
-    expected = {tuple(_sample(train, i)) for i in range(n_train)}
+    # The first n_train draws are the windows of each source's train stream: the blend by size takes each
+    # source's share, so (with a period of 2^20 draws) no source repeats before all are read.
+    expected = {tuple(r) for r in _windows(train)}
     assert {tuple(r) for r in epoch} == expected and len(expected) == n_train
     # Some samples hold the end of one document and the start of the next.
     assert any(eos in r[:-1] for r in epoch)
-    # Validation is the validation stream's windows, in order, wrapping around; disjoint from train.
+    # Validation is every source's validation windows, source by source, wrapping around; disjoint from train.
     val = _cat(data.val_microbatches(0, 0, 1, 1, n_val))
-    np.testing.assert_array_equal(val, np.stack([_sample(val_stream, i) for i in range(n_val)]))
+    np.testing.assert_array_equal(val, _windows(val_streams))
     assert not expected & {tuple(r) for r in val}
     b1 = _cat(data.val_microbatches(1, 0, 1, 2, 4))
-    np.testing.assert_array_equal(b1, np.stack([_sample(val_stream, (4 + j) % n_val) for j in range(4)]))
+    np.testing.assert_array_equal(b1, _windows(val_streams)[[(4 + j) % n_val for j in range(4)]])
+    # One source's validation alone (val_loss/<name>): its windows only.
+    n_two = _sizes(val_streams)[1]
+    np.testing.assert_array_equal(_cat(data.val_microbatches(0, 0, 1, 1, n_two, source=1)),
+                                  _windows(val_streams[1:]))
     assert epoch.dtype == np.int64
 
 
@@ -457,7 +485,7 @@ def test_batch_and_split_errors(synthetic, tok_model: Path, tmp_path: Path) -> N
 def test_build_data_from_text_trains_and_caches(texts: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     inputs = [texts / "b.txt", texts / "sub"]
-    cfg = SimpleNamespace(**vars(_cfg(inputs, "train", cache)), json_key="body")
+    cfg = SimpleNamespace(**vars(_cfg(inputs, "train", cache)), text_key="body")
     data = build_data(cfg, VOCAB, SEQ, 0, True, lambda: None)
     assert Tokenizer.load(data.tokenizer_path).vocab_size == VOCAB
     docs = _expected_docs(data.tokenizer_path, _documents_of(texts, nested=False))
@@ -465,7 +493,7 @@ def test_build_data_from_text_trains_and_caches(texts: Path, tmp_path: Path) -> 
     n_train, n_val = _counts((train, val_stream))
     assert (data.train_samples, data.val_samples) == (n_train, n_val)
     val = _cat(data.val_microbatches(0, 0, 1, 1, n_val))
-    np.testing.assert_array_equal(val, np.stack([_sample(val_stream, i) for i in range(n_val)]))
+    np.testing.assert_array_equal(val, _windows(val_stream))
     built = {p: p.stat().st_mtime_ns for p in cache.iterdir()}
     assert not [p for p in built if ".tmp-" in p.name]
     # A non-builder rank finds everything built; nothing is rebuilt.
@@ -531,7 +559,7 @@ def test_builtin_corpus(tmp_path: Path) -> None:
     train, val_stream = _streams((encoded,), "98,2", seq=64)
     assert (data.train_samples, data.val_samples) == _counts((train, val_stream), seq=64)
     first_rows = _cat(data.val_microbatches(0, 0, 1, 1, 1))
-    np.testing.assert_array_equal(first_rows[0], val_stream[:65])
+    np.testing.assert_array_equal(first_rows[0], val_stream[0][:65])
     eos_at = int(np.argmax(stream == tok.eos_id))
     assert tok.decode(stream[:eos_at].tolist()) == docs[0]
     write_corpus(tmp_path / "c2.jsonl", max_bytes)

@@ -2,9 +2,12 @@
 
 ``build_data`` turns the ``data`` config section into a :class:`GPTData`:
 
-* ``data.paths`` lists raw text (``.txt``/``.jsonl`` files or directories) or
+* ``data.paths`` lists raw text (files or directories, see ``documents``) or
   preprocessed prefixes (``PREFIX.bin`` + ``PREFIX.idx``); empty means the
-  built-in corpus (the Python standard library, see ``corpus``).
+  built-in corpus (the Python standard library, see ``corpus``). An entry
+  may be a mapping ``{path, weight, name}``: the sources are then blended by
+  weight (``blend``), else by their sizes. Each source keeps its own
+  validation split, evaluated and reported under its name.
 * ``data.tokenizer`` is a Hugging Face ``tokenizer.json`` (the ids a model
   imported from the Hub was trained on), a sentencepiece ``.model``, or
   ``'train'`` (a BPE of ``model.vocab_size`` pieces trained on the raw text).
@@ -16,7 +19,9 @@
   rename: a crash never leaves a half-written file under a final name.
 
 Only the builder rank(s) write; every rank then waits on ``barrier`` and
-reads the same files, memory-mapped.
+reads the same files, memory-mapped: the datasets, and the index files that
+order the samples (``blend``), so a rank's memory and start-up do not grow
+with the corpus.
 
 Every input is untrusted, the cache included: a bad file is a ``UserError``
 naming it, raised while the data is opened, before a model is built. Token
@@ -37,12 +42,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from megazero.data.blend import IndexFiles
 from megazero.data.corpus import DEFAULT_MAX_BYTES, corpus_key, write_corpus
 from megazero.data.documents import expand_inputs
 from megazero.data.indexed import IndexedDataset, bin_path, index_path
 from megazero.data.samples import GPTSamples, parse_split
 from megazero.data.token_range import cached_token_range
 from megazero.data.tokenizer import MIN_VOCAB_SIZE, Tokenizer, train_tokenizer
+from megazero.data_paths import entry_path, entry_weight, source_names
 from megazero.errors import UserError
 
 if TYPE_CHECKING:  # torch is imported where tensors are made, so preprocessing runs without it
@@ -65,6 +72,11 @@ class GPTData:
     seq_len: int
     samples: GPTSamples = field(repr=False, compare=False)
 
+    @property
+    def source_names(self) -> list[str]:
+        """Each source's name (``val_loss/<name>``), in data.paths order."""
+        return self.samples.names
+
     def train_microbatches(
         self, consumed_samples: int, dp_rank: int, dp: int, micro_batch: int, global_batch: int
     ) -> list[torch.Tensor]:
@@ -78,12 +90,14 @@ class GPTData:
         return [torch.from_numpy(self.samples.rows(chunk)) for chunk in ids]
 
     def val_microbatches(
-        self, batch_index: int, dp_rank: int, dp: int, micro_batch: int, global_batch: int
+        self, batch_index: int, dp_rank: int, dp: int, micro_batch: int, global_batch: int,
+        source: int | None = None,
     ) -> list[torch.Tensor]:
-        """This DP rank's microbatches of validation batch ``batch_index`` (unshuffled, wrapping)."""
+        """This DP rank's microbatches of validation batch ``batch_index`` (unshuffled, wrapping), of every
+        source's validation samples or only ``source``'s."""
         import torch
 
-        ids = self.samples.val_batch_ids(batch_index, dp_rank, dp, micro_batch, global_batch)
+        ids = self.samples.val_batch_ids(batch_index, dp_rank, dp, micro_batch, global_batch, source)
         return [torch.from_numpy(self.samples.rows(chunk)) for chunk in ids]
 
 
@@ -96,6 +110,8 @@ class _Source:
     files: tuple[Path, ...]
     fingerprint: str
     prefix: Path
+    name: str = "builtin"
+    weight: float | None = None
 
 
 @dataclass(frozen=True)
@@ -103,7 +119,7 @@ class _Plan:
     sources: tuple[_Source, ...]
     tokenizer: Path
     train_tokenizer: bool
-    json_key: str
+    text_key: str
     builtin_max_bytes: int
 
 
@@ -116,12 +132,14 @@ def build_data(
     barrier: Callable[[], None],
     *,
     builtin_max_bytes: int = DEFAULT_MAX_BYTES,
+    train_samples: int = 0,
 ) -> GPTData:
     """Build (on ``is_builder`` ranks) or find the cached data, wait on ``barrier``, load it.
 
     ``cfg_data`` needs ``paths``, ``tokenizer``, ``split`` and ``cache_dir``;
-    an optional ``json_key`` names the text field of ``.jsonl`` records.
-    ``builtin_max_bytes`` caps the size of the built-in corpus.
+    an optional ``text_key`` names the text field of ``.jsonl``/``.parquet`` records.
+    ``builtin_max_bytes`` caps the size of the built-in corpus. ``train_samples`` (the run's
+    steps x global batch) is how far the builder writes the sample order's index files ahead.
     Every rank validates the config before the barrier, so a bad value fails
     everywhere at once instead of leaving ranks waiting on a builder that died.
     """
@@ -134,7 +152,7 @@ def build_data(
             _build(plan, vocab_size)
     barrier()
     with _cache_errors(cache):
-        return _load(plan, vocab_size, seq_len, seed, cfg_data.split, cache, is_builder)
+        return _load(plan, vocab_size, seq_len, seed, cfg_data.split, cache, is_builder, train_samples)
 
 
 @contextmanager
@@ -189,19 +207,20 @@ def _slug(label: str) -> str:
 
 def _plan(cfg_data: Any, vocab_size: int, builtin_max_bytes: int) -> _Plan:
     cache = Path(cfg_data.cache_dir)
-    json_key = getattr(cfg_data, "json_key", "text")
+    text_key = getattr(cfg_data, "text_key", "text")
     sources: list[_Source] = []
     if not cfg_data.paths:
         key = corpus_key(builtin_max_bytes)
         corpus = cache / f"corpus-{key}.jsonl"
         sources.append(_Source("the built-in corpus", "builtin", (corpus,), f"builtin-{key}", Path()))
-    for raw in cfg_data.paths:
+    for entry, name in zip(cfg_data.paths, source_names(list(cfg_data.paths))):
+        raw, weight = entry_path(entry), entry_weight(entry)
         prefix = _as_prefix(Path(raw))
         if prefix is not None:
-            sources.append(_Source(str(raw), "prefix", (), "", prefix))
+            sources.append(_Source(str(raw), "prefix", (), "", prefix, name, weight))
         else:
             files = expand_inputs([raw], "data.paths")
-            sources.append(_Source(str(raw), "text", tuple(files), _files_fingerprint(files), Path()))
+            sources.append(_Source(str(raw), "text", tuple(files), _files_fingerprint(files), Path(), name, weight))
 
     if cfg_data.tokenizer == "train":
         prefixes = [s.label for s in sources if s.kind == "prefix"]
@@ -214,7 +233,7 @@ def _plan(cfg_data: Any, vocab_size: int, builtin_max_bytes: int) -> _Plan:
             raise UserError(
                 f"model.vocab_size {vocab_size} is too small for data.tokenizer 'train'; use at least {MIN_VOCAB_SIZE}"
             )
-        tok_fingerprint = _digest("tokenizer", vocab_size, json_key, [s.fingerprint for s in sources])
+        tok_fingerprint = _digest("tokenizer", vocab_size, text_key, [s.fingerprint for s in sources])
         tokenizer = cache / f"tokenizer-{vocab_size}-{tok_fingerprint}.model"
     else:
         tokenizer = Path(cfg_data.tokenizer)
@@ -231,11 +250,11 @@ def _plan(cfg_data: Any, vocab_size: int, builtin_max_bytes: int) -> _Plan:
     planned = []
     for s in sources:
         if s.kind != "prefix":
-            key = _digest("dataset", s.fingerprint, tok_fingerprint, vocab_size, json_key)
+            key = _digest("dataset", s.fingerprint, tok_fingerprint, vocab_size, text_key)
             prefix = cache / f"data-{_slug(s.label) if s.kind == 'text' else 'builtin'}-{key}"
-            s = _Source(s.label, s.kind, s.files, s.fingerprint, prefix)
+            s = _Source(s.label, s.kind, s.files, s.fingerprint, prefix, s.name, s.weight)
         planned.append(s)
-    return _Plan(tuple(planned), tokenizer, cfg_data.tokenizer == "train", json_key, builtin_max_bytes)
+    return _Plan(tuple(planned), tokenizer, cfg_data.tokenizer == "train", text_key, builtin_max_bytes)
 
 
 def _check_tokenizer(tok: Tokenizer, vocab_size: int, tokenises: bool) -> None:
@@ -265,11 +284,11 @@ def _build(plan: _Plan, vocab_size: int) -> None:
             write_corpus(s.files[0], plan.builtin_max_bytes)
     if stale_tokenizer:
         text_files = [f for s in plan.sources for f in s.files]
-        train_tokenizer(text_files, vocab_size, plan.tokenizer.with_suffix(""), json_key=plan.json_key)
+        train_tokenizer(text_files, vocab_size, plan.tokenizer.with_suffix(""), json_key=plan.text_key)
     tokenizer = Tokenizer.load(plan.tokenizer)
     for s in plan.sources:
         if s.kind != "prefix" and not _dataset_ok(s.prefix, tokenizer.vocab_size):
-            preprocess(list(s.files), tokenizer, s.prefix, plan.json_key, what="data.paths")
+            preprocess(list(s.files), tokenizer, s.prefix, plan.text_key, what="data.paths")
 
 
 def _tokenizer_ok(path: Path, vocab_size: int) -> bool:
@@ -293,7 +312,7 @@ def _dataset_ok(prefix: Path, vocab_size: int | None = None) -> bool:
 
 
 def _load(plan: _Plan, vocab_size: int, seq_len: int, seed: int, split: str, cache: Path,
-          is_builder: bool) -> GPTData:
+          is_builder: bool, train_samples: int) -> GPTData:
     built = [plan.tokenizer] if plan.train_tokenizer else []
     built += [index_path(s.prefix) for s in plan.sources if s.kind != "prefix"]
     for path in built:
@@ -316,6 +335,10 @@ def _load(plan: _Plan, vocab_size: int, seq_len: int, seed: int, split: str, cac
         ids = cached_token_range(ds.tokens, bin_path(s.prefix), cache, write=is_builder) if ds.n_tokens else None
         ds.check_vocab(vocab_size, ids)
         datasets.append(ds)
+    weights = [s.weight for s in plan.sources]
     samples = GPTSamples([(ds.tokens, ds.doc_offsets) for ds in datasets], seq_len, seed, split,
-                         names=[s.label for s in plan.sources])
+                         names=[s.name for s in plan.sources], labels=[s.label for s in plan.sources],
+                         weights=None if weights[0] is None else weights, files=IndexFiles(cache, is_builder))
+    if is_builder:
+        samples.order.prebuild(train_samples)
     return GPTData(plan.tokenizer, samples.n_train, samples.n_val, seq_len, samples)

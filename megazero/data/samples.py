@@ -1,24 +1,25 @@
-"""GPT training samples cut from a token stream, and which of them each rank reads.
+"""GPT training samples cut from each source's token stream, and which of them each rank reads.
 
 Each source (one entry of ``data.paths``) splits by whole documents, as
 Megatron-LM splits each dataset: its documents up to the boundary nearest
 to the train weight of its tokens are for training, the rest for
 validation (at least one document each when it has two), so every source is
-validated and no document is in both. The train stream is every source's
-train documents, EOS-separated, end to end; the validation stream likewise.
+validated and no document is in both. A source's train stream is its train
+documents, EOS-separated, end to end; its validation stream likewise.
 Sample ``i`` of a stream is ``tokens[i*seq_len : i*seq_len + seq_len + 1]``:
 inputs are its first ``seq_len`` tokens, targets its last ``seq_len``;
 consecutive samples share one token so no target is lost, and samples run
 across document boundaries (the EOS marks them) as in GPT-2/Megatron-LM
-pretraining. Sample ids count the train samples first, then validation's.
+pretraining, never across sources. Sample ids count every source's train
+samples first (source by source), then every source's validation samples.
 
-Train order is a fresh permutation per epoch from ``(seed, epoch)``; global
-sample ``g`` is position ``g % n_train`` of epoch ``g // n_train``'s
-permutation. Step ``s`` reads global samples ``[s*gb, (s+1)*gb)``. That
-defines the global batch without reference to the layout; a data-parallel
-rank only takes its contiguous share of it, so any (tp, pp, dp) sees the
-same batches in the same order, and resuming at ``consumed_samples``
-continues exactly where an uninterrupted run would be.
+Global train sample ``g`` is drawn from the blend of the sources (their
+weights, or their sizes when the config gives none) and the drawn source's
+shuffled epochs; see ``blend``. Step ``s`` reads global samples
+``[s*gb, (s+1)*gb)``. That defines the global batch without reference to
+the layout; a data-parallel rank only takes its contiguous share of it, so
+any (tp, pp, dp) sees the same batches in the same order, and resuming at
+``consumed_samples`` continues exactly where an uninterrupted run would be.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from megazero.data.blend import IndexFiles, SampleOrder
 from megazero.data.documents import name_paths
 from megazero.errors import UserError, invalid
 
@@ -105,66 +107,79 @@ def validation_start(doc_offsets: np.ndarray, w_train: float) -> int:
     return above if abs(above - target) <= abs(target - below) else below
 
 
-def _too_small(samples: GPTSamples, sources: Sequence[tuple[np.ndarray, np.ndarray]], names: Sequence[str],
+def _too_small(samples: GPTSamples, which: Sequence[int], sources: Sequence[tuple[np.ndarray, np.ndarray]],
                split: str, w_val: float) -> str:
-    """Why there are not enough samples, naming the sources: too few tokens, or too few documents to split."""
-    where = name_paths(names) or "the data"
+    """Why the sources ``which`` have no training sample (one source), or together no validation sample:
+    too few tokens, or one document each, which cannot be split."""
+    which = list(which)
+    where = name_paths([samples.labels[k] for k in which])
     seq_len = samples.seq_len
-    if samples.n_train and w_val > 0 and not samples.n_val and all(len(offsets) < 3 for _, offsets in sources):
+    n_train = sum(int(samples.train_sizes[k]) for k in which)
+    n_val = sum(int(samples.val_sizes[k]) for k in which)
+    if n_train and w_val > 0 and not n_val and all(len(sources[k][1]) < 3 for k in which):
         return (
-            f"{where} holds one document{' per source' if len(sources) > 1 else ''}, and data.split {split!r} "
+            f"{where} holds one document{' per source' if len(which) > 1 else ''}, and data.split {split!r} "
             "takes each source's validation from its last whole documents, so there is no validation data; "
             "give several documents (several .txt files, or one per .jsonl line)"
         )
+    train_tokens = sum(len(samples.train_streams[k]) for k in which)
+    val_tokens = sum(len(samples.val_streams[k]) for k in which)
     return (
-        f"{where} is too small for model.seq_len {seq_len} and data.split {split!r}: "
-        f"{len(samples.train)} training and {len(samples.val)} validation tokens (split by document) make "
-        f"{samples.n_train} and {samples.n_val} samples of {seq_len + 1} tokens; add data or lower model.seq_len"
+        f"{where} is too small for model.seq_len {seq_len} and data.split {split!r}: {train_tokens} training "
+        f"and {val_tokens} validation tokens (split by document) make {n_train} and {n_val} samples of "
+        f"{seq_len + 1} tokens; add data or lower model.seq_len"
     )
 
 
 class GPTSamples:
-    """The sample index math over the train and validation streams; holds no tokens itself."""
+    """The sample index math over the sources' train and validation streams; holds no tokens itself."""
 
     def __init__(self, sources: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int, seed: int, split: str,
-                 names: Sequence[str] = ()):
+                 names: Sequence[str] = (), weights: Sequence[float] | None = None,
+                 files: IndexFiles | None = None, labels: Sequence[str] = ()):
         """sources: (tokens, document offsets) of each dataset, offsets as in ``IndexedDataset.doc_offsets``;
-        names: what each source is called in data.paths, for the error when they are too small."""
+        names: what each source is called in metrics; labels: in errors (its path; default the name); weights: the blend's, or None (by size);
+        files: where the blend and the permutations are kept (None: built in memory)."""
         if seq_len < 1:
             raise UserError(f"model.seq_len {seq_len} must be positive")
         if seed < 0:
             raise UserError(f"train.seed {seed} must be a non-negative integer")
         self.seq_len = seq_len
         self.seed = seed
+        self.names = list(names) or [f"source_{i}" for i in range(len(sources))]
+        self.labels = list(labels) or self.names
         w_train, w_val = parse_split(split)
         cuts = [validation_start(offsets, w_train) for _, offsets in sources]
+        self.train_streams = [TokenStream([tokens[:cut]]) for (tokens, _), cut in zip(sources, cuts)]
+        self.val_streams = [TokenStream([tokens[cut:]]) for (tokens, _), cut in zip(sources, cuts)]
         self.train = TokenStream([tokens[:cut] for (tokens, _), cut in zip(sources, cuts)])
         self.val = TokenStream([tokens[cut:] for (tokens, _), cut in zip(sources, cuts)])
-        self.n_train = max(len(self.train) - 1, 0) // seq_len
-        self.n_val = max(len(self.val) - 1, 0) // seq_len
-        if self.n_train == 0 or (w_val > 0 and self.n_val == 0):
-            raise UserError(_too_small(self, sources, names, split, w_val))
-        self._perms: dict[int, np.ndarray] = {}
-
-    def _permutation(self, epoch: int) -> np.ndarray:
-        perm = self._perms.get(epoch)
-        if perm is None:
-            # the order of Generator.permutation(n_train), in half the memory while ids fit in 32 bits
-            perm = np.arange(self.n_train, dtype=np.uint32 if self.n_train < 2 ** 32 else np.int64)
-            np.random.default_rng((self.seed, epoch)).shuffle(perm)
-            if len(self._perms) >= 2:  # batches touch at most two neighbouring epochs
-                self._perms.pop(min(self._perms))
-            self._perms[epoch] = perm
-        return perm
+        self.train_sizes = np.array([max(len(t) - 1, 0) // seq_len for t in self.train_streams], dtype=np.int64)
+        self.val_sizes = np.array([max(len(t) - 1, 0) // seq_len for t in self.val_streams], dtype=np.int64)
+        self.n_train = int(self.train_sizes.sum())
+        self.n_val = int(self.val_sizes.sum())
+        for k in range(len(sources)):  # a source without validation samples (one document) is only trained on
+            if self.train_sizes[k] == 0:
+                raise UserError(_too_small(self, [k], sources, split, w_val))
+        if w_val > 0 and self.n_val == 0:
+            raise UserError(_too_small(self, range(len(sources)), sources, split, w_val))
+        self._train_base = np.concatenate([[0], np.cumsum(self.train_sizes)]).astype(np.int64)
+        self._val_base = self.n_train + np.concatenate([[0], np.cumsum(self.val_sizes)]).astype(np.int64)
+        weights = self.train_sizes.tolist() if weights is None else list(weights)
+        self.order = SampleOrder(self.train_sizes.tolist(), weights, seed, files or IndexFiles(None, False))
 
     def train_sample_ids(self, global_indices: np.ndarray) -> np.ndarray:
         """Map global train positions (counted across epochs) to sample ids."""
-        epochs, positions = np.divmod(np.asarray(global_indices, dtype=np.int64), self.n_train)
-        ids = np.empty(len(positions), dtype=np.int64)
-        for epoch in np.unique(epochs):
-            mask = epochs == epoch
-            ids[mask] = self._permutation(int(epoch))[positions[mask]]
-        return ids
+        source, sample = self.order.locate(np.asarray(global_indices, dtype=np.int64))
+        return self._train_base[source] + sample
+
+    def source_of(self, ids: np.ndarray) -> np.ndarray:
+        """The source each sample id is from."""
+        ids = np.asarray(ids, dtype=np.int64)
+        train = ids < self.n_train
+        out = np.searchsorted(self._train_base, ids, side="right") - 1
+        out[~train] = np.searchsorted(self._val_base, ids[~train], side="right") - 1
+        return out
 
     def train_batch_ids(
         self, consumed_samples: int, dp_rank: int, dp: int, micro_batch: int, global_batch: int
@@ -177,22 +192,28 @@ class GPTSamples:
         return [ids[i : i + micro_batch] for i in range(0, len(ids), micro_batch)]
 
     def val_batch_ids(
-        self, batch_index: int, dp_rank: int, dp: int, micro_batch: int, global_batch: int
+        self, batch_index: int, dp_rank: int, dp: int, micro_batch: int, global_batch: int,
+        source: int | None = None,
     ) -> list[np.ndarray]:
-        """Validation batch ``b`` is validation samples ``[b*gb, (b+1)*gb)``, wrapping around."""
+        """Validation batch ``b`` is validation samples ``[b*gb, (b+1)*gb)``, wrapping around: every source's
+        (source by source), or only ``source``'s."""
         if self.n_val == 0:
             raise UserError("data.split gives validation weight 0, so there are no validation samples")
         if batch_index < 0:
             raise UserError(f"validation batch index {batch_index} must be non-negative")
         lo, hi = rank_share(global_batch, dp_rank, dp, micro_batch)
         start = batch_index * global_batch
-        ids = self.n_train + (np.arange(start + lo, start + hi, dtype=np.int64) % self.n_val)
+        base, n = (self.n_train, self.n_val) if source is None else (self._val_base[source], self.val_sizes[source])
+        ids = int(base) + (np.arange(start + lo, start + hi, dtype=np.int64) % int(n))
         return [ids[i : i + micro_batch] for i in range(0, len(ids), micro_batch)]
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """Tokens of samples ``ids``: shape ``(len(ids), seq_len + 1)``, int64."""
         out = np.empty((len(ids), self.seq_len + 1), dtype=np.int64)
-        for row, sample in enumerate(ids):
-            stream, i = (self.train, int(sample)) if sample < self.n_train else (self.val, int(sample) - self.n_train)
+        for row, (sample, k) in enumerate(zip(np.asarray(ids).tolist(), self.source_of(ids).tolist())):
+            if sample < self.n_train:
+                stream, i = self.train_streams[k], sample - int(self._train_base[k])
+            else:
+                stream, i = self.val_streams[k], sample - int(self._val_base[k])
             out[row] = stream.window(i * self.seq_len, self.seq_len + 1)
         return out
