@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -109,15 +110,49 @@ EIGHT = [(f"tp2_pp2_dp2_{s}", SCHEDULES[s] + TP2_PP2) for s in ("gpipe", "interl
     ("tp2_pp2_dp2_zb1p_z3_sp", SCHEDULES["zb1p"] + TP2_PP2 + ["zero.stage=3", "parallel.sequence_parallel=true"])]
 
 
+def _blend(base: Path) -> list[str]:
+    """A weighted blend of two sources (the corpus's first 30 files and the rest), evaluated every 5 steps."""
+    files = sorted((base / "text").iterdir())
+    for name, part in (("a", files[:30]), ("b", files[30:])):
+        (base / name).mkdir()
+        for f in part:
+            (base / name / f.name).write_bytes(f.read_bytes())
+    return [f"data.paths=[{{path: {base / 'a'}, weight: 0.3, name: few}}, {{path: {base / 'b'}, weight: 0.7}}]",
+            "train.eval_every=5", "train.eval_batches=2"]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("pp")
     text, cache = write_corpus(base / "text"), base / "cache"
+    blend = _blend(base)
     run(TINY, _overrides(text, cache, base / "pp1"))
+    run(TINY, _overrides(text, cache, base / "pp1_blend", blend))
     grads = run_ranks(4, _gradient_checks, text, cache, base)
     run_ranks(4, _train_layouts, text, cache, base, FOUR)
-    run_ranks(8, _train_layouts, text, cache, base, EIGHT)
+    run_ranks(8, _train_layouts, text, cache, base, EIGHT + [("tp2_pp2_dp2_blend", SCHEDULES["1f1b"] + TP2_PP2 + blend)])
     return base, grads
+
+
+def test_a_blend_trains_alike_at_tp2_pp2_dp2_with_each_source_validated(runs):
+    """A weighted blend reproduces the one-process loss curve (fp32, 1e-5 as the other layouts), and its
+    validation: each source's val_loss/<name>, and val_loss their token-weighted mean (each source is
+    evaluated on train.eval_batches batches, so equal tokens: the plain mean, to rounding)."""
+    base, _ = runs
+    ref, got = read_metrics(base / "pp1_blend"), read_metrics(base / "tp2_pp2_dp2_blend")
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert ref[0]["loss"] != read_metrics(base / "pp1")[0]["loss"]  # the blend is other data than the corpus
+    evals = 0
+    for a, b in zip(ref, got):
+        assert set(a) == set(b), (a, b)
+        for key in a:
+            if key.startswith(("loss", "val_loss")):
+                assert math.isclose(a[key], b[key], rel_tol=1e-5), (a["step"], key, a[key], b[key])
+        if "val_loss" in a:
+            evals += 1
+            assert math.isclose(a["val_loss"], (a["val_loss/few"] + a["val_loss/b"]) / 2, rel_tol=1e-6), a
+            assert a["val_loss/few"] != a["val_loss/b"]
+    assert evals == 2
 
 
 def test_dp_gradients_are_reduced_once_per_step(runs):

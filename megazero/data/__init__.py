@@ -284,11 +284,23 @@ def _build(plan: _Plan, vocab_size: int) -> None:
             write_corpus(s.files[0], plan.builtin_max_bytes)
     if stale_tokenizer:
         text_files = [f for s in plan.sources for f in s.files]
-        train_tokenizer(text_files, vocab_size, plan.tokenizer.with_suffix(""), json_key=plan.text_key)
+        train_tokenizer(text_files, vocab_size, plan.tokenizer.with_suffix(""), text_key=plan.text_key)
     tokenizer = Tokenizer.load(plan.tokenizer)
     for s in plan.sources:
         if s.kind != "prefix" and not _dataset_ok(s.prefix, tokenizer.vocab_size):
-            preprocess(list(s.files), tokenizer, s.prefix, plan.text_key, what="data.paths")
+            preprocess(list(s.files), tokenizer, s.prefix, plan.text_key, what="data.paths",
+                       workers=_preprocess_workers(s.files), progress=True)
+
+
+# Input below which one process tokenises: spawning workers (each imports the tokenizer) costs seconds.
+_PARALLEL_BYTES = 64 << 20
+
+
+def _preprocess_workers(files: tuple[Path, ...]) -> int:
+    """The builder's tokenising processes: this node's cores (up to 16) for a corpus worth spreading."""
+    if sum(f.stat().st_size for f in files) < _PARALLEL_BYTES:
+        return 1
+    return max(1, min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
 def _tokenizer_ok(path: Path, vocab_size: int) -> bool:

@@ -140,7 +140,7 @@ def train_tokenizer(
     vocab_size: int,
     model_prefix: Path,
     *,
-    json_key: str = "text",
+    text_key: str = "text",
     max_sentences: int = 1_000_000,
     seed: int = 0,
 ) -> Path:
@@ -156,7 +156,7 @@ def train_tokenizer(
             f"vocab_size {vocab_size} is too small to train a byte-fallback tokenizer; use at least {MIN_VOCAB_SIZE}"
         )
     files = expand_inputs(text_files)
-    lines = _sample_lines(iter_documents(files, json_key), max_sentences, seed)
+    lines = _sample_lines(iter_documents(files, text_key), max_sentences, seed)
     if not lines:
         raise UserError(f"no text to train a tokenizer on in {name_paths(files)} (every document is empty or blank)")
     model_prefix = Path(model_prefix)
