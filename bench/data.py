@@ -16,9 +16,18 @@ the median over the repeats (and the fastest), and per worker the ratio
 < 20% of a worker's time). workers=1 encodes in-process over sentencepiece's own threads (all cores),
 so its ratio can exceed 1. The outputs of every N are checked to be byte-identical.
 
-    python bench/data.py [--mb 32] [--repeats 3] [--workers 1,2,4] [--quick]
+Scale (``--scale-tokens``, default 2e8): a synthetic preprocessed dataset of that many tokens
+(uint16, documents of 1000 tokens) is opened by ``build_data`` in a fresh process at ``model.seq_len`` 2,
+i.e. 1e8 samples, with torch imported before measuring, as in a run: first as the builder (the ids are
+scanned once, the permutation file written), then as a rank that finds the index files cached, and then
+with the index files unused (``IndexFiles(None)``: the permutation built in the rank's memory, as before
+they existed). Each reports the seconds to open the data and read the first batch, and the growth of the
+process's resident memory (VmRSS) over the same process before opening (targets: cached open < 2 s,
+growth < 50 MB).
 
-``--quick``: a ~1 MB corpus and one repeat, to check the script. Not a test.
+    python bench/data.py [--mb 32] [--repeats 3] [--workers 1,2,4] [--scale-tokens 2e8] [--quick]
+
+``--quick``: a ~1 MB corpus, one repeat and 2e6 tokens at scale, to check the script. Not a test.
 """
 from __future__ import annotations
 
@@ -40,7 +49,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import sentencepiece as spm  # noqa: E402
 
-from megazero.data.indexed import IndexedDataset, bin_path, index_path  # noqa: E402
+from megazero.data.indexed import IndexedDataset, IndexedDatasetBuilder, bin_path, index_path  # noqa: E402
 from megazero.data.preprocess import preprocess  # noqa: E402
 from megazero.data.tokenizer import train_tokenizer  # noqa: E402
 
@@ -97,15 +106,62 @@ def preprocess_tokens_per_s(files: list[Path], model: Path, prefix: Path, worker
     return (ds.n_tokens - len(ds)) / elapsed, digest
 
 
+_OPEN = """
+import json, sys, time
+from types import SimpleNamespace
+import torch  # a run has it: not counted as the data's
+from megazero.data import build_data
+from megazero.data import blend
+def rss():
+    return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1]) * 1024
+prefix, tok, cache, role, seq = sys.argv[1:6]
+if role == 'in memory':
+    blend.IndexFiles.__init__ = lambda self, cache_dir, write: (setattr(self, 'dir', None), setattr(self, 'write', False))[0]
+cfg = SimpleNamespace(paths=[prefix], tokenizer=tok, split='99,1', cache_dir=cache)
+before, t0 = rss(), time.perf_counter()
+data = build_data(cfg, %d, int(seq), 0, role == 'builder', lambda: None, train_samples=1000)
+data.train_microbatches(12345, 0, 1, 4, 8)
+print(json.dumps({'rss': rss() - before, 'seconds': time.perf_counter() - t0, 'samples': data.train_samples}))
+""" % VOCAB
+
+
+def scale(root: Path, model: Path, n_tokens: int, seq_len: int) -> None:
+    """Open an ``n_tokens`` dataset as the builder, as a rank with the indices cached, and without them."""
+    import subprocess
+
+    doc = 1000
+    rng = np.random.default_rng(SEED)
+    t0 = time.perf_counter()
+    with IndexedDatasetBuilder(root / "big", VOCAB) as b:
+        for start in range(0, n_tokens, 1 << 24):
+            chunk = rng.integers(3, VOCAB, min(1 << 24, n_tokens - start)).astype(np.uint16)
+            for part in np.split(chunk, range(doc, len(chunk), doc)):
+                b.add_document(part)
+        b.finalize()
+    print(f"\nscale: {n_tokens:.3g} tokens ({bin_path(root / 'big').stat().st_size / 1e6:.0f} MB .bin, "
+          f"documents of {doc}), model.seq_len {seq_len}; written in {time.perf_counter() - t0:.1f} s\n")
+    print("| open | samples | seconds (open + first batch) | resident memory growth MB |")
+    print("|---|---|---|---|")
+    for role in ("builder", "rank, indices cached", "in memory"):
+        out = subprocess.run([sys.executable, "-c", _OPEN, str(root / "big"), str(model), str(root / "cache"),
+                              role.split(",")[0], str(seq_len)], capture_output=True, text=True, cwd=ROOT)
+        if out.returncode:
+            raise SystemExit(out.stderr[-2000:])
+        r = json.loads(out.stdout)
+        print(f"| {role} | {r['samples']:,} | {r['seconds']:.2f} | {r['rss'] / 2 ** 20:.1f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=float, default=32.0, help="corpus size in MB (default 32)")
     ap.add_argument("--repeats", type=int, default=3, help="measurements of each contender (median quoted)")
     ap.add_argument("--workers", default="1,2,4", help="worker counts, comma-separated")
-    ap.add_argument("--quick", action="store_true", help="a ~1 MB corpus and one repeat: checks the script")
+    ap.add_argument("--scale-tokens", type=float, default=2e8, help="tokens of the scale dataset (0: skip)")
+    ap.add_argument("--scale-seq-len", type=int, default=2, help="model.seq_len at scale (2: 1e8 samples at 2e8)")
+    ap.add_argument("--quick", action="store_true", help="a ~1 MB corpus, one repeat, 2e6 tokens at scale")
     args = ap.parse_args()
     if args.quick:
-        args.mb, args.repeats = 1.0, 1
+        args.mb, args.repeats, args.scale_tokens = 1.0, 1, 2e6
     counts = [int(w) for w in args.workers.split(",")]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -139,7 +195,14 @@ def main() -> None:
                   + ", ".join(f"{n} workers {runs[n][-1] / 1e6:.2f} M tok/s" for n in counts), flush=True)
         if len(digests) != 1:
             raise SystemExit(f"outputs differ between worker counts {counts}: {len(digests)} distinct .bin/.idx")
+        report_throughput(args, raw, runs, counts, tokens, cores)
+        if args.scale_tokens:
+            scale(root, model, int(args.scale_tokens), args.scale_seq_len)
 
+
+def report_throughput(args, raw: list[float], runs: dict[int, list[float]], counts: list[int], tokens: int,
+                      cores: int) -> None:
+    """The throughput table: medians, fastest, and the per-worker ratio to raw sentencepiece."""
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     base = statistics.median(raw)
     print(f"\n{tokens} tokens per pass; medians of {args.repeats} repeats (fastest in brackets); "
