@@ -71,7 +71,7 @@ def parse_data_paths(source: str, full: str, value: Any, text: Callable[[str, st
 
 
 def entry_path(entry: Entry) -> str:
-    return entry if isinstance(entry, str) else entry["path"]
+    return str(entry["path"] if isinstance(entry, dict) else entry)
 
 
 def entry_weight(entry: Entry) -> float | None:
@@ -80,13 +80,13 @@ def entry_weight(entry: Entry) -> float | None:
 
 def source_names(entries: list[Entry]) -> list[str]:
     """Each entry's name: its own, or its file name without suffixes (numbered where two would collide)."""
-    given = {e["name"] for e in entries if isinstance(e, dict) and "name" in e}
+    given = {e["name"] for e in entries if isinstance(e, dict) and "name" in e}  # str or Path entries otherwise
     names: list[str] = []
     for e in entries:
         if isinstance(e, dict) and "name" in e:
             names.append(e["name"])
             continue
-        stem = PurePath(entry_path(e).rstrip("/")).name.split(".")[0]
+        stem = PurePath(entry_path(e)).name.split(".")[0]
         base = re.sub(r"[^A-Za-z0-9_.-]+", "_", stem)[:56] or "data"
         name, n = base, 1
         while name in given or name in names:

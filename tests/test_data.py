@@ -339,22 +339,27 @@ def _windows(streams: list, seq: int = SEQ) -> np.ndarray:
 
 def _expected_train(sources, seed: int, consumed: int, gb: int) -> np.ndarray:
     """Global samples [consumed, consumed + gb) by the blend rule of megazero.data.blend, written out:
-    a source of c of a period's 2^20 positions (by largest remainder of its share of the samples) puts its
-    i-th at time (i + 0.5) / c; positions go in time order, the earlier source first on a tie; a source's
-    j-th draw is position j % n of its epoch j // n's permutation (source 0: rng((seed, epoch)), source k:
-    rng((seed, epoch, k)))."""
+    a source gets c of a period's 2^16 positions (the largest-remainder rounding of its share of the
+    samples); position r goes to the source furthest behind, c * (r + 1) / 2^16 - (its draws so far) largest,
+    the earlier source on a tie; a source's j-th draw is position j % n of its epoch j // n's permutation
+    (source 0: rng((seed, epoch)), source k: rng((seed, epoch, k)))."""
     train, _ = _streams(sources, "90,10")
     sizes = _sizes(train)
-    period = 1 << 20
+    period = 1 << 16
     exact = [n / sum(sizes) * period for n in sizes]
     counts = [int(x) for x in exact]
     for k in sorted(range(len(sizes)), key=lambda k: -(exact[k] - counts[k]))[: period - sum(counts)]:
         counts[k] += 1
     end = consumed + gb
     assert end <= period
-    times = sorted(((i + 0.5) / c, k, i) for k, c in enumerate(counts) for i in range(min(c, end)))[:end]
+    drawn, picks = [0] * len(sizes), []
+    for r in range(end):
+        behind = [c * (r + 1) - d * period for c, d in zip(counts, drawn)]  # exact: integers
+        k = behind.index(max(behind))
+        picks.append((k, drawn[k]))
+        drawn[k] += 1
     rows = []
-    for _, k, j in times[consumed:end]:
+    for k, j in picks[consumed:end]:
         epoch, pos = divmod(j, sizes[k])
         rng = np.random.default_rng((seed, epoch) if k == 0 else (seed, epoch, k))
         rows.append(_sample(train[k], rng.permutation(sizes[k])[pos]))

@@ -1,15 +1,14 @@
 """The training order as index files: the blend of sources, and each source's shuffled epochs.
 
 A blend draws global sample ``g`` from source ``k`` so that every prefix of
-the stream holds each source close to its weight, deterministically
-(Megatron-LM's BlendedDataset). Here the order is periodic: a period of
-``BLOCK`` positions gives source ``k`` ``c_k`` of them (the largest-remainder
-rounding of ``w_k * BLOCK``) and places its ``i``-th at time ``(i + 0.5) / c_k``,
-merged in time order (ties by source). Within a period each source is within
-one sample of its share of every prefix; over periods the shares drift by
-under one sample per period, so every prefix of n samples is within about
-``1/n + 1/BLOCK`` of the weights. Position ``g`` needs no search: period
-``g // BLOCK`` and the block's entry ``g % BLOCK``.
+the stream holds each source close to its weight, deterministically, by
+Megatron-LM's BlendedDataset rule: each position goes to the source furthest
+behind its share (``w_k * (r + 1) - drawn_k`` largest; ties to the earlier
+source), which keeps every source within one sample of its share of every
+prefix. The order is periodic: a period of ``BLOCK`` positions gives source
+``k`` exactly ``c_k`` of them (``w_k * BLOCK`` by largest remainder), so a
+position needs no search (period ``g // BLOCK``, entry ``g % BLOCK``) and the
+shares drift by under one sample per period (under 1/BLOCK).
 
 A source's ``j``-th sample in the blend is position ``j % n`` of its epoch
 ``j // n``'s permutation of its ``n`` samples (a small source cycles through
@@ -20,11 +19,15 @@ Megatron-LM also keeps ``doc_idx`` and ``sample_idx`` because it shuffles
 documents before cutting samples; megazero cuts samples at fixed strides of a
 source's token stream, so a sample's tokens are arithmetic and only the
 blend and the permutations need files. Those are built by one rank per node
-(the data builder), written atomically under ``data.cache_dir/indices/`` and
-memory-mapped by every rank, so a rank neither spends the time nor holds the
-memory to build them (an epoch of 1e8 samples is 0.4 GB and seconds to
-shuffle). A rank that finds a file missing builds that array in memory (the
-same numbers) and keeps at most two epochs per source.
+(the data builder), written atomically (fsynced, then renamed) under
+``data.cache_dir/indices/`` with a checksum beside each, and memory-mapped by
+every rank, so a rank neither spends the time nor holds the memory to build
+them (an epoch of 1e8 samples is 0.4 GB and seconds to shuffle). The builder
+checks each file against its checksum before the run (the cache is
+untrusted: a damaged file is built again); the other ranks open what the
+builder checked, and every id read is range-checked. A rank that finds a file
+missing builds that array in memory (the same numbers) and keeps at most two
+epochs per source.
 """
 
 from __future__ import annotations
@@ -36,15 +39,17 @@ from pathlib import Path
 
 import numpy as np
 
-BLOCK = 1 << 20  # positions per blend period
+BLOCK = 1 << 16  # positions per blend period
 INDEX_SUBDIR = "indices"
-PREBUILD_MIN = 1 << 16  # samples: a smaller source's permutation is built where it is read, in microseconds
+PREBUILD_MIN = 1 << 20  # samples: a smaller source's permutation (< 4 MB) is built where it is read
+PREBUILD_EPOCHS = 64  # per source: later epochs of a source read that often are built where they are read
 
 
 def block_counts(weights: Sequence[float], length: int = BLOCK) -> np.ndarray:
     """Positions per source in one period: ``w_k * length`` rounded by largest remainder (sums to length)."""
     w = np.asarray(weights, dtype=np.float64)
     assert len(w) and np.all(w > 0) and np.all(np.isfinite(w)), weights
+    w = w / w.max()  # finite weights whose sum would overflow
     exact = w / w.sum() * length
     counts = np.floor(exact).astype(np.int64)
     short = length - int(counts.sum())
@@ -53,14 +58,30 @@ def block_counts(weights: Sequence[float], length: int = BLOCK) -> np.ndarray:
 
 
 def blend_block(counts: np.ndarray) -> np.ndarray:
-    """One period: entry ``r`` is ``ordinal * K + source`` (uint64), the source of position ``r`` and how
+    """One period: entry ``r`` is ``ordinal * K + source`` (int64): the source of position ``r`` and how
     many of its positions come before it in the period."""
+    length, k = int(counts.sum()), len(counts)
+    counts = np.asarray(counts, dtype=np.int64)
+    drawn = np.zeros(k, dtype=np.int64)
+    out = np.empty(length, dtype=np.int64)
+    for r in range(length):
+        # how far behind its share each source is, times the period: integers, so ties are exact
+        s = int(np.argmax(counts * (r + 1) - drawn * length))  # the first of the furthest behind
+        out[r] = int(drawn[s]) * k + s
+        drawn[s] += 1
+    return out
+
+
+def _block_ok(block: np.ndarray, counts: np.ndarray) -> bool:
+    """Whether a loaded period is one: each source ``c_k`` times, its ordinals 0, 1, ... in order."""
     k = len(counts)
-    times = np.concatenate([(np.arange(c, dtype=np.float64) + 0.5) / c for c in counts])
-    source = np.repeat(np.arange(k, dtype=np.uint64), counts)
-    ordinal = np.concatenate([np.arange(c, dtype=np.uint64) for c in counts])
-    order = np.argsort(times, kind="stable")  # ties: the earlier source first
-    return ordinal[order] * np.uint64(k) + source[order]
+    if block.min() < 0 or block.max() >= int(counts.max()) * k:
+        return False
+    source = block % k
+    if not np.array_equal(np.bincount(source, minlength=k), counts):
+        return False
+    ordinal = (block // k)[np.argsort(source, kind="stable")]
+    return np.array_equal(ordinal, np.concatenate([np.arange(c) for c in counts]))
 
 
 def epoch_permutation(n: int, seed: int, source: int, epoch: int) -> np.ndarray:
@@ -71,38 +92,61 @@ def epoch_permutation(n: int, seed: int, source: int, epoch: int) -> np.ndarray:
 
 
 class IndexFiles:
-    """Named arrays under ``cache_dir/indices``: loaded memory-mapped when present and whole, else built
-    (and written, atomically, where ``write``). A file that does not load as what its name says is built
-    again, never believed."""
+    """Named arrays under ``cache_dir/indices``, each with a sha256 beside it: loaded memory-mapped when
+    present and whole, else built (and, where ``write``, written and then mapped, so the writer holds no
+    copy either). The writer (the builder) checks a file's bytes against its checksum before using it; a
+    file that fails, or does not load as what its name says, or fails ``check``, is built again."""
 
     def __init__(self, cache_dir: Path | None, write: bool):
         self.dir = None if cache_dir is None else Path(cache_dir) / INDEX_SUBDIR
         self.write = write and self.dir is not None
 
-    def path(self, name: str) -> Path | None:
-        return None if self.dir is None else self.dir / f"{name}.npy"
-
-    def get(self, name: str, dtype: np.dtype, length: int, build: Callable[[], np.ndarray]) -> np.ndarray:
-        path = self.path(name)
-        if path is not None and path.exists():
-            try:
-                arr = np.load(path, mmap_mode="r", allow_pickle=False)
-                if arr.dtype == dtype and arr.shape == (length,):
-                    return arr
-            except (OSError, ValueError):
-                pass
+    def get(self, name: str, dtype: np.dtype, length: int, build: Callable[[], np.ndarray],
+            check: Callable[[np.ndarray], bool] | None = None) -> np.ndarray:
+        if self.dir is None:
+            return build()
+        path, digest = self.dir / f"{name}.npy", self.dir / f"{name}.sha256"
+        arr = self._load(path, digest, dtype, length, check)
+        if arr is not None:
+            return arr
         arr = build()
         assert arr.dtype == dtype and arr.shape == (length,), (name, arr.dtype, arr.shape)
-        if self.write:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
-            try:
-                with tmp.open("wb") as f:
-                    np.save(f, arr, allow_pickle=False)
-                os.replace(tmp, path)
-            finally:
-                tmp.unlink(missing_ok=True)
+        if not self.write:
+            return arr
+        self.dir.mkdir(parents=True, exist_ok=True)
+        _write_atomic(path, lambda f: np.save(f, arr, allow_pickle=False))
+        _write_atomic(digest, lambda f: f.write(_sha256(path).encode()))
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+
+    def _load(self, path: Path, digest: Path, dtype: np.dtype, length: int,
+              check: Callable[[np.ndarray], bool] | None) -> np.ndarray | None:
+        try:
+            if not digest.is_file() or (self.write and digest.read_text() != _sha256(path)):
+                return None
+            arr = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError, UnicodeDecodeError):
+            return None
+        if arr.dtype != dtype or arr.shape != (length,) or (check is not None and not check(arr)):
+            return None
         return arr
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _write_atomic(path: Path, write: Callable) -> None:
+    """Written under a temporary name, synced, renamed: a crash leaves the old file or the new, whole."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
+    try:
+        with tmp.open("wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _tag(*parts: object) -> str:
@@ -110,30 +154,40 @@ def _tag(*parts: object) -> str:
     return hashlib.sha256(repr((np.__version__, *parts)).encode()).hexdigest()[:16]
 
 
+class DamagedIndex(Exception):
+    """An index file read back ids no source has: the cache was damaged after its checksum was checked."""
+
+
 class SampleOrder:
     """Global train position -> (source, that source's sample), for any number of positions."""
 
-    def __init__(self, sizes: Sequence[int], weights: Sequence[float], seed: int, files: IndexFiles):
-        assert all(n > 0 for n in sizes), sizes
+    def __init__(self, sizes: Sequence[int], counts: np.ndarray, seed: int, files: IndexFiles):
+        """sizes: each source's samples; counts: its positions per period (``block_counts``, all > 0)."""
+        assert all(n > 0 for n in sizes) and len(counts) == len(sizes) and counts.min() > 0, (sizes, counts)
         self.sizes = np.asarray(sizes, dtype=np.int64)
         self.seed = seed
         self.files = files
-        self.counts = block_counts(weights) if len(sizes) > 1 else np.array([BLOCK], dtype=np.int64)
+        self.counts = np.asarray(counts, dtype=np.int64)
         self.block = None
         if len(sizes) > 1:
-            self.block = files.get(f"blend-{_tag('blend', self.counts.tolist())}", np.dtype(np.uint64), BLOCK,
-                                   lambda: blend_block(self.counts))
+            self.block = files.get(f"blend-{_tag('blend', self.counts.tolist())}", np.dtype(np.int64), BLOCK,
+                                   lambda: blend_block(self.counts), lambda b: _block_ok(b, self.counts))
         self._perms: dict[tuple[int, int], np.ndarray] = {}
 
+    def _permutation_array(self, source: int, epoch: int) -> np.ndarray:
+        n = int(self.sizes[source])
+        build = lambda: epoch_permutation(n, self.seed, source, epoch)  # noqa: E731
+        if n < PREBUILD_MIN:
+            return build()
+        dtype = np.dtype(np.uint32 if n < 2 ** 32 else np.int64)
+        return self.files.get(f"shuffle-{_tag('shuffle', n, self.seed, source, epoch)}", dtype, n, build)
+
     def permutation(self, source: int, epoch: int) -> np.ndarray:
+        """Source ``source``'s epoch ``epoch``; at most two epochs per source are kept."""
         key = (source, epoch)
         perm = self._perms.get(key)
         if perm is None:
-            n = int(self.sizes[source])
-            dtype = np.dtype(np.uint32 if n < 2 ** 32 else np.int64)
-            name = f"shuffle-{_tag('shuffle', n, self.seed, source, epoch)}"
-            build = lambda: epoch_permutation(n, self.seed, source, epoch)  # noqa: E731
-            perm = build() if n < PREBUILD_MIN else self.files.get(name, dtype, n, build)
+            perm = self._permutation_array(source, epoch)
             mine = [k for k in self._perms if k[0] == source]
             if len(mine) >= 2:  # a batch touches at most two neighbouring epochs of a source
                 self._perms.pop(min(mine))
@@ -157,14 +211,13 @@ class SampleOrder:
         for s, e in sorted(set(zip(source.tolist(), epoch.tolist()))):
             mask = (source == s) & (epoch == e)
             sample[mask] = self.permutation(s, e)[pos[mask]]
-        bad = sample >= self.sizes[source]
-        if bad.any():  # a damaged index file that still had the right shape
-            raise ValueError(f"sample index out of range for source {int(source[bad][0])}")
+        if ((sample < 0) | (sample >= self.sizes[source])).any():
+            raise DamagedIndex(str(self.files.dir))
         return source, sample
 
     def prebuild(self, positions: int) -> None:
-        """Write the permutations the first ``positions`` global samples read (the builder, before a run).
-        Sources under PREBUILD_MIN samples are left to each rank: their permutations take microseconds."""
+        """Write (or check) the permutations the first ``positions`` global samples read: the builder, before
+        a run. Sources under PREBUILD_MIN samples, and epochs past PREBUILD_EPOCHS, are left to each rank."""
         if positions <= 0:
             return
         if self.block is None:
@@ -176,5 +229,5 @@ class SampleOrder:
             draws = periods * self.counts + tail
         for s, (d, n) in enumerate(zip(draws.tolist(), self.sizes.tolist())):
             if n >= PREBUILD_MIN:
-                for e in range(-(-d // n)):
-                    self.permutation(s, e)
+                for e in range(min(-(-d // n), PREBUILD_EPOCHS)):
+                    self._permutation_array(s, e)  # not kept: the run maps it when it reads it

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from megazero.data.blend import IndexFiles, SampleOrder
+from megazero.data.blend import BLOCK, DamagedIndex, IndexFiles, SampleOrder, block_counts
 from megazero.data.documents import name_paths
 from megazero.errors import UserError, invalid
 
@@ -166,11 +166,21 @@ class GPTSamples:
         self._train_base = np.concatenate([[0], np.cumsum(self.train_sizes)]).astype(np.int64)
         self._val_base = self.n_train + np.concatenate([[0], np.cumsum(self.val_sizes)]).astype(np.int64)
         weights = self.train_sizes.tolist() if weights is None else list(weights)
-        self.order = SampleOrder(self.train_sizes.tolist(), weights, seed, files or IndexFiles(None, False))
+        counts = block_counts(weights) if len(sources) > 1 else np.array([BLOCK], dtype=np.int64)
+        if counts.min() == 0:
+            k = int(np.argmin(counts))
+            raise UserError(f"{self.labels[k]}: weight {weights[k]:g} is under 1/{BLOCK} of the weights' total "
+                            f"{sum(weights):g}, so it would never be drawn; raise it or leave the source out")
+        files = files or IndexFiles(None, False)
+        self.order = SampleOrder(self.train_sizes.tolist(), counts, seed, files)
 
     def train_sample_ids(self, global_indices: np.ndarray) -> np.ndarray:
         """Map global train positions (counted across epochs) to sample ids."""
-        source, sample = self.order.locate(np.asarray(global_indices, dtype=np.int64))
+        try:
+            source, sample = self.order.locate(np.asarray(global_indices, dtype=np.int64))
+        except DamagedIndex as e:
+            raise UserError(f"data cache {e}: an index file reads sample ids no source has (damaged after it "
+                            "was checked); delete that folder and start again") from None
         return self._train_base[source] + sample
 
     def source_of(self, ids: np.ndarray) -> np.ndarray:
@@ -201,6 +211,8 @@ class GPTSamples:
             raise UserError("data.split gives validation weight 0, so there are no validation samples")
         if batch_index < 0:
             raise UserError(f"validation batch index {batch_index} must be non-negative")
+        if source is not None and self.val_sizes[source] == 0:
+            raise UserError(f"{self.labels[source]} has no validation samples (one document, or too few tokens)")
         lo, hi = rank_share(global_batch, dp_rank, dp, micro_batch)
         start = batch_index * global_batch
         base, n = (self.n_train, self.n_val) if source is None else (self._val_base[source], self.val_sizes[source])
