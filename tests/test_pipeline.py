@@ -103,7 +103,8 @@ FOUR = [(f"pp4_{s}", SCHEDULES[s] + ["parallel.pp=4"]) for s in SCHEDULES] + \
         ("pp2_dp2_zb1p_recompute", SCHEDULES["zb1p"] + ["parallel.pp=2", "model.activation_checkpointing=true"])]
 # (every other layout posts p2p ahead and waits at first use, the default)
 TP2_PP2 = ["parallel.pp=2", "parallel.tp=2"]
-EIGHT = [(f"tp2_pp2_dp2_{s}", SCHEDULES[s] + TP2_PP2) for s in ("gpipe", "interleaved")] + [
+# (GPipe at tp2 x pp2 x dp2 runs on a weighted blend: test_a_blend_trains_alike_at_tp2_pp2_dp2...)
+EIGHT = [("tp2_pp2_dp2_interleaved", SCHEDULES["interleaved"] + TP2_PP2)] + [
     ("tp2_pp2_dp2_1f1b_sp", SCHEDULES["1f1b"] + TP2_PP2 + ["parallel.sequence_parallel=true", "log.pipeline_trace=true"]),
     # the split backward under ZeRO: gradient hooks fire in W; stage 3 keeps a layer gathered from its B to its W
     ("tp2_pp2_dp2_zb1p_z1", SCHEDULES["zb1p"] + TP2_PP2 + ["zero.stage=1", "log.pipeline_trace=true"]),
@@ -130,12 +131,13 @@ def runs(tmp_path_factory):
     run(TINY, _overrides(text, cache, base / "pp1_blend", blend))
     grads = run_ranks(4, _gradient_checks, text, cache, base)
     run_ranks(4, _train_layouts, text, cache, base, FOUR)
-    run_ranks(8, _train_layouts, text, cache, base, EIGHT + [("tp2_pp2_dp2_blend", SCHEDULES["1f1b"] + TP2_PP2 + blend)])
+    run_ranks(8, _train_layouts, text, cache, base, EIGHT + [("tp2_pp2_dp2_blend", SCHEDULES["gpipe"] + TP2_PP2 + blend)])
     return base, grads
 
 
 def test_a_blend_trains_alike_at_tp2_pp2_dp2_with_each_source_validated(runs):
-    """A weighted blend reproduces the one-process loss curve (fp32, 1e-5 as the other layouts), and its
+    """A weighted blend, under GPipe, reproduces the one-process loss curve (fp32, 1e-5 as the other layouts),
+    its gradient norms (1e-4, as the others), and its
     validation: each source's val_loss/<name>, and val_loss their token-weighted mean (each source is
     evaluated on train.eval_batches batches, so equal tokens: the plain mean, to rounding)."""
     base, _ = runs
@@ -146,8 +148,9 @@ def test_a_blend_trains_alike_at_tp2_pp2_dp2_with_each_source_validated(runs):
     for a, b in zip(ref, got):
         assert set(a) == set(b), (a, b)
         for key in a:
-            if key.startswith(("loss", "val_loss")):
-                assert math.isclose(a[key], b[key], rel_tol=1e-5), (a["step"], key, a[key], b[key])
+            if key.startswith(("loss", "val_loss", "grad_norm")):
+                tol = 1e-4 if key == "grad_norm" else 1e-5
+                assert math.isclose(a[key], b[key], rel_tol=tol), (a["step"], key, a[key], b[key])
         if "val_loss" in a:
             evals += 1
             assert math.isclose(a["val_loss"], (a["val_loss/few"] + a["val_loss/b"]) / 2, rel_tol=1e-6), a
