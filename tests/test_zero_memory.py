@@ -86,14 +86,16 @@ def peaks():
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_peak_gradient_bytes_do_not_grow_with_microbatches(peaks, stage):
-    """m = 1 and m = 16 peak within one bucket, by the reducer's count and by the process's peak memory. The
+    """m = 1 and m = 16 peak within one bucket by the reducer's count, two by the process's peak memory. The
     model is >= 20M parameters, so 16 un-waited half-model fp32 reductions would be ~600 MB over, not 8
     (measured with the in-flight bound removed: 2.1 GB counted and 2.8 GB measured over, at stage 2)."""
     for r in peaks:
         assert r[stage]["psi"] >= 20_000_000, r[stage]
         one, many, bucket = r[(stage, 1)], r[(stage, 16)], r[stage]["bucket"]
         assert abs(many["accounted"] - one["accounted"]) <= bucket, (stage, one, many, bucket)
-        assert many["process"] - one["process"] <= bucket, (stage, one, many, bucket)
+        # the process's peak within two buckets: besides the reductions it holds the heap's state, which left
+        # stage 3's m = 16 peak 12.7 MB over m = 1's in a clean CI run (bucket 12.6 MB); the fault is ~600 MB
+        assert many["process"] - one["process"] <= 2 * bucket, (stage, one, many, bucket)
         # the count is not vacuous: the shards (Ψ/dp fp32) and a bucket in flight are in it
         assert one["accounted"] >= r[stage]["psi"] // 2 * 4, (stage, one)
 
