@@ -45,14 +45,15 @@ def needed_bytes(cfg: Config, ranks: range, device_type: str) -> int:
 
     plan = make_plan(cfg)
     per_stage = cfg.parallel.dp * cfg.parallel.tp
-    total = 0
-    for r in ranks:
-        stage = plan.stages[r // per_stage]
-        act = stage.act_ckpt if cfg.model.activation_checkpointing else stage.act_full
-        state = stage.model_state["device_total"] + (stage.model_state["cpu_total"] if device_type == "cpu" else 0)
-        state += stage.gathered + stage.grad_buffers
-        total += state + act
-    return total
+    return sum(stage_bytes(cfg, plan.stages[r // per_stage], device_type) for r in ranks)
+
+
+def stage_bytes(cfg: Config, stage, device_type: str) -> int:
+    """One rank of a pipeline stage (a megazero.plan.StagePlan): its model states where they live (a CPU host
+    also holds the offloaded ones), ZeRO's gathered and gradient buffers, and its activations."""
+    act = stage.act_ckpt if cfg.model.activation_checkpointing else stage.act_full
+    state = stage.model_state["device_total"] + (stage.model_state["cpu_total"] if device_type == "cpu" else 0)
+    return state + stage.gathered + stage.grad_buffers + act
 
 
 def _variants(cfg: Config) -> list[tuple[str, Config]]:
