@@ -1,30 +1,33 @@
 """Predicted step time of a layout on a described cluster: the layout planner's model (docs/planner.md).
 
-A pure function of a resolved config, a :class:`~megazero.cluster.Cluster`
-and a few fitted :class:`Constants`. It takes its FLOPs and bytes from the
-``--dry-run`` plan (megazero.plan: per-stage FLOPs, parameters, model states,
-activations, the schedule's bubble), never from copies of those formulas, and
-adds time:
+A pure function of a resolved config, a :class:`~megazero.cluster.Cluster` and a few fitted
+:class:`Constants`. Its FLOPs and bytes come from the ``--dry-run`` plan and the one FLOPs formula
+(megazero.plan, megazero.metrics: per-stage FLOPs, parameters, activation and logit bytes, the schedule's
+bubble), never from copies of them; the model adds only time. Per step, on the slowest pipeline stage:
 
-* compute: the stage's FLOPs (recompute included) at the peak times an
-  achieved efficiency that falls for thin matmuls: ``e_max * x / (x + x_half)``
-  with ``x = hidden / tp`` (a rank's matmul width);
-* tensor parallelism: per layer and microbatch, 2 collectives forward and 2
-  backward (2 more for a recomputed forward) of ``b*s*h`` bf16 values, a ring
-  all-reduce (all-gather + reduce-scatter with sequence parallelism: the same
-  bytes) on the tp group's links; ``parallel.tp_overlap`` hides
-  ``tp_hidden`` of it;
-* the pipeline: the bottleneck stage's work stretched by the schedule's bubble
-  (``(p-1)/(m+p-1)`` for 1F1B; interleaving and zb1p as megazero.plan), plus
-  the p2p transfers of the fill and drain;
-* data parallelism: the gradients' reduction (and ZeRO's parameter gathers)
-  over the dp group's links, of which the last microbatch's backward hides
-  what it can (megazero reduces buckets as that backward produces them);
-  ZeRO-3 adds the forward and backward gathers, hidden behind their layers'
-  compute up to the bucket in flight;
-* the optimizer step: memory-bound, ~32 bytes moved per parameter shard;
-* placement: a group shares a node when its ranks fit in one (tp is the
-  fastest-varying coordinate, then dp, then pp: megazero.topology).
+* ``compute``: the stage's matmul FLOPs at the peak times an achieved efficiency
+  ``e_max * x / (x + x_half)``, where ``x`` is a matmul's arithmetic intensity (``MKN / (MK + KN + MN)``,
+  FLOPs per byte of its bf16 operands, with M = micro_batch * seq_len tokens) over the GPU's ridge point
+  (peak / HBM bandwidth): thin matmuls (small hidden / tp, a narrow head dimension) run further from peak;
+  weighted over the layer's matmuls, the attention products and the output head by their FLOPs;
+* ``elementwise``: the memory-bound work between the matmuls (norms, GELU, dropout, residuals, softmax;
+  the cross entropy over the logits): ``hbm_passes`` times the bytes of activations a layer keeps for
+  backward (the plan's Korthikanti et al. count, with the s x s scores only when the modelled software
+  materialises them) plus the plan's logit bytes, over the HBM bandwidth;
+* ``recompute``: the recomputed layers' forward again, a third of their compute and elementwise time;
+* ``tp_comm``: per layer and microbatch, 2 collectives forward and 2 backward (2 more for a recomputed
+  forward) of ``b*s*h`` bf16 values, a ring all-reduce (all-gather + reduce-scatter with sequence
+  parallelism: the same bytes) on the tp group's links; ``parallel.tp_overlap`` hides ``tp_hidden`` of it;
+* ``bubble``: the bottleneck stage's work stretched by the schedule's idle share (megazero.plan);
+* ``p2p``: with ``parallel.overlap_p2p`` only the fill and drain transfers (2 (p-1)), else every one;
+* ``dp_comm``: the gradients' reduction (all-reduce; reduce-scatter under ZeRO >= 1) behind the last
+  microbatch's backward, the ZeRO-1/2 parameter all-gather behind the next step's first forward, ZeRO-3's
+  per-layer gathers behind the compute they prefetch for; only what cannot hide is counted;
+* ``optimizer``: memory-bound, ~32 bytes moved per parameter of the shard.
+
+Placement (megazero.topology: tp fastest, then dp, then pp): a group of ``size`` ranks ``stride`` apart
+that spans nodes runs at ``min(NVLink, members per node * InfiniBand)`` per GPU, since each of a node's
+members drives its own adapter (rail-aligned rings); inside a node at NVLink speed.
 """
 
 from __future__ import annotations
@@ -35,42 +38,69 @@ from megazero.cluster import Cluster
 from megazero.config import Config
 from megazero.fits import stage_bytes
 
-ACT_BYTES = 2  # bf16 activations cross the links
+ACT_BYTES = 2  # bf16 activations and parameters cross the links
 OPTIMIZER_BYTES = 32  # per parameter of a shard: fp32 master, m, v read and written, the gradient read, bf16 out
 
 
 @dataclass(frozen=True)
 class Constants:
-    """The model's free constants, each physically meaningful; fitted by bench/planner.py."""
+    """The model's free constants, each physically meaningful; fitted by bench/planner.py to the published
+    rows (megazero.published) by minimising the largest |log(predicted / published)|."""
 
-    e_max: float = 0.62  # the largest share of peak a transformer layer's matmuls reach
-    x_half: float = 600.0  # the matmul width (hidden / tp) at which they reach half of e_max
-    comm_eff: float = 0.7  # the share of a link's bandwidth a ring collective achieves
-    tp_hidden: float = 0.75  # the share of tensor-parallel collectives tp_overlap hides (Domino: 3 of 4)
+    e_max: float = 0.8486  # the share of peak a matmul reaches when its intensity is far above the ridge point
+    x_half: float = 3.434  # a matmul's intensity, in units of the GPU's ridge point, at which it reaches e_max / 2
+    hbm_passes: float = 3.322  # HBM bytes moved by the memory-bound kernels per byte of activation a layer keeps
+    comm_eff: float = 0.9245  # the share of a link's bandwidth a collective (or a p2p transfer) achieves
+    tp_hidden: float = 1.0  # the share of tensor-parallel collectives parallel.tp_overlap hides
+    # Not fitted: a description of the software modelled. megazero's attention (SDPA, the Triton kernel) never
+    # keeps the s x s scores; Megatron-LM in 2021 (the A100 rows) did, and read and wrote them in HBM.
+    materialised_scores: bool = False
 
 
 @dataclass(frozen=True)
 class StepTime:
     """Seconds per step, by term; ``total`` is what a step takes."""
 
-    compute: float
+    compute: float  # matmuls of the bottleneck stage, forward + backward
     recompute: float
-    tp_comm: float
+    tp_comm: float  # the part not hidden
     bubble: float
     p2p: float
-    dp_comm: float
+    dp_comm: float  # the part not hidden
     optimizer: float
     total: float
-    memory_bytes: int  # the largest rank's planned bytes
+    memory_bytes: int  # the largest rank's planned bytes (megazero.fits.stage_bytes of the plan)
     terms: dict = field(default_factory=dict)
+    elementwise: float = 0.0  # memory-bound kernels of the bottleneck stage, forward + backward
 
 
-def _efficiency(c: Constants, width: float) -> float:
-    return c.e_max * width / (width + c.x_half)
+def _efficiency(c: Constants, intensity: float, ridge: float) -> float:
+    x = intensity / ridge
+    return c.e_max * x / (x + c.x_half)
 
 
-def _ring(nbytes: float, n: int, link: tuple[float, float], c: Constants, passes: float = 2.0) -> float:
-    """A ring collective over n ranks: passes*(n-1)/n of the bytes over the slowest link, plus its hops."""
+def _intensity(m: float, k: float, n: float) -> float:
+    """FLOPs per byte of an (M x K) @ (K x N) matmul reading both operands and writing the result once
+    (2MKN FLOPs over 2(MK + KN + MN) bf16 bytes)."""
+    return m * k * n / (m * k + k * n + m * n)
+
+
+def group_link(cluster: Cluster, size: int, stride: int) -> tuple[float, float]:
+    """(bytes/s per GPU, latency) of a collective over ``size`` ranks ``stride`` apart in rank order.
+
+    Inside a node: NVLink. Across nodes: every GPU has its own adapter, so a group with g members per node
+    drives g adapters at once (NCCL's rail-aligned rings): g * inter_node, at most the NVLink speed."""
+    node = cluster.gpus_per_node
+    per_node = max(1, min(size, node // stride)) if stride < node else 1
+    if size <= per_node and (stride * (size - 1)) < node:
+        return cluster.link(False)
+    bandwidth, latency = cluster.link(True)
+    return min(per_node * bandwidth, cluster.intra_node_gbps * 1e9), latency
+
+
+def ring(nbytes: float, n: int, link: tuple[float, float], c: Constants, passes: float = 2.0) -> float:
+    """A ring collective over n ranks: passes*(n-1)/n of the bytes at the link's achieved bandwidth, plus its
+    hops' latency (all-reduce: 2 passes; all-gather or reduce-scatter: 1)."""
     if n <= 1:
         return 0.0
     bandwidth, latency = link
@@ -79,80 +109,134 @@ def _ring(nbytes: float, n: int, link: tuple[float, float], c: Constants, passes
 
 def _recomputed_share(cfg: Config, layers_per_chunk: int) -> float:
     m = cfg.model
-    if not m.activation_checkpointing:
+    if not m.activation_checkpointing or layers_per_chunk == 0:
         return 0.0
     return min(m.checkpoint_layers, layers_per_chunk) / layers_per_chunk if m.checkpoint_layers else 1.0
 
 
-def step_time(cfg: Config, cluster: Cluster, c: Constants = Constants()) -> StepTime:
-    """The predicted step of a resolved config (megazero.config.resolve_world) on ``cluster``."""
+def _flops_split(cfg: Config, layers: int, head: bool) -> dict[str, float]:
+    """Shares of a chunk's FLOPs (the one formula, megazero.metrics) in its weight matmuls, the attention
+    score and value products, and the output head."""
+    from megazero.metrics import flops_per_token, model_shape
+    from models.arch import ffn_hidden
+
+    m = cfg.model
+    shape, f = model_shape(m), ffn_hidden(m)
+    weights = flops_per_token(layers, m.hidden, f, 0, 0, **shape)
+    attention = flops_per_token(layers, m.hidden, f, m.seq_len, 0, **shape) - weights
+    out = flops_per_token(0, m.hidden, f, 0, m.padded_vocab, **shape) if head else 0.0
+    total = weights + attention + out
+    return {"weights": weights / total, "attention": attention / total, "head": out / total}
+
+
+def _matmul_slowdown(cfg: Config, cluster: Cluster, c: Constants, layers: int, head: bool) -> float:
+    """Mean of 1/efficiency over a chunk's FLOPs: its matmul time is flops * this / peak."""
+    from megazero.metrics import model_shape
+    from models.arch import ffn_hidden
+
+    m, tp = cfg.model, cfg.parallel.tp
+    ridge = cluster.peak_tflops * 1e12 / (cluster.hbm_gbps * 1e9)
+    # tp_overlap (Domino) runs each microbatch as two halves: each half's matmuls have half the rows
+    tokens = cfg.train.micro_batch * m.seq_len // (2 if cfg.parallel.tp_overlap and tp > 1 else 1)
+    h, f, kv = m.hidden, ffn_hidden(m), model_shape(m)["kv_hidden"]
+    mlp = model_shape(m)["mlp_matrices"]
+    # this rank's weight matmuls of a layer, (K, N, weight): FLOPs are proportional to K * N
+    mats = [(h, (h + 2 * kv) / tp), (h / tp, h)] + [(h, f / tp)] * (mlp - 1) + [(f / tp, h)]
+    weights = sum(k * n for k, n in mats)
+    slow_w = sum(k * n / weights / _efficiency(c, _intensity(tokens, k, n), ridge) for k, n in mats)
+    # the attention products run as the layer's matmuls do; when the scores are materialised their HBM traffic
+    # is in the elementwise term (the plan's 5as/h bytes), not here
+    slow_a = slow_w
+    slow_h = 1 / _efficiency(c, _intensity(tokens, h, m.padded_vocab / tp), ridge)
+    share = _flops_split(cfg, layers, head)
+    return share["weights"] * slow_w + share["attention"] * slow_a + share["head"] * slow_h
+
+
+def _layer_activation_bytes(cfg: Config, c: Constants) -> int:
+    """Bytes one layer keeps for backward per microbatch without recompute (megazero.plan's count): the
+    tensors its memory-bound kernels write and read."""
+    from megazero.plan import activation_bytes_per_layer
+
+    m, par = cfg.model, cfg.parallel
+    return activation_bytes_per_layer(m.seq_len, cfg.train.micro_batch, m.hidden, m.heads, par.tp,
+                                      par.sequence_parallel and par.tp > 1, False,
+                                      flash=not c.materialised_scores, precision=cfg.train.precision,
+                                      ffn=m.ffn_hidden, kv_heads=m.kv_head_count, swiglu=m.arch == "llama")
+
+
+def step_time(cfg: Config, cluster: Cluster, c: Constants = Constants(), plan=None) -> StepTime:
+    """The predicted step of a resolved config (megazero.config.resolve_world) on ``cluster``; ``plan``, when
+    given, is ``make_plan(cfg)`` already made (a fit calls this many times per config)."""
     from megazero.plan import make_plan
 
-    plan = make_plan(cfg)
+    plan = make_plan(cfg) if plan is None else plan
     m, par, t, z = cfg.model, cfg.parallel, cfg.train, cfg.zero
-    tp, pp, dp, v = par.tp, par.pp, par.dp, par.virtual_stages
-    node = cluster.gpus_per_node
-    tp_link = cluster.link(tp > node)
-    dp_link = cluster.link(tp * dp > node)
-    pp_link = cluster.link(tp * dp * pp > node and tp * dp >= node)
-    peak = cluster.peak_tflops * 1e12 * _efficiency(c, m.hidden / tp)
+    tp, pp, dp = par.tp, par.pp, par.dp
+    peak = cluster.peak_tflops * 1e12
+    hbm = cluster.hbm_gbps * 1e9
     mb = plan.microbatches  # per dp replica
     act = t.micro_batch * m.seq_len * m.hidden * ACT_BYTES
+    layer_bytes = _layer_activation_bytes(cfg, c)
+    tp_link = group_link(cluster, tp, 1)
 
-    worst, stage_terms = None, []
+    worst = None
     for s in plan.stages:
         layers = sum(len(r) for r in s.layers)
-        per_chunk = max(1, layers // max(1, len(s.layers)))
-        share = _recomputed_share(cfg, per_chunk)
-        layer_flops = s.flops if not s.logits else s.flops * _layer_fraction(cfg, layers)
-        compute = s.flops / peak
-        recompute = share * layer_flops / 3 / peak  # the forward again: a third of forward + backward
-        tp_bytes = layers * mb * (4 + 2 * share) * act
-        tp_comm = _ring(tp_bytes, tp, tp_link, c, passes=2.0)
+        share = sum(_recomputed_share(cfg, len(r)) * len(r) for r in s.layers) / max(1, layers)
+        compute = s.flops * _matmul_slowdown(cfg, cluster, c, layers, s.logits > 0) / peak
+        elementwise = c.hbm_passes * (layers * layer_bytes + s.logits) * mb / hbm
+        head_share = _flops_split(cfg, layers, s.logits > 0)["head"]
+        layer_time = compute * (1 - head_share) + c.hbm_passes * layers * layer_bytes * mb / hbm
+        recompute = share * layer_time / 3  # the forward again: a third of forward + backward
+        tp_comm = ring(layers * mb * (4 + 2 * share) * act, tp, tp_link, c, passes=2.0)
         if par.tp_overlap:
             tp_comm *= 1 - c.tp_hidden
-        work = compute + recompute + tp_comm
-        stage_terms.append((work, compute, recompute, tp_comm, s))
-        if worst is None or work > worst[0]:
-            worst = stage_terms[-1]
-    work, compute, recompute, tp_comm, s = worst
+        work = compute + elementwise + recompute + tp_comm
+        if worst is None or work > worst["work"]:
+            worst = dict(work=work, compute=compute, elementwise=elementwise, recompute=recompute,
+                         tp_comm=tp_comm, stage=s)
+    work, s = worst["work"], worst["stage"]
     stretched = work / (1 - plan.bubble) if plan.bubble < 1 else float("inf")
     bubble = stretched - work
-    p2p_bytes = act / (tp if par.sequence_parallel else 1)
-    p2p = 0.0 if pp == 1 else 2 * (pp - 1) * _ring(p2p_bytes, 2, pp_link, c, passes=1.0)
 
-    # data parallelism: the reduction of this rank's gradients (and ZeRO's gathers) against what hides it
+    # pipeline transfers: one microbatch's activations (1/tp of them with sequence parallelism)
+    p2p_bytes = act / (tp if par.sequence_parallel else 1)
+    crosses = tp * dp * pp > cluster.gpus_per_node  # some stage boundary crosses nodes: one GPU's adapter
+    bandwidth, latency = cluster.link(crosses)
+    one = p2p_bytes / (bandwidth * c.comm_eff) + latency
+    hops = 2 * (pp - 1) if par.overlap_p2p else 2 * mb * par.virtual_stages
+    p2p = 0.0 if pp == 1 else hops * one
+
+    # data parallelism: this rank's gradients and ZeRO's gathers against what hides them
+    dp_link = group_link(cluster, dp, tp)
     params = s.params
-    grad_bytes = params * _grad_bytes(cfg)
+    grads = params * _grad_bytes(cfg)
+    forward = (worst["compute"] + worst["elementwise"]) / 3 / mb  # one microbatch's forward
+    backward = work / mb - forward  # one microbatch's backward (its recompute and tp collectives included)
     if z.stage == 0:
-        dp_time = _ring(grad_bytes, dp, dp_link, c, passes=2.0)
-    else:  # reduce-scatter the gradients, all-gather the parameters
-        dp_time = _ring(grad_bytes, dp, dp_link, c, passes=1.0) + _ring(params * ACT_BYTES, dp, dp_link, c, 1.0)
-    hideable = (compute + recompute + tp_comm) / mb * 2 / 3  # the last microbatch's backward
-    if z.stage == 3:  # gathers in forward and backward: each layer's behind the layer before
-        dp_time += 2 * _ring(params * ACT_BYTES, dp, dp_link, c, passes=1.0)
-        hideable += (compute + recompute + tp_comm) / mb * 1 / 3 * mb
-    dp_comm = max(0.0, dp_time - hideable)
-    shard = params / (dp if z.stage >= 1 else 1)
-    optimizer = shard * OPTIMIZER_BYTES / (cluster.hbm_gbps * 1e9)
+        reduce = ring(grads, dp, dp_link, c, passes=2.0)
+    else:
+        reduce = ring(grads, dp, dp_link, c, passes=1.0)
+    gather = 0.0 if z.stage == 0 else ring(params * ACT_BYTES, dp, dp_link, c, passes=1.0)
+    gather_hide = forward  # ZeRO-1/2: the updated parameters gathered behind the next first forward
+    if z.stage == 3:  # each layer gathered before its forward and its backward, prefetched behind the previous
+        gathers = 2 * mb if z.reshard_after_forward else 1
+        gather *= gathers
+        gather_hide = work if z.reshard_after_forward else forward
+    dp_comm = max(0.0, reduce - backward) + max(0.0, gather - gather_hide)
+    shard = -(-params // dp) if z.stage >= 1 else params
+    optimizer = shard * OPTIMIZER_BYTES / hbm
     total = stretched + p2p + dp_comm + optimizer
     memory = max(stage_bytes(cfg, st, "cuda") for st in plan.stages)
-    return StepTime(compute, recompute, tp_comm, bubble, p2p, dp_comm, optimizer, total, memory,
-                    {"dp_total": dp_time, "dp_hideable": hideable, "efficiency": peak / (cluster.peak_tflops * 1e12)})
+    return StepTime(worst["compute"], worst["recompute"], worst["tp_comm"], bubble, p2p, dp_comm, optimizer,
+                    total, memory,
+                    {"dp_reduce": reduce, "dp_gather": gather, "dp_hideable": backward, "p2p_one": one,
+                     "efficiency": s.flops / peak / worst["compute"] if worst["compute"] else 0.0,
+                     "bubble_share": plan.bubble, "stage": s.pp_rank},
+                    worst["elementwise"])
 
 
 def _grad_bytes(cfg: Config) -> int:
     from megazero.plan import grad_bytes_per_param
 
     return grad_bytes_per_param(cfg.train.precision, cfg.zero.grad_dtype)
-
-
-def _layer_fraction(cfg: Config, layers: int) -> float:
-    """The share of a last stage's FLOPs in its layers (the rest is the head)."""
-    from megazero.metrics import flops_per_token, model_shape
-
-    m = cfg.model
-    shape = model_shape(m)
-    body = flops_per_token(layers, m.hidden, m.ffn_hidden, m.seq_len, 0, **shape)
-    whole = flops_per_token(layers, m.hidden, m.ffn_hidden, m.seq_len, m.padded_vocab, **shape)
-    return body / whole
