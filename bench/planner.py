@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megazero.cluster import load_cluster  # noqa: E402
 from megazero.plan import make_plan  # noqa: E402
-from megazero.published import CLUSTER, HELD_BACK, MEMORY_MARGIN, NAMED, ROWS, predict, row_config  # noqa: E402
+from megazero.published import CLUSTER, HELD_BACK, MEMORY_MARGIN, NAMED, ROWS, cluster_of, predict, row_config  # noqa: E402
 from megazero.step_time import Constants  # noqa: E402
 
 # (low, high) of each fitted constant: the physically possible range
@@ -107,6 +107,7 @@ def memory(c: Constants) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="no fit: report megazero.step_time's defaults")
+    ap.add_argument("--no-search", action="store_true", help="skip the planner's search per named model")
     args = ap.parse_args()
     t0 = time.time()
     prep = prepared(NAMED)
@@ -124,7 +125,37 @@ def main() -> int:
     memory(c)
     named_ok = all(abs(math.log(predict(r, c)[0] / r.tflops)) <= math.log(1.1) for r in NAMED)
     print(f"\nevery named row within ±10%: {'yes' if named_ok else 'NO'}   ({time.time() - t0:.1f} s)")
-    return 0 if named_ok else 1
+    search_ok = True if args.no_search else searches(c)
+    return 0 if named_ok and search_ok else 1
+
+
+def searches(c: Constants) -> bool:
+    """The issue's search check: given only each named model, its GPU count, batch and cluster, the planner's
+    top layout is predicted at least as fast as the published layout, and fits by the dry-run plan."""
+    from megazero.planner import search
+
+    print("\nSearch: the planner's top layout per named model (its GPUs, batch and cluster only) against the "
+          "published layout, both predicted by the fitted model")
+    print(f"  {'row':10s} {'published layout':34s} {'step s':>8s}  {'top layout':44s} {'step s':>8s} "
+          f"{'GB':>6s} {'ratio':>6s}  search s")
+    ok = True
+    for row in NAMED:
+        t0 = time.time()
+        published = predict(row, c)[1]
+        base = row_config(row)
+        row_c = dataclasses.replace(c, materialised_scores=row.source == "narayanan")
+        found = search(base, cluster_of(row.source), row.gpus, {}, row_c)
+        top = found.ranked[0]
+        fits = top.memory_gb <= cluster_of(row.source).memory_gb * MEMORY_MARGIN
+        good = fits and top.step_s <= published.total * (1 + 1e-9)
+        ok &= good
+        pub = f"tp{row.tp} pp{row.pp} v{row.virtual} mb{base.train.micro_batch}"
+        print(f"  {row.name:10s} {pub:34s} {published.total:8.3f}  {top.layout.label():44s} {top.step_s:8.3f} "
+              f"{top.memory_gb:6.1f} {top.step_s / published.total:6.3f}  {time.time() - t0:6.1f}"
+              + ("" if good else "  <-- slower than published or over memory"))
+    print(f"top layout at least as fast as the published one, and fitting, for every named model: "
+          f"{'yes' if ok else 'NO'}")
+    return ok
 
 
 if __name__ == "__main__":

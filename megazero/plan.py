@@ -19,19 +19,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from megazero.config import AUTO, Config
 from megazero.metrics import flops_per_token, model_flops_per_token, model_shape
+from megazero.plan_memo import PlanMemo
 from megazero.rules import compute_device, pipeline_costs
 from models.gpt import GPT, count_parameters
 from models.llama import kv_replicas_needed
 from parallel.balance import balance_layers, rank_costs
 from parallel.comm import Comm
 from parallel.pipeline import partition_layers
-from parallel.schedules import Action, build_schedule, virtual_stage
+from parallel.schedules import Action, virtual_stage
 from parallel.topology import coords_to_rank
 from parallel.zero.grads import grad_precision
 
@@ -189,10 +190,15 @@ class ParamCounts:
     layer: tuple[int, int]
 
     @classmethod
-    def of(cls, cfg: Config) -> "ParamCounts":
-        ends = {(first, last): _built_parameters(cfg, range(0), first, last)
-                for first in (False, True) for last in (False, True)}
-        one = _built_parameters(cfg, range(1), False, False)
+    def of(cls, cfg: Config, memo: Optional[PlanMemo] = None) -> "ParamCounts":
+        memo = memo or PlanMemo(remember=False)
+
+        def built(layer_ids: range, first: bool, last: bool) -> tuple[int, int]:
+            key = (repr(cfg.model), cfg.parallel.tp, cfg.parallel.sequence_parallel, layer_ids, first, last)
+            return memo.call(_built_parameters, cfg, layer_ids, first, last, key=key)
+
+        ends = {(first, last): built(range(0), first, last) for first in (False, True) for last in (False, True)}
+        one = built(range(1), False, False)
         bare = ends[(False, False)]
         return cls(ends, (one[0] - bare[0], one[1] - bare[1]))
 
@@ -236,11 +242,12 @@ class StageBalance:
     auto_rank_costs: list[float]
 
     @classmethod
-    def of(cls, cfg: Config, ranges: list[range]) -> "StageBalance":
+    def of(cls, cfg: Config, ranges: list[range], memo: Optional[PlanMemo] = None) -> "StageBalance":
         par = cfg.parallel
+        memo = memo or PlanMemo(remember=False)
         costs = pipeline_costs(cfg.model, par.tp, cfg.train.precision, compute_device(cfg.launch.device))
         counts = [len(r) for r in ranges]
-        auto = balance_layers(cfg.model.layers, par.pp, costs, par.virtual_stages)
+        auto = memo.call(balance_layers, cfg.model.layers, par.pp, costs, par.virtual_stages)
         return cls(counts, rank_costs(counts, par.pp, costs), auto, rank_costs(auto, par.pp, costs))
 
 
@@ -257,7 +264,8 @@ class Plan:
     balance: StageBalance
 
 
-def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action], params: ParamCounts) -> StagePlan:
+def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action], params: ParamCounts,
+                memo: PlanMemo) -> StagePlan:
     m, par, t, z = cfg.model, cfg.parallel, cfg.train, cfg.zero
     v, last_vs = par.virtual_stages, par.pp * par.virtual_stages - 1
     chunks = [virtual_stage(r, c, par.pp) for c in range(v)]
@@ -268,18 +276,18 @@ def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action], p
     sp = par.sequence_parallel and par.tp > 1
 
     def layer(recompute: bool) -> int:
-        return activation_bytes_per_layer(m.seq_len, t.micro_batch, m.hidden, m.heads, par.tp, sp, recompute,
-                                          flash=True, precision=t.precision, ffn=m.ffn_hidden,
-                                          kv_heads=m.kv_head_count, swiglu=m.arch == "llama")
+        return memo.call(activation_bytes_per_layer, m.seq_len, t.micro_batch, m.hidden, m.heads, par.tp, sp,
+                         recompute, flash=True, precision=t.precision, ffn=m.ffn_hidden, kv_heads=m.kv_head_count,
+                         swiglu=m.arch == "llama")
 
     logits = t.micro_batch * m.seq_len * (m.padded_vocab // par.tp) * LOGIT_BYTES
     head = [logits if vs == last_vs else 0 for vs in chunks]
     def recomputed(vs: int) -> int:  # model.checkpoint_layers: the first k layers of each chunk (0: all)
         return min(m.checkpoint_layers, len(ranges[vs])) if m.checkpoint_layers else len(ranges[vs])
 
-    ckpt, count = activation_peak(sched, [recomputed(vs) * layer(True) + (len(ranges[vs]) - recomputed(vs))
+    ckpt, count = memo.peak(activation_peak, sched, [recomputed(vs) * layer(True) + (len(ranges[vs]) - recomputed(vs))
                                           * layer(False) + h for vs, h in zip(chunks, head)])
-    full, _ = activation_peak(sched, [len(ranges[vs]) * layer(False) + h for vs, h in zip(chunks, head)])
+    full, _ = memo.peak(activation_peak, sched, [len(ranges[vs]) * layer(False) + h for vs, h in zip(chunks, head)])
     # the one layer being recomputed in backward holds its full set meanwhile; when a chunk keeps some layers'
     # full activations (checkpoint_layers), those are freed by the time its first layers are recomputed
     if any(recomputed(vs) == len(ranges[vs]) for vs in chunks):
@@ -336,15 +344,25 @@ def _gathered(cfg: Config, chunks: list[int], ranges: list[range], psi: int, par
     return (root + 2 * -(-(psi - root) // layers)) * b
 
 
-def make_plan(cfg: Config) -> Plan:
-    """The plan of a config whose world is resolved (megazero.config.resolve_world)."""
+def make_plan(cfg: Config, memo: Optional[PlanMemo] = None) -> Plan:
+    """The plan of a config whose world is resolved (megazero.config.resolve_world); ``memo`` remembers its
+    costly parts across the plans of one layout search."""
+    memo = memo or PlanMemo(remember=False)
     m, par, t = cfg.model, cfg.parallel, cfg.train
     mb = cfg.microbatches
     ranges = partition_layers(m.layers, par.pp * par.virtual_stages, par.pp_layers)
-    schedule = build_schedule(par.schedule, par.pp, mb, par.virtual_stages)
-    params = ParamCounts.of(cfg)
-    stages = [_stage_plan(cfg, r, ranges, schedule[r], params) for r in range(par.pp)]
+    schedule = memo.schedule(par.schedule, par.pp, mb, par.virtual_stages)
+    params = ParamCounts.of(cfg, memo)
+    stages = [_stage_plan(cfg, r, ranges, schedule[r], params, memo) for r in range(par.pp)]
     tokens = t.global_batch * m.seq_len
     return Plan(cfg, par.tp * par.pp * par.dp, stages, count_parameters(m), model_flops_per_token(m) * tokens,
                 tokens, mb, pipeline_bubble(par.schedule, par.pp, mb, par.virtual_stages),
-                StageBalance.of(cfg, ranges))
+                StageBalance.of(cfg, ranges, memo))
+
+
+if __name__ == "__main__":  # python -m megazero.plan: the layout search (megazero.planner)
+    import sys
+
+    from megazero.planner import main
+
+    sys.exit(main())

@@ -24,11 +24,11 @@ from pathlib import Path
 
 from megazero.cluster import load_cluster
 from megazero.config import Config, load_config
+from megazero.planner import MEMORY_MARGIN  # a layout fits in this share of the GPU, as in the search
 from megazero.rules import resolve_world
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ROOT / "configs" / "gpt13b.yaml"
-MEMORY_MARGIN = 0.9  # a layout fits when its planned bytes are <= 90% of the GPU (megazero.planner's margin)
 
 
 @dataclass(frozen=True)

@@ -114,8 +114,9 @@ _TRITON_GRID_Y = 65535  # CUDA's limit on a grid's second axis: the Triton atten
 _PROBABILITY = {("model", "dropout")}
 
 
-def validate(cfg: Config) -> None:
-    """Ranges and cross-field rules that do not depend on the world size."""
+def validate(cfg: Config, memo=None) -> None:
+    """Ranges and cross-field rules that do not depend on the world size. ``memo`` (a
+    megazero.plan_memo.PlanMemo) remembers the layer balancing across the configs of one layout search."""
     src = cfg.source
     for section, key in list(_MIN) + [k for k in _MAX if k not in _MIN]:
         v = getattr(getattr(cfg, section), key)
@@ -200,7 +201,8 @@ def validate(cfg: Config) -> None:
         cfg.log.dir = str(Path("runs") / cfg.name)
     if par.pp_layers == AUTO:  # last, once every static check has passed: the FLOPs formula imports torch
         costs = pipeline_costs(m, par.tp, t.precision, compute_device(cfg.launch.device))
-        par.pp_layers = balance_layers(m.layers, par.pp, costs, par.virtual_stages)
+        args = (m.layers, par.pp, costs, par.virtual_stages)
+        par.pp_layers = memo.call(balance_layers, *args) if memo is not None else balance_layers(*args)
 
 
 def _exists(src: str, key: str, path: str, test=Path.exists) -> bool:
