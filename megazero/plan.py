@@ -360,9 +360,9 @@ def make_plan(cfg: Config, memo: Optional[PlanMemo] = None) -> Plan:
                 StageBalance.of(cfg, ranges, memo))
 
 
-if __name__ == "__main__":  # python -m megazero.plan: the layout search (megazero.planner)
+if __name__ == "__main__":  # python -m megazero.plan: the layout search (megazero.planner_cli)
     import sys
 
-    from megazero.planner import main
+    from megazero.planner_cli import main
 
     sys.exit(main())

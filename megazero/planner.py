@@ -1,4 +1,5 @@
-"""Search a config's layouts on a described cluster: ``python -m megazero.plan --config C --cluster K --gpus N``.
+"""Search a config's layouts on a described cluster (the command line, ``python -m megazero.plan --config C
+--cluster K --gpus N``, is megazero.planner_cli).
 
 Every layout (tp, pp, dp, virtual stages, schedule, ZeRO stage, micro-batch, recompute) is applied to the
 config and checked by the rules a run applies (megazero.rules.validate and resolve_world: the config rules
@@ -15,19 +16,16 @@ per layout; interleaving at 2, 4, 8... chunks; gpipe only when fixed.
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import gc
-import json
 import math
-import sys
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterator, Optional
 
-from megazero.cluster import Cluster, load_cluster
+from megazero.cluster import Cluster
 from megazero.config import Config, load_config
 from megazero.errors import UserError, shown
 from megazero.plan import make_plan
@@ -324,142 +322,3 @@ def _no_cyclic_gc() -> Iterator[None]:
     finally:
         if collecting:
             gc.enable()
-
-
-def own_layout(cfg: Config, gpus: int) -> Layout:
-    """The layout a resolved config runs with, in the search's terms."""
-    p, m = cfg.parallel, cfg.model
-    rec = "none" if not m.activation_checkpointing else str(m.checkpoint_layers) if m.checkpoint_layers else "full"
-    return Layout(p.tp, p.pp, p.dp, p.virtual_stages, p.schedule, cfg.zero.stage, cfg.train.micro_batch, rec)
-
-
-def write_config(base: Config, layout: Layout, gpus: int, path: str) -> None:
-    """Save the config with ``layout`` as YAML that pretrain.py --config accepts, and load it back to prove it."""
-    import yaml
-
-    cfg = configure(base, layout, gpus)
-    data = cfg.to_dict()
-    data.pop("name", None)  # the name comes from the file's
-    data["parallel"]["pp_layers"] = AUTO
-    data["zero"]["reshard_after_forward"] = base.zero.reshard_after_forward
-    if data["log"]["dir"] == f"runs/{base.name}":  # the default: runs/<the new file's name>
-        data["log"]["dir"] = ""
-    try:
-        with open(path, "w") as f:
-            f.write(f"# {base.source} laid out for {gpus} GPUs by python -m megazero.plan\n")
-            yaml.safe_dump(data, f, sort_keys=False, default_flow_style=False)
-    except OSError as e:
-        raise UserError(f"--write {path}: cannot write it ({e.strerror or e})") from None
-    back = resolve_world(load_config(path), gpus)
-    if own_layout(back, gpus) != layout:
-        raise UserError(f"--write {path}: the saved config reads back as {own_layout(back, gpus).label()}")
-
-
-def _row(rank: str, r: Ranked) -> str:
-    lay = r.layout
-    return (f"{rank:>4} {lay.tp:>4} {lay.pp:>4} {lay.dp:>5} {lay.virtual_stages:>3} {lay.schedule:>11} "
-            f"{lay.zero_stage:>4} {lay.micro_batch:>4} {lay.recompute:>9} {r.memory_gb:>9.3g} {r.step_s:>8.4g} "
-            f"{r.tflops_per_gpu:>8.1f} {r.mfu * 100:>5.1f}%")
-
-
-def format_table(found: Search, own: "Ranked | str", top: int, header: str) -> str:
-    """The best ``top`` layouts, then the config's own (a row, or why it cannot run here)."""
-    lines = [header, f"{'':>4} {'tp':>4} {'pp':>4} {'dp':>5} {'v':>3} {'schedule':>11} {'zero':>4} {'mb':>4} "
-                     f"{'recompute':>9} {'memory GB':>9} {'step s':>8} {'TFLOP/s':>8} {'MFU':>6}"]
-    lines += [_row(f"{i + 1}", r) for i, r in enumerate(found.ranked[:top])]
-    lines.append(_row("own", own) if isinstance(own, Ranked) else f" own  {own}")
-    return "\n".join(lines)
-
-
-def _own(path: str, sets: list[str], cluster: Cluster, gpus: int) -> "Ranked | str":
-    """The config's own layout costed as the search costs one, or the one line that says why it cannot run."""
-    try:
-        cfg = resolve_world(load_config(path, sets), gpus)
-    except UserError as e:
-        return f"not valid on {gpus} GPUs: {e}"
-    plan = make_plan(cfg)
-    st, layout = step_time(cfg, cluster, plan=plan), own_layout(cfg, gpus)
-    achieved = plan.flops_per_step / (st.total * gpus) / 1e12
-    row = Ranked(layout, st.memory_bytes / GB, st.total, achieved, achieved / cluster.peak_tflops)
-    budget = cluster.memory_gb * MEMORY_MARGIN
-    return row if row.memory_gb <= budget else f"{layout.label()}: needs {row.memory_gb:.1f} GB, over {budget:.1f} GB"
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse's usage and exit become our one line
-        raise UserError(f"python -m megazero.plan: {message}")
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = _Parser(prog="python -m megazero.plan", description="rank the layouts of a config on a cluster")
-    ap.add_argument("--config", required=True, help="YAML run description, e.g. configs/gpt13b.yaml")
-    ap.add_argument("--cluster", required=True, help="a name under configs/clusters (h100-80g) or a .yaml path")
-    ap.add_argument("--gpus", required=True, type=int, help="GPUs the run gets")
-    ap.add_argument("--global-batch", type=int, help="sequences per step (overrides train.global_batch)")
-    ap.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
-    ap.add_argument("--layout", default="", help="knobs to fix, e.g. tp=8,pp=4,recompute=full")
-    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value")
-    ap.add_argument("--json", action="store_true", help="print the ranked layouts as a JSON list")
-    ap.add_argument("--write", metavar="OUT.yaml", help="save the config with the best layout")
-    return ap.parse_args(argv)
-
-
-def run(args: argparse.Namespace) -> Search:
-    """The CLI's work; every input error is a UserError."""
-    start = time.perf_counter()
-    if args.gpus < 1:
-        raise UserError(f"--gpus {args.gpus} is invalid; expected a GPU count >= 1")
-    if args.top < 1:
-        raise UserError(f"--top {args.top} is invalid; expected >= 1")
-    fixed = parse_layout(args.layout) if args.layout else {}
-    cluster = load_cluster(args.cluster)
-    sets = list(args.set) + ([f"train.global_batch={args.global_batch}"] if args.global_batch is not None else [])
-    try:
-        base = load_config(args.config, sets)
-    except UserError:  # the config's own layout may be what is invalid (micro_batch against the batch, ...)
-        base = load_config(args.config, sets + ["parallel.tp=1", "parallel.pp=1", "parallel.dp=auto",
-                                                "parallel.virtual_stages=1", "parallel.schedule=1f1b",
-                                                "parallel.pp_layers=auto", "train.micro_batch=1"])
-    found = search(base, cluster, args.gpus, fixed)
-    if not found.ranked:
-        raise UserError(_nothing_fits(found, cluster, args.gpus, fixed))
-    if args.write:
-        write_config(base, found.ranked[0].layout, args.gpus, args.write)
-    if args.json:
-        print(json.dumps([r.as_dict() for r in found.ranked[:args.top]], indent=1))
-        return found
-    header = (f"{base.name} on {args.gpus} x {cluster.name} ({cluster.memory_gb:g} GB, {MEMORY_MARGIN:.0%} "
-              f"planned at most): {len(found.ranked)} of {found.costed} costed layouts fit "
-              f"({time.perf_counter() - start:.1f} s)")
-    print(format_table(found, _own(args.config, sets, cluster, args.gpus), args.top, header))
-    if args.write:
-        print(f"wrote {args.write} ({found.ranked[0].layout.label()})")
-    return found
-
-
-def _nothing_fits(found: Search, cluster: Cluster, gpus: int, fixed: dict) -> str:
-    """Why no layout came back, and what would help: more GPUs, or the memory knobs --layout pinned."""
-    pinned = f" with --layout {','.join(f'{k}={v}' for k, v in fixed.items())}" if fixed else ""
-    if not found.tried:
-        return (f"no layout of {gpus} GPUs{pinned}: tp*pp*dp must be {gpus} with pp <= model.layers and dp "
-                f"dividing train.global_batch")
-    if found.least is None:
-        why = f" (e.g. {found.first_refusal})" if found.first_refusal else ""
-        return f"no layout of {gpus} GPUs{pinned} passes the config rules{why}"
-    helps = [h for knob, h in (("micro_batch", "a smaller micro-batch"), ("recompute", "recompute"),
-                               ("zero_stage", "ZeRO-3"), ("tp", "more tp"), ("pp", "more pp")) if knob in fixed]
-    need, layout = found.least
-    return (f"no layout fits {gpus} x {cluster.name}{pinned}: the least memory a valid one plans is "
-            f"{need / GB:.1f} GB ({layout.label()}), over {cluster.memory_gb * MEMORY_MARGIN:.1f} GB; "
-            f"try {', '.join(helps + ['more GPUs'])}")
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    """``python -m megazero.plan``: 0, or 2 with one line on stderr for any input error."""
-    try:
-        run(parse_args(sys.argv[1:] if argv is None else argv))
-    except UserError as e:
-        line = "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in str(e))
-        print(f"error: {line}", file=sys.stderr, flush=True)
-        return 2
-    return 0

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megazero import planner
+from megazero import planner, planner_cli
 from megazero.cluster import CLUSTER_DIR, load_cluster
 from megazero.config import load_config, resolve_world
 from megazero.errors import UserError
@@ -135,7 +135,7 @@ def test_the_top_layout_is_predicted_fastest(base):
 
 
 def test_json_lists_the_ranked_layouts_with_typed_keys(capsys):
-    assert planner.main(["--config", TINY, "--cluster", "h100-80g", "--gpus", "8", "--json", "--top", "3"]) == 0
+    assert planner_cli.main(["--config", TINY, "--cluster", "h100-80g", "--gpus", "8", "--json", "--top", "3"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == 3
     types = {"tp": int, "pp": int, "dp": int, "virtual_stages": int, "schedule": str, "zero_stage": int,
@@ -151,11 +151,11 @@ def test_write_saves_a_config_with_the_top_layout(tmp_path, capsys):
     out = tmp_path / "laid_out.yaml"
     argv = ["--config", TINY, "--cluster", "h100-80g", "--gpus", "8", "--json", "--top", "1",
             "--set", "train.global_batch=32", "--layout", "pp=2", "--write", str(out)]
-    assert planner.main(argv) == 0
+    assert planner_cli.main(argv) == 0
     top = json.loads(capsys.readouterr().out)[0]
     cfg = resolve_world(load_config(out), 8)
     assert cfg.train.global_batch == 32 and cfg.model.hidden == 192 and cfg.log.dir == "runs/laid_out"
-    assert dataclasses.asdict(planner.own_layout(cfg, 8)) == {k: top[k] for k in planner.KNOBS}
+    assert dataclasses.asdict(planner_cli.own_layout(cfg, 8)) == {k: top[k] for k in planner.KNOBS}
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -174,7 +174,7 @@ def test_bad_input_is_one_line(capsys, argv, says):
     args = {"--config": TINY, "--cluster": "h100-80g", "--gpus": "8"}
     args.update({k: v for k, v in zip(argv[::2], argv[1::2]) if k != "--set"})
     sets = [x for i in range(0, len(argv), 2) if argv[i] == "--set" for x in argv[i:i + 2]]
-    assert planner.main([x for kv in args.items() for x in kv] + sets) == 2
+    assert planner_cli.main([x for kv in args.items() for x in kv] + sets) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and says in err and "Traceback" not in err
 
@@ -209,6 +209,6 @@ def test_bad_cluster_file_is_one_line(tmp_path, capsys, edit, says):
     with pytest.raises(UserError, match=says.replace("(", r"\(")) as e:
         load_cluster(path)
     assert "\n" not in str(e.value)
-    assert planner.main(["--config", TINY, "--cluster", str(path), "--gpus", "8"]) == 2
+    assert planner_cli.main(["--config", TINY, "--cluster", str(path), "--gpus", "8"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and says in err
