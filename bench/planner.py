@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 from megazero.cluster import load_cluster  # noqa: E402
 from megazero.plan import make_plan  # noqa: E402
@@ -108,6 +109,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="no fit: report megazero.step_time's defaults")
     ap.add_argument("--no-search", action="store_true", help="skip the planner's search per named model")
+    ap.add_argument("--simulate", action="store_true",
+                    help="also run each top layout through pretrain.py --simulate (one rank per stage, fake "
+                         "tensors; ~10 min for the nine, 7 of them the 1008B model's eight stages)")
     args = ap.parse_args()
     t0 = time.time()
     prep = prepared(NAMED)
@@ -125,11 +129,29 @@ def main() -> int:
     memory(c)
     named_ok = all(abs(math.log(predict(r, c)[0] / r.tflops)) <= math.log(1.1) for r in NAMED)
     print(f"\nevery named row within ±10%: {'yes' if named_ok else 'NO'}   ({time.time() - t0:.1f} s)")
-    search_ok = True if args.no_search else searches(c)
+    search_ok = True if args.no_search else searches(c, args.simulate)
     return 0 if named_ok and search_ok else 1
 
 
-def searches(c: Constants) -> bool:
+def simulate(base, layout, gpus: int, memory_gb: float) -> str:
+    """The top layout through ``pretrain.py --simulate``: its own words for each stage's peak, and whether
+    every stage fits in the GPU's memory."""
+    import subprocess
+    import tempfile
+
+    from megazero.planner_cli import write_config
+
+    with tempfile.TemporaryDirectory(prefix="plan-sim-") as tmp:
+        path = str(Path(tmp) / "top.yaml")
+        write_config(base, layout, gpus, path)
+        out = subprocess.run([sys.executable, str(ROOT / "pretrain.py"), "--config", path, "--simulate",
+                              "--set", f"launch.memory_gb={memory_gb}", "--set", f"parallel.world_size={gpus}",
+                              "--set", f"log.dir={tmp}/log"], capture_output=True, text=True, cwd=ROOT)
+    peaks = [line.split("peak ")[1].split(" GB")[0] for line in out.stdout.splitlines() if line.startswith("rank ")]
+    return f"simulated peaks {', '.join(peaks)} GB: " + ("fits" if out.returncode == 0 else f"exit {out.returncode}")
+
+
+def searches(c: Constants, run_simulation: bool = False) -> bool:
     """The issue's search check: given only each named model, its GPU count, batch and cluster, the planner's
     top layout is predicted at least as fast as the published layout, and fits by the dry-run plan."""
     from megazero.planner import search
@@ -152,7 +174,11 @@ def searches(c: Constants) -> bool:
         pub = f"tp{row.tp} pp{row.pp} v{row.virtual} mb{base.train.micro_batch}"
         print(f"  {row.name:10s} {pub:34s} {published.total:8.3f}  {top.layout.label():44s} {top.step_s:8.3f} "
               f"{top.memory_gb:6.1f} {top.step_s / published.total:6.3f}  {time.time() - t0:6.1f}"
-              + ("" if good else "  <-- slower than published or over memory"))
+              + ("" if good else "  <-- slower than published or over memory"), flush=True)
+        if run_simulation:
+            said = simulate(base, top.layout, row.gpus, cluster_of(row.source).memory_gb)
+            ok &= said.endswith("fits")
+            print(f"  {'':10s} {said}", flush=True)
     print(f"top layout at least as fast as the published one, and fitting, for every named model: "
           f"{'yes' if ok else 'NO'}")
     return ok
