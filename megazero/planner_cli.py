@@ -52,9 +52,12 @@ def write_config(base: Config, layout: Layout, gpus: int, path: str) -> None:
     if data["log"]["dir"] == f"runs/{base.name}":  # the default: runs/<the new file's name>
         data["log"]["dir"] = ""
     try:
-        with open(path, "w") as f:
+        with open(path, "x") as f:  # never over a file this did not write (a config, a checkpoint's file)
             f.write(f"# {base.source} laid out for {gpus} GPUs by python -m megazero.plan\n")
             yaml.safe_dump(data, f, sort_keys=False, default_flow_style=False)
+    except FileExistsError:
+        raise UserError(f"--write {path}: already exists; give a new file name (an existing file is never "
+                        "replaced)") from None
     except OSError as e:
         raise UserError(f"--write {path}: cannot write it ({e.strerror or e})") from None
     back = resolve_world(load_config(path), gpus)

@@ -18,7 +18,6 @@ Sources:
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +68,7 @@ NAMED = [r for r in ROWS if r.named]
 HELD_BACK = [r for r in ROWS if not r.named]
 
 CLUSTER = {"narayanan": "a100-80g", "mcore": "h100-80g"}
+CLUSTERS = {source: load_cluster(name) for source, name in CLUSTER.items()}  # read once; frozen values
 SEQ = {"narayanan": 2048, "mcore": 4096}
 VOCAB = {"narayanan": 51200, "mcore": 131072}
 
@@ -125,9 +125,8 @@ def fits(cfg: Config, row: Row) -> bool:
     return max(stage_bytes(cfg, s, "cuda") for s in make_plan(cfg).stages) <= budget
 
 
-@functools.lru_cache(maxsize=None)
 def cluster_of(row_source: str):
-    return load_cluster(CLUSTER[row_source])
+    return CLUSTERS[row_source]
 
 
 def counted_flops(cfg: Config, row: Row, plan=None) -> float:

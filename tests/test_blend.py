@@ -214,3 +214,23 @@ def test_a_rank_opens_a_large_corpus_in_bounded_memory_and_time(tmp_path: Path) 
     second = run("rank")
     assert first["samples"] == second["samples"] > 2_000_000
     assert second["seconds"] < 2.0 and second["rss"] < 8 * 2 ** 20, second
+
+
+def test_per_source_validation_reaches_tensorboard_and_the_console(tmp_path: Path, capsys) -> None:
+    """val_loss/<name> goes to metrics.jsonl, to TensorBoard beside val/loss as val/loss/<name>, and to the
+    console line."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megazero.metrics import MetricsLogger
+
+    log = MetricsLogger(tmp_path, total_steps=1, enabled=True, tensorboard=True)
+    log.log(1, {"loss": 3.0, "val_loss": 2.5, "val_ppl": 12.18, "val_loss/web": 2.0, "val_loss/code": 3.0})
+    log.close()
+    assert "val web 2.0000, code 3.0000" in capsys.readouterr().out
+    record = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert record["val_loss/web"] == 2.0 and record["val_loss/code"] == 3.0
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"val/loss", "val/loss/web", "val/loss/code"} <= tags, tags
+    assert acc.Scalars("val/loss/code")[0].value == 3.0

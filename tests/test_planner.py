@@ -158,6 +158,17 @@ def test_write_saves_a_config_with_the_top_layout(tmp_path, capsys):
     assert dataclasses.asdict(planner_cli.own_layout(cfg, 8)) == {k: top[k] for k in planner.KNOBS}
 
 
+def test_write_never_replaces_an_existing_file(tmp_path, capsys):
+    out = tmp_path / "mine.yaml"
+    out.write_text("# the user's own config\n")
+    argv = ["--config", TINY, "--cluster", "h100-80g", "--gpus", "8", "--top", "1",
+            "--set", "train.global_batch=32", "--layout", "pp=2", "--write", str(out)]
+    assert planner_cli.main(argv) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and f"--write {out}: already exists" in err[0], err
+    assert out.read_text() == "# the user's own config\n"
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--layout", "tq=2"], "--layout 'tq=2' is invalid"),
     (["--layout", "tp=two"], "--layout tp='two' is invalid"),
