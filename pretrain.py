@@ -32,7 +32,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from megazero.run import cli
+    from megazero.train.run import cli
 
     return cli(args.config, args.set, args.dry_run, args.simulate)
 

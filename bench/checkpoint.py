@@ -3,7 +3,7 @@
 The state is what the trainer saves for a GPT of megazero's own shapes (``build_gpt`` on the meta device
 gives the names and sizes): per parameter the model copy (bf16), the fp32 master and the two fp32 Adam
 moments, under the trainer's logical names, on CUDA when there is a GPU (else the CPU). Both modes go
-through ``megazero.checkpoint.CheckpointWriter`` into the same folder (keep_last=1):
+through ``megazero.checkpoint.writer.CheckpointWriter`` into the same folder (keep_last=1):
 
   sync   save() returns once the checkpoint is written and committed: the whole write is the stall
   async  save() returns once the state is copied to host memory; the write goes on in a thread while a
@@ -35,8 +35,8 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from megazero.checkpoint_async import CheckpointWriter  # noqa: E402
-from megazero.config import ModelConfig  # noqa: E402
+from megazero.checkpoint.writer import CheckpointWriter  # noqa: E402
+from megazero.config.schema import ModelConfig  # noqa: E402
 from models.gpt import build_gpt  # noqa: E402
 
 

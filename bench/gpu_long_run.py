@@ -52,7 +52,7 @@ def _lines(text: str) -> list[str]:
 
 def long_run_checks(checks, base: list[str], env: dict, runs: Path) -> None:
     """``base``: the overrides of a small one-device run (device, sizes, no evaluation)."""
-    from megazero import checkpoint
+    from megazero.checkpoint import store as checkpoint
 
     # 1. divergence: stop before saving; the newest checkpoint is finite
     log = runs / "diverge"

@@ -3,7 +3,7 @@
 ZeRO-Offload (Ren et al. 2021, section 4.1) hides the gradient copies to the host behind the backward:
 each bucket is copied as soon as its reduced gradient is final, on a side stream. This builds a GPT on
 one GPU under ZeRO-2 with the optimizer states in pinned CPU memory (bf16, 2 microbatches), runs
-warm-up steps through ``megazero.step.train_step``, then times one step with CUDA events: when the
+warm-up steps through ``megazero.engine.step.train_step``, then times one step with CUDA events: when the
 backward's last kernel ended on the compute stream, and when each bucket's copy ended on the copy
 stream. A copy that ended before the backward did was hidden entirely.
 
@@ -24,8 +24,8 @@ import argparse  # noqa: E402
 
 import torch  # noqa: E402
 
-from megazero.config import ModelConfig  # noqa: E402
-from megazero.step import train_step  # noqa: E402
+from megazero.config.schema import ModelConfig  # noqa: E402
+from megazero.engine.step import train_step  # noqa: E402
 from models.gpt import build_gpt  # noqa: E402
 from parallel.pipeline import PipelineExecutor  # noqa: E402
 from parallel.schedules import build_schedule  # noqa: E402

@@ -1,13 +1,13 @@
 """Fit the step-time model's constants to published throughput and show how well it predicts (docs/planner.md).
 
     python bench/planner.py          # fit, print constants, per-row predictions, held-back rows, memory
-    python bench/planner.py --check  # no fit: the defaults of megazero.step_time.Constants
+    python bench/planner.py --check  # no fit: the defaults of megazero.plan.step_time.Constants
 
-The rows (megazero.published) are the issue's nine: Narayanan et al. 2021 Table 1 on A100 (5) and the
+The rows (megazero.plan.published) are the issue's nine: Narayanan et al. 2021 Table 1 on A100 (5) and the
 Megatron-Core H100 README (4); the other five rows of Narayanan's Table 1 are held back and only predicted.
 The fit is a coordinate search over a log grid per constant (numpy only), minimising the largest
 |log(predicted / published)| over the named rows, ties broken by the sum of squares. Each row's config and
-plan are made once (megazero.step_time accepts the plan), so the fit runs in seconds.
+plan are made once (megazero.plan.step_time accepts the plan), so the fit runs in seconds.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from megazero.cluster import load_cluster  # noqa: E402
-from megazero.plan import make_plan  # noqa: E402
-from megazero.published import CLUSTER, HELD_BACK, MEMORY_MARGIN, NAMED, ROWS, cluster_of, predict, row_config  # noqa: E402
-from megazero.step_time import Constants  # noqa: E402
+from megazero.plan.cluster import load_cluster  # noqa: E402
+from megazero.plan.stage_plan import make_plan  # noqa: E402
+from megazero.plan.published import CLUSTER, HELD_BACK, MEMORY_MARGIN, NAMED, ROWS, cluster_of, predict, row_config  # noqa: E402
+from megazero.plan.step_time import Constants  # noqa: E402
 
 # (low, high) of each fitted constant: the physically possible range
 BOUNDS = {"e_max": (0.3, 1.0), "x_half": (0.01, 10.0), "hbm_passes": (0.5, 40.0), "comm_eff": (0.2, 1.0),
@@ -107,7 +107,7 @@ def memory(c: Constants) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="no fit: report megazero.step_time's defaults")
+    ap.add_argument("--check", action="store_true", help="no fit: report megazero.plan.step_time's defaults")
     ap.add_argument("--no-search", action="store_true", help="skip the planner's search per named model")
     ap.add_argument("--simulate", action="store_true",
                     help="also run each top layout through pretrain.py --simulate (one rank per stage, fake "
@@ -139,7 +139,7 @@ def simulate(base, layout, gpus: int, memory_gb: float) -> str:
     import subprocess
     import tempfile
 
-    from megazero.planner_cli import write_config
+    from megazero.plan.cli import write_config
 
     with tempfile.TemporaryDirectory(prefix="plan-sim-") as tmp:
         path = str(Path(tmp) / "top.yaml")
@@ -154,7 +154,7 @@ def simulate(base, layout, gpus: int, memory_gb: float) -> str:
 def searches(c: Constants, run_simulation: bool = False) -> bool:
     """The issue's search check: given only each named model, its GPU count, batch and cluster, the planner's
     top layout is predicted at least as fast as the published layout, and fits by the dry-run plan."""
-    from megazero.planner import search
+    from megazero.plan.search import search
 
     print("\nSearch: the planner's top layout per named model (its GPUs, batch and cluster only) against the "
           "published layout, both predicted by the fitted model")

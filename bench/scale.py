@@ -51,9 +51,10 @@ def binding_ranks(cfg, every: bool) -> list[int]:
 
 def run_case(name: str, path, overrides: list[str], every: bool) -> list[dict]:
     from kernels import resolve_kernels
-    from megazero.config import load_config, resolve_world
-    from megazero.plan import make_plan
-    from megazero.simulate import simulate_rank
+    from megazero.config.load import load_config
+    from megazero.config.rules import resolve_world
+    from megazero.plan.stage_plan import make_plan
+    from megazero.plan.simulate import simulate_rank
 
     cfg = load_config(path, overrides)
     p = cfg.parallel
@@ -81,8 +82,9 @@ def run_case(name: str, path, overrides: list[str], every: bool) -> list[dict]:
 def layer_rows(only: set) -> list[dict]:
     """Per-layer activation bytes at the full sizes, against 34·sbh/t (dropout), 32 (none), 2 (checkpointed)."""
     from kernels import resolve_kernels
-    from megazero.config import load_config, resolve_world
-    from megazero.simulate import layer_activation_bytes
+    from megazero.config.load import load_config
+    from megazero.config.rules import resolve_world
+    from megazero.plan.simulate import layer_activation_bytes
 
     out = []
     for name, (path, overrides) in CASES.items():

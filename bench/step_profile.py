@@ -37,8 +37,10 @@ from collections import defaultdict  # noqa: E402
 
 import torch  # noqa: E402
 
-from megazero.config import load_config, resolve_world  # noqa: E402
-from megazero.trainer import Trainer  # noqa: E402
+from megazero.config.load import load_config
+
+from megazero.config.rules import resolve_world  # noqa: E402
+from megazero.train.trainer import Trainer  # noqa: E402
 from parallel.topology import Grid  # noqa: E402
 
 WARMUP, WINDOWS, WINDOW_STEPS, PROFILED = 5, 3, 20, 3

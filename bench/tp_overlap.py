@@ -47,7 +47,7 @@ from typing import Any, Callable, Optional  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megazero.config import ModelConfig  # noqa: E402
+from megazero.config.schema import ModelConfig  # noqa: E402
 from models.gpt import build_gpt  # noqa: E402
 from parallel.comm import Comm  # noqa: E402
 from parallel.topology import Grid  # noqa: E402

@@ -6,7 +6,7 @@ the same loss (per-token loss summed and divided by the global token count), the
 betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on >=2-D parameters), gradient clipping at 1.0 and
 gradient accumulation over m=2 microbatches per rank, fp32:
 
-  megazero ZeRO-0    ZeroOptimizer(stage=0) through megazero.step.train_step (the trainer's step)
+  megazero ZeRO-0    ZeroOptimizer(stage=0) through megazero.engine.step.train_step (the trainer's step)
   torch DDP          DistributedDataParallel + torch.optim.AdamW(fused=True), no_sync() but the last microbatch
   megazero ZeRO-3    ZeroOptimizer(stage=3, reshard_after_forward=True)
   torch FSDP2        fully_shard(each block, then the root) + AdamW (fused, else foreach), gradient sync last
@@ -40,14 +40,14 @@ import time  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megazero import plan  # noqa: E402
-from megazero.config import ModelConfig  # noqa: E402
+from megazero.plan import stage_plan as plan  # noqa: E402
+from megazero.config.schema import ModelConfig  # noqa: E402
 from bench.timing import timed_between_barriers  # noqa: E402
 from models.gpt import build_gpt  # noqa: E402
 from parallel.pipeline import PipelineExecutor  # noqa: E402
 from parallel.schedules import build_schedule  # noqa: E402
 from parallel.topology import Grid  # noqa: E402
-from megazero.step import train_step  # noqa: E402
+from megazero.engine.step import train_step  # noqa: E402
 from parallel.zero import ZeroOptimizer  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 

@@ -1,6 +1,6 @@
 """What ``model.arch`` means for the keys a config may leave as auto or unset.
 
-``megazero.rules.resolve_arch`` fixes these values when a config is loaded; a model config built directly
+``megazero.config.rules.resolve_arch`` fixes these values when a config is loaded; a model config built directly
 (tests, benchmarks, a checkpoint's stored section) gets the same meaning here, so the model never reads
 the string 'auto' as true.
 """

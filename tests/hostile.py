@@ -1,6 +1,6 @@
 """Shared checks for the hostile-input suite (tests/test_hostile_*.py): an input error is one line, exit 2.
 
-Most cases call a command's ``main(argv)`` in this process (pretrain.py's, megazero.export's): no torch import
+Most cases call a command's ``main(argv)`` in this process (pretrain.py's, megazero.interop.export's): no torch import
 per case, so sixty cases cost seconds. Cases that need a process of their own (signals, launcher variables,
 a hang) use :func:`run_process`.
 """

@@ -66,7 +66,7 @@ def read_metrics(log_dir: Path) -> list[dict]:
 
 def executor_for(model, grid, microbatches):
     """The executor and 1F1B schedule the trainer would use for one bare model at pp = 1, fp32, on the CPU:
-    what tests need to drive ``megazero.step.train_step`` without a Trainer."""
+    what tests need to drive ``megazero.engine.step.train_step`` without a Trainer."""
     import contextlib
 
     import torch

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from megazero.config import load_config, resolve_world
+from megazero.config.load import load_config
+
+from megazero.config.rules import resolve_world
 from megazero.errors import UserError
-from megazero.metrics import flops_per_token, model_flops_per_token, model_shape
+from megazero.train.metrics import flops_per_token, model_flops_per_token, model_shape
 from parallel.balance import StageCosts, balance_layers, rank_costs
 from parallel.pipeline import partition_layers
 
@@ -114,14 +116,14 @@ def test_a_billion_layers_split_in_milliseconds():
 
 @pytest.mark.parametrize("path", ["gpt13b.yaml", "llama3-8b.yaml"])
 def test_costs_come_from_the_flops_formula(path):
-    from megazero.rules import pipeline_costs
+    from megazero.config.rules import pipeline_costs
 
     cfg = load_config(ROOT / "configs" / path)
     m, tp = cfg.model, cfg.parallel.tp
     costs = pipeline_costs(m, tp, "bf16")
     head = flops_per_token(0, m.hidden, m.ffn_hidden, m.seq_len, m.padded_vocab, **model_shape(m)) / tp
     assert head == pytest.approx(6 * m.padded_vocab * m.hidden / tp)  # forward 2hV, backward twice that
-    from megazero import rules
+    from megazero.config import rules
 
     elementwise = (rules.LAYER_PASSES_PER_HIDDEN * m.hidden + rules.LAYER_PASSES_PER_MLP_INPUT
                    * (2 if m.arch == "llama" else 1) * m.ffn_hidden / tp) * 2 * rules.FLOPS_PER_BYTE_16BIT
@@ -150,7 +152,7 @@ def small(*sets: str) -> list[str]:
 
 
 def test_auto_resolves_to_a_plain_list(tmp_path):
-    from megazero.rules import pipeline_costs
+    from megazero.config.rules import pipeline_costs
 
     cfg = load_config(TINY, small("parallel.pp_layers=auto"))
     costs = pipeline_costs(cfg.model, 1, cfg.train.precision)
@@ -191,7 +193,7 @@ def test_auto_with_fewer_layers_than_stages_is_the_even_splits_error():
 
 
 def test_cli_exits_2_on_a_bad_pp_layers(capsys):
-    from megazero.run import cli
+    from megazero.train.run import cli
 
     assert cli(str(TINY), small("parallel.pp_layers=even"), dry=True) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -206,7 +208,7 @@ SHARES = re.compile(r"pp stages +layers \[([\d, ]+)\], cost share ([\d. /]+) \(b
 
 
 def dry_run_line(capsys, config: Path, *sets: str) -> re.Match:
-    from megazero.run import dry_run
+    from megazero.train.run import dry_run
 
     dry_run(str(config), list(sets))
     out = capsys.readouterr().out
@@ -232,7 +234,7 @@ def test_dry_run_prints_each_stages_cost_share(capsys):
 
 
 def _costs_of(sets: list[str]) -> StageCosts:
-    from megazero.rules import compute_device, pipeline_costs
+    from megazero.config.rules import compute_device, pipeline_costs
 
     cfg = load_config(TINY, sets)
     return pipeline_costs(cfg.model, cfg.parallel.tp, cfg.train.precision, compute_device(cfg.launch.device))

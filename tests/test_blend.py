@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megazero.config import load_config
+from megazero.config.load import load_config
 from megazero.data.blend import BLOCK, PREBUILD_MIN, IndexFiles, epoch_permutation
 from megazero.data.indexed import IndexedDatasetBuilder
 from megazero.data.samples import GPTSamples
@@ -221,7 +221,7 @@ def test_per_source_validation_reaches_tensorboard_and_the_console(tmp_path: Pat
     console line."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from megazero.metrics import MetricsLogger
+    from megazero.train.metrics import MetricsLogger
 
     log = MetricsLogger(tmp_path, total_steps=1, enabled=True, tensorboard=True)
     log.log(1, {"loss": 3.0, "val_loss": 2.5, "val_ppl": 12.18, "val_loss/web": 2.0, "val_loss/code": 3.0})

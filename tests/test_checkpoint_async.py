@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megazero import checkpoint
-from megazero.checkpoint_async import CheckpointWriter, _StagedWriter
+from megazero.checkpoint import store as checkpoint
+from megazero.checkpoint.writer import CheckpointWriter, _StagedWriter
 from megazero.errors import UserError
 from tests.dist import run_ranks
 
@@ -109,7 +109,7 @@ def test_a_failed_background_write_is_one_line_and_the_previous_stays_latest(tmp
 _KILLED_CHILD = """
 import sys, time, torch
 sys.path.insert(0, {root!r})
-from megazero.checkpoint_async import CheckpointWriter, _StagedWriter
+from megazero.checkpoint.writer import CheckpointWriter, _StagedWriter
 
 original = _StagedWriter.write_data
 

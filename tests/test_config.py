@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from megazero.config import load_config, parse_set, resolve_world
+from megazero.config.load import load_config, parse_set
+
+from megazero.config.rules import resolve_world
 from megazero.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -171,8 +173,8 @@ def test_every_numeric_key_has_a_range():
     """A numeric key without bounds is how a seed of 2**64 or a bucket of 1e308 MB reached torch as a traceback."""
     import dataclasses
 
-    from megazero.config import _SECTION_CLASSES
-    from megazero.rules import _CHOICES, _MAX, _MIN, _PROBABILITY
+    from megazero.config.schema import SECTIONS as _SECTION_CLASSES
+    from megazero.config.rules import _CHOICES, _MAX, _MIN, _PROBABILITY
 
     for section, cls in _SECTION_CLASSES.items():
         for f in dataclasses.fields(cls):
@@ -181,7 +183,7 @@ def test_every_numeric_key_has_a_range():
                 continue
             key = (section, f.name)
             bounded = (key in _MIN and key in _MAX) or key in _PROBABILITY or key in _CHOICES
-            assert bounded, f"{section}.{f.name} has no range in megazero.rules"
+            assert bounded, f"{section}.{f.name} has no range in megazero.config.rules"
 
 
 def test_strict_types_and_empty_sections(tmp_path):
@@ -197,10 +199,11 @@ def test_strict_types_and_empty_sections(tmp_path):
 
 
 def test_apply_keeps_its_meaning_for_checkpoint_metadata():
-    """megazero.config._apply types one value (checkpoint-metadata validation calls it); rules._MIN and
+    """megazero.config.load._apply types one value (checkpoint-metadata validation calls it); rules._MIN and
     _MAX range it."""
-    from megazero.config import Config, _apply
-    from megazero.rules import _MAX, _MIN
+    from megazero.config.schema import Config
+    from megazero.config.load import _apply
+    from megazero.config.rules import _MAX, _MIN
 
     cfg = Config()
     _apply(cfg, "train", "steps", 5, "ckpt/meta.json")
@@ -237,9 +240,9 @@ def _module_file(name: str) -> Path | None:
 
 
 def test_config_and_rules_import_one_way():
-    """config -> rules -> errors, with no circle: nothing megazero.rules imports (transitively, lazily or not,
-    packages included) imports megazero.config; config imports rules at the top, not inside a function."""
-    seen, todo = set(), ["megazero.rules"]
+    """config -> rules -> errors, with no circle: nothing megazero.config.rules imports (transitively, lazily or not,
+    packages included) imports megazero.config.load; config imports rules at the top, not inside a function."""
+    seen, todo = set(), ["megazero.config.rules"]
     while todo:
         name = todo.pop()
         parts = name.split(".")
@@ -250,10 +253,10 @@ def test_config_and_rules_import_one_way():
                 continue
             seen.add(module)
             todo.extend(m for m, _ in _runtime_imports(path) if m.split(".")[0] in ("megazero", "parallel"))
-    assert "megazero.config" not in seen, sorted(seen)
+    assert "megazero.config.load" not in seen, sorted(seen)
     assert {"megazero.errors", "megazero.data.samples", "parallel.schedules"} <= seen  # the real parsers
-    config = _runtime_imports(ROOT / "megazero" / "config.py")
-    assert ("megazero.rules", False) in config and not [m for m, lazy in config if lazy and "rules" in m]
+    config = _runtime_imports(ROOT / "megazero" / "config" / "load.py")
+    assert ("megazero.config.rules", False) in config and not [m for m, lazy in config if lazy and "rules" in m]
 
 
 def test_reshard_after_forward_defaults_by_pipeline():

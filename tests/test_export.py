@@ -6,12 +6,12 @@ import os
 import pytest
 import torch
 
-from megazero.config import ModelConfig
+from megazero.config.schema import ModelConfig
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
-from megazero.export import main, to_hf_state_dict, write_hf_folder  # noqa: E402
+from megazero.interop.export import main, to_hf_state_dict, write_hf_folder  # noqa: E402
 from models.gpt import build_gpt  # noqa: E402
 
 import transformers  # noqa: E402  (a test dependency, installed by the Makefile)
@@ -109,7 +109,7 @@ def test_cli_missing_checkpoint_is_one_line_error(tmp_path, capsys):
 
 def test_an_unwritable_output_is_one_line_error(tmp_path):
     from megazero.errors import UserError
-    from megazero.export import write_hf_folder
+    from megazero.interop.export import write_hf_folder
 
     blocker = tmp_path / "file"
     blocker.write_text("")

@@ -1,5 +1,5 @@
 """Hugging Face interop: a transformers GPT-2 or Llama folder read by megazero (train.init_from), and a megazero
-model written as one (megazero.export), each giving the same logits as transformers itself.
+model written as one (megazero.interop.export), each giving the same logits as transformers itself.
 
 Every model is built here from a config (random weights, fp32, a few hundred KB): nothing is downloaded.
 Tolerances: import compares the same fp32 operations in the same order (only matmul blocking may differ), so
@@ -19,13 +19,13 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 import transformers  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from megazero import checkpoint  # noqa: E402
-from megazero.config import load_config  # noqa: E402
+from megazero.checkpoint import store as checkpoint  # noqa: E402
+from megazero.config.load import load_config  # noqa: E402
 from megazero.errors import UserError  # noqa: E402
-from megazero.export import main as export_main  # noqa: E402
-from megazero.export import to_hf_state_dict, write_hf_folder  # noqa: E402
-from megazero.hf_import import load_into, open_hf_model  # noqa: E402
-from megazero.hf_layout import links  # noqa: E402
+from megazero.interop.export import main as export_main  # noqa: E402
+from megazero.interop.export import to_hf_state_dict, write_hf_folder  # noqa: E402
+from megazero.interop.hf_import import load_into, open_hf_model  # noqa: E402
+from megazero.interop.hf_layout import links  # noqa: E402
 from models.gpt import build_gpt  # noqa: E402
 
 VOCAB, SEQ = 300, 32

@@ -4,7 +4,7 @@ transformers builds a random LlamaForCausalLM (grouped-query, untied) and a GPT2
 and saves them locally (nothing is downloaded). Their weights are drawn 10x wider than usual (std 0.2), so the
 first loss (~11 rather than log V) depends on every mapping: a wrong rotary layout moves it by far more than
 the tolerance, where at std 0.02 every model's loss is log V to 1e-5. megazero starts a run from each folder (train.init_from) at
-tp 2 (sequence parallel) x pp 2 x dp 2 with ZeRO-1, trains 5 steps and saves; megazero.export writes the last
+tp 2 (sequence parallel) x pp 2 x dp 2 with ZeRO-1, trains 5 steps and saves; megazero.interop.export writes the last
 checkpoint as a Hugging Face folder, which transformers loads.
 
 Tolerances: the first step's loss is the imported weights' loss on the first global batch, computed by the
@@ -25,11 +25,11 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 import transformers  # noqa: E402
 
-from megazero.checkpoint import read_model_state  # noqa: E402
-from megazero.config import load_config  # noqa: E402
+from megazero.checkpoint.store import read_model_state  # noqa: E402
+from megazero.config.load import load_config  # noqa: E402
 from megazero.data import build_data  # noqa: E402
-from megazero.export import export  # noqa: E402
-from megazero.run import run  # noqa: E402
+from megazero.interop.export import export  # noqa: E402
+from megazero.train.run import run  # noqa: E402
 from models.gpt import build_gpt  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 from tests.runs import ROOT, read_metrics, small_overrides, write_corpus  # noqa: E402

@@ -1,6 +1,6 @@
 """Hostile checkpoints: crafted metadata pickles, tampered meta.json, damaged shards, a checkpoint folder the
 user keeps things in, export into an occupied folder. Through resume (pretrain.py's main) and export
-(megazero.export's main), in this process: exit code 2, one line on stderr, nothing executed, nothing lost.
+(megazero.interop.export's main), in this process: exit code 2, one line on stderr, nothing executed, nothing lost.
 
 One real checkpoint folder (a tiny model trained 2 steps, saved at steps 1 and 2) is made per module; each
 case tampers with a copy of it.
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megazero import checkpoint
+from megazero.checkpoint import store as checkpoint
 from megazero.errors import UserError
-from megazero.export import main as export_main
+from megazero.interop.export import main as export_main
 from tests.hostile import ROOT, assert_one_line, call, pretrain_main
 from tests.runs import small_overrides, write_corpus
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megazero.config import load_config
+from megazero.config.load import load_config
 from megazero.errors import UserError
 from tests.hostile import assert_one_line, call, pretrain_main
 

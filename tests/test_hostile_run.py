@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megazero import checkpoint
+from megazero.checkpoint import store as checkpoint
 from tests.hostile import ROOT, assert_one_line, call, pretrain_main, run_process
 from tests.runs import pretrain_cmd, read_metrics, small_overrides, write_corpus
 
@@ -142,9 +142,10 @@ def test_a_model_too_big_for_memory_is_one_line(corpus, tmp_path, capsys):
 def test_the_memory_refusal_names_the_knobs_that_would_fit():
     """Activations dominate (fp32, 24 layers of 32 x 2048 tokens): the plan needs ~114 GB; checkpointing
     activations brings it under 20 GB, halving micro_batch does not; and a plan within the memory passes."""
-    from megazero.config import load_config, resolve_world
+    from megazero.config.load import load_config
+    from megazero.config.rules import resolve_world
     from megazero.errors import UserError
-    from megazero.fits import check_fits, needed_bytes
+    from megazero.plan.fits import check_fits, needed_bytes
 
     sets = ["model.layers=24", "model.hidden=1024", "model.heads=16", "model.seq_len=2048", "model.vocab_size=512",
             "train.micro_batch=32", "train.global_batch=32", "parallel.tp=1", "parallel.pp=1",
@@ -370,7 +371,7 @@ def test_an_interrupted_checkpoint_write_stops_as_interrupted(tmp_path, monkeypa
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
     from megazero.errors import UserError
-    from megazero.signals import Interrupted
+    from megazero.train.signals import Interrupted
 
     def interrupted(*args, **kwargs):
         raise Interrupted(signal.SIGINT)
@@ -394,7 +395,7 @@ def test_fp16_overflows_count_toward_max_skipped_only_at_the_minimum_scale():
     the scaler's job, not a run to stop. Only overflows with the scale at its minimum count, and an update
     resets the count; outside fp16 every skip counts."""
     from megazero.errors import NonFiniteStop
-    from megazero.nonfinite import NonFiniteGuard
+    from megazero.train.nonfinite import NonFiniteGuard
 
     guard = NonFiniteGuard("stop", max_skipped=3, fp16=True)
     for step in range(1, 31):  # 30 overflows on the way down from 2^16: no stop
@@ -416,9 +417,10 @@ def test_fp16_overflows_count_toward_max_skipped_only_at_the_minimum_scale():
 def test_a_run_refuses_more_layers_per_rank_than_it_can_build():
     """--dry-run plans any layer count; a run would build each layer as a module (host memory and a Python loop
     the byte plan does not see), so past 4096 per rank it is refused in one line before anything is built."""
-    from megazero.config import load_config, resolve_world
+    from megazero.config.load import load_config
+    from megazero.config.rules import resolve_world
     from megazero.errors import UserError
-    from megazero.fits import check_fits
+    from megazero.plan.fits import check_fits
 
     sets = ["model.layers=1000000", "model.hidden=8", "model.heads=1", "model.seq_len=8", "parallel.tp=1",
             "parallel.pp=2", "parallel.sequence_parallel=false", "train.precision=fp32", "zero.stage=0"]

@@ -25,7 +25,7 @@ import math
 
 import pytest
 
-from megazero.run import run
+from megazero.train.run import run
 from tests.hostile import assert_one_line, call, pretrain_main
 from tests.runs import ROOT, read_metrics, small_overrides, write_corpus
 

@@ -18,10 +18,10 @@ import shutil
 
 import pytest
 
-from megazero.config import load_config
-from megazero.metrics import flops_per_token, model_flops_per_token
-from megazero.plan import activation_bytes_per_layer
-from megazero.run import run
+from megazero.config.load import load_config
+from megazero.train.metrics import flops_per_token, model_flops_per_token
+from megazero.plan.stage_plan import activation_bytes_per_layer
+from megazero.train.run import run
 from models.gpt import count_parameters
 from tests.dist import run_ranks
 from tests.hostile import assert_one_line, call, pretrain_main
@@ -174,8 +174,8 @@ def _gathers_waited(rank, world):
     parent's forward (column_parallel_linears) and the untied head at the chunk's end."""
     import torch
 
-    from megazero.config import ModelConfig
-    from megazero.rules import resolve_arch
+    from megazero.config.schema import ModelConfig
+    from megazero.config.rules import resolve_arch
     from models.gpt import build_gpt
     from parallel.topology import Grid
     from parallel.zero.optimizer import ZeroOptimizer
@@ -250,7 +250,7 @@ def test_checkpoints_hold_the_same_model_at_every_layout(runs):
     in another order most entries agree to ~1e-9, but Adam turns the sign noise of a near-zero gradient into a
     full step of up to lr (1e-3) for a few entries (measured 1.3e-5 on one); a piece stored in another rank's
     place differs by the weights' own size, a relative distance of order 1."""
-    from megazero.checkpoint import read_model_state
+    from megazero.checkpoint.store import read_model_state
 
     for name in ("tp4_m16", "tp2_pp2_sp", "tp4_sp_z3"):
         want = read_model_state(runs / REFERENCE.get(name, "one") / "checkpoints" / f"step_{STEPS:08d}")

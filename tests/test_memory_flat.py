@@ -29,8 +29,10 @@ def _train_and_sample(rank: int, world: int, corpus, tmp) -> dict[int, int]:
 
     import torch
 
-    from megazero.config import load_config, resolve_world
-    from megazero.trainer import Trainer
+    from megazero.config.load import load_config
+
+    from megazero.config.rules import resolve_world
+    from megazero.train.trainer import Trainer
     from parallel.topology import Grid
 
     sets = small_overrides(corpus, tmp / "cache", tmp / "run", steps=STEPS, **{

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from megazero.config import ModelConfig
+from megazero.config.schema import ModelConfig
 import torch.nn.functional as F
 
 from models.gpt import build_gpt, count_parameters

@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from megazero.config import load_config, resolve_world
-from megazero.run import run
-from megazero.step import forward_backward
-from megazero.trainer import Trainer
+from megazero.config.load import load_config
+
+from megazero.config.rules import resolve_world
+from megazero.train.run import run
+from megazero.engine.step import forward_backward
+from megazero.train.trainer import Trainer
 from models.gpt import build_gpt
 from parallel.schedules import batches
 from parallel.topology import Grid
@@ -245,7 +247,7 @@ def test_logged_model_state_is_the_largest_ranks(runs):
     """The stages of a pipeline hold different parameters (the first also the position embedding): the log
     reports each model-state kind of the rank that holds most, not of the rank that writes (the last stage).
     The plan computes every stage's bytes; at dp = 1 nothing is padded, so they agree exactly."""
-    from megazero import plan
+    from megazero.plan import stage_plan as plan
 
     base, _ = runs
     cfg = load_config(TINY, _overrides(base / "text", base / "cache", base / "pp4_1f1b",

@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from megazero.config import load_config, resolve_world
-from megazero.metrics import model_flops_per_token
-from megazero.plan import (
+from megazero.config.load import load_config
+
+from megazero.config.rules import resolve_world
+from megazero.train.metrics import model_flops_per_token
+from megazero.plan.stage_plan import (
     activation_bytes_per_layer,
     activation_peak,
     make_plan,
@@ -223,7 +225,7 @@ def test_cli_dry_run_world_size_mismatch_is_one_line():
 def test_dry_run_in_process_starts_nothing_and_reads_no_data(monkeypatch, capsys):
     import torch.distributed as dist
 
-    from megazero.run import dry_run
+    from megazero.train.run import dry_run
 
     for name in [n for n in sys.modules if n == "megazero.data" or n.startswith("megazero.data.")]:
         monkeypatch.setitem(sys.modules, name, None)
@@ -242,7 +244,7 @@ def test_dry_run_in_process_starts_nothing_and_reads_no_data(monkeypatch, capsys
 def test_stage3_plan_counts_the_gathered_parameters():
     """ZeRO-3 holds whole parameters during a step: the root (embeddings, final norm) and two layers when
     layers are freed after forward (pp = 1's default), the whole stage when they are kept (pp > 1's default)."""
-    from megazero.plan import chunk_parameters
+    from megazero.plan.stage_plan import chunk_parameters
 
     sets = ["zero.stage=3", "train.precision=bf16", "model.layers=8", "parallel.tp=1",
             "train.global_batch=8", "train.micro_batch=1", "parallel.sequence_parallel=false"]
@@ -276,7 +278,7 @@ def test_dry_run_of_a_billion_layers_answers_in_seconds():
 
 @pytest.mark.parametrize("tp,sp", [(1, False), (2, True), (6, False)])
 def test_chunk_parameters_multiply_one_layer_exactly(tp, sp):
-    from megazero.plan import _built_parameters, chunk_parameters
+    from megazero.plan.stage_plan import _built_parameters, chunk_parameters
 
     cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"parallel.tp={tp}", f"parallel.sequence_parallel={sp}", "model.vocab_pad_multiple=384",
                                                        "model.layers=6"])
@@ -287,7 +289,7 @@ def test_chunk_parameters_multiply_one_layer_exactly(tp, sp):
 
 def test_partial_checkpointing_plans_between_none_and_all():
     """model.checkpoint_layers=k: k layers per chunk keep only their input, the rest their full activations."""
-    from megazero.plan import activation_bytes_per_layer
+    from megazero.plan.stage_plan import activation_bytes_per_layer
 
     sets = ["parallel.tp=1", "parallel.pp=1", "parallel.sequence_parallel=false", "model.layers=4",
             "model.activation_checkpointing=true", "train.global_batch=2", "train.micro_batch=2"]

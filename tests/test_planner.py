@@ -12,14 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from megazero import planner, planner_cli
-from megazero.cluster import CLUSTER_DIR, load_cluster
-from megazero.config import load_config, resolve_world
+from megazero.plan import cli as planner_cli, search as planner
+from megazero.plan.cluster import CLUSTER_DIR, load_cluster
+from megazero.config.load import load_config
+from megazero.config.rules import resolve_world
 from megazero.errors import UserError
-from megazero.fits import stage_bytes
-from megazero.plan import make_plan
-from megazero.plan_memo import PlanMemo
-from megazero.step_time import step_time
+from megazero.plan.fits import stage_bytes
+from megazero.plan.stage_plan import make_plan
+from megazero.plan.memo import PlanMemo
+from megazero.plan.step_time import step_time
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")

@@ -43,7 +43,8 @@ LAYOUTS = {
 
 def _config(overrides: list[str], world: int):
     from kernels import resolve_kernels
-    from megazero.config import load_config, resolve_world
+    from megazero.config.load import load_config
+    from megazero.config.rules import resolve_world
 
     cfg = load_config(None, SMALL + overrides)
     resolve_world(cfg, world)
@@ -55,8 +56,8 @@ def _measure_real(rank: int, world: int, layouts: dict) -> dict:
     """Each layout on real gloo ranks and real tensors, measured as the simulator measures."""
     import torch
 
-    from megazero.memory import MemoryTracker
-    from megazero.simulate import measure
+    from megazero.plan.tracker import MemoryTracker
+    from megazero.plan.simulate import measure
     from parallel.topology import Grid
 
     out = {}
@@ -72,8 +73,8 @@ def _measure_real(rank: int, world: int, layouts: dict) -> dict:
 
 
 def _simulate(overrides: list[str], world: int, rank: int):
-    from megazero.plan import make_plan
-    from megazero.simulate import simulate_rank
+    from megazero.plan.stage_plan import make_plan
+    from megazero.plan.simulate import simulate_rank
 
     cfg = _config(overrides, world)
     return simulate_rank(cfg, rank, make_plan(cfg))
@@ -85,7 +86,7 @@ def test_real_runs_agree_with_the_simulation():
     the Work is destroyed (by gloo's worker thread, a moment after wait() returns) and the fake group's at
     once, so a real run may hold a bucket or two more. At seq 32 that measured up to 5.7% of this small
     model's peak; at seq 128 (activations 4x, the buckets unchanged) at most 1.0% over several runs."""
-    from megazero.simulate import rank_classes
+    from megazero.plan.simulate import rank_classes
 
     real = run_ranks(4, _measure_real, LAYOUTS, timeout=600)
     failures = []
@@ -111,8 +112,8 @@ def test_single_process_run_agrees_with_the_simulation():
     """World 1 without any process group (the plain `python pretrain.py` run) against its simulation."""
     import torch
 
-    from megazero.memory import MemoryTracker
-    from megazero.simulate import measure
+    from megazero.plan.tracker import MemoryTracker
+    from megazero.plan.simulate import measure
     from parallel.topology import Grid
 
     cfg = _config(["parallel.dp=1"], 1)
@@ -138,7 +139,7 @@ def test_model_state_bytes_match_the_zero_formulas(stage):
     """(2+2+K)Ψ, (2+2+K/N)Ψ, (2+(2+K)/N)Ψ and (2+2+K)Ψ/N in megazero's dtypes (bf16 parameters, fp32
     gradients, K = 12) for the stage's own Ψ, within one bucket of padding per buffer (each is padded to a
     multiple of dp)."""
-    from megazero.plan import make_plan, model_state_bytes
+    from megazero.plan.stage_plan import make_plan, model_state_bytes
 
     sets = ["parallel.dp=4", f"zero.stage={stage}"]
     cfg = _config(sets, 4)
@@ -161,7 +162,7 @@ def test_layer_activations_match_korthikanti(dropout, checkpointing, per_sbh_t):
     """bf16, tp = 4 with sequence parallelism: within 10% of the paper's per-layer bytes (the issue's bound;
     measured 36, 32 and 2 sbh/t: the CPU's dropout keeps a 16-bit noise tensor where CUDA keeps a bool mask,
     2 x sbh/t more)."""
-    from megazero.simulate import layer_activation_bytes
+    from megazero.plan.simulate import layer_activation_bytes
 
     s, b, h, t = 256, 2, 512, 4
     cfg = _config([f"model.seq_len={s}", f"train.micro_batch={b}", f"model.hidden={h}", "model.heads=8",
@@ -174,13 +175,13 @@ def test_layer_activations_match_korthikanti(dropout, checkpointing, per_sbh_t):
 
 def test_llama_layer_activations_match_the_plan():
     """A Llama layer (GQA with k/v a quarter of q, SwiGLU at ffn 3.5h, RMSNorm) at tp 4 with sequence
-    parallelism, no dropout: within 1% of megazero.plan's count (measured 11.02 against 11.00 sbh·/t here: the
+    parallelism, no dropout: within 1% of megazero.plan.stage_plan's count (measured 11.02 against 11.00 sbh·/t here: the
     plan's two dropout masks, absent at dropout 0, about offset the per-token 1/rms and the attention's
     log-sum-exp it leaves out; a count of storages on fake tensors, deterministic). 1% separates the count from
     its likely slips: k/v counted as split over all 4 ranks rather than replicated on 2 (2.3% lower) or a 4h
     MLP (9% higher)."""
-    from megazero.plan import activation_bytes_per_layer
-    from megazero.simulate import layer_activation_bytes
+    from megazero.plan.stage_plan import activation_bytes_per_layer
+    from megazero.plan.simulate import layer_activation_bytes
 
     s, b, h, t = 256, 2, 512, 4
     cfg = _config([f"model.seq_len={s}", f"train.micro_batch={b}", f"model.hidden={h}", "model.heads=8",

@@ -1,5 +1,5 @@
-"""The step-time model (megazero.step_time): a pure function whose terms move the right way, hand-checked
-pieces, and the fitted defaults against the published rows (megazero.published, shared with bench/planner.py)."""
+"""The step-time model (megazero.plan.step_time): a pure function whose terms move the right way, hand-checked
+pieces, and the fitted defaults against the published rows (megazero.plan.published, shared with bench/planner.py)."""
 from __future__ import annotations
 
 import copy
@@ -7,10 +7,11 @@ import math
 
 import pytest
 
-from megazero.cluster import load_cluster
-from megazero.config import load_config, resolve_world
-from megazero.published import NAMED, ROOT, predict
-from megazero.step_time import Constants, group_link, ring, step_time
+from megazero.plan.cluster import load_cluster
+from megazero.config.load import load_config
+from megazero.config.rules import resolve_world
+from megazero.plan.published import NAMED, ROOT, predict
+from megazero.plan.step_time import Constants, group_link, ring, step_time
 
 A100 = load_cluster("a100-80g")
 H100 = load_cluster("h100-80g")

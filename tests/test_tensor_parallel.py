@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megazero import checkpoint
-from megazero.config import ModelConfig
-from megazero.run import run
+from megazero.checkpoint import store as checkpoint
+from megazero.config.schema import ModelConfig
+from megazero.train.run import run
 from models.gpt import build_gpt
 from parallel.tensor import vocab_parallel_cross_entropy
 from parallel.topology import Grid

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from bench.tp_overlap import Timeline
-from megazero.config import ModelConfig
-from megazero.run import run
+from megazero.config.schema import ModelConfig
+from megazero.train.run import run
 from models.gpt import build_gpt
 from models.llama import kv_replicas_needed
 from parallel.topology import Grid

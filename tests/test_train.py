@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from megazero import checkpoint
-from megazero.run import run
+from megazero.checkpoint import store as checkpoint
+from megazero.train.run import run
 from tests.runs import ROOT, read_metrics, run_pretrain, small_overrides, write_corpus
 
 
@@ -92,7 +92,7 @@ def test_resume_is_exact_and_logs_are_complete(corpus, tmp_path):
 
 
 def test_lr_schedule_is_layout_free_function_of_step():
-    from megazero.optim import lr_at
+    from megazero.train.lr_schedule import lr_at
 
     lrs = [lr_at(s, 1.0, 0.1, 10, 100) for s in range(100)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
@@ -105,7 +105,7 @@ def test_lr_schedule_is_layout_free_function_of_step():
 _SLOW_SAVE = """
 import sys, torch
 sys.path.insert(0, {root!r})
-from megazero import checkpoint
+from megazero.checkpoint import store as checkpoint
 state = {{f"model/w{{i}}": torch.full((1024, 1024), float(i)) for i in range(400)}}
 print("saving", flush=True)
 checkpoint.save({ckpt!r}, 2, state, {{"consumed_samples": 0}}, keep_last=5)
@@ -115,7 +115,7 @@ checkpoint.save({ckpt!r}, 2, state, {{"consumed_samples": 0}}, keep_last=5)
 def test_steps_skipped_for_fp16_overflow_do_not_advance_the_lr_schedule(corpus, tmp_path):
     """As in Megatron-LM and DeepSpeed, the schedule counts the updates made: the loss scale starts at 2^16,
     and with init_std 1 the first steps overflow and are skipped; the warmup must wait for them."""
-    from megazero.optim import lr_at
+    from megazero.train.lr_schedule import lr_at
 
     text, cache = corpus
     records = run(str(ROOT / "configs" / "tiny.yaml"),
@@ -273,8 +273,10 @@ def test_an_fp32_resume_of_a_bf16_checkpoint_takes_the_fp32_master_weights(corpu
     checkpoint's fp32 masters, not from its bf16 model copy (stages 0 and 3 keep their buffers apart)."""
     import torch.distributed.checkpoint as dcp
 
-    from megazero.config import load_config, resolve_world
-    from megazero.trainer import Trainer
+    from megazero.config.load import load_config
+
+    from megazero.config.rules import resolve_world
+    from megazero.train.trainer import Trainer
     from parallel.topology import Grid
 
     text, cache = corpus
@@ -301,7 +303,7 @@ def test_export_of_a_trained_checkpoint_gives_megazero_logits(corpus, tmp_path):
     os.environ["HF_HUB_OFFLINE"] = "1"
     from transformers import GPT2LMHeadModel
 
-    from megazero.config import load_config
+    from megazero.config.load import load_config
     from models.gpt import build_gpt
 
     text, cache = corpus

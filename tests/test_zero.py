@@ -14,11 +14,12 @@ import math
 import pytest
 import torch
 
-from megazero import plan
-from megazero.config import load_config, resolve_world
-from megazero.run import run
-from megazero.step import forward_backward, train_step
-from megazero.trainer import Trainer
+from megazero.plan import stage_plan as plan
+from megazero.config.load import load_config
+from megazero.config.rules import resolve_world
+from megazero.train.run import run
+from megazero.engine.step import forward_backward, train_step
+from megazero.train.trainer import Trainer
 from parallel.loss_scale import LossScaler
 from parallel.topology import Grid
 from tests.dist import run_ranks
@@ -88,7 +89,7 @@ def _trainer(text, cache, base, world, extra, **values):
 
 
 def _one_step(trainer, cfg, grid):
-    """The trainer's step (megazero.step.train_step) on the first global batch; returns its result."""
+    """The trainer's step (megazero.engine.step.train_step) on the first global batch; returns its result."""
     mbs = trainer.data.train_microbatches(0, grid.dp_rank, grid.dp, cfg.train.micro_batch, cfg.train.global_batch)
     return train_step(trainer.zero, trainer.executor, trainer.schedule, mbs, 1e-3, 1.0, trainer.scaler)
 

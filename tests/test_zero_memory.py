@@ -14,8 +14,8 @@ import os
 import pytest
 import torch
 
-from megazero.config import load_config
-from megazero.step import train_step
+from megazero.config.load import load_config
+from megazero.engine.step import train_step
 from parallel.topology import Grid
 from tests.dist import run_ranks
 from tests.runs import ROOT, executor_for

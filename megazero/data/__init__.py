@@ -49,7 +49,7 @@ from megazero.data.indexed import IndexedDataset, bin_path, index_path
 from megazero.data.samples import GPTSamples, parse_split
 from megazero.data.token_range import cached_token_range
 from megazero.data.tokenizer import MIN_VOCAB_SIZE, Tokenizer, train_tokenizer
-from megazero.data_paths import entry_path, entry_weight, source_names
+from megazero.config.data_paths import entry_path, entry_weight, source_names
 from megazero.errors import UserError
 
 if TYPE_CHECKING:  # torch is imported where tensors are made, so preprocessing runs without it

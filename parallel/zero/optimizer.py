@@ -9,7 +9,7 @@
 
 Communication per step and rank in elements on the wire, m = 1 microbatch: 2Ψ(dp−1)/dp for stages
 0–2 (all-reduce = reduce-scatter + all-gather), and 3Ψ(dp−1)/dp for stage 3 (two gathers and a
-reduce-scatter). ``megazero.step.train_step`` drives one step; nothing else needs to know the order.
+reduce-scatter). ``megazero.engine.step.train_step`` drives one step; nothing else needs to know the order.
 """
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ class ZeroOptimizer:
     def step_count(self) -> int:
         return self.optim.step_count
 
-    # ----- a step, in order (megazero.step.train_step) -------------------------------------------------------
+    # ----- a step, in order (megazero.engine.step.train_step) -------------------------------------------------------
     def begin(self, microbatches: int) -> None:
         """Before the schedule: ``microbatches`` backward passes will follow."""
         self.reducer.begin(microbatches)

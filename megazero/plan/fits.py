@@ -1,7 +1,7 @@
 """Will the run fit? The --dry-run plan's per-rank bytes against the memory this machine has, before anything
 is built, so a model too big fails in one line with the knobs that would help, not in the allocator.
 
-The plan counts model states and activations (megazero.plan): a lower bound, since temporaries, communication
+The plan counts model states and activations (megazero.plan.stage_plan): a lower bound, since temporaries, communication
 buckets and the allocator's slack come on top. So a run it says cannot fit cannot fit; one it passes may still
 run out, which the allocator then reports.
 """
@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from megazero.config import Config
+from megazero.config.schema import Config
 from megazero.errors import UserError
 
 GB = 1e9
@@ -41,7 +41,7 @@ def available_bytes(device: torch.device) -> int:
 def needed_bytes(cfg: Config, ranks: range, device_type: str) -> int:
     """Planned bytes of these ranks on one device (a GPU holds one rank; a CPU host all of its node's ranks,
     their offloaded states included)."""
-    from megazero.plan import make_plan
+    from megazero.plan.stage_plan import make_plan
 
     plan = make_plan(cfg)
     per_stage = cfg.parallel.dp * cfg.parallel.tp
@@ -49,7 +49,7 @@ def needed_bytes(cfg: Config, ranks: range, device_type: str) -> int:
 
 
 def stage_bytes(cfg: Config, stage, device_type: str) -> int:
-    """One rank of a pipeline stage (a megazero.plan.StagePlan): its model states where they live (a CPU host
+    """One rank of a pipeline stage (a megazero.plan.stage_plan.StagePlan): its model states where they live (a CPU host
     also holds the offloaded ones), ZeRO's gathered and gradient buffers, and its activations."""
     act = stage.act_ckpt if cfg.model.activation_checkpointing else stage.act_full
     state = stage.model_state["device_total"] + (stage.model_state["cpu_total"] if device_type == "cpu" else 0)
@@ -99,7 +99,7 @@ def check_fits(cfg: Config, device: torch.device, rank: int, local_rank: int, lo
     have = available_bytes(device) if available is None else available
     if need <= have:
         return
-    from megazero.rules import validate
+    from megazero.config.rules import validate
 
     helps = []
     for label, c in _variants(cfg):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from megazero.plan import (BYTES_PER_VALUE, GB, Plan, StageBalance, grad_bytes_per_param,
+from megazero.plan.stage_plan import (BYTES_PER_VALUE, GB, Plan, StageBalance, grad_bytes_per_param,
                            optimizer_bytes_per_param)
 
 
@@ -133,11 +133,11 @@ def format_plan(plan: Plan) -> str:
            "and the bucket filling; a bucket is zero.bucket_mb, or a larger parameter" + (", or a layer"
            if z.stage == 3 else "") + ")" if z.stage >= 2 else "")
         + " (no comm buckets, temporaries, CUDA context or fragmentation)",
-        "  TFLOP/step: model FLOPs of one rank of the stage (megazero.metrics formula on its layers and head; "
+        "  TFLOP/step: model FLOPs of one rank of the stage (megazero.train.metrics formula on its layers and head; "
         "recomputation not counted)",
         "  pp stages: each pipeline rank's share of the work per token: those FLOPs, plus each layer's elementwise "
         "work, the cross entropy and the embedding lookup as FLOPs-equivalents of their memory traffic on "
-        "launch.device (megazero.rules.pipeline_costs); "
+        "launch.device (megazero.config.rules.pipeline_costs); "
         "parallel.pp_layers=auto splits the layers to least load the busiest",
         "",
         "totals",

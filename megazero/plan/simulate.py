@@ -5,7 +5,7 @@ every collective and the optimizer step included, in this one CPU process: the t
 tensors (``FakeTensorMode``: shapes and dtypes, no memory), the process group is torch's fake one (backend
 "fake": every collective returns at once) and the batches are token ids of the right shape. Everything
 else is the code a real run runs (``Trainer.train_step``), measured by the tracker a real run can use
-(``megazero.memory``), so the figures are the code's, not a formula's — which is how this sees what the
+(``megazero.plan.tracker``), so the figures are the code's, not a formula's — which is how this sees what the
 ``--dry-run`` formulas miss.
 
 Ranks that hold the same run the same: every rank of a pipeline stage (tp shards are even, dp replicas
@@ -22,9 +22,13 @@ from typing import Optional
 
 import torch
 
-from megazero.config import Config, load_config, resolve_world
+from megazero.config.schema import Config
+
+from megazero.config.load import load_config
+
+from megazero.config.rules import resolve_world
 from megazero.errors import UserError
-from megazero.memory import CATEGORIES, MemoryTracker, watching
+from megazero.plan.tracker import CATEGORIES, MemoryTracker, watching
 
 GB = 1e9
 DOES_NOT_FIT = 3  # exit code when a rank class does not fit in launch.memory_gb
@@ -64,7 +68,7 @@ class RankResult:
 def measure(cfg: Config, grid, device: torch.device, tracker: MemoryTracker, steps: int = STEPS) -> dict:
     """Build this rank's trainer and run ``steps`` training steps under ``tracker``; returns the comm bytes
     of the last step by group. The same function measures a real run (tests) and a simulated one."""
-    from megazero.trainer import Trainer
+    from megazero.train.trainer import Trainer
 
     with tracker:
         trainer = Trainer(cfg, grid, device, data=TokenIds(cfg.model.seq_len))
@@ -150,7 +154,7 @@ def memory_limit(cfg: Config) -> float:
         return cfg.launch.memory_gb * GB
     if torch.cuda.is_available():
         return float(torch.cuda.get_device_properties(0).total_memory)
-    from megazero.fits import available_bytes
+    from megazero.plan.fits import available_bytes
 
     return float(available_bytes(torch.device("cpu")))
 
@@ -181,7 +185,7 @@ def format_result(r: RankResult, limit: float) -> list[str]:
 def run_simulation(config_path: str, overrides: list[str]) -> int:
     """``pretrain.py --simulate``: every rank class's figures printed and written to log.dir/simulate.json;
     0 when all fit in launch.memory_gb, ``DOES_NOT_FIT`` otherwise."""
-    from megazero.plan import make_plan, planned_world_size
+    from megazero.plan.stage_plan import make_plan, planned_world_size
 
     cfg = load_config(config_path, overrides)
     resolve_world(cfg, planned_world_size(cfg, 1))

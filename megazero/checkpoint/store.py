@@ -20,9 +20,9 @@ foreign, never listed and never deleted (:func:`foreign_entries` names them).
 one aside (``step_N.other-run-ID``) instead of deleting it.
 
 Loading never runs code from the checkpoint: meta.json is checked field by field
-(megazero.checkpoint_meta), DCP's pickled metadata goes through an exact
-allow-list (megazero.checkpoint_unpickle), tensors are read with ``weights_only``.
-Asynchronous saves: :class:`CheckpointWriter` (megazero.checkpoint_async), re-exported here.
+(megazero.checkpoint.meta), DCP's pickled metadata goes through an exact
+allow-list (megazero.checkpoint.unpickle), tensors are read with ``weights_only``.
+Asynchronous saves: :class:`megazero.checkpoint.writer.CheckpointWriter`, built on this module.
 """
 from __future__ import annotations
 
@@ -42,13 +42,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from megazero.checkpoint_meta import (FORMAT_VERSION, INT_LIMIT, MAX_STEP, META, RESUME_FIELDS, RUN_ID, check_meta,
+from megazero.checkpoint.meta import (FORMAT_VERSION, INT_LIMIT, MAX_STEP, META, RESUME_FIELDS, RUN_ID, check_meta,
                                       checkpoint_run_id, peek_meta, read_meta)
-from megazero.checkpoint_unpickle import SafeFileSystemReader
+from megazero.checkpoint.unpickle import SafeFileSystemReader
 from megazero.errors import UserError
-from megazero.signals import Interrupted
+from megazero.train.signals import Interrupted
 
-__all__ = ["FORMAT_VERSION", "META", "RESUME_FIELDS", "CheckpointWriter", "SafeFileSystemReader", "check_save_args",
+__all__ = ["FORMAT_VERSION", "META", "RESUME_FIELDS", "SafeFileSystemReader", "check_save_args",
            "checkpoint_dir", "checkpoint_run_id", "commit", "describe_failure", "foreign_entries", "latest_checkpoint",
            "list_checkpoints", "load", "megazero_entries", "prepare", "read_checkpoint_config", "read_meta",
            "read_model_state", "save", "stored_tensors", "tmp_dir"]
@@ -326,13 +326,3 @@ def read_model_state(path: str | Path) -> dict[str, torch.Tensor]:
 def read_checkpoint_config(path: str | Path) -> dict:
     """The run's config (sections as plain dicts, the model section checked) stored with the checkpoint."""
     return read_meta(path, require=("config",))["config"]
-
-
-
-def __getattr__(name: str):
-    """``checkpoint.CheckpointWriter``: it lives in megazero.checkpoint_async, which builds on this module."""
-    if name == "CheckpointWriter":
-        from megazero.checkpoint_async import CheckpointWriter
-
-        return CheckpointWriter
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,6 +1,6 @@
 """Where each megazero parameter lives in a Hugging Face GPT-2 or Llama folder, and how its layout differs.
 
-One table serves both directions (``megazero.export`` writes it, ``megazero.hf_import`` reads it), so an
+One table serves both directions (``megazero.interop.export`` writes it, ``megazero.interop.hf_import`` reads it), so an
 export and an import cannot drift apart. A :class:`Link` names the HF tensor of one megazero parameter and
 the one layout change between them:
 
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from megazero.config import ModelConfig
+from megazero.config.schema import ModelConfig
 
 GPT2_BLOCK = MappingProxyType({  # ours -> (HF suffix under transformer.h.{i}., kind)
     "ln1.weight": ("ln_1.weight", "copy"),
@@ -67,7 +67,7 @@ def model_config(model_cfg: Any) -> ModelConfig:
     """A resolved copy of ``model_cfg`` (a ModelConfig, or a checkpoint's model section as a dict): the
     architecture's meaning of auto/unset bias, tie_embeddings and ffn_hidden filled in, as a config load
     does, so callers compare and shape with concrete values."""
-    from megazero.rules import resolve_arch
+    from megazero.config.rules import resolve_arch
 
     if isinstance(model_cfg, Mapping):
         names = {f.name for f in dataclasses.fields(ModelConfig)}

@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kernels import resolve_kernels
-from megazero.config import load_config
+from megazero.config.load import load_config
 from megazero.errors import UserError
 
 if TYPE_CHECKING:
-    from megazero.plan import Plan
+    from megazero.plan.stage_plan import Plan
 
 DRY_RUN_FOOTER = "dry run: nothing was allocated; no process group was started"
 
@@ -23,10 +23,10 @@ def run(config_path: str, overrides: list[str]) -> list[dict]:
     import torch
 
     from megazero import launch
-    from megazero.config import resolve_world
-    from megazero.fits import check_fits
-    from megazero.run_dir import plan_start
-    from megazero.signals import StopSignals
+    from megazero.config.rules import resolve_world
+    from megazero.plan.fits import check_fits
+    from megazero.train.run_dir import plan_start
+    from megazero.train.signals import StopSignals
     from parallel.topology import Grid
 
     info = launch.process_info()
@@ -59,7 +59,7 @@ def run(config_path: str, overrides: list[str]) -> list[dict]:
             grid = Grid.build(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, device.type,
                               timedelta(minutes=cfg.launch.timeout_minutes))
             launch.seed_everything(cfg.train.seed)
-            from megazero.trainer import Trainer
+            from megazero.train.trainer import Trainer
 
             trainer = Trainer(cfg, grid, device, is_builder=info.local_rank == 0, stop=stop)
             return trainer.fit(start)
@@ -95,11 +95,11 @@ def cli(config_path: str, overrides: list[str], dry: bool, simulate: bool = Fals
     """pretrain.py's body: run (or plan, or simulate) and turn every way a run ends into one line and an exit
     code (megazero.errors lists them; a simulation exits 3 when a rank does not fit)."""
     from megazero.errors import CollectiveTimeout, RunStopped
-    from megazero.signals import Interrupted, exit_code
+    from megazero.train.signals import Interrupted, exit_code
 
     try:
         if simulate:
-            from megazero.simulate import run_simulation
+            from megazero.plan.simulate import run_simulation
 
             return run_simulation(config_path, overrides)
         (dry_run if dry else run)(config_path, overrides)
@@ -149,7 +149,7 @@ def check_init_from(cfg) -> None:
     """A ``train.init_from`` folder that is not the configured model is a config error, found before any process
     group: its config.json and tensor headers are read, no weights."""
     if cfg.train.init_from:
-        from megazero.hf_import import open_hf_model
+        from megazero.interop.hf_import import open_hf_model
 
         open_hf_model(cfg.train.init_from, cfg.model)
 
@@ -162,10 +162,10 @@ def dry_run(config_path: str, overrides: list[str]) -> Plan:
     no process group, no parameter memory, no tokenizer or corpus.
     """
     cfg = load_config(config_path, overrides)
-    from megazero.config import resolve_world
+    from megazero.config.rules import resolve_world
     from megazero.launch import process_info
-    from megazero.plan import make_plan, planned_world_size
-    from megazero.plan_table import format_plan
+    from megazero.plan.stage_plan import make_plan, planned_world_size
+    from megazero.plan.table import format_plan
 
     info = process_info()
     try:

@@ -1,6 +1,6 @@
 """The command line of the layout search: ``python -m megazero.plan --config C --cluster K --gpus N``.
 
-Reads the options, runs megazero.planner.search, prints the ranked table (or ``--json``) beside the config's
+Reads the options, runs megazero.plan.search.search, prints the ranked table (or ``--json``) beside the config's
 own layout, and ``--write`` saves the winner as a config that pretrain.py accepts. Bad input is one line,
 exit 2.
 """
@@ -14,12 +14,14 @@ import sys
 import time
 from typing import Optional
 
-from megazero.cluster import Cluster, load_cluster
-from megazero.config import Config, load_config
+from megazero.plan.cluster import Cluster, load_cluster
+from megazero.config.schema import Config
+from megazero.config.load import load_config
 from megazero.errors import UserError
-from megazero.plan import make_plan
-from megazero.rules import AUTO, resolve_world
-from megazero.step_time import step_time
+from megazero.plan.stage_plan import make_plan
+from megazero.config.schema import AUTO
+from megazero.config.rules import resolve_world
+from megazero.plan.step_time import step_time
 
 KNOBS = ("tp", "pp", "dp", "virtual_stages", "schedule", "zero_stage", "micro_batch", "recompute")
 # gpipe is not searched (it can be fixed with --layout): 1F1B's bubble, but every microbatch's activations held.
@@ -30,7 +32,7 @@ SEARCHED_SCHEDULES = ("1f1b", "zb1p", "interleaved")
 MEMORY_MARGIN = 0.9
 MAX_MICRO_BATCHES = 8  # micro-batch values tried per layout: a geometric spread of the batch's divisors
 GB = 1e9
-from megazero.planner import GB, KNOBS, MEMORY_MARGIN, Layout, Ranked, Search, configure, parse_layout, search
+from megazero.plan.search import GB, KNOBS, MEMORY_MARGIN, Layout, Ranked, Search, configure, parse_layout, search
 
 
 def own_layout(cfg: Config, gpus: int) -> Layout:

@@ -1,9 +1,9 @@
 """Search a config's layouts on a described cluster (the command line, ``python -m megazero.plan --config C
---cluster K --gpus N``, is megazero.planner_cli).
+--cluster K --gpus N``, is megazero.plan.cli).
 
 Every layout (tp, pp, dp, virtual stages, schedule, ZeRO stage, micro-batch, recompute) is applied to the
-config and checked by the rules a run applies (megazero.rules.validate and resolve_world: the config rules
-decide validity, not a copy of them); each valid one is costed by megazero.step_time, whose memory is the
+config and checked by the rules a run applies (megazero.config.rules.validate and resolve_world: the config rules
+decide validity, not a copy of them); each valid one is costed by megazero.plan.step_time, whose memory is the
 ``--dry-run`` plan's; those over the GPU's memory (times MEMORY_MARGIN) are dropped and the rest ranked by
 predicted step time.
 
@@ -25,13 +25,15 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterator, Optional
 
-from megazero.cluster import Cluster
-from megazero.config import Config, load_config
+from megazero.plan.cluster import Cluster
+from megazero.config.schema import Config
+from megazero.config.load import load_config
 from megazero.errors import UserError, shown
-from megazero.plan import make_plan
-from megazero.plan_memo import PlanMemo
-from megazero.rules import AUTO, resolve_world, validate
-from megazero.step_time import Constants, step_time
+from megazero.plan.stage_plan import make_plan
+from megazero.plan.memo import PlanMemo
+from megazero.config.schema import AUTO
+from megazero.config.rules import resolve_world, validate
+from megazero.plan.step_time import Constants, step_time
 
 KNOBS = ("tp", "pp", "dp", "virtual_stages", "schedule", "zero_stage", "micro_batch", "recompute")
 # gpipe is not searched (it can be fixed with --layout): 1F1B's bubble, but every microbatch's activations held.

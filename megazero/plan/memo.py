@@ -1,6 +1,6 @@
 """The dry-run plan's costly pure parts, remembered across the plans of one layout search.
 
-A search (megazero.planner) costs thousands of layouts; each plan builds a
+A search (megazero.plan.search) costs thousands of layouts; each plan builds a
 schedule (millions of actions at thousands of microbatches), walks it for the
 activation peak, balances the layers and counts a meta-built model's
 parameters, though most layouts share those inputs. ``make_plan`` and

@@ -1,6 +1,6 @@
 """The rules a config must obey: ranges, choices and cross-field constraints, world size included.
 
-Checked before any process group or allocation (``megazero.config.load_config``
+Checked before any process group or allocation (``megazero.config.load.load_config``
 calls :func:`validate`; the launcher calls :func:`resolve_world` once the world
 size is known). Every failure is one line naming the file, the key, the value
 and what would be valid (``megazero.errors.invalid``). Every numeric key has a
@@ -10,27 +10,22 @@ overflowing or hanging. Values that have a parser of their own — the schedule
 (``parallel.schedules``), ``data.split`` (``megazero.data.samples``) — are
 checked by calling it, so a config passes here exactly when the run accepts it.
 
-Imports go one way: ``megazero.config`` imports this module, which reads the
-config it is handed and imports nothing from ``megazero.config``.
+Imports go one way: ``megazero.config.load`` imports this module, which reads the
+config it is handed and imports nothing from ``megazero.config.load``.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from megazero.data.samples import parse_split
-from megazero.data_paths import entry_path
+from megazero.config.data_paths import entry_path
 from megazero.errors import UserError, invalid
 from models import arch
 from parallel.balance import StageCosts, balance_layers
 from parallel.schedules import SCHEDULES, schedule_constraint
 
-if TYPE_CHECKING:  # annotations only: megazero.config imports this module
-    from megazero.config import Config
+from megazero.config.schema import AUTO, Config
 
-# a value fixed later: by validate (parallel.pp_layers), resolve_world (parallel.dp, zero.reshard_after_forward)
-# or at launch
-AUTO = "auto"
 
 # Allowed values and ranges, per key. A key absent here only needs the right type.
 _CHOICES = {
@@ -116,7 +111,7 @@ _PROBABILITY = {("model", "dropout")}
 
 def validate(cfg: Config, memo=None) -> None:
     """Ranges and cross-field rules that do not depend on the world size. ``memo`` (a
-    megazero.plan_memo.PlanMemo) remembers the layer balancing across the configs of one layout search."""
+    megazero.plan.memo.PlanMemo) remembers the layer balancing across the configs of one layout search."""
     src = cfg.source
     for section, key in list(_MIN) + [k for k in _MAX if k not in _MIN]:
         v = getattr(getattr(cfg, section), key)
@@ -293,11 +288,11 @@ LAYER_PASSES_PER_MLP_INPUT = 5
 
 def pipeline_costs(m, tp: int = 1, precision: str = "fp32", device: str = "cuda") -> StageCosts:
     """What one rank computes per token (parallel.balance): a transformer layer and the output head from the
-    FLOPs formula (megazero.metrics), plus as FLOPs-equivalents of their memory traffic the layer's
+    FLOPs formula (megazero.train.metrics), plus as FLOPs-equivalents of their memory traffic the layer's
     elementwise work, the cross entropy over this rank's V/tp logits and the embedding lookup. ``m``: a model
     config (auto keys resolved or not); ``device``: cuda or cpu, whose matmuls outpace memory differently.
     Recomputation (model.activation_checkpointing) is not counted, as in the plan's FLOPs."""
-    from megazero.metrics import flops_per_token, model_shape  # imports torch: only when asked
+    from megazero.train.metrics import flops_per_token, model_shape  # imports torch: only when asked
 
     ffn, shape = arch.ffn_hidden(m), model_shape(m)
     matmuls = flops_per_token(1, m.hidden, ffn, m.seq_len, 0, **shape) / tp

@@ -38,9 +38,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megazero import checkpoint
+from megazero.checkpoint import store as checkpoint
 from megazero.errors import UserError
-from megazero.signals import Interrupted
+from megazero.train.signals import Interrupted
 
 
 class _StagedWriter(FileSystemWriter):

@@ -20,17 +20,19 @@ import torch
 import torch.distributed as dist
 
 from kernels import resolve_kernels
-from megazero import checkpoint, optim
-from megazero.config import Config, ModelConfig
+from megazero.checkpoint import store as checkpoint
+from megazero.checkpoint.writer import CheckpointWriter
+from megazero.train import lr_schedule as optim
+from megazero.config.schema import Config, ModelConfig
 from megazero.data import GPTData, build_data
-from megazero.checkpoint_layout import complete_replicas, logical
+from megazero.checkpoint.layout import complete_replicas, logical
 from megazero.errors import NonFiniteStop, Preempted, UserError
-from megazero.hf_layout import model_config
-from megazero.nonfinite import NonFiniteGuard
-from megazero.signals import StopSignals, exit_code, signal_name
-from megazero.step import train_step
-from megazero.run_dir import Start, clear_earlier_run, plan_start
-from megazero.metrics import MetricsLogger, memory_gb, model_flops_per_token, peak_tflops
+from megazero.interop.hf_layout import model_config
+from megazero.train.nonfinite import NonFiniteGuard
+from megazero.train.signals import StopSignals, exit_code, signal_name
+from megazero.engine.step import train_step
+from megazero.train.run_dir import Start, clear_earlier_run, plan_start
+from megazero.train.metrics import MetricsLogger, memory_gb, model_flops_per_token, peak_tflops
 from models.gpt import InitialValues, build_gpt, initial_tp_value
 from models.llama import kv_replicas_needed
 from parallel.loss_scale import LossScaler
@@ -83,7 +85,7 @@ def initial_values(cfg: Config) -> int | InitialValues:
     ``train.init_from`` (its config checked against ``model``; each tensor read when its parameter is made)."""
     if not cfg.train.init_from:
         return cfg.train.seed
-    from megazero.hf_import import open_hf_model
+    from megazero.interop.hf_import import open_hf_model
 
     weights = open_hf_model(cfg.train.init_from, cfg.model)
     return lambda name, shape: weights.value(name)
@@ -267,7 +269,7 @@ class Trainer:
                 state[f"optim/{n}/{k}"] = logical(kinds[k], p, self.grid)
         return state, exported
 
-    def save(self, writer: checkpoint.CheckpointWriter) -> Path:
+    def save(self, writer: CheckpointWriter) -> Path:
         """Checkpoint this step (in the background with train.async_save). A state holding a non-finite value is
         never saved: keep_last would rotate the last good checkpoint away."""
         meta = {"consumed_samples": self.consumed_samples, "optimizer_step": self.zero.step_count,
@@ -349,7 +351,7 @@ class Trainer:
         stop_at = cfg.train.steps
         if cfg.train.exit_after:
             stop_at = min(stop_at, self.step + cfg.train.exit_after)
-        writer = checkpoint.CheckpointWriter(self.ckpt_root, cfg.train.keep_last, cfg.train.async_save,
+        writer = CheckpointWriter(self.ckpt_root, cfg.train.keep_last, cfg.train.async_save,
                                              self.grid.timeout)
         traced = False
         try:

@@ -13,9 +13,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from megazero.errors import UserError, invalid
-from megazero.yaml_load import load_yaml, read_config_text
+from megazero.config.yaml_load import load_yaml, read_config_text
 
-CLUSTER_DIR = Path(__file__).resolve().parent.parent / "configs" / "clusters"
+CLUSTER_DIR = Path(__file__).resolve().parents[2] / "configs" / "clusters"
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ range-checked; weights come only from safetensors files (a pickle, ``pytorch_mod
 and is never opened). Every tensor's name, shape and dtype is checked against the config from the file
 headers when the folder is opened, so a bad folder fails before a model is built.
 
-:class:`HFWeights` then reads one tensor at a time, on demand, in megazero's layout (``megazero.hf_layout``):
+:class:`HFWeights` then reads one tensor at a time, on demand, in megazero's layout (``megazero.interop.hf_layout``):
 each rank takes what it needs of each parameter, and a model larger than host memory is never whole in it.
 """
 
@@ -24,7 +24,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
 from megazero.errors import UserError, shown, shown_name
-from megazero.hf_layout import HF_ARCHITECTURES, Link, from_hf, hf_shape, links, model_config
+from megazero.interop.hf_layout import HF_ARCHITECTURES, Link, from_hf, hf_shape, links, model_config
 
 MAX_CONFIG_BYTES = 1 << 20  # a config.json is a few KB
 MAX_INDEX_BYTES = 64 << 20  # a sharded index names each tensor once: ~10 MB for the largest models

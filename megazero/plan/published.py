@@ -1,4 +1,4 @@
-"""Published throughput rows the step-time model (megazero.step_time) is fitted to and checked against.
+"""Published throughput rows the step-time model (megazero.plan.step_time) is fitted to and checked against.
 
 Each row is turned into a megazero config (configs/gpt13b.yaml with ``--set``-style overrides, then
 ``resolve_world``) and predicted as TFLOP/s per GPU counted the way its source counts FLOPs. Shared by
@@ -12,7 +12,7 @@ Sources:
   F = 96 B s l h^2 (1 + s/6h + V/16lh): the layers' FLOPs times 4/3 (the recomputed forward) plus the head's.
 * ``mcore``: Megatron-Core on H100 (Megatron-LM README, 2024): s = 4096, V = 131072, dp = 48, with
   grad-reduce, param-gather and tp-comm overlap. "Model TFLOP/s": Megatron's num_floating_point_operations,
-  72 B s l h^2 (1 + s/6h + V/12lh), model FLOPs without recompute: megazero.plan's ``flops_per_step``.
+  72 B s l h^2 (1 + s/6h + V/12lh), model FLOPs without recompute: megazero.plan.stage_plan's ``flops_per_step``.
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from megazero.cluster import load_cluster
-from megazero.config import Config, load_config
-from megazero.planner import MEMORY_MARGIN  # a layout fits in this share of the GPU, as in the search
-from megazero.rules import resolve_world
+from megazero.plan.cluster import load_cluster
+from megazero.config.schema import Config
+from megazero.config.load import load_config
+from megazero.plan.search import MEMORY_MARGIN  # a layout fits in this share of the GPU, as in the search
+from megazero.config.rules import resolve_world
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "configs" / "gpt13b.yaml"
 
 
@@ -118,8 +119,8 @@ def row_config(row: Row, recompute: bool | None = None) -> Config:
 
 
 def fits(cfg: Config, row: Row) -> bool:
-    from megazero.plan import make_plan
-    from megazero.fits import stage_bytes
+    from megazero.plan.stage_plan import make_plan
+    from megazero.plan.fits import stage_bytes
 
     budget = cluster_of(row.source).memory_gb * 1e9 * MEMORY_MARGIN
     return max(stage_bytes(cfg, s, "cuda") for s in make_plan(cfg).stages) <= budget
@@ -131,8 +132,8 @@ def cluster_of(row_source: str):
 
 def counted_flops(cfg: Config, row: Row, plan=None) -> float:
     """FLOPs per step as the row's source counts them, from the plan's model FLOPs (the one formula)."""
-    from megazero.metrics import flops_per_token, model_shape
-    from megazero.plan import make_plan
+    from megazero.train.metrics import flops_per_token, model_shape
+    from megazero.plan.stage_plan import make_plan
     from models.arch import ffn_hidden
 
     model = (make_plan(cfg) if plan is None else plan).flops_per_step
@@ -147,7 +148,7 @@ def counted_flops(cfg: Config, row: Row, plan=None) -> float:
 def predict(row: Row, constants=None, cfg: Config | None = None, plan=None):
     """(predicted TFLOP/s per GPU as the source counts, StepTime, config) of a row; ``cfg`` and ``plan``
     (its make_plan), when given, are reused."""
-    from megazero.step_time import Constants, step_time
+    from megazero.plan.step_time import Constants, step_time
 
     c = Constants() if constants is None else constants
     c = dataclasses.replace(c, materialised_scores=row.source == "narayanan")

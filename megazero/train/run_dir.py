@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from megazero import checkpoint
-from megazero.config import Config
+from megazero.checkpoint import store as checkpoint
+from megazero.config.schema import Config
 from megazero.errors import UserError
 
 

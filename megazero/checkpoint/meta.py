@@ -4,8 +4,8 @@ A checkpoint folder may have been copied, edited or crafted: every field a
 resume or an export reads is checked for type and range here, and a bad one is
 one line naming the file, the field, the value (cut to ~60 characters) and what
 is valid. The stored model config is checked with the project's own config
-rules (``megazero.config._apply`` on a fresh Config, the ``_MIN`` table of
-``megazero.rules``, heads dividing hidden), so a checkpoint cannot hold a model
+rules (``megazero.config.load._apply`` on a fresh Config, the ``_MIN`` table of
+``megazero.config.rules``, heads dividing hidden), so a checkpoint cannot hold a model
 a config file could not.
 """
 from __future__ import annotations
@@ -66,8 +66,9 @@ def _loss_scaler(where: Path, value: Any) -> None:
 
 def check_model_section(where: Path, model: Any) -> None:
     """The stored model config obeys the rules a config file's model section does."""
-    from megazero.config import Config, _apply
-    from megazero.rules import _MIN
+    from megazero.config.schema import Config
+    from megazero.config.load import _apply
+    from megazero.config.rules import _MIN
 
     if not isinstance(model, dict):
         raise _bad(where, "config.model", model, "an object of model settings")

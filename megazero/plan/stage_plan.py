@@ -12,7 +12,7 @@ Sources of the estimates:
   family generalised to the dtypes megazero uses (:func:`model_state_bytes`);
 - activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in
   Large Transformer Models", §4, Eq. (1)-(5) (:func:`activation_bytes_per_layer`);
-- FLOPs: ``megazero.metrics``, the one formula behind throughput and MFU.
+- FLOPs: ``megazero.train.metrics``, the one formula behind throughput and MFU.
 """
 from __future__ import annotations
 
@@ -23,10 +23,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from megazero.config import AUTO, Config
-from megazero.metrics import flops_per_token, model_flops_per_token, model_shape
-from megazero.plan_memo import PlanMemo
-from megazero.rules import compute_device, pipeline_costs
+from megazero.config.schema import AUTO, Config
+from megazero.train.metrics import flops_per_token, model_flops_per_token, model_shape
+from megazero.plan.memo import PlanMemo
+from megazero.config.rules import compute_device, pipeline_costs
 from models.gpt import GPT, count_parameters
 from models.llama import kv_replicas_needed
 from parallel.balance import balance_layers, rank_costs
@@ -233,7 +233,7 @@ class StagePlan:
 
 @dataclass(frozen=True)
 class StageBalance:
-    """Each pipeline rank's work as parallel.balance weighs it (megazero.rules.pipeline_costs), for this
+    """Each pipeline rank's work as parallel.balance weighs it (megazero.config.rules.pipeline_costs), for this
     config's layer counts per virtual stage and for those ``parallel.pp_layers: auto`` gives."""
 
     counts: list[int]
@@ -345,7 +345,7 @@ def _gathered(cfg: Config, chunks: list[int], ranges: list[range], psi: int, par
 
 
 def make_plan(cfg: Config, memo: Optional[PlanMemo] = None) -> Plan:
-    """The plan of a config whose world is resolved (megazero.config.resolve_world); ``memo`` remembers its
+    """The plan of a config whose world is resolved (megazero.config.load.resolve_world); ``memo`` remembers its
     costly parts across the plans of one layout search."""
     memo = memo or PlanMemo(remember=False)
     m, par, t = cfg.model, cfg.parallel, cfg.train
@@ -358,11 +358,3 @@ def make_plan(cfg: Config, memo: Optional[PlanMemo] = None) -> Plan:
     return Plan(cfg, par.tp * par.pp * par.dp, stages, count_parameters(m), model_flops_per_token(m) * tokens,
                 tokens, mb, pipeline_bubble(par.schedule, par.pp, mb, par.virtual_stages),
                 StageBalance.of(cfg, ranges, memo))
-
-
-if __name__ == "__main__":  # python -m megazero.plan: the layout search (megazero.planner_cli)
-    import sys
-
-    from megazero.planner_cli import main
-
-    sys.exit(main())

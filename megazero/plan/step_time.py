@@ -1,8 +1,8 @@
 """Predicted step time of a layout on a described cluster: the layout planner's model (docs/planner.md).
 
-A pure function of a resolved config, a :class:`~megazero.cluster.Cluster` and a few fitted
+A pure function of a resolved config, a :class:`~megazero.plan.cluster.Cluster` and a few fitted
 :class:`Constants`. Its FLOPs and bytes come from the ``--dry-run`` plan and the one FLOPs formula
-(megazero.plan, megazero.metrics: per-stage FLOPs, parameters, activation and logit bytes, the schedule's
+(megazero.plan.stage_plan, megazero.train.metrics: per-stage FLOPs, parameters, activation and logit bytes, the schedule's
 bubble), never from copies of them; the model adds only time. Per step, on the slowest pipeline stage:
 
 * ``compute``: the stage's matmul FLOPs at the peak times an achieved efficiency
@@ -18,7 +18,7 @@ bubble), never from copies of them; the model adds only time. Per step, on the s
 * ``tp_comm``: per layer and microbatch, 2 collectives forward and 2 backward (2 more for a recomputed
   forward) of ``b*s*h`` bf16 values, a ring all-reduce (all-gather + reduce-scatter with sequence
   parallelism: the same bytes) on the tp group's links; ``parallel.tp_overlap`` hides ``tp_hidden`` of it;
-* ``bubble``: the bottleneck stage's work stretched by the schedule's idle share (megazero.plan);
+* ``bubble``: the bottleneck stage's work stretched by the schedule's idle share (megazero.plan.stage_plan);
 * ``p2p``: with ``parallel.overlap_p2p`` only the fill and drain transfers (2 (p-1)), else every one;
 * ``dp_comm``: the gradients' reduction (all-reduce; reduce-scatter under ZeRO >= 1) behind the last
   microbatch's backward, the ZeRO-1/2 parameter all-gather behind the next step's first forward, ZeRO-3's
@@ -34,9 +34,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megazero.cluster import Cluster
-from megazero.config import Config
-from megazero.fits import stage_bytes
+from megazero.plan.cluster import Cluster
+from megazero.config.schema import Config
+from megazero.plan.fits import stage_bytes
 
 ACT_BYTES = 2  # bf16 activations and parameters cross the links
 OPTIMIZER_BYTES = 32  # per parameter of a shard: fp32 master, m, v read and written, the gradient read, bf16 out
@@ -45,7 +45,7 @@ OPTIMIZER_BYTES = 32  # per parameter of a shard: fp32 master, m, v read and wri
 @dataclass(frozen=True)
 class Constants:
     """The model's free constants, each physically meaningful; fitted by bench/planner.py to the published
-    rows (megazero.published) by minimising the largest |log(predicted / published)|."""
+    rows (megazero.plan.published) by minimising the largest |log(predicted / published)|."""
 
     e_max: float = 0.8486  # the share of peak a matmul reaches when its intensity is far above the ridge point
     x_half: float = 3.434  # a matmul's intensity, in units of the GPU's ridge point, at which it reaches e_max / 2
@@ -69,7 +69,7 @@ class StepTime:
     dp_comm: float  # the part not hidden
     optimizer: float
     total: float
-    memory_bytes: int  # the largest rank's planned bytes (megazero.fits.stage_bytes of the plan)
+    memory_bytes: int  # the largest rank's planned bytes (megazero.plan.fits.stage_bytes of the plan)
     terms: dict = field(default_factory=dict)
     elementwise: float = 0.0  # memory-bound kernels of the bottleneck stage, forward + backward
 
@@ -115,9 +115,9 @@ def _recomputed_share(cfg: Config, layers_per_chunk: int) -> float:
 
 
 def _flops_split(cfg: Config, layers: int, head: bool) -> dict[str, float]:
-    """Shares of a chunk's FLOPs (the one formula, megazero.metrics) in its weight matmuls, the attention
+    """Shares of a chunk's FLOPs (the one formula, megazero.train.metrics) in its weight matmuls, the attention
     score and value products, and the output head."""
-    from megazero.metrics import flops_per_token, model_shape
+    from megazero.train.metrics import flops_per_token, model_shape
     from models.arch import ffn_hidden
 
     m = cfg.model
@@ -131,7 +131,7 @@ def _flops_split(cfg: Config, layers: int, head: bool) -> dict[str, float]:
 
 def _matmul_slowdown(cfg: Config, cluster: Cluster, c: Constants, layers: int, head: bool) -> float:
     """Mean of 1/efficiency over a chunk's FLOPs: its matmul time is flops * this / peak."""
-    from megazero.metrics import model_shape
+    from megazero.train.metrics import model_shape
     from models.arch import ffn_hidden
 
     m, tp = cfg.model, cfg.parallel.tp
@@ -153,9 +153,9 @@ def _matmul_slowdown(cfg: Config, cluster: Cluster, c: Constants, layers: int, h
 
 
 def _layer_activation_bytes(cfg: Config, c: Constants) -> int:
-    """Bytes one layer keeps for backward per microbatch without recompute (megazero.plan's count): the
+    """Bytes one layer keeps for backward per microbatch without recompute (megazero.plan.stage_plan's count): the
     tensors its memory-bound kernels write and read."""
-    from megazero.plan import activation_bytes_per_layer
+    from megazero.plan.stage_plan import activation_bytes_per_layer
 
     m, par = cfg.model, cfg.parallel
     return activation_bytes_per_layer(m.seq_len, cfg.train.micro_batch, m.hidden, m.heads, par.tp,
@@ -165,9 +165,9 @@ def _layer_activation_bytes(cfg: Config, c: Constants) -> int:
 
 
 def step_time(cfg: Config, cluster: Cluster, c: Constants = Constants(), plan=None) -> StepTime:
-    """The predicted step of a resolved config (megazero.config.resolve_world) on ``cluster``; ``plan``, when
+    """The predicted step of a resolved config (megazero.config.load.resolve_world) on ``cluster``; ``plan``, when
     given, is ``make_plan(cfg)`` already made (a fit calls this many times per config)."""
-    from megazero.plan import make_plan
+    from megazero.plan.stage_plan import make_plan
 
     plan = make_plan(cfg) if plan is None else plan
     m, par, t, z = cfg.model, cfg.parallel, cfg.train, cfg.zero
@@ -237,6 +237,6 @@ def step_time(cfg: Config, cluster: Cluster, c: Constants = Constants(), plan=No
 
 
 def _grad_bytes(cfg: Config) -> int:
-    from megazero.plan import grad_bytes_per_param
+    from megazero.plan.stage_plan import grad_bytes_per_param
 
     return grad_bytes_per_param(cfg.train.precision, cfg.zero.grad_dtype)

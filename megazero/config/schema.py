@@ -1,0 +1,198 @@
+"""The config's schema: one dataclass per YAML section, with defaults and what each key means.
+
+Values are typed and checked by megazero.config.load, ranged by megazero.config.rules and the derived
+ones fixed by megazero.config.resolve; the schema itself only declares.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Union
+
+# a value fixed later: by resolve (parallel.dp, parallel.pp_layers, zero.reshard_after_forward, kernels.*) or
+# at launch
+AUTO = "auto"
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "gpt2"  # gpt2 | llama (RMSNorm, rotary positions, SwiGLU, grouped-query attention)
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 4
+    seq_len: int = 64
+    vocab_size: int = 512
+    ffn_hidden: Union[int, None] = None  # None -> 4 * hidden (gpt2); 8/3 * hidden rounded up to 256 (llama)
+    kv_heads: Union[int, None] = None  # grouped-query attention: k/v heads, dividing heads; None -> heads
+    bias: Union[bool, str] = AUTO  # auto: true for gpt2, false for llama
+    tie_embeddings: Union[bool, str] = AUTO  # output head = token embedding; auto: true for gpt2, false for llama
+    norm_eps: float = 1e-5  # the LayerNorm / RMSNorm epsilon
+    rope_theta: float = 10000.0  # llama: the base of the rotary position frequencies (Su et al. 2021)
+    # llama: none | llama3, Llama 3.1's frequency scaling for long context (the four keys below, as its
+    # config.json's rope_scaling): frequencies whose wavelength exceeds original_positions/low_freq_factor are
+    # divided by rope_factor, those below original_positions/high_freq_factor kept, the band between blended
+    rope_scaling: str = "none"
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_positions: int = 8192
+    dropout: float = 0.0
+    activation_checkpointing: bool = False
+    # with activation_checkpointing: recompute only the first k layers of each model chunk (Megatron's
+    # --recompute-num-layers, block method), trading memory for compute in steps; 0: every layer
+    checkpoint_layers: int = 0
+    init_std: float = 0.02
+    vocab_pad_multiple: int = 128
+
+    # The keys that define the network a checkpoint holds; the others (dropout, activation checkpointing,
+    # init_std) may change between a save and a resume.
+    ARCHITECTURE = ("arch", "layers", "hidden", "heads", "kv_heads", "seq_len", "vocab_size", "ffn_hidden", "bias",
+                    "tie_embeddings", "norm_eps", "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor",
+                    "rope_high_freq_factor", "rope_original_positions", "vocab_pad_multiple")
+
+    @property
+    def padded_vocab(self) -> int:
+        """Embedding rows: vocab_size rounded up to a multiple of vocab_pad_multiple (128).
+
+        Independent of tp, so a checkpoint moves between tensor-parallel sizes
+        (Megatron pads to 128*tp, which ties checkpoints to tp); tp must divide
+        it, which config validation checks.
+        """
+        multiple = self.vocab_pad_multiple
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_head_count(self) -> int:
+        """k/v heads: ``kv_heads``, or every head (multi-head attention) when unset."""
+        return self.kv_heads or self.heads
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    dp: Union[int, str] = AUTO  # "auto" = world_size / (tp * pp), resolved at launch
+    sequence_parallel: bool = False  # split norms/dropout along the sequence over tp (Korthikanti et al. 2022)
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb1p
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved)
+    # layers per (virtual) stage: a list of counts; [] = even (earlier stages take the remainder); auto = balanced
+    # by cost (parallel.balance: the last stage's head and loss, the first's embedding), resolved to a list
+    pp_layers: Union[list, str] = field(default_factory=list)
+    # p2p posted ahead of the compute before its use and waited at first use (Megatron's overlap_p2p_comm)
+    overlap_p2p: bool = True
+    # Domino-style overlap (Wang et al. 2024): each layer's microbatch in two halves, one half's tp collective
+    # in flight under the other half's matmuls
+    tp_overlap: bool = False
+    world_size: int = 0  # 0 = the launcher's; set it to plan a run of another size with --dry-run
+
+
+@dataclass
+class ZeroConfig:
+    stage: int = 0  # 0 | 1 | 2 | 3 (Rajbhandari et al. 2020)
+    bucket_mb: float = 25.0  # gradient/parameter communication bucket size
+    # stage 3: free a gathered layer after its forward (false: keep it for the step); auto = true without a
+    # pipeline, false with one (each layer would be gathered 2m times per step), fixed by resolve_world
+    reshard_after_forward: Union[bool, str] = AUTO
+    offload_optimizer: str = "none"  # none | cpu: fp32 master weights and Adam states in CPU memory
+    offload_params: str = "none"  # none | cpu (stage 3): parameter shards in CPU memory
+    # the dtype gradients are accumulated over microbatches and reduced over dp in: auto = fp32 under bf16
+    # (as Megatron-LM: bf16 sums of many microbatches lose bits), else the model's
+    grad_dtype: str = "auto"  # auto | fp32 | model
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    global_batch: int = 8
+    micro_batch: int = 8
+    lr: float = 6e-4
+    min_lr: float = 6e-5
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # 0 disables clipping
+    precision: str = "fp32"
+    seed: int = 1234
+    eval_every: int = 0  # 0 disables evaluation
+    eval_batches: int = 1
+    save_every: int = 0  # 0: save only at the end
+    keep_last: int = 2
+    resume: str = "none"  # none | auto | a checkpoint path
+    exit_after: int = 0  # stop (and save) after this many steps of this job, e.g. for time-limited slots; 0 = never
+    on_nonfinite: str = "stop"  # stop | skip: a non-finite loss or gradient norm stops the run, or skips the update
+    max_skipped: int = 10  # consecutive skipped updates before the run stops (fp16: at the minimum loss scale)
+    async_save: bool = False  # write checkpoints in the background while training goes on
+    init_from: str = ""  # a Hugging Face model folder (GPT-2 or Llama) the weights start from; optimizer fresh
+
+
+@dataclass
+class DataConfig:
+    paths: list = field(default_factory=list)  # paths, or {path, weight, name} mappings (megazero.config.data_paths)
+    text_key: str = "text"  # the field of a .jsonl/.parquet record that holds the document
+    tokenizer: str = "train"
+    split: str = "98,2"
+    cache_dir: str = ".cache/megazero"
+
+
+@dataclass
+class LogConfig:
+    dir: str = ""  # "" -> runs/<config name>
+    every: int = 1
+    tensorboard: bool = True
+    peak_tflops: Union[float, str] = AUTO  # per device, for MFU; auto = known GPU table or a measured CPU matmul
+    pipeline_trace: bool = False  # write pipeline_trace.json (Chrome trace / Perfetto) of the last step
+    overwrite: bool = False  # a fresh run may replace an earlier run's checkpoints and logs in log.dir
+
+
+@dataclass
+class KernelsConfig:
+    attention: str = AUTO  # auto | triton | torch: auto = torch SDPA (cuDNN on Hopper: faster than the Triton kernel)
+    adam: str = AUTO  # auto | fused | triton | torch: the optimizer step over flat buffers
+
+
+@dataclass
+class LaunchConfig:
+    device: str = AUTO  # auto | cpu | cuda
+    timeout_minutes: float = 30.0  # a collective that waits longer than this stops the run
+    memory_gb: float = 0.0  # --simulate: the memory a rank may use (0: this machine's device, or its RAM)
+    rank: int = -1  # --simulate: the one rank to simulate (-1: one rank of each memory class)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    name: str = "run"
+    source: str = "<config>"  # the file it came from, for error messages
+
+    @property
+    def microbatches(self) -> int:
+        """Microbatches each DP rank runs per step (gradient accumulation)."""
+        assert isinstance(self.parallel.dp, int), "resolve_world() first"
+        return self.train.global_batch // (self.train.micro_batch * self.parallel.dp)
+
+    def to_dict(self) -> dict:
+        out = {}
+        for f in dataclasses.fields(self):
+            if f.name in ("name", "source"):
+                continue
+            out[f.name] = dataclasses.asdict(getattr(self, f.name))
+        out["name"] = self.name
+        return out
+
+
+SECTIONS = {
+    "model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig,
+    "data": DataConfig, "log": LogConfig, "launch": LaunchConfig, "zero": ZeroConfig,
+    "kernels": KernelsConfig,
+}

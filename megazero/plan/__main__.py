@@ -1,0 +1,6 @@
+"""``python -m megazero.plan``: the layout search (megazero.plan.cli)."""
+import sys
+
+from megazero.plan.cli import main
+
+sys.exit(main())
