@@ -41,9 +41,6 @@ sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or os.curdir) n
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
 from typing import Callable, Optional  # noqa: E402
 
 if "--smoke" in sys.argv:  # before triton is imported anywhere: the interpreter is chosen at import
@@ -51,6 +48,8 @@ if "--smoke" in sys.argv:  # before triton is imported anywhere: the interpreter
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+from bench.kernel_timing import Sizes, attention_flops, bench_ms, emit, fmt, release  # noqa: E402
 
 ADAM = dict(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 ADAM_BYTES = 2 + 4 + 4 + 4 + 4 + 4 + 4 + 2  # per element, see the module docstring
@@ -61,46 +60,6 @@ TARGET_HEAD_DIM, TARGET_MIN_SEQ, TARGET_COPY_SHARE = 128, 4096, 0.85
 # bf16 errors: megazero's and SDPA flash's outputs both round to bf16 after fp32 accumulation, so against
 # the fp32 reference megazero may differ by its own roundings; twice SDPA flash's error is the bar.
 ERROR_FACTOR = 2.0
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """What one run measures: full sizes on a GPU, toy ones for --smoke."""
-    device: torch.device
-    hidden: int = 2048  # batch * heads * head_dim: every attention call is tokens rows of this width
-    tokens: int = 16384
-    head_dims: tuple[int, ...] = (64, 128)
-    seqs: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384)
-    adam_elements: int = 256 * 2**20
-
-
-def attention_flops(b: int, h: int, s: int, d: int, causal: bool = True) -> tuple[float, float]:
-    """(forward, forward + backward) FLOPs as Dao 2023 counts them."""
-    fwd = 4.0 * b * h * s * s * d / (2 if causal else 1)
-    return fwd, 3.5 * fwd
-
-
-def _bench(fn: Callable[[], object], device: torch.device) -> Optional[float]:
-    """Median ms of fn, or None when it cannot run here (e.g. an SDPA backend with no kernel for the input).
-
-    CUDA: triton's do_bench (CUDA events, L2 flushed between runs). CPU (--smoke): wall clock of 3 calls."""
-    try:
-        fn()  # compile / autotune outside the timed region, and check it runs at all
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    except Exception as err:  # noqa: BLE001 -- one contender failing must not end the benchmark
-        print(f"  (skipped: {(str(err).splitlines() or [type(err).__name__])[0][:120]})", file=sys.stderr)
-        return None
-    if device.type != "cuda":
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def _contenders() -> dict[str, Callable]:
@@ -128,24 +87,10 @@ def _qkv(b: int, s: int, h: int, d: int, dtype: torch.dtype, device: torch.devic
     return q, k, v, torch.randn(b, s, h, d, device=device, dtype=dtype, generator=gen).transpose(1, 2)
 
 
-def _release(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def _emit(*lines: str) -> None:
-    """Print now: a run cut short by a time limit keeps every row measured so far."""
-    print("\n".join(lines), flush=True)
-
-
-def _fmt(x: Optional[float], spec: str = ".0f") -> str:
-    return "n/a" if x is None else format(x, spec)
-
-
 def bench_attention(sz: Sizes, dtype: torch.dtype) -> dict:
     """Prints the table; returns {(head_dim, seq, name, "fwd" | "fwd+bwd"): TFLOP/s or None}."""
     names = list(_contenders())
-    _emit("| seq | head_dim | batch x heads | " + " | ".join(f"{n} fwd" for n in names) + " | "
+    emit("| seq | head_dim | batch x heads | " + " | ".join(f"{n} fwd" for n in names) + " | "
           + " | ".join(f"{n} fwd+bwd" for n in names) + " |", "|" + "---|" * (3 + 2 * len(names)))
     results = {}
     for d in sz.head_dims:
@@ -155,14 +100,14 @@ def bench_attention(sz: Sizes, dtype: torch.dtype) -> dict:
             q, k, v, dout = _qkv(b, s, h, d, dtype, sz.device)
             flops_fwd, flops_all = attention_flops(b, h, s, d)
             for name, fn in _contenders().items():
-                ms = _bench(lambda: fn(q, k, v), sz.device)
+                ms = bench_ms(lambda: fn(q, k, v), sz.device)
                 results[d, s, name, "fwd"] = None if ms is None else flops_fwd / ms / 1e9
-                ms = _bench(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout), sz.device)
+                ms = bench_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout), sz.device)
                 results[d, s, name, "fwd+bwd"] = None if ms is None else flops_all / ms / 1e9
             cells = [results[d, s, n, w] for w in ("fwd", "fwd+bwd") for n in names]
-            _emit(f"| {s} | {d} | {b} x {h} | " + " | ".join(_fmt(x) for x in cells) + " |")
+            emit(f"| {s} | {d} | {b} x {h} | " + " | ".join(fmt(x) for x in cells) + " |")
             del q, k, v, dout
-            _release(sz.device)
+            release(sz.device)
     return results
 
 
@@ -173,7 +118,7 @@ def check_attention(sz: Sizes, dtype: torch.dtype) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     contenders = {k: v for k, v in _contenders().items() if k != "sdpa cudnn"}
-    _emit("| seq | head_dim | impl | O | dQ | dK | dV |", "|---|---|---|---|---|---|---|")
+    emit("| seq | head_dim | impl | O | dQ | dK | dV |", "|---|---|---|---|---|---|---|")
     errors = {}
     for d in sz.head_dims:
         for s in sz.seqs:
@@ -188,34 +133,34 @@ def check_attention(sz: Sizes, dtype: torch.dtype) -> dict:
                     out = fn(q, k, v)
                     got = [out, *torch.autograd.grad(out, (q, k, v), dout)]
                     errors[d, s, name] = [(g.float() - r).abs().max().item() for g, r in zip(got, ref)]
-                    cells = [_fmt(e, ".2e") for e in errors[d, s, name]]
+                    cells = [fmt(e, ".2e") for e in errors[d, s, name]]
                 except Exception as err:  # noqa: BLE001
                     errors[d, s, name] = None
                     cells = [f"failed: {(str(err).splitlines() or [type(err).__name__])[0][:60]}"] + [""] * 3
-                _emit(f"| {s} | {d} | {name} | " + " | ".join(cells) + " |")
+                emit(f"| {s} | {d} | {name} | " + " | ".join(cells) + " |")
             del ref
-            _release(sz.device)
+            release(sz.device)
     return errors
 
 
 def bench_adam(sz: Sizes) -> dict:
     """Prints the table; returns {"copy" | "triton" | "torch" | "fused": GB/s or None, and "<same>_ms"}."""
     n, device = sz.adam_elements, sz.device
-    _emit("| what | bytes/element | ms | GB/s | of copy bandwidth |", "|---|---|---|---|---|")
+    emit("| what | bytes/element | ms | GB/s | of copy bandwidth |", "|---|---|---|---|---|")
     copy_bytes = 1 << 30 if device.type == "cuda" else 1 << 20
     src = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    copy_ms = _bench(lambda: dst.copy_(src), device)
+    copy_ms = bench_ms(lambda: dst.copy_(src), device)
     copy_gbs = 2 * src.numel() / copy_ms / 1e6
     out = {"copy": copy_gbs, "copy_ms": copy_ms}
-    _emit(f"| device-to-device copy ({copy_bytes / 2**20:.0f} MiB) | - | {copy_ms:.2f} | {copy_gbs:.0f} | 100% |")
+    emit(f"| device-to-device copy ({copy_bytes / 2**20:.0f} MiB) | - | {copy_ms:.2f} | {copy_gbs:.0f} | 100% |")
     del src, dst
 
     def row(key: str, what: str, ms: Optional[float], bytes_per: int = ADAM_BYTES) -> str:
         gbs = None if ms is None else bytes_per * n / ms / 1e6
         out[key], out[key + "_ms"] = gbs, ms
         share = "n/a" if gbs is None else f"{100 * gbs / copy_gbs:.0f}%"
-        return f"| {what} | {bytes_per} | {_fmt(ms, '.2f')} | {_fmt(gbs)} | {share} |"
+        return f"| {what} | {bytes_per} | {fmt(ms, '.2f')} | {fmt(gbs)} | {share} |"
 
     import kernels.adam as adam
 
@@ -224,12 +169,12 @@ def bench_adam(sz: Sizes) -> dict:
     exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
     model = torch.empty(n, device=device, dtype=torch.bfloat16)
     args = (master, grad, exp_avg, exp_avg_sq)
-    _emit(row("triton", "megazero triton AdamW, flat, bf16 grad + bf16 copy", _bench(
+    emit(row("triton", "megazero triton AdamW, flat, bf16 grad + bf16 copy", bench_ms(
         lambda: adam.adamw_step_triton(*args, **ADAM, step=10, model_copy=model), device)))
-    _emit(row("torch", "megazero torch adamw_step, flat, bf16 grad + bf16 copy", _bench(
+    emit(row("torch", "megazero torch adamw_step, flat, bf16 grad + bf16 copy", bench_ms(
         lambda: adam.adamw_step(*args, **ADAM, step=10, model_copy=model), device)))
     del master, grad, exp_avg, exp_avg_sq, model, args
-    _release(device)
+    release(device)
 
     sizes = [n // ADAM_TENSORS + (i < n % ADAM_TENSORS) for i in range(ADAM_TENSORS)]
     params = [torch.randn(m, device=device).requires_grad_() for m in sizes]
@@ -237,8 +182,8 @@ def bench_adam(sz: Sizes) -> dict:
         p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW(params, lr=ADAM["lr"], betas=(ADAM["beta1"], ADAM["beta2"]), eps=ADAM["eps"],
                             weight_decay=ADAM["weight_decay"], fused=True)
-    _emit(row("fused", f"torch.optim.AdamW(fused=True), {ADAM_TENSORS} fp32 tensors",
-                    _bench(opt.step, device), 4 + 4 + 4 + 4 + 4 + 4 + 4))
+    emit(row("fused", f"torch.optim.AdamW(fused=True), {ADAM_TENSORS} fp32 tensors",
+                    bench_ms(opt.step, device), 4 + 4 + 4 + 4 + 4 + 4 + 4))
     return out
 
 
@@ -259,12 +204,12 @@ def targets(sz: Sizes, attn: dict, errors: dict, adam: dict, dtype_name: str) ->
             r = _ratio(attn.get((TARGET_HEAD_DIM, s, name, "fwd+bwd")),
                        attn.get((TARGET_HEAD_DIM, s, "sdpa flash", "fwd+bwd")))
             lines.append(f"- attention fwd+bwd, {name}, head_dim {TARGET_HEAD_DIM}, seq {s}: / sdpa flash = "
-                         f"{_fmt(r, '.2f')} (target >= 1.00): {verdict(None if r is None else r >= 1.0)}")
+                         f"{fmt(r, '.2f')} (target >= 1.00): {verdict(None if r is None else r >= 1.0)}")
     share = _ratio(adam.get("triton"), adam.get("copy"))
-    lines.append(f"- AdamW: megazero triton / copy bandwidth = {_fmt(share, '.2f')} (target >= "
+    lines.append(f"- AdamW: megazero triton / copy bandwidth = {fmt(share, '.2f')} (target >= "
                  f"{TARGET_COPY_SHARE:.2f}): {verdict(None if share is None else share >= TARGET_COPY_SHARE)}")
     speed = _ratio(adam.get("fused_ms"), adam.get("triton_ms"))  # same element count: time ratio
-    lines.append(f"- AdamW: fused torch time / megazero triton time = {_fmt(speed, '.2f')} (target >= 1.00): "
+    lines.append(f"- AdamW: fused torch time / megazero triton time = {fmt(speed, '.2f')} (target >= 1.00): "
                  f"{verdict(None if speed is None else speed >= 1.0)}")
     for (d, s, name), errs in sorted(errors.items()):
         if not name.startswith("megazero"):
@@ -308,25 +253,25 @@ def main() -> None:
 
     where = torch.cuda.get_device_name() if sz.device.type == "cuda" else "CPU (--smoke: Triton interpreter)"
     dt = str(dtype).replace("torch.", "")
-    _emit(f"## Kernels: {where}, {datetime.date.today().isoformat()}",
+    emit(f"## Kernels: {where}, {datetime.date.today().isoformat()}",
           f"\ntorch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}\n",
           f"### Attention, {dt}, causal: TFLOP/s (batch = {sz.tokens} // seq, heads = {sz.hidden} // head_dim)\n")
     attn = bench_attention(sz, dtype)
-    _emit(f"\n### Attention, {dt}: max |error| against SDPA math in fp32 (1 sequence, 2 heads)\n")
+    emit(f"\n### Attention, {dt}: max |error| against SDPA math in fp32 (1 sequence, 2 heads)\n")
     errors = check_attention(sz, dtype)
-    _emit(f"\n### AdamW over {sz.adam_elements} elements ({sz.adam_elements / 2**20:.0f} Mi)\n")
+    emit(f"\n### AdamW over {sz.adam_elements} elements ({sz.adam_elements / 2**20:.0f} Mi)\n")
     adam = bench_adam(sz)
-    _emit("\n### Targets\n", *targets(sz, attn, errors, adam, dt))
+    emit("\n### Targets\n", *targets(sz, attn, errors, adam, dt))
     # last: the grouped-query kernel's first runs on a GPU; a fault there must not cost the results above
     from bench.kernels_gqa import gqa_shape, bench_gqa
 
     d, _, group = gqa_shape(sz)
-    _emit(f"\n### Grouped-query attention, {dt}, causal, head_dim {d}, {group} query heads per k/v head: fwd+bwd "
+    emit(f"\n### Grouped-query attention, {dt}, causal, head_dim {d}, {group} query heads per k/v head: fwd+bwd "
           f"TFLOP/s and max |error| against SDPA math in fp32 (one k/v head and its group)\n")
     try:
         bench_gqa(sz, dtype)
     except Exception as err:  # noqa: BLE001
-        _emit(f"failed: {(str(err).splitlines() or [type(err).__name__])[0][:200]}")
+        emit(f"failed: {(str(err).splitlines() or [type(err).__name__])[0][:200]}")
 
 
 if __name__ == "__main__":

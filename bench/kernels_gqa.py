@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from bench.kernels import Sizes, _bench, _emit, _fmt, _release, attention_flops
+from bench.kernel_timing import Sizes, attention_flops, bench_ms, emit, fmt, release
 
 
 GQA_GROUP = 8  # query heads per k/v head, as Llama 3 8B (32 over 8) and 70B (64 over 8)
@@ -43,7 +43,7 @@ def bench_gqa(sz: Sizes, dtype: torch.dtype) -> dict:
                   "sdpa flash enable_gqa": sdpa(SDPBackend.FLASH_ATTENTION, True),
                   "sdpa cudnn enable_gqa": sdpa(SDPBackend.CUDNN_ATTENTION, True),
                   "sdpa flash, k/v repeated": sdpa(SDPBackend.FLASH_ATTENTION, False)}
-    _emit(f"| seq | batch x heads (k/v heads) | " + " | ".join(f"{n} fwd+bwd" for n in contenders) + " | "
+    emit(f"| seq | batch x heads (k/v heads) | " + " | ".join(f"{n} fwd+bwd" for n in contenders) + " | "
           + " | ".join(f"{n} error" for n in contenders) + " |", "|" + "---|" * (2 + 2 * len(contenders)))
     results = {}
     for s in sz.seqs:
@@ -63,7 +63,7 @@ def bench_gqa(sz: Sizes, dtype: torch.dtype) -> dict:
         del ref_in, ref_out
         _, flops_all = attention_flops(b, h, s, d)
         for name, fn in contenders.items():
-            ms = _bench(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout), sz.device)
+            ms = bench_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout), sz.device)
             try:
                 one = [x.detach().contiguous().requires_grad_() for x in (q[:1, :group], k[:1, :1], v[:1, :1])]
                 out = fn(*one)
@@ -72,8 +72,8 @@ def bench_gqa(sz: Sizes, dtype: torch.dtype) -> dict:
             except Exception:  # noqa: BLE001 (a backend that cannot run this shape: n/a)
                 error = None
             results[s, name] = (None if ms is None else flops_all / ms / 1e9, error)
-        _emit(f"| {s} | {b} x {h} ({kv}) | " + " | ".join(_fmt(results[s, n][0]) for n in contenders) + " | "
-              + " | ".join(_fmt(results[s, n][1], ".2e") for n in contenders) + " |")
+        emit(f"| {s} | {b} x {h} ({kv}) | " + " | ".join(fmt(results[s, n][0]) for n in contenders) + " | "
+              + " | ".join(fmt(results[s, n][1], ".2e") for n in contenders) + " |")
         del q, k, v, dout, ref
-        _release(sz.device)
+        release(sz.device)
     return results

@@ -1,4 +1,5 @@
-"""A Hugging Face ``tokenizer.json`` behind megazero's :class:`~megazero.data.tokenizer.Tokenizer` interface.
+"""Reading a Hugging Face ``tokenizer.json`` for pretraining (the adapter behind megazero's ``Tokenizer``
+interface is :class:`megazero.data.tokenizer.HFTokenizer`; this module does not import that one).
 
 A model imported from the Hugging Face Hub was trained on the ids of
 its own tokenizer; pretraining it further on text tokenised any other way
@@ -16,17 +17,16 @@ own tokenizer does, with three settings chosen for pretraining documents:
   document silently.
 
 Changing any of these changes the ids written to cached datasets: bump
-``_CACHE_FORMAT`` in ``megazero.data`` with it.
+``CACHE_FORMAT`` in ``megazero.data.cache_plan`` with it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import tokenizers
 
-from megazero.data.tokenizer import Tokenizer
 from megazero.errors import UserError
 
 # End-of-text token names in the order they are looked up: Llama 3, GPT-2/Qwen/NeoX, Llama 2/Mistral/T5,
@@ -57,64 +57,33 @@ def _reason(e: BaseException) -> str:
     return first if len(first) <= _REASON_CHARS else first[:_REASON_CHARS] + "..."
 
 
-class HFTokenizer(Tokenizer):
-    """A ``tokenizers.Tokenizer`` loaded from a ``tokenizer.json``, encoding as described in the module."""
+def open_tokenizer_json(path: Path, what: str = "tokenizer") -> tokenizers.Tokenizer:
+    """Parse ``path`` with the three settings above; anything wrong with it (encoding, JSON, structure) is one
+    line naming it (``what``: the setting the path came from)."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{what} {path} is not a valid Hugging Face tokenizer.json (not UTF-8 text: byte "
+                        f"{e.start}); give a tokenizer.json or a sentencepiece .model") from None
+    try:
+        tok = tokenizers.Tokenizer.from_str(text.removeprefix("\ufeff"))
+    except Exception as e:  # the Rust side raises a bare Exception with serde's message
+        raise UserError(f"{what} {path} is not a valid Hugging Face tokenizer.json ({_reason(e)}); "
+                        "give a tokenizer.json or a sentencepiece .model") from None
+    tok.no_truncation()
+    tok.no_padding()
+    tok.encode_special_tokens = True
+    return tok
 
-    def __init__(self, tok: tokenizers.Tokenizer, path: Path, what: str = "tokenizer"):
-        tok.no_truncation()
-        tok.no_padding()
-        tok.encode_special_tokens = True
-        self._tok = tok
-        self.path = path
-        self._what = what
-        vocab = tok.get_vocab(with_added_tokens=True)
-        # ids need not be dense (a vocabulary may skip ids, added tokens may sit far above the rest): the
-        # embedding needs a row for the largest id, which can exceed the count of tokens
-        self._vocab_size = max(tok.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1)
-        self._eos_id = next((vocab[name] for name in EOS_NAMES if name in vocab), -1)
 
-    @classmethod
-    def open(cls, path: Path, what: str = "tokenizer") -> HFTokenizer:
-        """Parse ``path``; anything wrong with it (encoding, JSON, structure) is one line naming it."""
-        try:
-            text = path.read_bytes().decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise UserError(f"{what} {path} is not a valid Hugging Face tokenizer.json (not UTF-8 text: byte "
-                            f"{e.start}); give a tokenizer.json or a sentencepiece .model") from None
-        try:
-            tok = tokenizers.Tokenizer.from_str(text.removeprefix("\ufeff"))
-        except Exception as e:  # the Rust side raises a bare Exception with serde's message
-            raise UserError(f"{what} {path} is not a valid Hugging Face tokenizer.json ({_reason(e)}); "
-                            "give a tokenizer.json or a sentencepiece .model") from None
-        return cls(tok, path, what)
+def encode_ids(tok: tokenizers.Tokenizer, texts: Sequence[str], name: str) -> list[list[int]]:
+    """The ids of each text, no special tokens added, over the library's own thread pool.
 
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def eos_id(self) -> int:
-        return self._eos_id
-
-    @property
-    def eos_help(self) -> str:
-        return "its vocabulary holds none of " + ", ".join(EOS_NAMES)
-
-    def encode(self, text: str) -> list[int]:
-        return self.encode_batch([text])[0]
-
-    def encode_batch(self, texts: Sequence[str], num_threads: int = 0) -> list[list[int]]:
-        """Encode over the library's own thread pool (``RAYON_NUM_THREADS``); ``num_threads`` is not used.
-
-        A file can load and still fail here (a WordLevel model whose unknown token is missing from its
-        vocabulary): that is the file's fault, so it is a one-line error naming it.
-        """
-        try:
-            encodings = self._tok.encode_batch(list(texts), add_special_tokens=False)
-        except Exception as e:
-            raise UserError(f"{self._what} {self.path} cannot encode the text ({_reason(e)}); "
-                            "fix or replace the tokenizer.json") from None
-        return [list(enc.ids) for enc in encodings]
-
-    def decode(self, ids: Iterable[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+    A file can load and still fail here (a WordLevel model whose unknown token is missing from its
+    vocabulary): that is the file's fault, so it is a one-line error naming it (``name``: setting and path).
+    """
+    try:
+        encodings = tok.encode_batch(list(texts), add_special_tokens=False)
+    except Exception as e:
+        raise UserError(f"{name} cannot encode the text ({_reason(e)}); fix or replace the tokenizer.json") from None
+    return [list(enc.ids) for enc in encodings]
