@@ -21,7 +21,8 @@ def test_as_user_error_keeps_the_one_line_message():
     with pytest.raises(UserError) as err:
         with as_user_error(KernelChoiceError):
             resolve_kernels(cfg, "cpu")
-    assert str(err.value) == "kernels.attention='flash' is not an attention implementation; valid: auto | torch | triton"
+    assert str(err.value) == ("kernels.attention='flash' is not an attention implementation; valid: auto | torch | "
+                              "triton")
     assert err.value.__cause__ is None and err.value.__suppress_context__  # no chained traceback to print
     cfg = SimpleNamespace(adam="auto", attention="auto")
     with as_user_error(KernelChoiceError):  # what resolves passes through
