@@ -19,8 +19,8 @@ import shutil
 import pytest
 
 from megazero.config.load import load_config
-from megazero.train.metrics import flops_per_token, model_flops_per_token
-from megazero.plan.stage_plan import activation_bytes_per_layer
+from megazero.costs import flops_per_token, model_flops_per_token
+from megazero.plan.activations import activation_bytes_per_layer
 from megazero.train.run import run
 from models.gpt import count_parameters
 from tests.dist import run_ranks

@@ -9,7 +9,7 @@ import pytest
 
 from megazero.plan.cluster import load_cluster
 from megazero.config.load import load_config
-from megazero.config.rules import resolve_world
+from megazero.config.resolve import resolve
 from megazero.plan.published import ROOT, predict, rows
 from megazero.plan.step_time import Constants, group_link, ring, step_time
 
@@ -21,7 +21,7 @@ SMALL = ["model.layers=8", "model.hidden=1024", "model.heads=16", "model.seq_len
 
 
 def cfg(gpus: int, *sets: str):
-    return resolve_world(load_config(ROOT / "configs" / "gpt13b.yaml", SMALL + list(sets)), gpus)
+    return resolve(load_config(ROOT / "configs" / "gpt13b.yaml", SMALL + list(sets)), gpus, "cuda", planned=True)
 
 
 def test_pure_function():
