@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Callable, Optional, Protocol
 
 from megazero.config.rules import world_dp
 from megazero.config.schema import AUTO, Config, KernelsConfig, ModelConfig
@@ -26,12 +26,15 @@ from megazero.costs import compute_device, pipeline_costs
 from models import arch
 from parallel.balance import balance_layers
 
-if TYPE_CHECKING:
-    from megazero.plan.memo import PlanMemo
+
+class Memo(Protocol):
+    """What resolve asks of a memo (megazero.plan.memo.PlanMemo): a call remembered across a search's configs."""
+
+    def call(self, fn: Callable, *args: Any, key: Optional[tuple] = None, **kwargs: Any) -> Any: ...
 
 
 def resolve(cfg: Config, world_size: int, device_type: str, *, planned: bool = False,
-            memo: Optional[PlanMemo] = None) -> Config:
+            memo: Optional[Memo] = None) -> Config:
     """Fix every derived value of ``cfg`` (checked by load_config or rules.validate) for ``world_size`` ranks
     on ``device_type`` (cuda or cpu); returns ``cfg``. Errors are one line (the world against the layout, a
     kernel this machine cannot run), raised before any process group.
@@ -39,7 +42,7 @@ def resolve(cfg: Config, world_size: int, device_type: str, *, planned: bool = F
     ``planned``: the run is planned here, not started (--dry-run, the layout search): ``device_type`` is the
     device it is planned for (megazero.costs.compute_device: a login node plans the GPU run), kernels.* auto
     take that device's choice without CUDA being here, and an explicit kernel is kept as named, to be
-    checked where the run starts. ``memo`` (megazero.plan.memo.PlanMemo) remembers the layer balancing
+    checked where the run starts. ``memo`` (a :class:`Memo`) remembers the layer balancing
     across the configs of one layout search."""
     resolve_arch(cfg.model)
     p = cfg.parallel
