@@ -175,7 +175,7 @@ def _gathers_waited(rank, world):
     import torch
 
     from megazero.config.schema import ModelConfig
-    from megazero.config.rules import resolve_arch
+    from megazero.config.resolve import resolve_arch
     from models.gpt import build_gpt
     from parallel.topology import Grid
     from parallel.zero.optimizer import ZeroOptimizer
