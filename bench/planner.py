@@ -37,11 +37,11 @@ START = Constants(e_max=0.6, x_half=1.0, hbm_passes=4.0, comm_eff=0.7, tp_hidden
 
 
 def prepared(rows):
-    return [(r, *(lambda cfg: (cfg, make_plan(cfg)))(row_config(r))) for r in rows]
+    return [(r, *(lambda cfg: (cfg, make_plan(cfg)))(row_config(r)), cluster_of(r.source)) for r in rows]
 
 
 def residuals(c: Constants, prep) -> np.ndarray:
-    return np.array([math.log(predict(r, c, cfg, plan)[0] / r.tflops) for r, cfg, plan in prep])
+    return np.array([math.log(predict(r, c, cfg, plan, cluster)[0] / r.tflops) for r, cfg, plan, cluster in prep])
 
 
 def loss(c: Constants, prep) -> tuple[float, float]:

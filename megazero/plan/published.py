@@ -150,11 +150,13 @@ def counted_flops(cfg: Config, row: Row, plan=None) -> float:
     return (model - head) * 4 / 3 + head  # Eq. 3: the layers' forward counted again for recompute
 
 
-def predict(row: Row, constants=None, cfg: Config | None = None, plan=None):
-    """(predicted TFLOP/s per GPU as the source counts, StepTime, config) of a row; ``cfg`` and ``plan``
-    (its make_plan), when given, are reused."""
+def predict(row: Row, constants: Optional[Constants] = None, cfg: Optional[Config] = None, plan=None,
+            cluster: Optional[Cluster] = None):
+    """(predicted TFLOP/s per GPU as the source counts, StepTime, config) of a row; ``cfg``, ``plan`` (its
+    make_plan) and ``cluster`` (its cluster_of), when given, are reused: a fit predicts each row thousands of
+    times."""
     c = Constants() if constants is None else constants
     c = dataclasses.replace(c, materialised_scores=row.source == "narayanan")
     cfg = row_config(row) if cfg is None else cfg
-    st = step_time(cfg, cluster_of(row.source), c, plan)
+    st = step_time(cfg, cluster_of(row.source) if cluster is None else cluster, c, plan)
     return counted_flops(cfg, row, plan) / (st.total * row.gpus) / 1e12, st, cfg
