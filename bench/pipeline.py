@@ -35,7 +35,8 @@ import torch.distributed as dist  # noqa: E402
 
 from bench.timing import timed_between_barriers  # noqa: E402
 from megazero.config.schema import ModelConfig  # noqa: E402
-from megazero.config.rules import pipeline_costs, resolve_arch  # noqa: E402
+from megazero.config.resolve import resolve_arch  # noqa: E402
+from megazero.costs import pipeline_costs  # noqa: E402
 from models.gpt import build_gpt  # noqa: E402
 from parallel.balance import balance_layers  # noqa: E402
 from parallel.pipeline import PipelineExecutor, partition_layers  # noqa: E402

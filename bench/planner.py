@@ -24,9 +24,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from megazero.plan.cluster import load_cluster  # noqa: E402
 from megazero.plan.stage_plan import make_plan  # noqa: E402
-from megazero.plan.published import CLUSTER, HELD_BACK, MEMORY_MARGIN, NAMED, ROWS, cluster_of, predict, row_config  # noqa: E402
+from megazero.plan.published import MEMORY_MARGIN, cluster_of, predict, row_config, rows  # noqa: E402
 from megazero.plan.step_time import Constants  # noqa: E402
 
 # (low, high) of each fitted constant: the physically possible range
@@ -38,11 +37,11 @@ START = Constants(e_max=0.6, x_half=1.0, hbm_passes=4.0, comm_eff=0.7, tp_hidden
 
 
 def prepared(rows):
-    return [(r, *(lambda cfg: (cfg, make_plan(cfg)))(row_config(r))) for r in rows]
+    return [(r, *(lambda cfg: (cfg, make_plan(cfg)))(row_config(r)), cluster_of(r.source)) for r in rows]
 
 
 def residuals(c: Constants, prep) -> np.ndarray:
-    return np.array([math.log(predict(r, c, cfg, plan)[0] / r.tflops) for r, cfg, plan in prep])
+    return np.array([math.log(predict(r, c, cfg, plan, cluster)[0] / r.tflops) for r, cfg, plan, cluster in prep])
 
 
 def loss(c: Constants, prep) -> tuple[float, float]:
@@ -97,9 +96,9 @@ def table(title: str, rows, c: Constants) -> None:
 
 def memory(c: Constants) -> None:
     print(f"\nMemory of the published layouts by the plan (largest rank; fits when <= {MEMORY_MARGIN:.0%} of the GPU)")
-    for r in ROWS:
+    for r in rows():
         _, st, cfg = predict(r, c)
-        gpu = load_cluster(CLUSTER[r.source]).memory_gb
+        gpu = cluster_of(r.source).memory_gb
         ok = st.memory_bytes <= gpu * 1e9 * MEMORY_MARGIN
         print(f"  {r.name:10s} {st.memory_bytes / 1e9:6.1f} GB of {gpu:.0f} GB  {'fits' if ok else 'DOES NOT FIT'}"
               f"{'' if r.named else '  (held back)'}")
@@ -114,7 +113,7 @@ def main() -> int:
                          "tensors; ~10 min for the nine, 7 of them the 1008B model's eight stages)")
     args = ap.parse_args()
     t0 = time.time()
-    prep = prepared(NAMED)
+    prep = prepared(rows(named=True))
     c = Constants()
     if not args.check:  # from a fixed, unfitted start, so the printed fit does not depend on the defaults
         c = fit(prep, START)
@@ -124,10 +123,10 @@ def main() -> int:
     for f in dataclasses.fields(Constants):
         if f.name in BOUNDS:
             print(f"  {f.name:11s} = {getattr(c, f.name):.4g}")
-    table("Named rows (fitted)", NAMED, c)
-    table("Held-back rows (not fitted)", HELD_BACK, c)
+    table("Named rows (fitted)", rows(named=True), c)
+    table("Held-back rows (not fitted)", rows(named=False), c)
     memory(c)
-    named_ok = all(abs(math.log(predict(r, c)[0] / r.tflops)) <= math.log(1.1) for r in NAMED)
+    named_ok = all(abs(math.log(predict(r, c)[0] / r.tflops)) <= math.log(1.1) for r in rows(named=True))
     print(f"\nevery named row within ±10%: {'yes' if named_ok else 'NO'}   ({time.time() - t0:.1f} s)")
     search_ok = True if args.no_search else searches(c, args.simulate)
     return 0 if named_ok and search_ok else 1
@@ -161,7 +160,7 @@ def searches(c: Constants, run_simulation: bool = False) -> bool:
     print(f"  {'row':10s} {'published layout':34s} {'step s':>8s}  {'top layout':44s} {'step s':>8s} "
           f"{'GB':>6s} {'ratio':>6s}  search s")
     ok = True
-    for row in NAMED:
+    for row in rows(named=True):
         t0 = time.time()
         published = predict(row, c)[1]
         base = row_config(row)

@@ -50,16 +50,14 @@ def binding_ranks(cfg, every: bool) -> list[int]:
 
 
 def run_case(name: str, path, overrides: list[str], every: bool) -> list[dict]:
-    from kernels import resolve_kernels
     from megazero.config.load import load_config
-    from megazero.config.rules import resolve_world
+    from megazero.config.resolve import resolve
     from megazero.plan.stage_plan import make_plan
     from megazero.plan.simulate import simulate_rank
 
     cfg = load_config(path, overrides)
     p = cfg.parallel
-    resolve_world(cfg, p.tp * p.pp * p.dp)
-    resolve_kernels(cfg.kernels, "cpu", cfg.model.head_dim)
+    resolve(cfg, p.tp * p.pp * p.dp, "cpu")  # the simulation runs the CPU code path
     plan = make_plan(cfg)
     rows = []
     for rank in binding_ranks(cfg, every):
@@ -81,9 +79,8 @@ def run_case(name: str, path, overrides: list[str], every: bool) -> list[dict]:
 
 def layer_rows(only: set) -> list[dict]:
     """Per-layer activation bytes at the full sizes, against 34·sbh/t (dropout), 32 (none), 2 (checkpointed)."""
-    from kernels import resolve_kernels
     from megazero.config.load import load_config
-    from megazero.config.rules import resolve_world
+    from megazero.config.resolve import resolve
     from megazero.plan.simulate import layer_activation_bytes
 
     out = []
@@ -95,8 +92,7 @@ def layer_rows(only: set) -> list[dict]:
                                                  f"model.activation_checkpointing={str(ckpt).lower()}",
                                                  "parallel.sequence_parallel=true"])
             p = cfg.parallel
-            resolve_world(cfg, p.tp * p.pp * p.dp)
-            resolve_kernels(cfg.kernels, "cpu", cfg.model.head_dim)
+            resolve(cfg, p.tp * p.pp * p.dp, "cpu")
             got = layer_activation_bytes(cfg)
             sbh_t = cfg.model.seq_len * cfg.train.micro_batch * cfg.model.hidden / p.tp
             out.append({"case": name, "dropout": dropout, "checkpointed": ckpt, "bytes": got,

@@ -1,8 +1,8 @@
 """What ``model.arch`` means for the keys a config may leave as auto or unset.
 
-``megazero.config.rules.resolve_arch`` fixes these values when a config is loaded; a model config built directly
-(tests, benchmarks, a checkpoint's stored section) gets the same meaning here, so the model never reads
-the string 'auto' as true.
+``megazero.config.resolve.resolve_arch`` fixes these values when a config is resolved; a model config
+built directly (tests, benchmarks, a checkpoint's stored section) gets the same meaning here, so the model
+never reads the string 'auto' as true.
 """
 from __future__ import annotations
 

@@ -10,9 +10,9 @@ import pytest
 
 from megazero.config.load import load_config
 
-from megazero.config.rules import resolve_world
+from megazero.config.resolve import resolve, resolve_arch
+from megazero.costs import flops_per_token, model_flops_per_token, model_shape
 from megazero.errors import UserError
-from megazero.train.metrics import flops_per_token, model_flops_per_token, model_shape
 from parallel.balance import StageCosts, balance_layers, rank_costs
 from parallel.pipeline import partition_layers
 
@@ -116,17 +116,17 @@ def test_a_billion_layers_split_in_milliseconds():
 
 @pytest.mark.parametrize("path", ["gpt13b.yaml", "llama3-8b.yaml"])
 def test_costs_come_from_the_flops_formula(path):
-    from megazero.config.rules import pipeline_costs
+    from megazero.costs import pipeline_costs
 
     cfg = load_config(ROOT / "configs" / path)
-    m, tp = cfg.model, cfg.parallel.tp
+    m, tp = resolve_arch(cfg.model), cfg.parallel.tp
     costs = pipeline_costs(m, tp, "bf16")
     head = flops_per_token(0, m.hidden, m.ffn_hidden, m.seq_len, m.padded_vocab, **model_shape(m)) / tp
     assert head == pytest.approx(6 * m.padded_vocab * m.hidden / tp)  # forward 2hV, backward twice that
-    from megazero.config import rules
+    from megazero import costs as cost_model
 
-    elementwise = (rules.LAYER_PASSES_PER_HIDDEN * m.hidden + rules.LAYER_PASSES_PER_MLP_INPUT
-                   * (2 if m.arch == "llama" else 1) * m.ffn_hidden / tp) * 2 * rules.FLOPS_PER_BYTE_16BIT
+    elementwise = (cost_model.LAYER_PASSES_PER_HIDDEN * m.hidden + cost_model.LAYER_PASSES_PER_MLP_INPUT
+                   * (2 if m.arch == "llama" else 1) * m.ffn_hidden / tp) * 2 * cost_model.FLOPS_PER_BYTE_16BIT
     assert ((costs.layer - elementwise) * m.layers + head) * tp == pytest.approx(model_flops_per_token(m))
     assert 0.01 < elementwise / costs.layer < 0.1  # norms, residuals, the activation: a few % at this size
     assert costs.last > head  # the cross entropy, memory-bound, as FLOPs-equivalents
@@ -136,7 +136,7 @@ def test_costs_come_from_the_flops_formula(path):
     cpu = pipeline_costs(m, tp, "fp32", "cpu")  # a CPU core's matmuls outpace its memory less than a GPU's
     assert cpu.layer < fp32.layer and head < cpu.last < fp32.last
     wide = pipeline_costs(m, 2 * tp, "bf16")  # tp splits the matmuls and the logits, not the lookup
-    norms = rules.LAYER_PASSES_PER_HIDDEN * m.hidden * 2 * rules.FLOPS_PER_BYTE_16BIT  # replicated over tp
+    norms = cost_model.LAYER_PASSES_PER_HIDDEN * m.hidden * 2 * cost_model.FLOPS_PER_BYTE_16BIT  # replicated over tp
     assert wide.layer - norms == pytest.approx((costs.layer - norms) / 2) and wide.last == pytest.approx(costs.last / 2)
     assert wide.first == costs.first
 
@@ -151,27 +151,33 @@ def small(*sets: str) -> list[str]:
             "parallel.world_size=2", *sets]
 
 
-def test_auto_resolves_to_a_plain_list(tmp_path):
-    from megazero.config.rules import pipeline_costs
+def loaded(path, sets: list[str]):
+    """The config as a run's entry point has it: loaded, then resolved for its parallel.world_size."""
+    cfg = load_config(path, sets)
+    return resolve(cfg, cfg.parallel.world_size, "cpu")
 
-    cfg = load_config(TINY, small("parallel.pp_layers=auto"))
+
+def test_auto_resolves_to_a_plain_list(tmp_path):
+    from megazero.costs import pipeline_costs
+
+    cfg = loaded(TINY, small("parallel.pp_layers=auto"))
     costs = pipeline_costs(cfg.model, 1, cfg.train.precision)
     assert cfg.parallel.pp_layers == balance_layers(8, 2, costs) == [5, 3]
     assert all(type(n) is int for n in cfg.parallel.pp_layers)
     # what a checkpoint's meta and a resume see: the resolved list, which loads back as an explicit split
     stored = cfg.to_dict()["parallel"]["pp_layers"]
     assert stored == [5, 3]
-    again = load_config(TINY, small(f"parallel.pp_layers={stored}"))
+    again = loaded(TINY, small(f"parallel.pp_layers={stored}"))
     assert again.parallel.pp_layers == cfg.parallel.pp_layers
     # from a file, and with model chunks
     path = tmp_path / "run.yaml"
     path.write_text(TINY.read_text().replace("schedule: 1f1b", "schedule: interleaved\n  virtual_stages: 2\n"
                                              "  pp_layers: auto"))
-    inter = resolve_world(load_config(path, small("parallel.world_size=4")), 4)
+    inter = resolve(load_config(path, small("parallel.world_size=4")), 4, "cpu")
     assert len(inter.parallel.pp_layers) == 4 and sum(inter.parallel.pp_layers) == 8
     assert inter.parallel.pp_layers == balance_layers(8, 2, costs, 2)
     # no head beyond a layer's worth: the even split
-    assert load_config(TINY, small("parallel.pp_layers=auto", "model.vocab_size=64")).parallel.pp_layers == [4, 4]
+    assert loaded(TINY, small("parallel.pp_layers=auto", "model.vocab_size=64")).parallel.pp_layers == [4, 4]
 
 
 @pytest.mark.parametrize("value", ["autox", "[1, a]", "true", "3", "[4.0, 4.0]", "'[4, 4]'"])
@@ -234,7 +240,7 @@ def test_dry_run_prints_each_stages_cost_share(capsys):
 
 
 def _costs_of(sets: list[str]) -> StageCosts:
-    from megazero.config.rules import compute_device, pipeline_costs
+    from megazero.costs import compute_device, pipeline_costs
 
     cfg = load_config(TINY, sets)
     return pipeline_costs(cfg.model, cfg.parallel.tp, cfg.train.precision, compute_device(cfg.launch.device))

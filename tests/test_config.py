@@ -8,7 +8,7 @@ import pytest
 
 from megazero.config.load import load_config, parse_set
 
-from megazero.config.rules import resolve_world
+from megazero.config.resolve import resolve
 from megazero.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,7 +21,7 @@ def write(tmp_path, text, name="run.yaml"):
 
 
 def test_tiny_config_loads_with_typed_sections():
-    cfg = load_config(ROOT / "configs" / "tiny.yaml")
+    cfg = resolve(load_config(ROOT / "configs" / "tiny.yaml"), 4, "cpu")
     assert cfg.name == "tiny" and cfg.log.dir == str(Path("runs") / "tiny")
     assert isinstance(cfg.model.layers, int) and isinstance(cfg.train.lr, float)
     assert cfg.model.ffn_hidden == 4 * cfg.model.hidden  # default
@@ -37,7 +37,7 @@ def test_gpt13b_is_gpt3_13b_on_64_gpus():
     cfg = load_config(ROOT / "configs" / "gpt13b.yaml")
     m = cfg.model
     assert (m.layers, m.hidden, m.heads, m.seq_len) == (40, 5120, 40, 2048)
-    resolve_world(cfg, 64)
+    resolve(cfg, 64, "cuda", planned=True)
     assert cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp == 64
 
 
@@ -51,7 +51,7 @@ def test_overrides_are_typed_and_applied(tmp_path):
 
 def test_dp_auto_resolves_from_world_size():
     cfg = load_config(None, ["parallel.tp=2", "train.global_batch=8", "train.micro_batch=2"])
-    resolve_world(cfg, 4)
+    resolve(cfg, 4, "cpu")
     assert cfg.parallel.dp == 2 and cfg.microbatches == 2
 
 
@@ -118,10 +118,10 @@ def test_bad_values_raise_one_line(overrides, fragments):
 def test_world_size_mismatch_and_batch_per_dp():
     cfg = load_config(None, ["parallel.tp=2", "parallel.dp=2", "train.micro_batch=1"])
     with pytest.raises(UserError, match=r"tp\*pp\*dp = 2\*1\*2 = 4 does not match the world size 6"):
-        resolve_world(cfg, 6)
+        resolve(cfg, 6, "cpu")
     cfg = load_config(None, ["train.global_batch=9", "train.micro_batch=3"])
     with pytest.raises(UserError, match=r"micro_batch\*parallel.dp = 3\*2 = 6"):
-        resolve_world(cfg, 2)
+        resolve(cfg, 2, "cpu")
 
 
 def cli(args, env_extra=None, cwd=ROOT):
@@ -174,7 +174,7 @@ def test_every_numeric_key_has_a_range():
     import dataclasses
 
     from megazero.config.schema import SECTIONS as _SECTION_CLASSES
-    from megazero.config.rules import _CHOICES, _MAX, _MIN, _PROBABILITY
+    from megazero.config.ranges import _CHOICES, _MAX, _MIN, _PROBABILITY
 
     for section, cls in _SECTION_CLASSES.items():
         for f in dataclasses.fields(cls):
@@ -183,7 +183,7 @@ def test_every_numeric_key_has_a_range():
                 continue
             key = (section, f.name)
             bounded = (key in _MIN and key in _MAX) or key in _PROBABILITY or key in _CHOICES
-            assert bounded, f"{section}.{f.name} has no range in megazero.config.rules"
+            assert bounded, f"{section}.{f.name} has no range in megazero.config.ranges"
 
 
 def test_strict_types_and_empty_sections(tmp_path):
@@ -199,17 +199,17 @@ def test_strict_types_and_empty_sections(tmp_path):
 
 
 def test_apply_keeps_its_meaning_for_checkpoint_metadata():
-    """megazero.config.load._apply types one value (checkpoint-metadata validation calls it); rules._MIN and
-    _MAX range it."""
+    """megazero.config.load.apply_value types one value (checkpoint-metadata validation calls it); ranges._MIN
+    and _MAX range it."""
     from megazero.config.schema import Config
-    from megazero.config.load import _apply
-    from megazero.config.rules import _MAX, _MIN
+    from megazero.config.load import apply_value
+    from megazero.config.ranges import _MAX, _MIN
 
     cfg = Config()
-    _apply(cfg, "train", "steps", 5, "ckpt/meta.json")
+    apply_value(cfg, "train", "steps", 5, "ckpt/meta.json")
     assert cfg.train.steps == 5 and _MIN[("train", "steps")] == 1 and _MAX[("train", "seed")] == 2 ** 63 - 1
     with pytest.raises(UserError, match=r"ckpt/meta.json: train.steps='5' is invalid; expected an integer"):
-        _apply(cfg, "train", "steps", "5", "ckpt/meta.json")
+        apply_value(cfg, "train", "steps", "5", "ckpt/meta.json")
 
 
 def _runtime_imports(path: Path) -> list[tuple[str, bool]]:
@@ -261,14 +261,14 @@ def test_config_and_rules_import_one_way():
 
 def test_reshard_after_forward_defaults_by_pipeline():
     """auto = reshard without a pipeline, keep layers gathered with one (2m gathers per layer and step
-    otherwise); resolve_world leaves a bool for the trainer; an explicit value is kept."""
+    otherwise); resolve leaves a bool for the trainer; an explicit value is kept."""
     for pp, want in ((1, True), (2, False), (4, False)):
         cfg = load_config(None, [f"parallel.pp={pp}", "model.layers=4"])
         assert cfg.zero.reshard_after_forward == "auto"
-        assert resolve_world(cfg, pp).zero.reshard_after_forward is want
+        assert resolve(cfg, pp, "cpu").zero.reshard_after_forward is want
     for pp, explicit in ((1, False), (2, True)):
         cfg = load_config(None, [f"parallel.pp={pp}", f"zero.reshard_after_forward={str(explicit).lower()}"])
-        assert resolve_world(cfg, pp).zero.reshard_after_forward is explicit
+        assert resolve(cfg, pp, "cpu").zero.reshard_after_forward is explicit
     with pytest.raises(UserError, match=r"zero.reshard_after_forward='sometimes' is invalid; expected true or "
                                         r"false or 'auto'"):
         load_config(None, ["zero.reshard_after_forward=sometimes"])

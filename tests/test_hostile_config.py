@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from megazero.config.load import load_config
+from megazero.config.resolve import resolve
 from megazero.errors import UserError
 from tests.hostile import assert_one_line, call, pretrain_main
 
@@ -286,7 +287,8 @@ def test_core_schema_values_are_read_as_yaml_1_2(tmp_path):
     p = config_file(tmp_path, "train:\n  lr: 1e-3\n  min_lr: 0\n  seed: 0x10\n  steps: 0o17\n"
                               "model:\n  bias: FALSE\n  ffn_hidden: ~\n  init_std: .5\n"
                               "log:\n  dir: 1:30\n  tensorboard: True\n")
-    cfg = load_config(p, ["train.warmup_steps=+3", "launch.timeout_minutes=2", "train.on_nonfinite=skip"])
+    cfg = resolve(load_config(p, ["train.warmup_steps=+3", "launch.timeout_minutes=2", "train.on_nonfinite=skip"]),
+                  1, "cpu")
     assert (cfg.train.lr, cfg.train.min_lr, cfg.train.seed, cfg.train.steps) == (1e-3, 0.0, 16, 15)
     assert cfg.model.bias is False and cfg.model.ffn_hidden == 4 * cfg.model.hidden and cfg.model.init_std == 0.5
     assert cfg.log.dir == "1:30" and cfg.log.tensorboard is True

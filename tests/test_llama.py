@@ -19,8 +19,8 @@ import shutil
 import pytest
 
 from megazero.config.load import load_config
-from megazero.train.metrics import flops_per_token, model_flops_per_token
-from megazero.plan.stage_plan import activation_bytes_per_layer
+from megazero.costs import flops_per_token, model_flops_per_token
+from megazero.plan.activations import activation_bytes_per_layer
 from megazero.train.run import run
 from models.gpt import count_parameters
 from tests.dist import run_ranks
@@ -175,7 +175,7 @@ def _gathers_waited(rank, world):
     import torch
 
     from megazero.config.schema import ModelConfig
-    from megazero.config.rules import resolve_arch
+    from megazero.config.resolve import resolve_arch
     from models.gpt import build_gpt
     from parallel.topology import Grid
     from parallel.zero.optimizer import ZeroOptimizer

@@ -12,15 +12,11 @@ import pytest
 
 from megazero.config.load import load_config
 
-from megazero.config.rules import resolve_world
-from megazero.train.metrics import model_flops_per_token
-from megazero.plan.stage_plan import (
-    activation_bytes_per_layer,
-    activation_peak,
-    make_plan,
-    model_state_bytes,
-    pipeline_bubble,
-)
+from megazero.config.resolve import resolve
+from megazero.costs import model_flops_per_token
+from megazero.plan.activations import activation_bytes_per_layer, activation_peak, pipeline_bubble
+from megazero.plan.stage_plan import make_plan
+from megazero.plan.state_bytes import model_state_bytes
 from models.gpt import count_parameters
 from parallel.schedule_analysis import simulate
 from parallel.schedules import build_schedule
@@ -150,7 +146,7 @@ def small_cfg(tp: int, pp: int, v: int, sp: bool = False):
             f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.virtual_stages={v}", "parallel.dp=2",
             f"parallel.schedule={'interleaved' if v > 1 else '1f1b'}", f"parallel.sequence_parallel={sp}",
             "train.global_batch=32", "train.micro_batch=2"]
-    return resolve_world(load_config(None, sets), tp * pp * 2)
+    return resolve(load_config(None, sets), tp * pp * 2, "cuda", planned=True)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -244,7 +240,7 @@ def test_dry_run_in_process_starts_nothing_and_reads_no_data(monkeypatch, capsys
 def test_stage3_plan_counts_the_gathered_parameters():
     """ZeRO-3 holds whole parameters during a step: the root (embeddings, final norm) and two layers when
     layers are freed after forward (pp = 1's default), the whole stage when they are kept (pp > 1's default)."""
-    from megazero.plan.stage_plan import chunk_parameters
+    from megazero.plan.params import chunk_parameters
 
     sets = ["zero.stage=3", "train.precision=bf16", "model.layers=8", "parallel.tp=1",
             "train.global_batch=8", "train.micro_batch=1", "parallel.sequence_parallel=false"]
@@ -252,7 +248,7 @@ def test_stage3_plan_counts_the_gathered_parameters():
 
     def stage0(extra, world):
         cfg = load_config(tiny, sets + extra)
-        resolve_world(cfg, world)
+        resolve(cfg, world, "cuda", planned=True)
         return cfg, make_plan(cfg).stages[0]
 
     one_cfg, one = stage0(["parallel.pp=1"], 2)
@@ -278,7 +274,7 @@ def test_dry_run_of_a_billion_layers_answers_in_seconds():
 
 @pytest.mark.parametrize("tp,sp", [(1, False), (2, True), (6, False)])
 def test_chunk_parameters_multiply_one_layer_exactly(tp, sp):
-    from megazero.plan.stage_plan import _built_parameters, chunk_parameters
+    from megazero.plan.params import _built_parameters, chunk_parameters
 
     cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"parallel.tp={tp}", f"parallel.sequence_parallel={sp}", "model.vocab_pad_multiple=384",
                                                        "model.layers=6"])
@@ -289,7 +285,7 @@ def test_chunk_parameters_multiply_one_layer_exactly(tp, sp):
 
 def test_partial_checkpointing_plans_between_none_and_all():
     """model.checkpoint_layers=k: k layers per chunk keep only their input, the rest their full activations."""
-    from megazero.plan.stage_plan import activation_bytes_per_layer
+    from megazero.plan.activations import activation_bytes_per_layer
 
     sets = ["parallel.tp=1", "parallel.pp=1", "parallel.sequence_parallel=false", "model.layers=4",
             "model.activation_checkpointing=true", "train.global_batch=2", "train.micro_batch=2"]
@@ -297,7 +293,7 @@ def test_partial_checkpointing_plans_between_none_and_all():
     stage = {}
     for k in (0, 1, 4):
         cfg = load_config(tiny, sets + [f"model.checkpoint_layers={k}"])
-        resolve_world(cfg, 1)
+        resolve(cfg, 1, "cuda", planned=True)
         stage[k] = make_plan(cfg).stages[0]
     m, t = cfg.model, cfg.train
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from megazero.plan import cli as planner_cli, search as planner
+from megazero.plan import cli as planner_cli, layouts as planner_layouts, search as planner
 from megazero.plan.cluster import CLUSTER_DIR, load_cluster
 from megazero.config.load import load_config
-from megazero.config.rules import resolve_world
+from megazero.config.resolve import resolve
 from megazero.errors import UserError
 from megazero.plan.fits import stage_bytes
 from megazero.plan.stage_plan import make_plan
@@ -37,7 +37,7 @@ def small_cluster(tmp_path_factory, base):
     """An H100 cluster whose memory fits about half of tiny's layouts without recomputation."""
     h100 = load_cluster("h100-80g")
     over, memo = [], PlanMemo()
-    for lay in planner.candidates(base, GPUS, {"recompute": "none"}):
+    for lay in planner_layouts.candidates(base, GPUS, {"recompute": "none"}):
         try:
             cfg = planner.configure(base, lay, GPUS, memo)
         except UserError:
@@ -50,7 +50,7 @@ def small_cluster(tmp_path_factory, base):
     return load_cluster(path)
 
 
-def overrides(lay: planner.Layout) -> list[str]:
+def overrides(lay: planner_layouts.Layout) -> list[str]:
     """The layout as pretrain.py --set arguments."""
     rec = [] if lay.recompute == "none" else ["model.activation_checkpointing=true", "model.checkpoint_layers="
                                               + ("0" if lay.recompute == "full" else lay.recompute)]
@@ -60,25 +60,25 @@ def overrides(lay: planner.Layout) -> list[str]:
             f"zero.stage={lay.zero_stage}", f"train.micro_batch={lay.micro_batch}"] + rec
 
 
-def plan_bytes(lay: planner.Layout) -> int:
+def plan_bytes(lay: planner_layouts.Layout) -> int:
     """The --dry-run plan's largest rank, for the layout loaded as a run loads it."""
-    cfg = resolve_world(load_config(TINY, overrides(lay)), GPUS)
+    cfg = resolve(load_config(TINY, overrides(lay)), GPUS, "cuda", planned=True)
     return max(stage_bytes(cfg, s, "cuda") for s in make_plan(cfg).stages)
 
 
 def test_every_candidate_multiplies_to_the_gpus_and_every_result_passes_the_rules(base, small_cluster):
-    layouts = list(planner.candidates(base, GPUS, {}))
+    layouts = list(planner_layouts.candidates(base, GPUS, {}))
     assert layouts and all(lay.tp * lay.pp * lay.dp == GPUS for lay in layouts)
     assert {lay.schedule for lay in layouts} >= {"1f1b", "zb1p", "interleaved"}
     found = planner.search(base, small_cluster, GPUS, {})
     assert {r.layout.recompute for r in found.ranked} > {"none"}  # recomputation was needed somewhere
     for r in found.ranked:  # loaded with --set as pretrain.py would: no UserError
-        resolve_world(load_config(TINY, overrides(r.layout)), GPUS)
+        resolve(load_config(TINY, overrides(r.layout)), GPUS, "cuda", planned=True)
 
 
 def test_layout_fixes_the_knobs_it_names(base):
     h100 = load_cluster("h100-80g")
-    fixed = planner.parse_layout("tp=2,schedule=zb1p,recompute=1,zero_stage=3")
+    fixed = planner_layouts.parse_layout("tp=2,schedule=zb1p,recompute=1,zero_stage=3")
     assert fixed == {"tp": 2, "schedule": "zb1p", "recompute": "1", "zero_stage": 3}
     found = planner.search(base, h100, GPUS, fixed)
     assert found.ranked
@@ -91,7 +91,7 @@ def test_memory_filter_drops_layouts_over_the_plan(base, small_cluster):
     budget = small_cluster.memory_gb * 1e9 * planner.MEMORY_MARGIN
     found = planner.search(base, small_cluster, GPUS, {"recompute": "none"})
     kept = {r.layout for r in found.ranked}
-    over = [lay for lay in planner.candidates(base, GPUS, {"recompute": "none"}) if lay not in kept]
+    over = [lay for lay in planner_layouts.candidates(base, GPUS, {"recompute": "none"}) if lay not in kept]
     checked = 0
     for lay in over[:: max(1, len(over) // 12)]:
         try:
@@ -112,7 +112,7 @@ def test_pruned_search_finds_the_fewest_recomputed_layers_an_exhaustive_one_find
     got = {dataclasses.replace(r.layout, recompute="none"): r.layout.recompute for r in found.ranked}
     assert len(got) == len(found.ranked)
     want, memo = {}, PlanMemo()  # every level costed, without the search's pruning (the memo only remembers)
-    for lay in planner.candidates(base, GPUS, {"recompute": "none"}):
+    for lay in planner_layouts.candidates(base, GPUS, {"recompute": "none"}):
         per_chunk = math.ceil(base.model.layers / (lay.pp * lay.virtual_stages))
         for rec in ["none"] + [str(k) for k in range(1, per_chunk)] + ["full"]:
             try:
@@ -154,9 +154,9 @@ def test_write_saves_a_config_with_the_top_layout(tmp_path, capsys):
             "--set", "train.global_batch=32", "--layout", "pp=2", "--write", str(out)]
     assert planner_cli.main(argv) == 0
     top = json.loads(capsys.readouterr().out)[0]
-    cfg = resolve_world(load_config(out), 8)
+    cfg = resolve(load_config(out), 8, "cuda", planned=True)
     assert cfg.train.global_batch == 32 and cfg.model.hidden == 192 and cfg.log.dir == "runs/laid_out"
-    assert dataclasses.asdict(planner_cli.own_layout(cfg, 8)) == {k: top[k] for k in planner.KNOBS}
+    assert dataclasses.asdict(planner_cli.own_layout(cfg, 8)) == {k: top[k] for k in planner_layouts.KNOBS}
 
 
 def test_write_never_replaces_an_existing_file(tmp_path, capsys):

@@ -42,14 +42,10 @@ LAYOUTS = {
 
 
 def _config(overrides: list[str], world: int):
-    from kernels import resolve_kernels
     from megazero.config.load import load_config
-    from megazero.config.rules import resolve_world
+    from megazero.config.resolve import resolve
 
-    cfg = load_config(None, SMALL + overrides)
-    resolve_world(cfg, world)
-    resolve_kernels(cfg.kernels, "cpu", cfg.model.head_dim)
-    return cfg
+    return resolve(load_config(None, SMALL + overrides), world, "cpu")
 
 
 def _measure_real(rank: int, world: int, layouts: dict) -> dict:
@@ -139,7 +135,8 @@ def test_model_state_bytes_match_the_zero_formulas(stage):
     """(2+2+K)Ψ, (2+2+K/N)Ψ, (2+(2+K)/N)Ψ and (2+2+K)Ψ/N in megazero's dtypes (bf16 parameters, fp32
     gradients, K = 12) for the stage's own Ψ, within one bucket of padding per buffer (each is padded to a
     multiple of dp)."""
-    from megazero.plan.stage_plan import make_plan, model_state_bytes
+    from megazero.plan.stage_plan import make_plan
+    from megazero.plan.state_bytes import model_state_bytes
 
     sets = ["parallel.dp=4", f"zero.stage={stage}"]
     cfg = _config(sets, 4)
@@ -175,12 +172,12 @@ def test_layer_activations_match_korthikanti(dropout, checkpointing, per_sbh_t):
 
 def test_llama_layer_activations_match_the_plan():
     """A Llama layer (GQA with k/v a quarter of q, SwiGLU at ffn 3.5h, RMSNorm) at tp 4 with sequence
-    parallelism, no dropout: within 1% of megazero.plan.stage_plan's count (measured 11.02 against 11.00 sbh·/t here: the
+    parallelism, no dropout: within 1% of megazero.plan.activations' count (measured 11.02 against 11.00 sbh·/t here: the
     plan's two dropout masks, absent at dropout 0, about offset the per-token 1/rms and the attention's
     log-sum-exp it leaves out; a count of storages on fake tensors, deterministic). 1% separates the count from
     its likely slips: k/v counted as split over all 4 ranks rather than replicated on 2 (2.3% lower) or a 4h
     MLP (9% higher)."""
-    from megazero.plan.stage_plan import activation_bytes_per_layer
+    from megazero.plan.activations import activation_bytes_per_layer
     from megazero.plan.simulate import layer_activation_bytes
 
     s, b, h, t = 256, 2, 512, 4

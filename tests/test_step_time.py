@@ -9,8 +9,8 @@ import pytest
 
 from megazero.plan.cluster import load_cluster
 from megazero.config.load import load_config
-from megazero.config.rules import resolve_world
-from megazero.plan.published import NAMED, ROOT, predict
+from megazero.config.resolve import resolve
+from megazero.plan.published import ROOT, predict, rows
 from megazero.plan.step_time import Constants, group_link, ring, step_time
 
 A100 = load_cluster("a100-80g")
@@ -21,7 +21,7 @@ SMALL = ["model.layers=8", "model.hidden=1024", "model.heads=16", "model.seq_len
 
 
 def cfg(gpus: int, *sets: str):
-    return resolve_world(load_config(ROOT / "configs" / "gpt13b.yaml", SMALL + list(sets)), gpus)
+    return resolve(load_config(ROOT / "configs" / "gpt13b.yaml", SMALL + list(sets)), gpus, "cuda", planned=True)
 
 
 def test_pure_function():
@@ -96,7 +96,7 @@ def test_crossing_nodes_slows_a_collective():
     assert t16 > t8
 
 
-@pytest.mark.parametrize("row", NAMED, ids=[r.name for r in NAMED])
+@pytest.mark.parametrize("row", rows(named=True), ids=[r.name for r in rows(named=True)])
 def test_fitted_defaults_predict_the_published_rows_within_10_percent(row):
     pred, st, _ = predict(row)
     assert abs(math.log(pred / row.tflops)) <= math.log(1.10), (row.name, pred, row.tflops)

@@ -4,9 +4,9 @@ A checkpoint folder may have been copied, edited or crafted: every field a
 resume or an export reads is checked for type and range here, and a bad one is
 one line naming the file, the field, the value (cut to ~60 characters) and what
 is valid. The stored model config is checked with the project's own config
-rules (``megazero.config.load._apply`` on a fresh Config, the ``_MIN`` table of
-``megazero.config.rules``, heads dividing hidden), so a checkpoint cannot hold a model
-a config file could not.
+rules (``megazero.config.load.apply_value`` on a fresh Config, then
+``megazero.config.rules.check_model``: ranges, choices and how the keys constrain
+each other), so a checkpoint cannot hold a model a config file could not.
 """
 from __future__ import annotations
 
@@ -66,9 +66,9 @@ def _loss_scaler(where: Path, value: Any) -> None:
 
 def check_model_section(where: Path, model: Any) -> None:
     """The stored model config obeys the rules a config file's model section does."""
+    from megazero.config.load import apply_value
+    from megazero.config.rules import check_model
     from megazero.config.schema import Config
-    from megazero.config.load import _apply
-    from megazero.config.rules import _MIN
 
     if not isinstance(model, dict):
         raise _bad(where, "config.model", model, "an object of model settings")
@@ -77,29 +77,17 @@ def check_model_section(where: Path, model: Any) -> None:
             raise UserError(f"checkpoint {where}: config.model.{key} is missing; expected the model's "
                             f"{', '.join(MODEL_KEYS)}")
     cfg = Config()
+    source = f"checkpoint {where}: config"
     for key, value in model.items():
         if not isinstance(key, str) or not key.isidentifier() or len(key) > _MAX_SHOWN:
             raise _bad(where, "config.model key", key, "a model setting name")
         if _is_int(value) and abs(value) > INT_LIMIT:
             raise _bad(where, f"config.model.{key}", value, f"at most {INT_LIMIT}")
         try:
-            _apply(cfg, "model", key, value, f"checkpoint {where}: config")
+            apply_value(cfg, "model", key, value, source)
         except UserError as e:  # the config's own message, with the value cut short
             raise UserError(str(e).replace(repr(value), short(value), 1)) from None
-    m = cfg.model
-    for (section, key), low in _MIN.items():
-        v = getattr(m, key, None) if section == "model" else None
-        if v is not None and v < low:
-            raise _bad(where, f"config.model.{key}", v, f">= {low}")
-    if m.heads < 1 or m.hidden % m.heads:
-        raise _bad(where, "config.model.heads", m.heads, f"a divisor of config.model.hidden={m.hidden}")
-    if m.arch not in ("gpt2", "llama"):
-        raise _bad(where, "config.model.arch", m.arch, "gpt2 | llama")
-    if m.heads % m.kv_head_count or (m.arch == "gpt2" and m.kv_head_count != m.heads):
-        raise _bad(where, "config.model.kv_heads", m.kv_heads,
-                   f"a divisor of config.model.heads={m.heads} (llama), or unset")
-    if not 0.0 <= m.dropout < 1.0:
-        raise _bad(where, "config.model.dropout", m.dropout, "a probability in [0, 1)")
+    check_model(cfg, source)
 
 
 def _config(where: Path, config: Any) -> None:

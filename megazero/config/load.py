@@ -6,9 +6,10 @@ not a queue slot on a cluster. Errors are one line (megazero.errors.invalid):
 the file, the key, the bad value (cut short) and what would be valid.
 
 This module reads and types the values; megazero.config.rules checks them:
-``load_config`` ends with its ``validate``, and its ``resolve_world`` (also
-importable from here) fixes what depends on the world size. Imports go one
-way, config -> rules -> errors: megazero.config.rules imports nothing from here.
+``load_config`` ends with its ``validate`` and returns the config as written,
+checked but not resolved (``auto`` stays ``auto``): megazero.config.resolve
+fixes the derived values once, in the run's entry point. Imports go one
+way, load -> rules -> errors: megazero.config.rules imports nothing from here.
 
 Files and ``--set`` values are untrusted: megazero.config.yaml_load reads them (YAML 1.2 core schema; no
 aliases, tags, merge keys or duplicate keys; bounded size and depth), values are strictly typed here,
@@ -134,8 +135,9 @@ def _suggest(word: str, options) -> str:
     return f"{hint}valid: {', '.join(sorted(options))}"
 
 
-def _apply(cfg: Config, section: str, key: str, value: Any, source: str) -> None:
-    """Set ``section.key`` to ``value`` after checking the names and the value's type (not its range)."""
+def apply_value(cfg: Config, section: str, key: str, value: Any, source: str) -> None:
+    """Set ``section.key`` to ``value`` after checking the names and the value's type (not its range): a file's
+    key, a ``--set`` and a checkpoint's stored model setting alike; an error names ``source``."""
     if section not in SECTIONS:
         raise UserError(f"{source}: unknown section {shown(section)}; {_suggest(str(section), SECTIONS)}")
     obj = getattr(cfg, section)
@@ -165,7 +167,8 @@ def parse_set(item: str) -> tuple[str, str, Any]:
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
-    """Read a YAML config, apply `--set` overrides and validate all that needs no process group."""
+    """Read a YAML config, apply `--set` overrides and validate all that needs no process group; the values
+    are as written (megazero.config.resolve.resolve fixes the derived ones)."""
     cfg = Config()
     source = "<defaults>"
     if path is not None:
@@ -191,10 +194,10 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
                     names = [f.name for f in dataclasses.fields(getattr(cfg, section))]
                     raise UserError(f"{source}: unknown key {shown(key)} in section '{section}'; "
                                     f"valid: {', '.join(sorted(names))}")
-                _apply(cfg, section, key, value, source)
+                apply_value(cfg, section, key, value, source)
     cfg.source = source
     for item in overrides:
         section, key, value = parse_set(item)
-        _apply(cfg, section, key, value, f"{source} (--set)")
+        apply_value(cfg, section, key, value, f"{source} (--set)")
     validate(cfg)
     return cfg

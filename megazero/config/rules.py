@@ -1,139 +1,73 @@
 """The rules a config must obey: ranges, choices and cross-field constraints, world size included.
 
-Checked before any process group or allocation (``megazero.config.load.load_config``
-calls :func:`validate`; the launcher calls :func:`resolve_world` once the world
-size is known). Every failure is one line naming the file, the key, the value
-and what would be valid (``megazero.errors.invalid``). Every numeric key has a
-range (_MIN, _MAX, or a choice list) that keeps what is computed from it
-downstream — torch sizes, numpy seeds, int64 counts, schedule lengths — from
-overflowing or hanging. Values that have a parser of their own — the schedule
-(``parallel.schedules``), ``data.split`` (``megazero.data.samples``) — are
-checked by calling it, so a config passes here exactly when the run accepts it.
+Pure checks: nothing here writes to the config (megazero.config.resolve fixes the derived values, once per
+run). ``megazero.config.load.load_config`` calls :func:`validate` before any process group or allocation;
+:func:`world_dp` checks a world size against the layout, and :func:`check_model` checks a model section
+alone (a checkpoint's, megazero.checkpoint.meta). Every failure is one line naming the file, the key, the
+value and what would be valid (``megazero.errors.invalid``). Each key's range or choice list is in
+megazero.config.ranges. Values that have a parser of their own — the schedule
+(``parallel.schedules``), ``data.split`` (``megazero.data.samples``) — are checked by calling it, so a config
+passes here exactly when the run accepts it.
 
-Imports go one way: ``megazero.config.load`` imports this module, which reads the
-config it is handed and imports nothing from ``megazero.config.load``.
+Imports go one way: ``megazero.config.load`` imports this module, which reads the config it is handed and
+imports nothing from ``megazero.config.load``.
 """
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
-from megazero.data.samples import parse_split
 from megazero.config.data_paths import entry_path
+from megazero.config.ranges import MAX_WORLD, check_ranges
+from megazero.config.schema import AUTO, Config
+from megazero.data.samples import parse_split
 from megazero.errors import UserError, invalid
 from models import arch
-from parallel.balance import StageCosts, balance_layers
-from parallel.schedules import SCHEDULES, schedule_constraint
-
-from megazero.config.schema import AUTO, Config
+from parallel.schedules import schedule_constraint
 
 
-# Allowed values and ranges, per key. A key absent here only needs the right type.
-_CHOICES = {
-    ("model", "arch"): ("gpt2", "llama"),
-    ("model", "rope_scaling"): ("none", "llama3"),
-    ("train", "precision"): ("fp32", "bf16", "fp16"),
-    ("zero", "stage"): (0, 1, 2, 3),
-    ("zero", "offload_optimizer"): ("none", "cpu"),
-    ("zero", "offload_params"): ("none", "cpu"),
-    ("zero", "grad_dtype"): ("auto", "fp32", "model"),
-    ("kernels", "attention"): ("auto", "triton", "torch"),
-    ("kernels", "adam"): ("auto", "fused", "triton", "torch"),
-    ("launch", "device"): ("auto", "cpu", "cuda"),
-    ("parallel", "schedule"): SCHEDULES,
-    ("train", "on_nonfinite"): ("stop", "skip"),
-}
-_MIN = {
-    ("model", "layers"): 1, ("model", "hidden"): 1, ("model", "heads"): 1, ("model", "seq_len"): 1,
-    ("model", "vocab_size"): 2, ("model", "ffn_hidden"): 1, ("model", "vocab_pad_multiple"): 1,
-    ("model", "checkpoint_layers"): 0, ("model", "kv_heads"): 1, ("model", "norm_eps"): 1e-12,
-    ("model", "rope_theta"): 1.0, ("model", "rope_factor"): 1.0, ("model", "rope_low_freq_factor"): 1e-6,
-    ("model", "rope_high_freq_factor"): 1e-6, ("model", "rope_original_positions"): 1,
-    ("parallel", "tp"): 1, ("parallel", "pp"): 1, ("parallel", "dp"): 1, ("parallel", "virtual_stages"): 1,
-    ("train", "steps"): 1, ("train", "global_batch"): 1, ("train", "micro_batch"): 1,
-    ("train", "lr"): 0.0, ("train", "min_lr"): 0.0, ("train", "warmup_steps"): 0,
-    ("train", "weight_decay"): 0.0, ("train", "grad_clip"): 0.0, ("train", "seed"): 0,
-    ("train", "eval_every"): 0, ("train", "eval_batches"): 1, ("train", "save_every"): 0,
-    ("train", "keep_last"): 1, ("train", "exit_after"): 0, ("zero", "bucket_mb"): 0.001,
-    ("parallel", "world_size"): 0, ("log", "every"): 1, ("model", "init_std"): 0.0,
-    ("log", "peak_tflops"): 1e-9, ("train", "max_skipped"): 1,
-    ("launch", "memory_gb"): 0.0, ("launch", "rank"): -1,
-    ("launch", "timeout_minutes"): 0.01,  # > 0: torch counts in milliseconds, so less would round to no wait
-}
-
-# Upper bounds, each with the reason: what downstream would overflow, hang or allocate without them.
-# Shapes are bounded so that the largest tensor a rank builds, one microbatch's fp32 logits
-# (micro_batch * seq_len * padded vocab = 2^16 * 2^20 * 2^24 elements), stays below int64 byte counts.
-_STEPS = 2 ** 31 - 1  # step counts: int32, so any logger or tensor that keeps one holds it; 68 years at 1 s/step
-_WORLD = 2 ** 20  # ranks: as megazero.launch; the dry run lists every rank of every stage
-_MAX = {
-    ("model", "layers"): 2 ** 31 - 1,  # the dry run builds one layer and multiplies: any count plans in seconds
-    ("model", "hidden"): 2 ** 18,  # 262,144 (GPT-3 175B: 12,288): the embedding vocab*hidden < 2^43
-    ("model", "heads"): 2 ** 18,  # heads divide hidden
-    ("model", "seq_len"): 2 ** 20,  # a million tokens per sequence; logits bound above
-    ("model", "vocab_size"): 2 ** 24,  # ids fit the int32 .bin; logits bound above; LLMs use <= 256k
-    ("model", "ffn_hidden"): 2 ** 20,  # 4 * the largest hidden: the MLP weight hidden*ffn < 2^39
-    ("model", "vocab_pad_multiple"): 2 ** 16,  # padding beyond 65,536 rows only wastes memory
-    ("model", "checkpoint_layers"): 2 ** 31 - 1,  # as model.layers
-    ("model", "init_std"): 10.0,
-    ("model", "kv_heads"): 2 ** 18,  # as model.heads, which it divides
-    ("model", "norm_eps"): 1.0,  # added to a mean square; past 1 it outweighs unit-scale activations
-    ("model", "rope_theta"): 1e12,  # Llama 3 uses 500,000; fp32 frequencies theta^(-2i/d) stay normal
-    ("model", "rope_factor"): 1e6,  # Llama 3.1: 8; a context a million times the original is past any use
-    ("model", "rope_low_freq_factor"): 1e6, ("model", "rope_high_freq_factor"): 1e6,  # Llama 3.1: 1 and 4
-    ("model", "rope_original_positions"): 2 ** 20,  # as model.seq_len  # GPT-2 uses 0.02; a std past 10 only overflows 16-bit activations
-    ("parallel", "tp"): _WORLD, ("parallel", "pp"): _WORLD, ("parallel", "dp"): _WORLD,
-    ("parallel", "world_size"): _WORLD,
-    ("parallel", "virtual_stages"): 4096,  # pp * virtual_stages <= model.layers
-    ("train", "steps"): _STEPS, ("train", "warmup_steps"): _STEPS, ("train", "eval_every"): _STEPS,
-    ("train", "save_every"): _STEPS, ("train", "exit_after"): _STEPS, ("train", "keep_last"): _STEPS,
-    ("train", "max_skipped"): _STEPS, ("log", "every"): _STEPS,
-    ("train", "global_batch"): 2 ** 24,  # sequences per step: tokens per step (x seq_len) < 2^44
-    ("train", "micro_batch"): 2 ** 16,  # sequences per forward; logits bound above
-    # validation tokens (global_batch * seq_len * eval_batches) divide a torch tensor: < 2^60
-    ("train", "eval_batches"): 2 ** 16,
-    # AdamW moves each weight by about lr per step, so past ~1 nothing trains; but a learning rate that
-    # diverges is train.on_nonfinite's to catch, not a config error. 1e9 keeps every update finite in fp32.
-    ("train", "lr"): 1e9,
-    ("train", "min_lr"): 1e9,
-    ("train", "weight_decay"): 1.0,  # decoupled, w -= lr*wd*w: with lr <= 1 no step flips a weight's sign
-    ("train", "grad_clip"): 1e6,  # a norm past this is divergence, not something to clip to; fp32 scalar
-    ("train", "seed"): 2 ** 63 - 1,  # torch.manual_seed takes < 2^64, numpy any; int64 everywhere else
-    ("zero", "bucket_mb"): 65536.0,  # 64 GiB, above any device; elements (mb * 2^20 / 2) fit int64 sizes
-    ("log", "peak_tflops"): 1e6,  # per device; an H200 is ~1e3 dense bf16: MFU stays a readable number
-    ("launch", "timeout_minutes"): 10080.0,  # a week; timedelta and NCCL's milliseconds hold it easily
-    ("launch", "memory_gb"): 2.0 ** 40,  # a TB of TB; bytes stay exact in float64
-    ("launch", "rank"): _WORLD - 1,  # below the world size, checked once the world is known
-}
 _SCHEDULE_PASSES = 2 ** 20  # microbatches * pp * virtual_stages: a schedule lists ~6 actions per pass
 _TRITON_GRID_Y = 65535  # CUDA's limit on a grid's second axis: the Triton attention's batch * heads axis
-_PROBABILITY = {("model", "dropout")}
 
 
-def validate(cfg: Config, memo=None) -> None:
-    """Ranges and cross-field rules that do not depend on the world size. ``memo`` (a
-    megazero.plan.memo.PlanMemo) remembers the layer balancing across the configs of one layout search."""
+def check_model(cfg: Config, source: Optional[str] = None) -> None:
+    """The model section's own rules, without the rest of the config: its ranges and choices, then how its
+    keys constrain each other (what a checkpoint's stored model must obey as much as a config file's)."""
+    check_ranges(cfg, ("model",), source)
+    _check_model_rules(cfg, cfg.source if source is None else source)
+
+
+def validate(cfg: Config) -> None:
+    """Ranges and cross-field rules that do not depend on the world size; writes nothing."""
     src = cfg.source
-    for section, key in list(_MIN) + [k for k in _MAX if k not in _MIN]:
-        v = getattr(getattr(cfg, section), key)
-        if v is None or v == AUTO:
-            continue
-        low, high = _MIN.get((section, key)), _MAX.get((section, key))
-        if (low is not None and v < low) or (high is not None and v > high):
-            valid = " and ".join(f"{op} {bound}" for op, bound in ((">=", low), ("<=", high)) if bound is not None)
-            raise invalid(src, f"{section}.{key}", v, f"must be {valid}")
-    for section, key in _PROBABILITY:
-        v = getattr(getattr(cfg, section), key)
-        if not 0.0 <= v < 1.0:
-            raise invalid(src, f"{section}.{key}", v, "must be in [0, 1)")
-    for (section, key), choices in _CHOICES.items():
-        v = getattr(getattr(cfg, section), key)
-        if v not in choices:
-            raise invalid(src, f"{section}.{key}", v, f"valid: {' | '.join(str(c) for c in choices)}")
-    m, t, par = cfg.model, cfg.train, cfg.parallel
-    if isinstance(par.dp, int) and par.tp * par.pp * par.dp > _WORLD:
+    check_ranges(cfg)
+    t, par = cfg.train, cfg.parallel
+    if isinstance(par.dp, int) and par.tp * par.pp * par.dp > MAX_WORLD:
         raise invalid(src, "parallel.tp*pp*dp", par.tp * par.pp * par.dp,
-                      f"must be <= {_WORLD} ranks (tp={par.tp}, pp={par.pp}, dp={par.dp})")
-    resolve_arch(m)
+                      f"must be <= {MAX_WORLD} ranks (tp={par.tp}, pp={par.pp}, dp={par.dp})")
+    _check_model_rules(cfg, src)
+    _check_tp(cfg)
+    _check_pp(cfg)
+    heads = t.micro_batch * cfg.model.heads // par.tp
+    if cfg.kernels.attention == "triton" and heads > _TRITON_GRID_Y:
+        raise invalid(src, "kernels.attention", "triton",
+                      f"launches micro_batch*heads/tp = {heads} programs on one grid axis, above CUDA's "
+                      f"{_TRITON_GRID_Y}; lower train.micro_batch or use kernels.attention=auto")
+    _check_zero(cfg)
+    if t.min_lr > t.lr:
+        raise invalid(src, "train.min_lr", t.min_lr, f"must be <= train.lr={t.lr}")
+    if t.global_batch % t.micro_batch:
+        raise invalid(src, "train.global_batch", t.global_batch,
+                      f"must be a multiple of train.micro_batch={t.micro_batch}")
+    _check_paths(cfg)
+    if isinstance(cfg.parallel.dp, int):
+        _check_batch(cfg, cfg.parallel.dp)
+        _check_microbatches(cfg, cfg.parallel.dp)
+
+
+def _check_model_rules(cfg: Config, src: str) -> None:
+    """How the model's keys constrain each other (heads, k/v heads, rotary scaling, recomputation)."""
+    m = cfg.model
     if m.hidden % m.heads:
         raise invalid(src, "model.heads", m.heads, f"must divide model.hidden={m.hidden}")
     if m.heads % m.kv_head_count:
@@ -153,25 +87,30 @@ def validate(cfg: Config, memo=None) -> None:
     if m.checkpoint_layers and not m.activation_checkpointing:
         raise invalid(src, "model.checkpoint_layers", m.checkpoint_layers,
                       "recomputes layers only with model.activation_checkpointing=true; 0 without it")
-    _check_tp(cfg)
-    _check_pp(cfg)
-    heads = t.micro_batch * m.heads // par.tp
-    if cfg.kernels.attention == "triton" and heads > _TRITON_GRID_Y:
-        raise invalid(src, "kernels.attention", "triton",
-                      f"launches micro_batch*heads/tp = {heads} programs on one grid axis, above CUDA's "
-                      f"{_TRITON_GRID_Y}; lower train.micro_batch or use kernels.attention=auto")
-    if cfg.zero.offload_params == "cpu" and cfg.zero.stage != 3:
-        raise invalid(src, "zero.offload_params", "cpu", f"needs zero.stage=3 (got {cfg.zero.stage})")
-    if cfg.zero.stage == 3 and cfg.zero.reshard_after_forward is True and cfg.parallel.schedule == "zb1p":
+
+
+def _check_zero(cfg: Config) -> None:
+    """Offloading parameters needs them sharded; keeping a layer gathered across zb1p's B and W needs them
+    kept after forward. What a stage shards is parallel.zero's StagePolicy (imported only for the keys that
+    need it: it brings torch, which loading a config otherwise does without)."""
+    src, z = cfg.source, cfg.zero
+    if z.offload_params != "cpu" and z.reshard_after_forward is not True:
+        return
+    from parallel.zero.policy import StagePolicy
+
+    shards_params = StagePolicy.of(z.stage).shard_params
+    if z.offload_params == "cpu" and not shards_params:
+        raise invalid(src, "zero.offload_params", "cpu", f"needs zero.stage=3 (got {z.stage})")
+    if shards_params and z.reshard_after_forward is True and cfg.parallel.schedule == "zb1p":
         raise invalid(src, "zero.reshard_after_forward", True,
                       "cannot be true with parallel.schedule=zb1p: a layer stays gathered from its input "
                       "gradient (B) to its weight gradient (W), and later forwards run in between; use auto or "
                       "false (auto is false with a pipeline)")
-    if t.min_lr > t.lr:
-        raise invalid(src, "train.min_lr", t.min_lr, f"must be <= train.lr={t.lr}")
-    if t.global_batch % t.micro_batch:
-        raise invalid(src, "train.global_batch", t.global_batch,
-                      f"must be a multiple of train.micro_batch={t.micro_batch}")
+
+
+def _check_paths(cfg: Config) -> None:
+    """The files a run reads exist: the checkpoint to resume, the tokenizer, the HF weights, the data."""
+    src, t = cfg.source, cfg.train
     if t.resume not in ("none", "auto") and not _exists(src, "train.resume", t.resume):
         raise invalid(src, "train.resume", t.resume, "valid: none | auto | an existing checkpoint directory")
     _check_split(cfg)
@@ -189,15 +128,6 @@ def validate(cfg: Config, memo=None) -> None:
         p, key = entry_path(entry), "data.paths" if isinstance(entry, str) else f"data.paths[{i}].path"
         if not (_exists(src, key, p) or _exists(src, key, p + ".idx")):
             raise invalid(src, key, p, "no such file or directory (nor a PREFIX.bin/.idx pair)")
-    if isinstance(cfg.parallel.dp, int):
-        _check_batch(cfg, cfg.parallel.dp)
-        _check_microbatches(cfg)
-    if not cfg.log.dir:
-        cfg.log.dir = str(Path("runs") / cfg.name)
-    if par.pp_layers == AUTO:  # last, once every static check has passed: the FLOPs formula imports torch
-        costs = pipeline_costs(m, par.tp, t.precision, compute_device(cfg.launch.device))
-        args = (m.layers, par.pp, costs, par.virtual_stages)
-        par.pp_layers = memo.call(balance_layers, *args) if memo is not None else balance_layers(*args)
 
 
 def _exists(src: str, key: str, path: str, test=Path.exists) -> bool:
@@ -207,12 +137,6 @@ def _exists(src: str, key: str, path: str, test=Path.exists) -> bool:
         return test(Path(path))
     except OSError as e:
         raise invalid(src, key, path, f"cannot be checked ({e.strerror or e})") from None
-
-
-def resolve_arch(m) -> None:
-    """Fix the values ``auto``/unset mean for the architecture (``models.arch``): GPT-2 has biases, a tied head
-    and a 4h MLP; Llama none, an untied head and a SwiGLU MLP of 8h/3 rounded up to a multiple of 256."""
-    m.bias, m.tie_embeddings, m.ffn_hidden = arch.has_bias(m), arch.tied(m), arch.ffn_hidden(m)
 
 
 def _check_tp(cfg: Config) -> None:
@@ -227,8 +151,9 @@ def _check_tp(cfg: Config) -> None:
     if kv < tp and m.head_dim % (tp // kv):  # a checkpoint stores each replica's even share of the head
         raise invalid(src, "model.kv_heads", kv, f"puts each k/v head on {tp // kv} ranks (parallel.tp={tp}), which "
                       f"must divide the head dim {m.head_dim}")
-    if m.ffn_hidden % tp:
-        raise invalid(src, "model.ffn_hidden", m.ffn_hidden, f"must be divisible by parallel.tp={tp}")
+    ffn = arch.ffn_hidden(m)
+    if ffn % tp:
+        raise invalid(src, "model.ffn_hidden", ffn, f"must be divisible by parallel.tp={tp}")
     if m.padded_vocab % tp:
         raise invalid(src, "model.vocab_pad_multiple", m.vocab_pad_multiple,
                       f"pads model.vocab_size={m.vocab_size} to {m.padded_vocab}, which parallel.tp={tp} does not "
@@ -263,71 +188,20 @@ def _check_pp(cfg: Config) -> None:
                       f"fewer layers than pipeline stages: needs >= parallel.pp*virtual_stages = {stages}")
 
 
-# Memory-bound work as FLOPs-equivalents: the FLOPs a GPU would have done in the time it moves the bytes, its
-# dense peak over its memory bandwidth (H200: 989 TFLOP/s bf16, 67 fp32, over 4.8 TB/s; an H100's 3.35 TB/s
-# gives 295 / 20). The same bytes weigh 15x more beside 16-bit matmuls than beside fp32 ones.
-FLOPS_PER_BYTE_16BIT = 200.0
-FLOPS_PER_BYTE_FP32 = 14.0
-# On a CPU core (fp32): ~90 GFLOP/s in a layer's matmuls against the cross entropy's ~4.3 ns per logit
-# (40 bytes) measured on the 2-core development machine: ~10 FLOPs per byte.
-FLOPS_PER_BYTE_CPU = 10.0
-# The vocab-parallel cross entropy (parallel.tensor) reads or writes each fp32 logit of this rank's slice ten
-# times: forward max, subtract (2), exp (2), sum, normalise (2); backward scale (2). The first pass is 16-bit
-# casts under bf16, a little more: not counted.
-CROSS_ENTROPY_BYTES_PER_LOGIT = 40
-# The embedding lookup gathers a row (read, write) and its backward adds the gradient into it (read, write):
-# four fp32 passes over hidden values per token, on every tp rank (the vocabulary is split, the rows are not).
-EMBEDDING_BYTES_PER_VALUE = 16
-# A layer's elementwise work, per token, in activation values read or written: two norms (forward 2h, backward
-# 3h each) and two residual adds (forward 3h, backward 2h each), 20h; the MLP's activation function, forward 2
-# and backward 3 passes over each of its ffn-wide inputs (GELU: one, SwiGLU: gate and up). Small beside a
-# layer's matmuls at large h (it grows with h, they with h^2), a tenth of them at h = 256.
-LAYER_PASSES_PER_HIDDEN = 20
-LAYER_PASSES_PER_MLP_INPUT = 5
-
-
-def pipeline_costs(m, tp: int = 1, precision: str = "fp32", device: str = "cuda") -> StageCosts:
-    """What one rank computes per token (parallel.balance): a transformer layer and the output head from the
-    FLOPs formula (megazero.train.metrics), plus as FLOPs-equivalents of their memory traffic the layer's
-    elementwise work, the cross entropy over this rank's V/tp logits and the embedding lookup. ``m``: a model
-    config (auto keys resolved or not); ``device``: cuda or cpu, whose matmuls outpace memory differently.
-    Recomputation (model.activation_checkpointing) is not counted, as in the plan's FLOPs."""
-    from megazero.train.metrics import flops_per_token, model_shape  # imports torch: only when asked
-
-    ffn, shape = arch.ffn_hidden(m), model_shape(m)
-    matmuls = flops_per_token(1, m.hidden, ffn, m.seq_len, 0, **shape) / tp
-    head = flops_per_token(0, m.hidden, ffn, m.seq_len, m.padded_vocab, **shape) / tp
-    if device == "cpu":
-        per_byte = FLOPS_PER_BYTE_CPU
-    else:
-        per_byte = FLOPS_PER_BYTE_FP32 if precision == "fp32" else FLOPS_PER_BYTE_16BIT
-    value_bytes = 4 if precision == "fp32" else 2
-    mlp_inputs = 2 if arch.is_llama(m) else 1
-    elementwise = (LAYER_PASSES_PER_HIDDEN * m.hidden + LAYER_PASSES_PER_MLP_INPUT * mlp_inputs * ffn / tp)
-    layer = matmuls + elementwise * value_bytes * per_byte
-    loss = CROSS_ENTROPY_BYTES_PER_LOGIT * per_byte * m.padded_vocab / tp
-    return StageCosts(layer, EMBEDDING_BYTES_PER_VALUE * per_byte * m.hidden, head + loss)
-
-
-def compute_device(launch_device: str) -> str:
-    """launch.device as the cost model sees it: auto weighs memory traffic as a GPU does, whatever machine
-    validates the config (a --dry-run on a login node plans the GPU run), and without touching CUDA."""
-    return "cpu" if launch_device == "cpu" else "cuda"
-
-
-def _check_microbatches(cfg: Config) -> None:
+def _check_microbatches(cfg: Config, dp: int) -> None:
     """The schedule can be built (and listed, by the dry run) in seconds and fits the chunking."""
     p = cfg.parallel
-    passes = cfg.microbatches * p.pp * p.virtual_stages
+    microbatches = cfg.train.global_batch // (cfg.train.micro_batch * dp)
+    passes = microbatches * p.pp * p.virtual_stages
     if passes > _SCHEDULE_PASSES:
         raise invalid(cfg.source, "train.global_batch", cfg.train.global_batch,
-                      f"gives {cfg.microbatches} microbatches per rank (global_batch / (micro_batch*dp)); times "
+                      f"gives {microbatches} microbatches per rank (global_batch / (micro_batch*dp)); times "
                       f"parallel.pp*virtual_stages={p.pp * p.virtual_stages} that is {passes} forward passes per "
                       f"step, above {_SCHEDULE_PASSES}; raise train.micro_batch or lower global_batch")
-    problem = schedule_constraint(p.schedule, p.pp, cfg.microbatches, p.virtual_stages)
+    problem = schedule_constraint(p.schedule, p.pp, microbatches, p.virtual_stages)
     if problem:  # the name and the chunking passed _check_pp: what is left is the microbatch count
         raise invalid(cfg.source, "train.global_batch", cfg.train.global_batch,
-                      f"gives {cfg.microbatches} microbatches per rank (global_batch / (micro_batch*dp)); {problem}")
+                      f"gives {microbatches} microbatches per rank (global_batch / (micro_batch*dp)); {problem}")
 
 
 def _check_split(cfg: Config) -> None:
@@ -348,24 +222,21 @@ def _check_batch(cfg: Config, dp: int) -> None:
                       f"must be a multiple of train.micro_batch*parallel.dp = {t.micro_batch}*{dp} = {per_step}")
 
 
-def resolve_world(cfg: Config, world_size: int) -> Config:
-    """Fix parallel.dp for this world size and check tp*pp*dp covers it exactly; fix the values that
-    depend on the layout (zero.reshard_after_forward=auto)."""
+def world_dp(cfg: Config, world_size: int) -> int:
+    """parallel.dp for this world size (auto: world / (tp*pp)), checked: tp*pp*dp covers the world exactly and
+    the global batch splits into whole microbatches a schedule can run."""
     p = cfg.parallel
     src = cfg.source
-    if p.dp == AUTO:
+    dp = p.dp
+    if dp == AUTO:
         if world_size % (p.tp * p.pp):
             raise invalid(src, "parallel.tp*pp", p.tp * p.pp,
                           f"must divide the world size {world_size} (parallel.dp=auto)")
-        p.dp = world_size // (p.tp * p.pp)
-    if p.tp * p.pp * p.dp != world_size:
-        raise UserError(f"{src}: parallel.tp*pp*dp = {p.tp}*{p.pp}*{p.dp} = {p.tp * p.pp * p.dp} "
+        dp = world_size // (p.tp * p.pp)
+    if p.tp * p.pp * dp != world_size:
+        raise UserError(f"{src}: parallel.tp*pp*dp = {p.tp}*{p.pp}*{dp} = {p.tp * p.pp * dp} "
                         f"does not match the world size {world_size}; set parallel.dp=auto or launch "
-                        f"{p.tp * p.pp * p.dp} processes")
-    _check_batch(cfg, p.dp)
-    _check_microbatches(cfg)
-    if cfg.zero.reshard_after_forward == AUTO:
-        # A pipeline stage runs m forwards and m backwards per step: resharding after every forward would
-        # gather each layer 2m times per step instead of once (torchtitan reshards only without pp).
-        cfg.zero.reshard_after_forward = p.pp == 1
-    return cfg
+                        f"{p.tp * p.pp * dp} processes")
+    _check_batch(cfg, dp)
+    _check_microbatches(cfg, dp)
+    return dp

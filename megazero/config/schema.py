@@ -96,7 +96,7 @@ class ZeroConfig:
     stage: int = 0  # 0 | 1 | 2 | 3 (Rajbhandari et al. 2020)
     bucket_mb: float = 25.0  # gradient/parameter communication bucket size
     # stage 3: free a gathered layer after its forward (false: keep it for the step); auto = true without a
-    # pipeline, false with one (each layer would be gathered 2m times per step), fixed by resolve_world
+    # pipeline, false with one (each layer would be gathered 2m times per step), fixed by resolve
     reshard_after_forward: Union[bool, str] = AUTO
     offload_optimizer: str = "none"  # none | cpu: fp32 master weights and Adam states in CPU memory
     offload_params: str = "none"  # none | cpu (stage 3): parameter shards in CPU memory
@@ -178,7 +178,7 @@ class Config:
     @property
     def microbatches(self) -> int:
         """Microbatches each DP rank runs per step (gradient accumulation)."""
-        assert isinstance(self.parallel.dp, int), "resolve_world() first"
+        assert isinstance(self.parallel.dp, int), "megazero.config.resolve.resolve() first"
         return self.train.global_batch // (self.train.micro_batch * self.parallel.dp)
 
     def to_dict(self) -> dict:

@@ -67,7 +67,7 @@ def model_config(model_cfg: Any) -> ModelConfig:
     """A resolved copy of ``model_cfg`` (a ModelConfig, or a checkpoint's model section as a dict): the
     architecture's meaning of auto/unset bias, tie_embeddings and ffn_hidden filled in, as a config load
     does, so callers compare and shape with concrete values."""
-    from megazero.config.rules import resolve_arch
+    from megazero.config.resolve import resolve_arch
 
     if isinstance(model_cfg, Mapping):
         names = {f.name for f in dataclasses.fields(ModelConfig)}

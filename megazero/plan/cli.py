@@ -14,25 +14,15 @@ import sys
 import time
 from typing import Optional
 
-from megazero.plan.cluster import Cluster, load_cluster
-from megazero.config.schema import Config
 from megazero.config.load import load_config
+from megazero.config.resolve import resolve
+from megazero.config.schema import AUTO, Config
 from megazero.errors import UserError
+from megazero.plan.cluster import Cluster, load_cluster
+from megazero.plan.layouts import Layout, Ranked, parse_layout
+from megazero.plan.search import GB, MEMORY_MARGIN, PLANNED_DEVICE, Search, configure, search
 from megazero.plan.stage_plan import make_plan
-from megazero.config.schema import AUTO
-from megazero.config.rules import resolve_world
 from megazero.plan.step_time import step_time
-
-KNOBS = ("tp", "pp", "dp", "virtual_stages", "schedule", "zero_stage", "micro_batch", "recompute")
-# gpipe is not searched (it can be fixed with --layout): 1F1B's bubble, but every microbatch's activations held.
-SEARCHED_SCHEDULES = ("1f1b", "zb1p", "interleaved")
-# The plan counts model states, ZeRO buffers and activations; the allocator's fragmentation and cached
-# blocks, the CUDA context (~0.5 GB), NCCL's buffers, cuBLAS workspaces and a step's temporaries are not in
-# it. Megatron-scale runs keep ~10% of HBM for them, so a layout fits when its plan is <= 90% of the GPU.
-MEMORY_MARGIN = 0.9
-MAX_MICRO_BATCHES = 8  # micro-batch values tried per layout: a geometric spread of the batch's divisors
-GB = 1e9
-from megazero.plan.search import GB, KNOBS, MEMORY_MARGIN, Layout, Ranked, Search, configure, parse_layout, search
 
 
 def own_layout(cfg: Config, gpus: int) -> Layout:
@@ -51,6 +41,7 @@ def write_config(base: Config, layout: Layout, gpus: int, path: str) -> None:
     data.pop("name", None)  # the name comes from the file's
     data["parallel"]["pp_layers"] = AUTO
     data["zero"]["reshard_after_forward"] = base.zero.reshard_after_forward
+    data["kernels"] = dataclasses.asdict(base.kernels)  # as asked: the machine that runs it resolves them
     if data["log"]["dir"] == f"runs/{base.name}":  # the default: runs/<the new file's name>
         data["log"]["dir"] = ""
     try:
@@ -62,7 +53,7 @@ def write_config(base: Config, layout: Layout, gpus: int, path: str) -> None:
                         "replaced)") from None
     except OSError as e:
         raise UserError(f"--write {path}: cannot write it ({e.strerror or e})") from None
-    back = resolve_world(load_config(path), gpus)
+    back = resolve(load_config(path), gpus, PLANNED_DEVICE, planned=True)
     if own_layout(back, gpus) != layout:
         raise UserError(f"--write {path}: the saved config reads back as {own_layout(back, gpus).label()}")
 
@@ -86,7 +77,7 @@ def format_table(found: Search, own: "Ranked | str", top: int, header: str) -> s
 def _own(path: str, sets: list[str], cluster: Cluster, gpus: int) -> "Ranked | str":
     """The config's own layout costed as the search costs one, or the one line that says why it cannot run."""
     try:
-        cfg = resolve_world(load_config(path, sets), gpus)
+        cfg = resolve(load_config(path, sets), gpus, PLANNED_DEVICE, planned=True)
     except UserError as e:
         return f"not valid on {gpus} GPUs: {e}"
     plan = make_plan(cfg)

@@ -1,7 +1,8 @@
 """Will the run fit? The --dry-run plan's per-rank bytes against the memory this machine has, before anything
 is built, so a model too big fails in one line with the knobs that would help, not in the allocator.
 
-The plan counts model states and activations (megazero.plan.stage_plan): a lower bound, since temporaries, communication
+The plan of a resolved config (megazero.config.resolve) counts model states and activations
+(megazero.plan.stage_plan): a lower bound, since temporaries, communication
 buckets and the allocator's slack come on top. So a run it says cannot fit cannot fit; one it passes may still
 run out, which the allocator then reports.
 """
@@ -13,8 +14,11 @@ from typing import Optional
 
 import torch
 
+from megazero.config.rules import validate
 from megazero.config.schema import Config
 from megazero.errors import UserError
+from megazero.plan.stage_plan import make_plan
+from parallel.zero.policy import StagePolicy
 
 GB = 1e9
 # Layers one rank builds in a run: each is a Python module (~40 KB of host memory before any tensor) run in a
@@ -41,8 +45,6 @@ def available_bytes(device: torch.device) -> int:
 def needed_bytes(cfg: Config, ranks: range, device_type: str) -> int:
     """Planned bytes of these ranks on one device (a GPU holds one rank; a CPU host all of its node's ranks,
     their offloaded states included)."""
-    from megazero.plan.stage_plan import make_plan
-
     plan = make_plan(cfg)
     per_stage = cfg.parallel.dp * cfg.parallel.tp
     return sum(stage_bytes(cfg, plan.stages[r // per_stage], device_type) for r in ranks)
@@ -70,7 +72,7 @@ def _variants(cfg: Config) -> list[tuple[str, Config]]:
         variant("model.activation_checkpointing=true", lambda c: setattr(c.model, "activation_checkpointing", True))
     elif m.checkpoint_layers:
         variant("model.checkpoint_layers=0", lambda c: setattr(c.model, "checkpoint_layers", 0))
-    if z.stage < 3:
+    if not StagePolicy.of(z.stage).shard_params:  # a higher stage shards more
         variant(f"zero.stage={z.stage + 1}", lambda c: setattr(c.zero, "stage", z.stage + 1))
     if t.micro_batch > 1:
         variant(f"train.micro_batch={t.micro_batch // 2}",
@@ -99,8 +101,6 @@ def check_fits(cfg: Config, device: torch.device, rank: int, local_rank: int, lo
     have = available_bytes(device) if available is None else available
     if need <= have:
         return
-    from megazero.config.rules import validate
-
     helps = []
     for label, c in _variants(cfg):
         try:

@@ -4,8 +4,8 @@ A search (megazero.plan.search) costs thousands of layouts; each plan builds a
 schedule (millions of actions at thousands of microbatches), walks it for the
 activation peak, balances the layers and counts a meta-built model's
 parameters, though most layouts share those inputs. ``make_plan`` and
-``rules.validate`` take a :class:`PlanMemo` as an explicit input: without one
-(a run, a dry run) they call the functions directly.
+``megazero.config.resolve.resolve`` (its layer balancing) take a :class:`PlanMemo`
+as an explicit input: without one (a run, a dry run) they call the functions directly.
 
 What is kept: the latest schedule only (it can hold millions of actions; the
 search brings the layouts that share one together) and the peaks along it;

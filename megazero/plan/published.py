@@ -1,8 +1,9 @@
 """Published throughput rows the step-time model (megazero.plan.step_time) is fitted to and checked against.
 
 Each row is turned into a megazero config (configs/gpt13b.yaml with ``--set``-style overrides, then
-``resolve_world``) and predicted as TFLOP/s per GPU counted the way its source counts FLOPs. Shared by
-bench/planner.py (the fit) and tests/test_step_time.py (the acceptance check), so the table lives once.
+``megazero.config.resolve.resolve`` for the row's GPUs) and predicted as TFLOP/s per GPU counted the way its source counts FLOPs. Shared by
+bench/planner.py (the fit) and tests/test_step_time.py (the acceptance check), so the table lives once;
+the rows and the clusters are read when asked (:func:`rows`, :func:`cluster_of`), not at import.
 
 Sources:
 
@@ -20,12 +21,18 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
-from megazero.plan.cluster import load_cluster
-from megazero.config.schema import Config
 from megazero.config.load import load_config
-from megazero.plan.search import MEMORY_MARGIN  # a layout fits in this share of the GPU, as in the search
-from megazero.config.rules import resolve_world
+from megazero.config.resolve import resolve
+from megazero.config.schema import Config
+from megazero.costs import flops_per_token, model_shape
+from megazero.plan.cluster import Cluster, load_cluster
+from megazero.plan.fits import stage_bytes
+from megazero.plan.search import MEMORY_MARGIN, PLANNED_DEVICE  # a layout fits as in the search
+from megazero.plan.stage_plan import make_plan
+from megazero.plan.step_time import Constants, step_time
+from models.arch import ffn_hidden
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "configs" / "gpt13b.yaml"
@@ -49,7 +56,7 @@ class Row:
 
 # Interleaving: the papers do not print v per row. Every pp > 1 row gets the largest v <= 4 that divides
 # its layers per stage (Korthikanti et al. 2022 ran 175B and 530B at v = 3).
-ROWS = [
+_ROWS = (
     Row("1.7B", "narayanan", 24, 2304, 24, 1, 1, 32, 512, 137),
     Row("3.6B", "narayanan", 32, 3072, 30, 2, 1, 64, 512, 138, named=False),
     Row("7.5B", "narayanan", 32, 4096, 36, 4, 1, 128, 512, 142),
@@ -64,14 +71,24 @@ ROWS = [
     Row("16B-H100", "mcore", 48, 6144, 32, 4, 1, 192, 192, 489.1),
     Row("70B-H100", "mcore", 64, 8192, 84, 8, 2, 768, 384, 419.7, virtual=3),
     Row("177B-H100", "mcore", 96, 12288, 96, 8, 6, 2304, 1152, 432.8, virtual=4),
-]
-NAMED = [r for r in ROWS if r.named]
-HELD_BACK = [r for r in ROWS if not r.named]
-
+)
 CLUSTER = {"narayanan": "a100-80g", "mcore": "h100-80g"}
-CLUSTERS = {source: load_cluster(name) for source, name in CLUSTER.items()}  # read once; frozen values
 SEQ = {"narayanan": 2048, "mcore": 4096}
 VOCAB = {"narayanan": 51200, "mcore": 131072}
+
+
+def rows(named: Optional[bool] = None) -> list[Row]:
+    """The published rows: all, the issue's fitted ones (``named=True``) or those held back (``False``)."""
+    return [r for r in _ROWS if named is None or r.named is named]
+
+
+def cluster_of(row_source: str) -> Cluster:
+    """The cluster a row's source ran on, read from configs/clusters when asked."""
+    return load_cluster(CLUSTER[row_source])
+
+
+def _resolved(sets: list[str], gpus: int) -> Config:
+    return resolve(load_config(BASE, sets), gpus, PLANNED_DEVICE, planned=True)
 
 
 def micro_batch(row: Row) -> int:
@@ -104,38 +121,26 @@ def row_config(row: Row, recompute: bool | None = None) -> Config:
         sets += ["parallel.schedule=1f1b", "parallel.virtual_stages=1"]
     if recompute is not None or a100:
         full = a100 if recompute is None else recompute
-        return resolve_world(load_config(BASE, sets + [f"model.activation_checkpointing={str(full).lower()}"]),
-                             row.gpus)
+        return _resolved(sets + [f"model.activation_checkpointing={str(full).lower()}"], row.gpus)
     # H100: no recompute if the plan fits; else the fewest checkpointed layers per chunk that fit
-    cfg = resolve_world(load_config(BASE, sets + ["model.activation_checkpointing=false"]), row.gpus)
+    cfg = _resolved(sets + ["model.activation_checkpointing=false"], row.gpus)
     per_chunk = row.layers // (row.pp * row.virtual)
     for k in range(1, per_chunk + 1):
         if fits(cfg, row):
             break
-        cfg = resolve_world(load_config(BASE, sets + ["model.activation_checkpointing=true",
-                                                      f"model.checkpoint_layers={0 if k == per_chunk else k}"]),
-                            row.gpus)
+        cfg = _resolved(sets + ["model.activation_checkpointing=true",
+                                f"model.checkpoint_layers={0 if k == per_chunk else k}"], row.gpus)
     return cfg
 
 
 def fits(cfg: Config, row: Row) -> bool:
-    from megazero.plan.stage_plan import make_plan
-    from megazero.plan.fits import stage_bytes
-
+    """The row's config fits its GPUs as the search counts it (MEMORY_MARGIN of the memory)."""
     budget = cluster_of(row.source).memory_gb * 1e9 * MEMORY_MARGIN
     return max(stage_bytes(cfg, s, "cuda") for s in make_plan(cfg).stages) <= budget
 
 
-def cluster_of(row_source: str):
-    return CLUSTERS[row_source]
-
-
 def counted_flops(cfg: Config, row: Row, plan=None) -> float:
     """FLOPs per step as the row's source counts them, from the plan's model FLOPs (the one formula)."""
-    from megazero.train.metrics import flops_per_token, model_shape
-    from megazero.plan.stage_plan import make_plan
-    from models.arch import ffn_hidden
-
     model = (make_plan(cfg) if plan is None else plan).flops_per_step
     if row.source == "mcore":
         return model
@@ -145,13 +150,13 @@ def counted_flops(cfg: Config, row: Row, plan=None) -> float:
     return (model - head) * 4 / 3 + head  # Eq. 3: the layers' forward counted again for recompute
 
 
-def predict(row: Row, constants=None, cfg: Config | None = None, plan=None):
-    """(predicted TFLOP/s per GPU as the source counts, StepTime, config) of a row; ``cfg`` and ``plan``
-    (its make_plan), when given, are reused."""
-    from megazero.plan.step_time import Constants, step_time
-
+def predict(row: Row, constants: Optional[Constants] = None, cfg: Optional[Config] = None, plan=None,
+            cluster: Optional[Cluster] = None):
+    """(predicted TFLOP/s per GPU as the source counts, StepTime, config) of a row; ``cfg``, ``plan`` (its
+    make_plan) and ``cluster`` (its cluster_of), when given, are reused: a fit predicts each row thousands of
+    times."""
     c = Constants() if constants is None else constants
     c = dataclasses.replace(c, materialised_scores=row.source == "narayanan")
     cfg = row_config(row) if cfg is None else cfg
-    st = step_time(cfg, cluster_of(row.source), c, plan)
+    st = step_time(cfg, cluster_of(row.source) if cluster is None else cluster, c, plan)
     return counted_flops(cfg, row, plan) / (st.total * row.gpus) / 1e12, st, cfg

@@ -1,18 +1,16 @@
 """Search a config's layouts on a described cluster (the command line, ``python -m megazero.plan --config C
 --cluster K --gpus N``, is megazero.plan.cli).
 
-Every layout (tp, pp, dp, virtual stages, schedule, ZeRO stage, micro-batch, recompute) is applied to the
-config and checked by the rules a run applies (megazero.config.rules.validate and resolve_world: the config rules
-decide validity, not a copy of them); each valid one is costed by megazero.plan.step_time, whose memory is the
-``--dry-run`` plan's; those over the GPU's memory (times MEMORY_MARGIN) are dropped and the rest ranked by
-predicted step time.
+Every layout (megazero.plan.layouts) is applied to the config, checked by the rules a run applies
+(megazero.config.rules.validate) and resolved as a run is (megazero.config.resolve.resolve): the config's
+rules decide validity, not a copy of them. Each valid one is costed by megazero.plan.step_time, whose
+memory is the ``--dry-run`` plan's; those over the GPU's memory (times MEMORY_MARGIN) are dropped and the
+rest ranked by predicted step time.
 
 The search is pruned where the answer cannot change: micro-batches are tried smallest first and stop at
 the first that does not fit at the least-memory recompute (a larger one holds more activations);
 recomputation is tried only when a layout does not fit without it (it only adds time), and then the fewest
-checkpointed layers that fit (``model.checkpoint_layers``) stand for the rest. Where it is narrowed to keep
-it to seconds: tp stays within a node unless --layout fixes it; at most MAX_MICRO_BATCHES micro-batches
-per layout; interleaving at 2, 4, 8... chunks; gpipe only when fixed.
+checkpointed layers that fit (``model.checkpoint_layers``) stand for the rest.
 """
 from __future__ import annotations
 
@@ -20,156 +18,38 @@ import copy
 import dataclasses
 import gc
 import math
-import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
+from megazero.config.resolve import resolve
+from megazero.config.rules import validate
+from megazero.config.schema import AUTO, Config
+from megazero.errors import UserError
 from megazero.plan.cluster import Cluster
-from megazero.config.schema import Config
-from megazero.config.load import load_config
-from megazero.errors import UserError, shown
-from megazero.plan.stage_plan import make_plan
+from megazero.plan.layouts import Layout, Ranked, candidates
 from megazero.plan.memo import PlanMemo
-from megazero.config.schema import AUTO
-from megazero.config.rules import resolve_world, validate
+from megazero.plan.stage_plan import make_plan
 from megazero.plan.step_time import Constants, step_time
+from parallel.zero.policy import StagePolicy
 
-KNOBS = ("tp", "pp", "dp", "virtual_stages", "schedule", "zero_stage", "micro_batch", "recompute")
-# gpipe is not searched (it can be fixed with --layout): 1F1B's bubble, but every microbatch's activations held.
-SEARCHED_SCHEDULES = ("1f1b", "zb1p", "interleaved")
 # The plan counts model states, ZeRO buffers and activations; the allocator's fragmentation and cached
 # blocks, the CUDA context (~0.5 GB), NCCL's buffers, cuBLAS workspaces and a step's temporaries are not in
 # it. Megatron-scale runs keep ~10% of HBM for them, so a layout fits when its plan is <= 90% of the GPU.
 MEMORY_MARGIN = 0.9
-MAX_MICRO_BATCHES = 8  # micro-batch values tried per layout: a geometric spread of the batch's divisors
 GB = 1e9
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One point of the search; recompute is 'none', 'full' or k (model.checkpoint_layers) as text."""
-
-    tp: int
-    pp: int
-    dp: int
-    virtual_stages: int
-    schedule: str
-    zero_stage: int
-    micro_batch: int
-    recompute: str
-
-    def label(self) -> str:
-        return " ".join(f"{k}={v}" for k, v in asdict(self).items())
-
-
-@dataclass(frozen=True)
-class Ranked:
-    """A layout that fits, with what the step-time model predicts for it."""
-
-    layout: Layout
-    memory_gb: float
-    step_s: float
-    tflops_per_gpu: float
-    mfu: float
-
-    def as_dict(self) -> dict:
-        return {**asdict(self.layout), "memory_gb": self.memory_gb, "step_s": self.step_s,
-                "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu}
-
-
-def parse_layout(text: str) -> dict:
-    """``tp=8,pp=4,recompute=full`` -> the fixed knobs; a bad knob or value is one line."""
-    fixed: dict = {}
-    for item in (text.split(",") if text.strip() else []):
-        key, sep, value = (s.strip() for s in item.partition("="))
-        if not sep or key not in KNOBS:
-            raise UserError(f"--layout {shown(item)} is invalid; expected knob=value with a knob of {', '.join(KNOBS)}")
-        if key in fixed:
-            raise UserError(f"--layout: {key} is given twice")
-        fixed[key] = _knob_value(key, value)
-    if not fixed:
-        raise UserError(f"--layout {shown(text)} is invalid; expected e.g. tp=8,pp=4,recompute=full")
-    return fixed
-
-
-def _knob_value(key: str, value: str):
-    from parallel.schedules import SCHEDULES
-
-    if key == "schedule":
-        if value not in SCHEDULES:
-            raise UserError(f"--layout schedule={shown(value)} is invalid; valid: {' | '.join(SCHEDULES)}")
-        return value
-    if key == "recompute":
-        if value in ("none", "full") or (value.isdigit() and 0 < int(value) < 2 ** 31):
-            return value
-        raise UserError(f"--layout recompute={shown(value)} is invalid; valid: none | full | a layer count k >= 1")
-    low = 0 if key == "zero_stage" else 1
-    if not (value.isdigit() and len(value) < 10) or int(value) < low or (key == "zero_stage" and int(value) > 3):
-        valid = "0 | 1 | 2 | 3" if key == "zero_stage" else "an integer >= 1"
-        raise UserError(f"--layout {key}={shown(value)} is invalid; valid: {valid}")
-    return int(value)
-
-
-def divisors(n: int) -> list[int]:
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
-
-
-def _spread(values: list[int], most: int) -> list[int]:
-    """At most ``most`` of sorted values, evenly by index (the divisors of a batch are near-geometric)."""
-    if len(values) <= most:
-        return values
-    return sorted({values[round(i * (len(values) - 1) / (most - 1))] for i in range(most)})
-
-
-def candidates(base: Config, gpus: int, fixed: dict, max_tp: int = 2 ** 20) -> Iterator[Layout]:
-    """Every layout of ``gpus`` ranks the search considers, recompute none or full, before the rules (those
-    that break one are filtered by :func:`configure`). Per pipeline shape, layouts come in order of falling
-    microbatch count, so each (tp, ZeRO stage) meets its micro-batches smallest first and layouts that share a
-    schedule come together. tp above ``max_tp`` only when --layout fixes it."""
-    layers, batch = base.model.layers, base.train.global_batch
-    want = lambda key, value: key not in fixed or fixed[key] == value  # noqa: E731
-    for pp in divisors(gpus):
-        shapes = [(tp, gpus // (tp * pp)) for tp in divisors(gpus // pp) if tp <= max_tp or "tp" in fixed]
-        shapes = [(tp, dp) for tp, dp in shapes if want("tp", tp) and want("dp", dp) and batch % dp == 0]
-        if pp > layers or not want("pp", pp) or not shapes:
-            continue
-        rows = [(tp, dp, mb) for tp, dp in shapes for mb in ([fixed["micro_batch"]] if "micro_batch" in fixed
-                                                             else _spread(divisors(batch // dp), MAX_MICRO_BATCHES))]
-        rows.sort(key=lambda row: -(batch // (row[1] * row[2])))  # stable: ties keep tp order
-        for schedule, v in _pipelines(pp, layers, fixed):
-            for tp, dp, mb in rows:
-                for zero in (z for z in (1, 0, 2, 3) if want("zero_stage", z)):  # ZeRO-1 tells ZeRO-0's memory
-                    for rec in ([fixed["recompute"]] if "recompute" in fixed else ["none", "full"]):
-                        yield Layout(tp, pp, dp, v, schedule, zero, mb, rec)
-
-
-def _pipelines(pp: int, layers: int, fixed: dict) -> list[tuple[str, int]]:
-    """(schedule, virtual stages) pairs: one chunk per rank, or 2, 4, 8... chunks interleaved while every
-    virtual stage keeps a layer. Without a pipeline only 1f1b (every schedule is the same there)."""
-    if "schedule" in fixed:
-        names = [fixed["schedule"]]
-    else:
-        names = ["1f1b"] if pp == 1 else list(SEARCHED_SCHEDULES)
-    out = []
-    for name in names:
-        if name != "interleaved":
-            out.append((name, 1))
-            continue
-        chunks = [fixed["virtual_stages"]] if "virtual_stages" in fixed else \
-            [2 ** i for i in range(1, 32) if pp * 2 ** i <= layers]
-        out += [(name, v) for v in chunks]
-    return [(s, v) for s, v in out if "virtual_stages" not in fixed or fixed["virtual_stages"] == v]
+PLANNED_DEVICE = "cuda"  # a search lays a run out on a GPU cluster
 
 
 def configure(base: Config, layout: Layout, gpus: int, memo: Optional[PlanMemo] = None) -> Config:
-    """The config with this layout, validated as a run validates it (load_config's rules, then resolve_world);
-    a layout the rules refuse raises their UserError. Sequence parallelism is on with tp > 1; pipeline
-    stages are balanced by cost (``parallel.pp_layers: auto``)."""
-    cfg = copy.copy(base)  # the sections the layout, validate and resolve_world change; the rest is shared
-    cfg.parallel, cfg.model, cfg.train, cfg.zero = (copy.copy(s) for s in (base.parallel, base.model, base.train,
-                                                                           base.zero))
+    """The config with this layout: checked as load_config checks one (rules.validate), then resolved for
+    ``gpus`` GPUs by megazero.config.resolve.resolve, as a run's entry point resolves its config. Each layout
+    is a distinct run's config, so each is resolved once, here; ``base`` is left as it was. A layout the
+    rules refuse raises their UserError. Sequence parallelism is on with tp > 1; pipeline stages are
+    balanced by cost (``parallel.pp_layers: auto``)."""
+    cfg = copy.copy(base)  # the sections the layout and resolve change; the rest is shared
+    cfg.parallel, cfg.model, cfg.train, cfg.zero, cfg.kernels, cfg.log = (
+        copy.copy(s) for s in (base.parallel, base.model, base.train, base.zero, base.kernels, base.log))
     p, m = cfg.parallel, cfg.model
     p.tp, p.pp, p.dp, p.virtual_stages, p.schedule = layout.tp, layout.pp, layout.dp, layout.virtual_stages, \
         layout.schedule
@@ -179,8 +59,8 @@ def configure(base: Config, layout: Layout, gpus: int, memo: Optional[PlanMemo] 
     cfg.zero.stage, cfg.train.micro_batch = layout.zero_stage, layout.micro_batch
     m.activation_checkpointing = layout.recompute != "none"
     m.checkpoint_layers = int(layout.recompute) if layout.recompute.isdigit() else 0
-    validate(cfg, memo)
-    return resolve_world(cfg, gpus)
+    validate(cfg)
+    return resolve(cfg, gpus, PLANNED_DEVICE, planned=True, memo=memo)
 
 
 @dataclass
@@ -241,7 +121,10 @@ def _walk(layouts: Iterator[Layout], fixed: dict, layers: int, cost: Callable, k
     for layout in layouts:
         shape = (layout.tp, layout.pp, layout.virtual_stages, layout.schedule, layout.recompute)
         group, beside = ("zero", layout.zero_stage, *shape), ("micro_batch", layout.micro_batch, *shape)
-        floor = max(floors.get(group, 0), floors.get(beside, 0) if layout.zero_stage == 0 else 0)
+        policy = StagePolicy.of(layout.zero_stage)
+        replicated = not policy.shard_optimizer  # ZeRO-0: reads the floor ZeRO-1 left at its micro-batch
+        optimizer_only = policy.shard_optimizer and not policy.shard_grads  # ZeRO-1: leaves it
+        floor = max(floors.get(group, 0), floors.get(beside, 0) if replicated else 0)
         if floor >= never or ("recompute" not in fixed and layout.recompute == "full"):
             continue  # full recomputation is reached from "none" below, when that does not fit
         per_chunk = math.ceil(layers / (layout.pp * layout.virtual_stages))
@@ -254,7 +137,7 @@ def _walk(layouts: Iterator[Layout], fixed: dict, layers: int, cost: Callable, k
                 if level == 0:
                     keep(layout, st)
                 floors[group] = level
-                if layout.zero_stage == 1:
+                if optimizer_only:
                     floors[beside] = level
                 continue
         got = _fewest_recomputed(layout, max(floor, 1), per_chunk, cost, budget)
@@ -264,7 +147,7 @@ def _walk(layouts: Iterator[Layout], fixed: dict, layers: int, cost: Callable, k
         if got[1] is not None:
             keep(*got[1])
         floors[group] = level
-        if layout.zero_stage == 1:
+        if optimizer_only:
             floors[beside] = level
 
 

@@ -23,10 +23,6 @@ from typing import Optional
 import torch
 
 from megazero.config.schema import Config
-
-from megazero.config.load import load_config
-
-from megazero.config.rules import resolve_world
 from megazero.errors import UserError
 from megazero.plan.tracker import CATEGORIES, MemoryTracker, watching
 
@@ -121,17 +117,15 @@ def planned(cfg: Config, stage) -> dict:
 
 
 def cpu_kernels(cfg: Config) -> None:
-    """The simulation runs the CPU code path: Triton kernels are replaced by the ones that keep the same
-    tensors (torch SDPA's flash path keeps q, k, v, the output and the log-sum-exp as the Triton kernel does;
-    torch's fused AdamW updates in place like the Triton one, without its 1 B/element decay mask)."""
-    from kernels import resolve_kernels
-
+    """The simulation runs the CPU code path: a request for a Triton kernel becomes one for the kernel that
+    keeps the same tensors (torch SDPA's flash path keeps q, k, v, the output and the log-sum-exp as the
+    Triton kernel does; torch's fused AdamW updates in place like the Triton one, without its 1 B/element
+    decay mask). Called on the config as loaded, before it is resolved for the CPU."""
     for key in ("attention", "adam"):
         if getattr(cfg.kernels, key) == "triton":
             setattr(cfg.kernels, key, "torch" if key == "attention" else "fused")
             print(f"simulating kernels.{key}=triton with the CPU's {getattr(cfg.kernels, key)} implementation",
                   flush=True)
-    resolve_kernels(cfg.kernels, "cpu", cfg.model.head_dim)
 
 
 def rank_classes(cfg: Config) -> list[int]:
@@ -182,14 +176,12 @@ def format_result(r: RankResult, limit: float) -> list[str]:
                            f"count here)"]
 
 
-def run_simulation(config_path: str, overrides: list[str]) -> int:
-    """``pretrain.py --simulate``: every rank class's figures printed and written to log.dir/simulate.json;
-    0 when all fit in launch.memory_gb, ``DOES_NOT_FIT`` otherwise."""
-    from megazero.plan.stage_plan import make_plan, planned_world_size
+def run_simulation(cfg: Config) -> int:
+    """``pretrain.py --simulate`` of a config resolved for the CPU (megazero.train.run.simulate_run): every rank
+    class's figures printed and written to log.dir/simulate.json; 0 when all fit in launch.memory_gb,
+    ``DOES_NOT_FIT`` otherwise."""
+    from megazero.plan.stage_plan import make_plan
 
-    cfg = load_config(config_path, overrides)
-    resolve_world(cfg, planned_world_size(cfg, 1))
-    cpu_kernels(cfg)
     plan = make_plan(cfg)
     limit = memory_limit(cfg)
     out = Path(cfg.log.dir) / "simulate.json"

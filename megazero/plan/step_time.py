@@ -2,7 +2,7 @@
 
 A pure function of a resolved config, a :class:`~megazero.plan.cluster.Cluster` and a few fitted
 :class:`Constants`. Its FLOPs and bytes come from the ``--dry-run`` plan and the one FLOPs formula
-(megazero.plan.stage_plan, megazero.train.metrics: per-stage FLOPs, parameters, activation and logit bytes, the schedule's
+(megazero.plan.stage_plan, megazero.costs: per-stage FLOPs, parameters, activation and logit bytes, the schedule's
 bubble), never from copies of them; the model adds only time. Per step, on the slowest pipeline stage:
 
 * ``compute``: the stage's matmul FLOPs at the peak times an achieved efficiency
@@ -33,10 +33,17 @@ members drives its own adapter (rail-aligned rings); inside a node at NVLink spe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
-from megazero.plan.cluster import Cluster
 from megazero.config.schema import Config
+from megazero.costs import flops_per_token, model_shape
+from megazero.plan.activations import activation_bytes_per_layer
+from megazero.plan.cluster import Cluster
 from megazero.plan.fits import stage_bytes
+from megazero.plan.stage_plan import Plan, make_plan
+from megazero.plan.state_bytes import grad_bytes_per_param
+from models.arch import ffn_hidden, is_llama
+from parallel.zero.policy import StagePolicy
 
 ACT_BYTES = 2  # bf16 activations and parameters cross the links
 OPTIMIZER_BYTES = 32  # per parameter of a shard: fp32 master, m, v read and written, the gradient read, bf16 out
@@ -115,11 +122,8 @@ def _recomputed_share(cfg: Config, layers_per_chunk: int) -> float:
 
 
 def _flops_split(cfg: Config, layers: int, head: bool) -> dict[str, float]:
-    """Shares of a chunk's FLOPs (the one formula, megazero.train.metrics) in its weight matmuls, the attention
+    """Shares of a chunk's FLOPs (the one formula, megazero.costs) in its weight matmuls, the attention
     score and value products, and the output head."""
-    from megazero.train.metrics import flops_per_token, model_shape
-    from models.arch import ffn_hidden
-
     m = cfg.model
     shape, f = model_shape(m), ffn_hidden(m)
     weights = flops_per_token(layers, m.hidden, f, 0, 0, **shape)
@@ -131,9 +135,6 @@ def _flops_split(cfg: Config, layers: int, head: bool) -> dict[str, float]:
 
 def _matmul_slowdown(cfg: Config, cluster: Cluster, c: Constants, layers: int, head: bool) -> float:
     """Mean of 1/efficiency over a chunk's FLOPs: its matmul time is flops * this / peak."""
-    from megazero.train.metrics import model_shape
-    from models.arch import ffn_hidden
-
     m, tp = cfg.model, cfg.parallel.tp
     ridge = cluster.peak_tflops * 1e12 / (cluster.hbm_gbps * 1e9)
     # tp_overlap (Domino) runs each microbatch as two halves: each half's matmuls have half the rows
@@ -155,20 +156,16 @@ def _matmul_slowdown(cfg: Config, cluster: Cluster, c: Constants, layers: int, h
 def _layer_activation_bytes(cfg: Config, c: Constants) -> int:
     """Bytes one layer keeps for backward per microbatch without recompute (megazero.plan.stage_plan's count): the
     tensors its memory-bound kernels write and read."""
-    from megazero.plan.stage_plan import activation_bytes_per_layer
-
     m, par = cfg.model, cfg.parallel
     return activation_bytes_per_layer(m.seq_len, cfg.train.micro_batch, m.hidden, m.heads, par.tp,
                                       par.sequence_parallel and par.tp > 1, False,
                                       flash=not c.materialised_scores, precision=cfg.train.precision,
-                                      ffn=m.ffn_hidden, kv_heads=m.kv_head_count, swiglu=m.arch == "llama")
+                                      ffn=m.ffn_hidden, kv_heads=m.kv_head_count, swiglu=is_llama(m))
 
 
-def step_time(cfg: Config, cluster: Cluster, c: Constants = Constants(), plan=None) -> StepTime:
-    """The predicted step of a resolved config (megazero.config.load.resolve_world) on ``cluster``; ``plan``, when
-    given, is ``make_plan(cfg)`` already made (a fit calls this many times per config)."""
-    from megazero.plan.stage_plan import make_plan
-
+def step_time(cfg: Config, cluster: Cluster, c: Constants = Constants(), plan: Optional[Plan] = None) -> StepTime:
+    """The predicted step of a resolved config (megazero.config.resolve) on ``cluster``; ``plan``, when given, is
+    ``make_plan(cfg)`` already made (a fit calls this many times per config)."""
     plan = make_plan(cfg) if plan is None else plan
     m, par, t, z = cfg.model, cfg.parallel, cfg.train, cfg.zero
     tp, pp, dp = par.tp, par.pp, par.dp
@@ -213,18 +210,17 @@ def step_time(cfg: Config, cluster: Cluster, c: Constants = Constants(), plan=No
     grads = params * _grad_bytes(cfg)
     forward = (worst["compute"] + worst["elementwise"]) / 3 / mb  # one microbatch's forward
     backward = work / mb - forward  # one microbatch's backward (its recompute and tp collectives included)
-    if z.stage == 0:
-        reduce = ring(grads, dp, dp_link, c, passes=2.0)
-    else:
-        reduce = ring(grads, dp, dp_link, c, passes=1.0)
-    gather = 0.0 if z.stage == 0 else ring(params * ACT_BYTES, dp, dp_link, c, passes=1.0)
+    policy = StagePolicy.of(z.stage)
+    # ZeRO-0 all-reduces whole gradients; a sharded optimizer reduce-scatters them and gathers the parameters
+    reduce = ring(grads, dp, dp_link, c, passes=1.0 if policy.shard_optimizer else 2.0)
+    gather = ring(params * ACT_BYTES, dp, dp_link, c, passes=1.0) if policy.shard_optimizer else 0.0
     gather_hide = forward  # ZeRO-1/2: the updated parameters gathered behind the next first forward
-    if z.stage == 3:  # each layer gathered before its forward and its backward, prefetched behind the previous
+    if policy.shard_params:  # each layer gathered before its forward and its backward, prefetched behind the previous
         gathers = 2 * mb if z.reshard_after_forward else 1
         gather *= gathers
         gather_hide = work if z.reshard_after_forward else forward
     dp_comm = max(0.0, reduce - backward) + max(0.0, gather - gather_hide)
-    shard = -(-params // dp) if z.stage >= 1 else params
+    shard = -(-params // dp) if policy.shard_optimizer else params
     optimizer = shard * OPTIMIZER_BYTES / hbm
     total = stretched + p2p + dp_comm + optimizer
     memory = max(stage_bytes(cfg, st, "cuda") for st in plan.stages)
@@ -237,6 +233,4 @@ def step_time(cfg: Config, cluster: Cluster, c: Constants = Constants(), plan=No
 
 
 def _grad_bytes(cfg: Config) -> int:
-    from megazero.plan.stage_plan import grad_bytes_per_param
-
     return grad_bytes_per_param(cfg.train.precision, cfg.zero.grad_dtype)

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from megazero.plan.stage_plan import (BYTES_PER_VALUE, GB, Plan, StageBalance, grad_bytes_per_param,
-                           optimizer_bytes_per_param)
+from megazero.plan.stage_plan import GB, Plan, StageBalance
+from megazero.plan.state_bytes import BYTES_PER_VALUE, grad_bytes_per_param, optimizer_bytes_per_param
+from parallel.zero.policy import StagePolicy
 
 
 def fmt_count(n: float) -> str:
@@ -83,6 +84,8 @@ def format_plan(plan: Plan) -> str:
     sp = par.sequence_parallel and par.tp > 1
     sched = par.schedule + (f" (v={par.virtual_stages})" if par.schedule == "interleaved" else "")
     where = {"params": z.offload_params, "optimizer": z.offload_optimizer}
+    policy = StagePolicy.of(z.stage)
+    gathers, grad_bufs = policy.shard_params, policy.shard_grads  # ZeRO-3's gathered layers, ZeRO-2/3's buffers
     lines = [
         f"dry run of {cfg.source}: world {plan.world_size} = tp {par.tp} x pp {par.pp} x dp {par.dp} | "
         f"zero stage {z.stage} | precision {t.precision} | schedule {sched} | sequence parallel "
@@ -97,7 +100,7 @@ def format_plan(plan: Plan) -> str:
     header = ["stage", "layers", "global ranks", "params/rank"]
     header += [k + (" (cpu)" if where.get(k) == "cpu" else "") for k in ("params", "grads", "optimizer")]
     header += ["device", "cpu", "act ckpt" + ("*" if ckpt else ""), "act full" + ("" if ckpt else "*"),
-               "mb held"] + (["gathered"] if z.stage == 3 else []) + (["grad bufs"] if z.stage >= 2 else []) \
+               "mb held"] + (["gathered"] if gathers else []) + (["grad bufs"] if grad_bufs else []) \
         + ["total*", "TFLOP/step"]
     rows = []
     for s in plan.stages:
@@ -108,8 +111,8 @@ def format_plan(plan: Plan) -> str:
                      f"{fmt_ranges(s.ranks)} ({par.dp} dp x {par.tp} tp)", f"{s.params:,}"]
                     + [f"{ms[k] / GB:.2f}" for k in ("params", "grads", "optimizer", "device_total", "cpu_total")]
                     + [f"{s.act_ckpt / GB:.2f}", f"{s.act_full / GB:.2f}", str(s.in_flight)]
-                    + ([f"{s.gathered / GB:.2f}"] if z.stage == 3 else [])
-                    + ([f"{s.grad_buffers / GB:.2f}"] if z.stage >= 2 else [])
+                    + ([f"{s.gathered / GB:.2f}"] if gathers else [])
+                    + ([f"{s.grad_buffers / GB:.2f}"] if grad_bufs else [])
                     + [f"{(ms['device_total'] + act + s.gathered + s.grad_buffers) / GB:.2f}",
                        f"{s.flops / 1e12:,.{1 if s.flops >= 1e13 else 4}f}"])
     lines += _table(header, rows, left=3)
@@ -128,16 +131,16 @@ def format_plan(plan: Plan) -> str:
         f"({last.logits / GB:.2f} GB per microbatch)",
         "  * = what this config uses; total* = device model state + activations"
         + (" + gathered (ZeRO-3: the root and two layers whole, or the whole stage with "
-           "zero.reshard_after_forward=false)" if z.stage == 3 else "")
+           "zero.reshard_after_forward=false)" if gathers else "")
         + (" + grad bufs (up to three whole-bucket gradient buffers beside the shard: two reductions in flight "
            "and the bucket filling; a bucket is zero.bucket_mb, or a larger parameter" + (", or a layer"
-           if z.stage == 3 else "") + ")" if z.stage >= 2 else "")
+           if gathers else "") + ")" if grad_bufs else "")
         + " (no comm buckets, temporaries, CUDA context or fragmentation)",
-        "  TFLOP/step: model FLOPs of one rank of the stage (megazero.train.metrics formula on its layers and head; "
+        "  TFLOP/step: model FLOPs of one rank of the stage (megazero.costs formula on its layers and head; "
         "recomputation not counted)",
         "  pp stages: each pipeline rank's share of the work per token: those FLOPs, plus each layer's elementwise "
         "work, the cross entropy and the embedding lookup as FLOPs-equivalents of their memory traffic on "
-        "launch.device (megazero.config.rules.pipeline_costs); "
+        "launch.device (megazero.costs.pipeline_costs); "
         "parallel.pp_layers=auto splits the layers to least load the busiest",
         "",
         "totals",

@@ -1,4 +1,4 @@
-"""What a run reports, and the one FLOPs formula behind throughput and MFU.
+"""What a run reports: throughput and MFU (from the one FLOPs formula, megazero.costs), memory, losses.
 
 One rank writes (the one that holds the loss): a console line per log
 interval, one JSON object per logged step in ``metrics.jsonl``, and the same
@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 import torch
 
-from models import arch
+from megazero.costs import model_flops_per_token  # noqa: F401 (the trainer's throughput count reads it here)
 
 # Dense peak TFLOP/s per device, by name fragment and compute dtype (vendor data sheets).
 _GPU_PEAK_TFLOPS = {
@@ -24,35 +24,6 @@ _GPU_PEAK_TFLOPS = {
     "L40S": {"bf16": 362.1, "fp32": 91.6},
     "A10": {"bf16": 125.0, "fp32": 31.2},
 }
-
-
-def flops_per_token(layers: int, hidden: int, ffn_hidden: int, seq_len: int, vocab: int,
-                    kv_hidden: int | None = None, mlp_matrices: int = 2) -> float:
-    """Training FLOPs per token (forward + backward, no recomputation).
-
-    6 FLOPs per matmul parameter per token (2 forward, 4 backward) plus the
-    attention score and value products, 12·L·s·h (PaLM, Chowdhery et al. 2022,
-    App. B). Matmul parameters per layer: the q and output projections (2h²),
-    k and v (2·h·kv_hidden: h·h each for multi-head attention, kv_heads·head_dim
-    columns under grouped-query attention), the MLP (mlp_matrices·h·ffn: 2 for
-    GPT-2's fc1/fc2, 3 for SwiGLU's gate/up/down); and the output head (V·h).
-    The layout does not change it.
-    """
-    kv = hidden if kv_hidden is None else kv_hidden
-    matmul_params = layers * (2 * hidden * hidden + 2 * hidden * kv + mlp_matrices * hidden * ffn_hidden) \
-        + vocab * hidden
-    return 6.0 * matmul_params + 12.0 * layers * seq_len * hidden
-
-
-def model_shape(model_cfg) -> dict:
-    """The keyword arguments of :func:`flops_per_token` that depend on the architecture."""
-    m = model_cfg
-    return {"kv_hidden": m.kv_head_count * m.head_dim, "mlp_matrices": 3 if arch.is_llama(m) else 2}
-
-
-def model_flops_per_token(model_cfg) -> float:
-    m = model_cfg
-    return flops_per_token(m.layers, m.hidden, arch.ffn_hidden(m), m.seq_len, m.padded_vocab, **model_shape(m))
 
 
 def measure_cpu_tflops(dtype: torch.dtype = torch.float32, size: int = 1024, repeats: int = 4,

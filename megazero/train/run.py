@@ -1,4 +1,8 @@
-"""A run end to end: config -> launch -> grid -> trainer (DESIGN: one run, as data flows)."""
+"""A run end to end: config -> resolve -> launch -> grid -> trainer (DESIGN: one run, as data flows).
+
+The entry points — a run, ``--dry-run`` and ``--simulate`` — are where the config is resolved
+(megazero.config.resolve), once; everything they hand it to reads the resolved values and resolves nothing.
+"""
 from __future__ import annotations
 
 import os
@@ -7,8 +11,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kernels import resolve_kernels
 from megazero.config.load import load_config
+from megazero.config.resolve import planned_world_size, resolve
 from megazero.errors import UserError
 
 if TYPE_CHECKING:
@@ -23,14 +27,15 @@ def run(config_path: str, overrides: list[str]) -> list[dict]:
     import torch
 
     from megazero import launch
-    from megazero.config.rules import resolve_world
     from megazero.plan.fits import check_fits
     from megazero.train.run_dir import plan_start
     from megazero.train.signals import StopSignals
     from parallel.topology import Grid
 
     info = launch.process_info()
-    resolve_world(cfg, info.world_size)
+    local_world = launch.local_world_size()
+    device = launch.pick_device(cfg.launch.device, info.local_rank, local_world)
+    resolve(cfg, info.world_size, device.type)  # before any process group: a refusal is a config error
     try:  # where checkpoints and logs go: a path that cannot be written is an input error, found now
         (Path(cfg.log.dir) / "checkpoints").mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -41,14 +46,10 @@ def run(config_path: str, overrides: list[str]) -> list[dict]:
         if p.exists() and not p.is_file():
             raise UserError(f"{cfg.source}: log.dir={cfg.log.dir!r} holds {name}, which is not a file; move it away "
                             f"or choose another log.dir")
-    local_world = launch.local_world_size()
-    device = launch.pick_device(cfg.launch.device, info.local_rank, local_world)
     if device.type == "cpu" or "cpu" in (cfg.zero.offload_optimizer, cfg.zero.offload_params):
         # the CPU computes (the model, or the offloaded AdamW): a fair share of the node's cores each, not
         # torchrun's OMP_NUM_THREADS=1
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    # before any process group: a refusal is a config error
-    resolve_kernels(cfg.kernels, device.type, cfg.model.head_dim)
     check_fits(cfg, device, info.rank, info.local_rank, local_world)
     check_init_from(cfg)
     start = plan_start(cfg)  # continue, start afresh or refuse: decided from the folder, before anything is built
@@ -99,9 +100,7 @@ def cli(config_path: str, overrides: list[str], dry: bool, simulate: bool = Fals
 
     try:
         if simulate:
-            from megazero.plan.simulate import run_simulation
-
-            return run_simulation(config_path, overrides)
+            return simulate_run(config_path, overrides)
         (dry_run if dry else run)(config_path, overrides)
     except UserError as e:
         _report(f"error: {e}", every_node=True)
@@ -155,21 +154,23 @@ def check_init_from(cfg) -> None:
 
 
 def dry_run(config_path: str, overrides: list[str]) -> Plan:
-    """Validate as a run does, then print each rank role's plan (rank 0 prints).
+    """Validate and resolve as a run does, then print each rank role's plan (rank 0 prints).
 
     The world size is parallel.world_size when set, else tp*pp*dp when dp is
-    explicit, else the launcher's. Models are built on the meta device only:
+    explicit, else the launcher's. The config is resolved for the device the run
+    is planned on (launch.device; auto plans a GPU run) without that device being
+    here: a login node plans a GPU run. Models are built on the meta device only:
     no process group, no parameter memory, no tokenizer or corpus.
     """
     cfg = load_config(config_path, overrides)
-    from megazero.config.rules import resolve_world
+    from megazero.costs import compute_device
     from megazero.launch import process_info
-    from megazero.plan.stage_plan import make_plan, planned_world_size
+    from megazero.plan.stage_plan import make_plan
     from megazero.plan.table import format_plan
 
     info = process_info()
     try:
-        resolve_world(cfg, planned_world_size(cfg, info.world_size))
+        resolve(cfg, planned_world_size(cfg, info.world_size), compute_device(cfg.launch.device), planned=True)
     except UserError as e:
         if cfg.parallel.world_size > 0:
             raise
@@ -180,3 +181,14 @@ def dry_run(config_path: str, overrides: list[str]) -> Plan:
         print(format_plan(plan), flush=True)
         print(DRY_RUN_FOOTER, flush=True)
     return plan
+
+
+def simulate_run(config_path: str, overrides: list[str]) -> int:
+    """``pretrain.py --simulate``: the config resolved for this CPU (a simulation runs the CPU code path, Triton
+    kernels replaced by their CPU counterparts) and the world it plans, then megazero.plan.simulate."""
+    cfg = load_config(config_path, overrides)
+    from megazero.plan.simulate import cpu_kernels, run_simulation
+
+    cpu_kernels(cfg)
+    resolve(cfg, planned_world_size(cfg, 1), "cpu")
+    return run_simulation(cfg)

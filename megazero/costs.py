@@ -1,0 +1,91 @@
+"""The one home of what a step computes: the FLOPs formula and the pipeline stage-cost model.
+
+The metrics logger (throughput, MFU), the config's resolution (``parallel.pp_layers: auto``), the
+``--dry-run`` plan, the step-time model and the benchmarks all read these functions, so a FLOP is counted
+the same way everywhere. Pure arithmetic on a model config: no torch, nothing allocated.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from models import arch
+from parallel.balance import StageCosts
+
+# Memory-bound work as FLOPs-equivalents: the FLOPs a GPU would have done in the time it moves the bytes, its
+# dense peak over its memory bandwidth (H200: 989 TFLOP/s bf16, 67 fp32, over 4.8 TB/s; an H100's 3.35 TB/s
+# gives 295 / 20). The same bytes weigh 15x more beside 16-bit matmuls than beside fp32 ones.
+FLOPS_PER_BYTE_16BIT = 200.0
+FLOPS_PER_BYTE_FP32 = 14.0
+# On a CPU core (fp32): ~90 GFLOP/s in a layer's matmuls against the cross entropy's ~4.3 ns per logit
+# (40 bytes) measured on the 2-core development machine: ~10 FLOPs per byte.
+FLOPS_PER_BYTE_CPU = 10.0
+# The vocab-parallel cross entropy (parallel.tensor) reads or writes each fp32 logit of this rank's slice ten
+# times: forward max, subtract (2), exp (2), sum, normalise (2); backward scale (2). The first pass is 16-bit
+# casts under bf16, a little more: not counted.
+CROSS_ENTROPY_BYTES_PER_LOGIT = 40
+# The embedding lookup gathers a row (read, write) and its backward adds the gradient into it (read, write):
+# four fp32 passes over hidden values per token, on every tp rank (the vocabulary is split, the rows are not).
+EMBEDDING_BYTES_PER_VALUE = 16
+# A layer's elementwise work, per token, in activation values read or written: two norms (forward 2h, backward
+# 3h each) and two residual adds (forward 3h, backward 2h each), 20h; the MLP's activation function, forward 2
+# and backward 3 passes over each of its ffn-wide inputs (GELU: one, SwiGLU: gate and up). Small beside a
+# layer's matmuls at large h (it grows with h, they with h^2), a tenth of them at h = 256.
+LAYER_PASSES_PER_HIDDEN = 20
+LAYER_PASSES_PER_MLP_INPUT = 5
+
+
+def flops_per_token(layers: int, hidden: int, ffn_hidden: int, seq_len: int, vocab: int,
+                    kv_hidden: int | None = None, mlp_matrices: int = 2) -> float:
+    """Training FLOPs per token (forward + backward, no recomputation).
+
+    6 FLOPs per matmul parameter per token (2 forward, 4 backward) plus the
+    attention score and value products, 12·L·s·h (PaLM, Chowdhery et al. 2022,
+    App. B). Matmul parameters per layer: the q and output projections (2h²),
+    k and v (2·h·kv_hidden: h·h each for multi-head attention, kv_heads·head_dim
+    columns under grouped-query attention), the MLP (mlp_matrices·h·ffn: 2 for
+    GPT-2's fc1/fc2, 3 for SwiGLU's gate/up/down); and the output head (V·h).
+    The layout does not change it.
+    """
+    kv = hidden if kv_hidden is None else kv_hidden
+    matmul_params = layers * (2 * hidden * hidden + 2 * hidden * kv + mlp_matrices * hidden * ffn_hidden) \
+        + vocab * hidden
+    return 6.0 * matmul_params + 12.0 * layers * seq_len * hidden
+
+
+def model_shape(model_cfg: Any) -> dict:
+    """The keyword arguments of :func:`flops_per_token` that depend on the architecture."""
+    m = model_cfg
+    return {"kv_hidden": m.kv_head_count * m.head_dim, "mlp_matrices": 3 if arch.is_llama(m) else 2}
+
+
+def model_flops_per_token(model_cfg: Any) -> float:
+    """The whole model's training FLOPs per token (every layer and the head), as throughput and MFU count."""
+    m = model_cfg
+    return flops_per_token(m.layers, m.hidden, arch.ffn_hidden(m), m.seq_len, m.padded_vocab, **model_shape(m))
+
+
+def pipeline_costs(m: Any, tp: int = 1, precision: str = "fp32", device: str = "cuda") -> StageCosts:
+    """What one rank computes per token (parallel.balance): a transformer layer and the output head from the
+    FLOPs formula, plus as FLOPs-equivalents of their memory traffic the layer's elementwise work, the cross
+    entropy over this rank's V/tp logits and the embedding lookup. ``m``: a model config (auto keys resolved
+    or not); ``device``: cuda or cpu, whose matmuls outpace memory differently. Recomputation
+    (model.activation_checkpointing) is not counted, as in the plan's FLOPs."""
+    ffn, shape = arch.ffn_hidden(m), model_shape(m)
+    matmuls = flops_per_token(1, m.hidden, ffn, m.seq_len, 0, **shape) / tp
+    head = flops_per_token(0, m.hidden, ffn, m.seq_len, m.padded_vocab, **shape) / tp
+    if device == "cpu":
+        per_byte = FLOPS_PER_BYTE_CPU
+    else:
+        per_byte = FLOPS_PER_BYTE_FP32 if precision == "fp32" else FLOPS_PER_BYTE_16BIT
+    value_bytes = 4 if precision == "fp32" else 2
+    mlp_inputs = 2 if arch.is_llama(m) else 1
+    elementwise = (LAYER_PASSES_PER_HIDDEN * m.hidden + LAYER_PASSES_PER_MLP_INPUT * mlp_inputs * ffn / tp)
+    layer = matmuls + elementwise * value_bytes * per_byte
+    loss = CROSS_ENTROPY_BYTES_PER_LOGIT * per_byte * m.padded_vocab / tp
+    return StageCosts(layer, EMBEDDING_BYTES_PER_VALUE * per_byte * m.hidden, head + loss)
+
+
+def compute_device(launch_device: str) -> str:
+    """launch.device as the cost model sees it: auto weighs memory traffic as a GPU does, whatever machine
+    plans the run (a --dry-run on a login node plans the GPU run), and without touching CUDA."""
+    return "cpu" if launch_device == "cpu" else "cuda"

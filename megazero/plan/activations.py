@@ -1,0 +1,80 @@
+"""What one rank keeps of the activations: per layer, and at the peak of its pipeline schedule.
+
+Per layer: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", §4,
+Eq. (1)-(5) (:func:`activation_bytes_per_layer`); over the schedule: the microbatches in flight along one
+rank's action list (:func:`activation_peak`), and the schedule's idle share (:func:`pipeline_bubble`).
+"""
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import Sequence
+
+from parallel.schedules import Action
+
+LOGIT_BYTES = 4  # the cross entropy keeps a float32 softmax of this rank's vocabulary slice
+
+
+def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
+                               sequence_parallel: bool = False, recompute: bool = False, flash: bool = True,
+                               precision: str = "bf16", ffn: int | None = None, kv_heads: int | None = None,
+                               swiglu: bool = False) -> int:
+    """Activation bytes one transformer layer keeps for backward, per microbatch.
+
+    Korthikanti et al. 2022, §4, Eq. (1)-(5), 16-bit activations:
+    no parallelism sbh(34 + 5as/h); tensor parallel sbh(10 + 24/t + 5as/(ht));
+    tensor + sequence parallel sbh(34/t + 5as/(ht)); full recomputation keeps
+    only the layer input, 2sbh (2sbh/t with sequence parallelism). The 5as/h
+    term is the materialised s×s attention scores, softmax and dropout mask;
+    flash-style attention (torch SDPA, kernels.attention) stores none of them,
+    so ``flash=True`` drops it. fp32 activations (train.precision fp32) double
+    every term.
+
+    The 24 split over tp is q, k, v and the attention output (8) and the MLP's
+    2·sbf twice (16 at ffn = 4h). The same count for a Llama block: k and v are
+    kv_heads/heads of q's size (each k/v head on tp/kv_heads ranks when fewer),
+    and SwiGLU keeps four ffn-wide tensors (gate and up outputs, silu(gate), the
+    product), 8·sbf; norms, block inputs and dropout masks are as GPT-2's 10.
+    """
+    s, b, h, a, t = seq_len, micro_batch, hidden, heads, tp
+    f = 4 * h if ffn is None else ffn
+    kv = a if kv_heads is None else kv_heads
+    sbh = s * b * h
+    if recompute:
+        per = Fraction(2 * sbh, t if sequence_parallel else 1)
+    else:
+        split = 4 + Fraction(4 * kv, a * min(kv, t)) * t + Fraction((8 if swiglu else 4) * f, h)  # then / t
+        core = (10 + split) / t if sequence_parallel else 10 + split / t
+        scores = 0 if flash else Fraction(5 * a * s, h * t)
+        per = sbh * (core + scores)
+    return math.ceil(per * (2 if precision == "fp32" else 1))
+
+
+def activation_peak(actions: Sequence[Action], per_microbatch: Sequence[int]) -> tuple[int, int]:
+    """(peak bytes, peak count) of microbatches in flight along one rank's schedule.
+
+    A forward of chunk c adds ``per_microbatch[c]`` until its backward frees it
+    (zb1p: its weight gradient W; the input gradient B keeps the graph for it);
+    the peak over the action order is what the rank must hold (1F1B: at most
+    min(pp - r, m) microbatches, Narayanan et al. 2021; GPipe: all m; zb1p:
+    min(pp, m) on every rank). Not counted: the output gradients zb1p's B
+    records for W.
+    """
+    ends = "W" if any(a.kind == "W" for a in actions) else "B"
+    held = count = peak_bytes = peak_count = 0
+    for a in actions:
+        if a.kind == "F":
+            held, count = held + per_microbatch[a.chunk], count + 1
+            peak_bytes, peak_count = max(peak_bytes, held), max(peak_count, count)
+        elif a.kind == ends:
+            held, count = held - per_microbatch[a.chunk], count - 1
+    return peak_bytes, peak_count
+
+
+def pipeline_bubble(schedule: str, pp: int, m: int, v: int = 1) -> float:
+    """Idle fraction of a step: (p-1)/(m+p-1), and (p-1)/(v·m+p-1) interleaved (Narayanan et al. 2021);
+    zb1p with equal F, B and W costs: (p-1)/(3m+p-1) (ZB-H1 idles (p-1)(F+B-W), Qi et al. 2023, §3.1)."""
+    if schedule == "zb1p":
+        return (pp - 1) / (3 * m + pp - 1)
+    chunks = v if schedule == "interleaved" else 1
+    return (pp - 1) / (chunks * m + pp - 1)

@@ -1,0 +1,141 @@
+"""The layouts a search considers: the knobs (tp, pp, dp, virtual stages, schedule, ZeRO stage, micro-batch,
+recompute), ``--layout``'s fixed ones, and every combination of a GPU count's, in the order the search walks.
+
+Where it is narrowed to keep a search to seconds: tp stays within a node unless --layout fixes it; at most
+MAX_MICRO_BATCHES micro-batches per layout; interleaving at 2, 4, 8... chunks; gpipe only when fixed.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Iterator
+
+from megazero.config.schema import Config
+from megazero.errors import UserError, shown
+from megazero.plan.state_bytes import ZERO_STAGES
+
+KNOBS = ("tp", "pp", "dp", "virtual_stages", "schedule", "zero_stage", "micro_batch", "recompute")
+# gpipe is not searched (it can be fixed with --layout): 1F1B's bubble, but every microbatch's activations held.
+SEARCHED_SCHEDULES = ("1f1b", "zb1p", "interleaved")
+MAX_MICRO_BATCHES = 8  # micro-batch values tried per layout: a geometric spread of the batch's divisors
+# ZeRO stages in the order a layout tries them: ZeRO-1 first, whose memory tells ZeRO-0's (the same
+# activations beside a larger optimizer state)
+ZERO_ORDER = (1, 0, 2, 3)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One point of the search; recompute is 'none', 'full' or k (model.checkpoint_layers) as text."""
+
+    tp: int
+    pp: int
+    dp: int
+    virtual_stages: int
+    schedule: str
+    zero_stage: int
+    micro_batch: int
+    recompute: str
+
+    def label(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in asdict(self).items())
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """A layout that fits, with what the step-time model predicts for it."""
+
+    layout: Layout
+    memory_gb: float
+    step_s: float
+    tflops_per_gpu: float
+    mfu: float
+
+    def as_dict(self) -> dict:
+        return {**asdict(self.layout), "memory_gb": self.memory_gb, "step_s": self.step_s,
+                "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu}
+
+
+def parse_layout(text: str) -> dict:
+    """``tp=8,pp=4,recompute=full`` -> the fixed knobs; a bad knob or value is one line."""
+    fixed: dict = {}
+    for item in (text.split(",") if text.strip() else []):
+        key, sep, value = (s.strip() for s in item.partition("="))
+        if not sep or key not in KNOBS:
+            raise UserError(f"--layout {shown(item)} is invalid; expected knob=value with a knob of {', '.join(KNOBS)}")
+        if key in fixed:
+            raise UserError(f"--layout: {key} is given twice")
+        fixed[key] = _knob_value(key, value)
+    if not fixed:
+        raise UserError(f"--layout {shown(text)} is invalid; expected e.g. tp=8,pp=4,recompute=full")
+    return fixed
+
+
+def _knob_value(key: str, value: str):
+    from parallel.schedules import SCHEDULES
+
+    if key == "schedule":
+        if value not in SCHEDULES:
+            raise UserError(f"--layout schedule={shown(value)} is invalid; valid: {' | '.join(SCHEDULES)}")
+        return value
+    if key == "recompute":
+        if value in ("none", "full") or (value.isdigit() and 0 < int(value) < 2 ** 31):
+            return value
+        raise UserError(f"--layout recompute={shown(value)} is invalid; valid: none | full | a layer count k >= 1")
+    low = 0 if key == "zero_stage" else 1
+    if not (value.isdigit() and len(value) < 10) or int(value) < low \
+            or (key == "zero_stage" and int(value) not in ZERO_STAGES):
+        valid = "0 | 1 | 2 | 3" if key == "zero_stage" else "an integer >= 1"
+        raise UserError(f"--layout {key}={shown(value)} is invalid; valid: {valid}")
+    return int(value)
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def _spread(values: list[int], most: int) -> list[int]:
+    """At most ``most`` of sorted values, evenly by index (the divisors of a batch are near-geometric)."""
+    if len(values) <= most:
+        return values
+    return sorted({values[round(i * (len(values) - 1) / (most - 1))] for i in range(most)})
+
+
+def candidates(base: Config, gpus: int, fixed: dict, max_tp: int = 2 ** 20) -> Iterator[Layout]:
+    """Every layout of ``gpus`` ranks the search considers, recompute none or full, before the rules (those
+    that break one are filtered by :func:`configure`). Per pipeline shape, layouts come in order of falling
+    microbatch count, so each (tp, ZeRO stage) meets its micro-batches smallest first and layouts that share a
+    schedule come together. tp above ``max_tp`` only when --layout fixes it."""
+    layers, batch = base.model.layers, base.train.global_batch
+    want = lambda key, value: key not in fixed or fixed[key] == value  # noqa: E731
+    for pp in divisors(gpus):
+        shapes = [(tp, gpus // (tp * pp)) for tp in divisors(gpus // pp) if tp <= max_tp or "tp" in fixed]
+        shapes = [(tp, dp) for tp, dp in shapes if want("tp", tp) and want("dp", dp) and batch % dp == 0]
+        if pp > layers or not want("pp", pp) or not shapes:
+            continue
+        rows = [(tp, dp, mb) for tp, dp in shapes for mb in ([fixed["micro_batch"]] if "micro_batch" in fixed
+                                                             else _spread(divisors(batch // dp), MAX_MICRO_BATCHES))]
+        rows.sort(key=lambda row: -(batch // (row[1] * row[2])))  # stable: ties keep tp order
+        for schedule, v in _pipelines(pp, layers, fixed):
+            for tp, dp, mb in rows:
+                for zero in (z for z in ZERO_ORDER if want("zero_stage", z)):
+                    for rec in ([fixed["recompute"]] if "recompute" in fixed else ["none", "full"]):
+                        yield Layout(tp, pp, dp, v, schedule, zero, mb, rec)
+
+
+def _pipelines(pp: int, layers: int, fixed: dict) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) pairs: one chunk per rank, or 2, 4, 8... chunks interleaved while every
+    virtual stage keeps a layer. Without a pipeline only 1f1b (every schedule is the same there)."""
+    if "schedule" in fixed:
+        names = [fixed["schedule"]]
+    else:
+        names = ["1f1b"] if pp == 1 else list(SEARCHED_SCHEDULES)
+    out = []
+    for name in names:
+        if name != "interleaved":
+            out.append((name, 1))
+            continue
+        chunks = [fixed["virtual_stages"]] if "virtual_stages" in fixed else \
+            [2 ** i for i in range(1, 32) if pp * 2 ** i <= layers]
+        out += [(name, v) for v in chunks]
+    return [(s, v) for s, v in out if "virtual_stages" not in fixed or fixed["virtual_stages"] == v]
