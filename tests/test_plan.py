@@ -21,7 +21,7 @@ from megazero.plan.stage_plan import (
     model_state_bytes,
     pipeline_bubble,
 )
-from models.gpt import count_parameters
+from models.build import count_parameters
 from parallel.schedule_analysis import simulate
 from parallel.schedules import build_schedule
 

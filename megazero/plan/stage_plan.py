@@ -27,8 +27,9 @@ from megazero.config.schema import AUTO, Config
 from megazero.train.metrics import flops_per_token, model_flops_per_token, model_shape
 from megazero.plan.memo import PlanMemo
 from megazero.config.rules import compute_device, pipeline_costs
-from models.gpt import GPT, count_parameters
+from models.build import count_parameters
 from models.llama import kv_replicas_needed
+from models.stage import GPT
 from parallel.balance import balance_layers, rank_costs
 from parallel.comm import Comm
 from parallel.pipeline import partition_layers
