@@ -6,7 +6,7 @@ model's size from the config alone, for plans and metrics.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -14,33 +14,21 @@ from torch import nn
 from models.arch import ffn_hidden, has_bias, is_llama, tied
 from models.init import InitialValues, init_parameters
 from models.stage import GPT
-from parallel.comm import Comm
 
 PARALLEL_ATTRS = ("tp_split_dim", "tp_replicas", "sequence_parallel")  # what the parallel layers mark
 
 
-def build_gpt(
-    cfg: Any,
-    seed: int | InitialValues,
-    device: torch.device | str = "cpu",
-    tp: Optional[Comm] = None,
-    layer_ids: range | None = None,
-    first_stage: bool = True,
-    last_stage: bool = True,
-    sequence_parallel: bool = False,
-    attention_impl: str = "torch",
-    materialise: bool = True,
-    kv_replicas: Optional[Comm] = None,
-    tp_overlap: bool = False,
-) -> GPT:
+def build_gpt(cfg: Any, seed: int | InitialValues, device: torch.device | str = "cpu", materialise: bool = True,
+              **stage: Any) -> GPT:
     """Build a stage on the meta device (no memory), materialise it on ``device``, initialise it.
 
-    materialise=False leaves the parameters on the meta device for their owner (ZeRO-3) to create one
-    bucket at a time from ``models.init.initial_tp_value``; the model still computes on ``device``.
+    ``stage``: ``models.stage.GPT``'s keywords (tp, layer_ids, first_stage, last_stage, sequence_parallel,
+    attention_impl, kv_replicas, tp_overlap). materialise=False leaves the parameters on the meta device for
+    their owner (ZeRO-3) to create one bucket at a time from ``models.init.initial_tp_value``; the model still
+    computes on ``device``.
     """
     with torch.device("meta"):
-        model = GPT(cfg, tp, layer_ids, first_stage, last_stage, sequence_parallel, attention_impl, kv_replicas,
-                    tp_overlap)
+        model = GPT(cfg, **stage)
     model.rng.device = torch.device(device)
     if not materialise:
         return model

@@ -3,8 +3,8 @@
 Built from the same tensor-parallel layers as GPT-2's parts (``models.gpt2``) and assembled by the same
 ``models.block.Block`` when ``model.arch`` is llama (the stage, embeddings and head are shared). Parameter
 names follow the logical tensors, one per Hugging Face tensor (``attn.q``, ``attn.k``, ``attn.v``,
-``mlp.gate``, ``mlp.up``, ``mlp.down``), so checkpoints stay layout-free and conversion is a renaming; the q, k, v projections (and
-gate, up) still share one input copy or sequence gather (``column_parallel_linears``).
+``mlp.gate``, ``mlp.up``, ``mlp.down``), so checkpoints stay layout-free and conversion is a renaming; the
+q, k, v projections (and gate, up) still share one input copy or sequence gather (``column_parallel_linears``).
 
 Grouped-query attention (Ainslie et al. 2023): ``kv_heads`` k/v heads, each read by heads/kv_heads query
 heads. With kv_heads >= tp every rank holds kv_heads/tp whole k/v heads beside the query heads that read
