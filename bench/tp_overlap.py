@@ -48,7 +48,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megazero.config.schema import ModelConfig  # noqa: E402
-from models.gpt import build_gpt  # noqa: E402
+from models.build import build_gpt  # noqa: E402
 from parallel.comm import Comm  # noqa: E402
 from parallel.topology import Grid  # noqa: E402
 

@@ -1,10 +1,10 @@
-"""The Llama block (Touvron et al. 2023): RMSNorm, rotary positions, grouped-query attention, a SwiGLU MLP.
+"""Llama's parts (Touvron et al. 2023): RMSNorm, rotary positions, grouped-query attention, a SwiGLU MLP.
 
-Built from the same tensor-parallel layers as GPT-2's block, and used by ``models.gpt.GPT`` when
-``model.arch`` is llama (the stage, embeddings and head are shared). Parameter names follow the logical
-tensors, one per Hugging Face tensor (``attn.q``, ``attn.k``, ``attn.v``, ``mlp.gate``, ``mlp.up``,
-``mlp.down``), so checkpoints stay layout-free and conversion is a renaming; the q, k, v projections (and
-gate, up) still share one input copy or sequence gather (``column_parallel_linears``).
+Built from the same tensor-parallel layers as GPT-2's parts (``models.gpt2``) and assembled by the same
+``models.block.Block`` when ``model.arch`` is llama (the stage, embeddings and head are shared). Parameter
+names follow the logical tensors, one per Hugging Face tensor (``attn.q``, ``attn.k``, ``attn.v``,
+``mlp.gate``, ``mlp.up``, ``mlp.down``), so checkpoints stay layout-free and conversion is a renaming; the
+q, k, v projections (and gate, up) still share one input copy or sequence gather (``column_parallel_linears``).
 
 Grouped-query attention (Ainslie et al. 2023): ``kv_heads`` k/v heads, each read by heads/kv_heads query
 heads. With kv_heads >= tp every rank holds kv_heads/tp whole k/v heads beside the query heads that read
@@ -23,7 +23,8 @@ from torch import Tensor, nn
 
 from kernels import attention
 from models.arch import ffn_hidden, has_bias, is_llama
-from parallel.tp_overlap import Entry, Sublayer, overlapped_block
+from models.split import Split
+from parallel.tp_overlap import Entry
 from parallel.tp_random import ShardedDropout
 from parallel.tensor import (
     ColumnParallelLinear,
@@ -60,7 +61,7 @@ class _RMSNormFunction(torch.autograd.Function):
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x²) + eps) * weight (Zhang & Sennrich 2019), computed in float32.
 
-    Returns autocast's dtype under autocast (as ``models.gpt.LayerNorm``, for the collectives that follow),
+    Returns autocast's dtype under autocast (as ``models.gpt2.LayerNorm``, for the collectives that follow),
     else the input's."""
 
     def __init__(self, dim: int, eps: float):
@@ -74,7 +75,7 @@ class RMSNorm(nn.Module):
         return y.to(torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype)
 
 
-def rms_norm(cfg: Any, par: Any) -> RMSNorm:
+def rms_norm(cfg: Any, par: Split) -> RMSNorm:
     norm = RMSNorm(cfg.hidden, cfg.norm_eps)
     if par.sp:
         mark_sequence_parallel(norm)
@@ -120,7 +121,7 @@ class LlamaAttention(nn.Module):
     """Causal grouped-query self-attention with rotary positions; this tp rank computes heads/tp query heads
     and the k/v heads they read."""
 
-    def __init__(self, cfg: Any, par: Any):
+    def __init__(self, cfg: Any, par: Split):
         super().__init__()
         tp, kv = par.size, cfg.kv_head_count
         assert cfg.heads % tp == 0 and cfg.heads % kv == 0 and (kv % tp == 0 or tp % kv == 0), (cfg.heads, kv, tp)
@@ -138,6 +139,10 @@ class LlamaAttention(nn.Module):
         self.dropout = ShardedDropout(cfg.dropout, par.rng, split=sp)
         self.impl = par.attention_impl
 
+    @property
+    def output(self) -> RowParallelLinear:
+        return self.proj
+
     def forward(self, x: Tensor, entry: Optional[Entry] = None) -> Tensor:
         """With ``entry`` (one half under ``parallel.tp_overlap``): proj's partial sums, reduced by the caller."""
         q, k, v = column_parallel_linears(x, [self.q, self.k, self.v], entry)
@@ -154,7 +159,7 @@ class LlamaAttention(nn.Module):
 class SwiGLU(nn.Module):
     """down(silu(gate x) * up x) (Shazeer 2020): gate and up column-parallel, down row-parallel."""
 
-    def __init__(self, cfg: Any, par: Any):
+    def __init__(self, cfg: Any, par: Split):
         super().__init__()
         h, f, sp, bias = cfg.hidden, ffn_hidden(cfg), par.sp, has_bias(cfg)
         self.gate = ColumnParallelLinear(h, f, bias, par.tp, sequence_parallel=sp)
@@ -162,28 +167,15 @@ class SwiGLU(nn.Module):
         self.down = RowParallelLinear(f, h, bias, par.tp, sequence_parallel=sp)
         self.dropout = ShardedDropout(cfg.dropout, par.rng, split=sp)
 
+    @property
+    def output(self) -> RowParallelLinear:
+        return self.down
+
     def forward(self, x: Tensor, entry: Optional[Entry] = None) -> Tensor:
         """With ``entry`` (one half under ``parallel.tp_overlap``): down's partial sums, reduced by the caller."""
         gate, up = column_parallel_linears(x, [self.gate, self.up], entry)
         y = F.silu(gate) * up
         return self.down.partial(y) if entry is not None else self.dropout(self.down(y))
-
-
-class LlamaBlock(nn.Module):
-    def __init__(self, cfg: Any, par: Any):
-        super().__init__()
-        self.ln1 = rms_norm(cfg, par)
-        self.attn = LlamaAttention(cfg, par)
-        self.ln2 = rms_norm(cfg, par)
-        self.mlp = SwiGLU(cfg, par)
-        self.overlap = par.overlap
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.overlap:
-            return overlapped_block(x, (Sublayer(self.ln1, self.attn, self.attn.proj, self.attn.dropout),
-                                        Sublayer(self.ln2, self.mlp, self.mlp.down, self.mlp.dropout)))
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
 
 
 def kv_replicas_needed(cfg: Any, tp: int) -> int:

@@ -30,7 +30,7 @@ from megazero.config.load import load_config  # noqa: E402
 from megazero.data import build_data  # noqa: E402
 from megazero.interop.export import export  # noqa: E402
 from megazero.train.run import run  # noqa: E402
-from models.gpt import build_gpt  # noqa: E402
+from models.build import build_gpt  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 from tests.runs import ROOT, read_metrics, small_overrides, write_corpus  # noqa: E402
 

@@ -19,7 +19,7 @@ from megazero.config.rules import resolve_world
 from megazero.train.run import run
 from megazero.engine.step import forward_backward
 from megazero.train.trainer import Trainer
-from models.gpt import build_gpt
+from models.build import build_gpt
 from parallel.schedules import batches
 from parallel.topology import Grid
 from tests.dist import run_ranks

@@ -17,7 +17,7 @@ from megazero.costs import model_flops_per_token
 from megazero.plan.activations import activation_bytes_per_layer, activation_peak, pipeline_bubble
 from megazero.plan.stage_plan import make_plan
 from megazero.plan.state_bytes import model_state_bytes
-from models.gpt import count_parameters
+from models.build import count_parameters
 from parallel.schedule_analysis import simulate
 from parallel.schedules import build_schedule
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from megazero.checkpoint import store as checkpoint
 from megazero.config.schema import ModelConfig
 from megazero.train.run import run
-from models.gpt import build_gpt
+from models.build import build_gpt
 from parallel.tensor import vocab_parallel_cross_entropy
 from parallel.topology import Grid
 from tests.dist import run_ranks

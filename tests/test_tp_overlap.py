@@ -24,7 +24,7 @@ import torch.distributed as dist
 from bench.tp_overlap import Timeline
 from megazero.config.schema import ModelConfig
 from megazero.train.run import run
-from models.gpt import build_gpt
+from models.build import build_gpt
 from models.llama import kv_replicas_needed
 from parallel.topology import Grid
 from tests.dist import run_ranks

@@ -304,7 +304,7 @@ def test_export_of_a_trained_checkpoint_gives_megazero_logits(corpus, tmp_path):
     from transformers import GPT2LMHeadModel
 
     from megazero.config.load import load_config
-    from models.gpt import build_gpt
+    from models.build import build_gpt
 
     text, cache = corpus
     overrides = small_overrides(text, cache, tmp_path / "run", steps=3, **{"model.bias": "false"})

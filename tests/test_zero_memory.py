@@ -35,7 +35,7 @@ def _status(key: str) -> int:
 
 
 def _peaks(rank, world):
-    from models.gpt import build_gpt
+    from models.build import build_gpt
     from parallel.zero import ZeroOptimizer
 
     libc = ctypes.CDLL("libc.so.6")
@@ -104,7 +104,7 @@ def test_peak_gradient_bytes_do_not_grow_with_microbatches(peaks, stage):
 def test_gradient_buckets_hold_at_most_bucket_mb_in_the_gradient_dtype(precision, grad_bytes):
     """Buckets are cut in the gradient dtype's bytes (bf16 gradients accumulate in fp32: 4 bytes each), padding
     included; only a single parameter larger than bucket_mb may make a bucket of its own that is larger."""
-    from models.gpt import build_gpt
+    from models.build import build_gpt
     from parallel.zero import ZeroOptimizer
 
     cfg = load_config(TINY, MODEL[:2] + ["model.layers=2", "model.hidden=256", "model.heads=4"]).model

@@ -11,7 +11,7 @@ import torch
 
 from megazero.config.schema import Config
 from megazero.plan.memo import PlanMemo
-from models.gpt import GPT
+from models.stage import GPT
 from models.llama import kv_replicas_needed
 from parallel.comm import Comm
 

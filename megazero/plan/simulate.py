@@ -221,7 +221,7 @@ def layer_activation_bytes(cfg: Config, tp_rank: int = 0) -> int:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from models.gpt import build_gpt
+    from models.build import build_gpt
     from models.llama import kv_replicas_needed
     from parallel.topology import Grid
     from parallel.zero import DTYPES

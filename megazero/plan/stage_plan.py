@@ -23,7 +23,7 @@ from megazero.plan.memo import PlanMemo
 from megazero.plan.params import ParamCounts
 from megazero.plan.state_bytes import gathered_bytes, grad_buffer_bytes, model_state_bytes
 from models import arch
-from models.gpt import count_parameters
+from models.build import count_parameters
 from parallel.balance import balance_layers, rank_costs
 from parallel.pipeline import partition_layers
 from parallel.schedules import Action, virtual_stage

@@ -40,18 +40,20 @@ class GradReducer:
 
     ``on_backward_done(b)``: called when a bucket's gradients of one microbatch are all in (stage 3 frees the
     layer there). ``on_final(b, grad)``: called once per step when a bucket's reduced gradient is final
-    (the offloaded optimizer starts its copy to the host there, overlapping the rest of backward)."""
+    (the offloaded optimizer starts its copy to the host there, overlapping the rest of backward).
+    ``before_deferred(b, full)``: called with a deferred bucket's whole buffer just before its dp reduction
+    (``parallel.zero.finalize`` sums tied copies there)."""
 
-    def __init__(self, layout: BucketLayout, policy: StagePolicy, dp: Comm, tp: Comm, embed: Optional[Comm],
-                 grad_dtype: torch.dtype, device: torch.device, sp_index: list[Optional[Tensor]],
-                 max_in_flight: int = 2, on_backward_done: Optional[Callable[[Bucket], None]] = None,
-                 on_final: Optional[Callable[[Bucket, Tensor], None]] = None):
-        self.layout, self.policy, self.dp, self.tp, self.embed = layout, policy, dp, tp, embed
+    def __init__(self, layout: BucketLayout, policy: StagePolicy, dp: Comm, grad_dtype: torch.dtype,
+                 device: torch.device, max_in_flight: int = 2,
+                 on_backward_done: Optional[Callable[[Bucket], None]] = None,
+                 on_final: Optional[Callable[[Bucket, Tensor], None]] = None,
+                 before_deferred: Optional[Callable[[Bucket, Tensor], None]] = None):
+        self.layout, self.policy, self.dp = layout, policy, dp
         self.grad_dtype, self.device = grad_dtype, device
-        self.sp_index = sp_index  # per bucket: where sequence-parallel gradients are in the range, or None
         assert max_in_flight >= 1, max_in_flight
         self.max_in_flight = max_in_flight if policy.bound_in_flight else None
-        self.on_backward_done, self.on_final = on_backward_done, on_final
+        self.on_backward_done, self.on_final, self.before_deferred = on_backward_done, on_final, before_deferred
         n = len(layout.buckets)
         self.full: list[Optional[Tensor]] = [None] * n  # a microbatch's (or, unsharded, the step's) bucket sum
         if policy.keeps_full_grads:
@@ -208,8 +210,9 @@ class GradReducer:
 
     # ----- after the schedule -----------------------------------------------------------------------------------
     def finish(self) -> None:
-        """Wait for the reductions started in backward, reduce the deferred buckets, sum sequence-parallel
-        gradients over tp. Afterwards ``grad(b)`` is every bucket's reduced gradient of the optimizer's range."""
+        """Wait for the reductions started in backward and reduce the deferred buckets. Afterwards ``grad(b)``
+        is every bucket's reduced gradient of the optimizer's range (over dp: ``parallel.zero.finalize`` adds
+        the sums over other groups)."""
         for b in self.layout.buckets:
             if self.rounds[b.index] != self.microbatches or self.ready[b.index]:
                 # else the dp ranks would silently drift apart
@@ -222,15 +225,13 @@ class GradReducer:
         for b in self.layout.buckets:
             if b.deferred:
                 self._reduce_deferred(b)
-        self._sequence_parallel_sum()
 
     def _reduce_deferred(self, b: Bucket) -> None:
         i = b.index
         if self.full[i] is None:
             self.full[i] = self._alloc(b.numel, 0)
-        for (name, p), off in zip(b.params, b.offsets):
-            if name == "embed.tokens.weight" and self.layout.tied_embedding:  # sum the tied copies
-                self.embed.all_reduce(self.full[i][off:off + p.numel()], tag="grad")
+        if self.before_deferred is not None:
+            self.before_deferred(b, self.full[i])
         if not self.policy.shard_optimizer:
             self.dp.all_reduce(self.full[i], tag="grad")
         elif self.in_place:
@@ -245,21 +246,6 @@ class GradReducer:
                 self.full[i] = None
         if self.on_final is not None:
             self.on_final(b, self.grad(b))
-
-    def _sequence_parallel_sum(self) -> None:
-        """Sequence-parallel parameters saw 1/tp of the tokens on each tp rank: sum their gradients."""
-        if self.tp.size == 1:
-            return
-        parts = [(b, self.grad(b), self.sp_index[b.index]) for b in self.layout.buckets
-                 if self.sp_index[b.index] is not None]
-        if not parts:
-            return
-        flat = torch.cat([g.index_select(0, idx) for _, g, idx in parts])
-        self.tp.all_reduce(flat, tag="grad")
-        start = 0
-        for _, g, idx in parts:
-            g.index_copy_(0, idx, flat[start:start + idx.numel()])
-            start += idx.numel()
 
     def grad(self, b: Bucket) -> Tensor:
         """The reduced gradient of the optimizer's range (valid after ``finish``)."""

@@ -3,20 +3,22 @@
 Every bucket is padded to a multiple of dp, so dp rank r owns the same contiguous slice
 [r·n/dp, (r+1)·n/dp) of every bucket; parameters are views into the bucket's buffer. Buckets are cut by
 size (``zero.bucket_mb``, counted in the gradient dtype's bytes, since the gradient buffer is what a
-reduction moves) or, when parameters are sharded (stage 3), one per transformer layer plus a root bucket
-for the embeddings and final norm. The tied embedding's last-stage copy gets a bucket of its own, reduced
-after the schedule when both copies' gradients are in. Pure layout and parameter memory: no communication.
+reduction moves) or, when parameters are sharded (stage 3), one per sharding unit the model declares (its
+transformer layers) plus a root bucket for the rest (``parallel.zero.declared``). Tied parameters (a stage's
+copy of another stage's embedding) get a bucket of their own, reduced after the schedule when both copies'
+gradients are in. Pure layout and parameter memory: no communication.
 """
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor, nn
 
 from kernels.adam_cpu import Run
+from parallel.zero.declared import sharding_units, tied_parameters
 from parallel.zero.policy import StagePolicy
 
 
@@ -29,11 +31,12 @@ class Bucket:
     offsets: list  # element offset of each parameter in the bucket
     numel: int  # padded to a multiple of dp
     dp: int
-    unit: Optional[nn.Module] = None  # shard_params: the layer whose parameters these are
-    deferred: bool = False  # reduced after the schedule (tied embedding copy, stage 3's root)
+    unit: Optional[nn.Module] = None  # shard_params: the sharding unit (layer) whose parameters these are
+    deferred: bool = False  # reduced after the schedule (tied copies, stage 3's root)
     chunk: int = 0  # shard_params: the model chunk (virtual stage) the layer belongs to
     full: Tensor = None  # the parameters (shard_params: storage freed while not gathered)
     shard_param: Optional[Tensor] = None  # shard_params: this rank's slice, the persistent copy
+    tied: dict = field(default_factory=dict)  # position in params -> counts toward the norm, for tied copies
 
     @property
     def shard(self) -> int:
@@ -55,20 +58,23 @@ class BucketLayout:
         frozen = [n for c in chunks for n, p in c.named_parameters() if not p.requires_grad]
         if frozen:  # its bucket would wait forever for a gradient (and never be reduced)
             raise ValueError(f"ZeroOptimizer trains every parameter it is given; frozen: {', '.join(frozen)}")
-        self.tied_embedding = any(c.shares_embedding_across_stages for c in chunks)
+        tied = tied_parameters(chunks)
         limit = max(1, int(bucket_mb * 2 ** 20 / torch.tensor([], dtype=grad_dtype).element_size()))
         # padding to a multiple of dp is part of the bucket too: a bucket holds at most bucket_mb
         limit = max(1, limit - (dp - 1))
-        groups = _by_layer(chunks) if policy.shard_params else _by_size(chunks, limit, self.tied_embedding)
+        groups = _by_unit(chunks) if policy.shard_params else _by_size(chunks, limit, tied)
         self.buckets: list[Bucket] = []
         for params, unit, deferred, chunk in groups:
             offsets, total = [], 0
             for _, p in params:
                 offsets.append(total)
                 total += p.numel()
+            mine = {j: tied[id(p)] for j, (_, p) in enumerate(params) if id(p) in tied}
+            # a tied copy is summed with the other stage's before its bucket's reduction: after the schedule
+            assert deferred or not mine, f"tied parameters inside a sharding unit: {[params[j][0] for j in mine]}"
             self.buckets.append(Bucket(index=len(self.buckets), params=params, offsets=offsets,
                                        numel=-(-total // dp) * dp, dp=dp, unit=unit, deferred=deferred,
-                                       chunk=chunk))
+                                       chunk=chunk, tied=mine))
         self.owner = self._checkpoint_owners()
 
     def range(self, b: Bucket) -> tuple[int, int]:
@@ -127,8 +133,9 @@ class BucketLayout:
         """Per element of the optimizer's range, as maximal runs ``(start, end, flag)`` that tile it: (weight
         decay applies, counts toward the gradient norm, sequence-parallel: summed over tp). Matrices decay;
         biases and norms do not. A tp-replicated parameter counts on tp rank 0 only, a piece replicated on r tp
-        ranks on the first of them, and the tied embedding's copy not at all, so the norm counts each once. Padding is False in all three. Computed from the
-        parameters alone (no tensor is read), so a simulated run (fake tensors) builds them as a real one."""
+        ranks on the first of them, and a tied copy only where the model declares it counted, so the norm counts
+        each once. Padding is False in all three. Computed from the parameters alone (no tensor is read), so a
+        simulated run (fake tensors) builds them as a real one."""
         lo, hi = self.range(b)
         runs: tuple[list[Run], list[Run], list[Run]] = ([], [], [])
 
@@ -140,13 +147,13 @@ class BucketLayout:
                     out.append((a, z, flag))
 
         at = 0
-        for (_, p), off in zip(b.params, b.offsets):
+        for j, ((_, p), off) in enumerate(zip(b.params, b.offsets)):
             a, z = max(off, lo) - lo, min(off + p.numel(), hi) - lo
             if a >= z:
                 continue
             if a > at:
                 put(at, a, (False, False, False))
-            put(a, z, (p.dim() >= 2, _counted_here(p, tp_rank) and not getattr(p, "tied_copy", False),
+            put(a, z, (p.dim() >= 2, _counted_here(p, tp_rank) and b.tied.get(j, True),
                        bool(getattr(p, "sequence_parallel", False))))
             at = z
         if at < hi - lo:
@@ -176,25 +183,30 @@ def _counted_here(p: nn.Parameter, tp_rank: int) -> bool:
     return tp_rank % getattr(p, "tp_replicas", 1) == 0
 
 
-def _by_layer(chunks: list[nn.Module]) -> list[tuple[list, Optional[nn.Module], bool, int]]:
-    """One bucket per transformer layer, in backward order, and a deferred root bucket per chunk."""
+def _by_unit(chunks: list[nn.Module]) -> list[tuple[list, Optional[nn.Module], bool, int]]:
+    """One bucket per declared sharding unit, in backward order, and a deferred root bucket per chunk."""
     groups = []
     for c in reversed(range(len(chunks))):
         chunk = chunks[c]
-        for _, layer in reversed(list(chunk.layers.items())):
-            groups.append((_named(chunk, layer), layer, False, c))
-        root = [(n, p) for n, p in chunk.named_parameters() if not n.startswith("layers.")]
+        inside: set[int] = set()
+        for prefix, unit in reversed(sharding_units(chunk)):
+            # the unit's parameters under their global names, in backward order
+            named = [(f"{prefix}.{n}", p) for n, p in unit.named_parameters()]
+            inside.update(id(p) for _, p in named)
+            groups.append((named[::-1], unit, False, c))
+        root = [(n, p) for n, p in chunk.named_parameters() if id(p) not in inside]
         if root:
             groups.append((root[::-1], None, True, c))
     return groups
 
 
-def _by_size(chunks: list[nn.Module], limit: int, tied: bool) -> list[tuple[list, Optional[nn.Module], bool, int]]:
+def _by_size(chunks: list[nn.Module], limit: int,
+             tied: dict[int, bool]) -> list[tuple[list, Optional[nn.Module], bool, int]]:
     """Backward order (last registered first), cut before a bucket would exceed ``limit`` elements (a single
-    parameter larger than that is a bucket of its own)."""
+    parameter larger than that is a bucket of its own); the tied copies in a deferred bucket of their own."""
     named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()][::-1]
-    tied_params = [(n, p) for n, p in named if n == "embed.tokens.weight" and tied]
-    rest = [(n, p) for n, p in named if all(p is not q for _, q in tied_params)]
+    tied_params = [(n, p) for n, p in named if id(p) in tied]
+    rest = [(n, p) for n, p in named if id(p) not in tied]
     groups, current, size = [], [], 0
     for n, p in rest:
         if p.numel() > limit:  # a bucket of its own; the open bucket stays open for what follows (else every
@@ -211,8 +223,3 @@ def _by_size(chunks: list[nn.Module], limit: int, tied: bool) -> list[tuple[list
         groups.append((tied_params, None, True))
     return [(params, unit, deferred, 0) for params, unit, deferred in groups]
 
-
-def _named(chunk: nn.Module, layer: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """A layer's parameters under their global names, in backward order."""
-    prefix = next(n for n, m in chunk.named_modules() if m is layer)
-    return [(f"{prefix}.{n}", p) for n, p in layer.named_parameters()][::-1]

@@ -3,6 +3,7 @@
 - ``StagePolicy``: what the stage shards and when it communicates.
 - ``BucketLayout``: the flat, dp-padded buckets and the parameter memory.
 - ``GradReducer``: backward hooks, microbatch sums, reductions over dp with a bounded number in flight.
+- ``GradFinalizer``: the sums beyond dp: tied copies over the embedding group, sequence-parallel over tp.
 - ``ParamGatherer``: stage 3's gather/free/prefetch; stages 1-2's overlapped all-gather after the step.
 - ``ShardedAdamW``: fp32 masters, moments, the norm and the update, on the device or offloaded.
 - ``ZeroCheckpoint``: layout-free export and import of every parameter's state.
@@ -24,6 +25,7 @@ from parallel.host import host_values
 from parallel.topology import Grid
 from parallel.zero.adamw import ShardedAdamW
 from parallel.zero.checkpoint import ZeroCheckpoint
+from parallel.zero.finalize import GradFinalizer
 from parallel.zero.gather import ParamGatherer
 from parallel.zero.grads import GradReducer, grad_precision
 from parallel.zero.layout import Bucket, BucketLayout
@@ -63,20 +65,19 @@ class ZeroOptimizer:
         impl = adam_impl if state_device == self.device else "fused"
         self.optim = ShardedAdamW(self.layout, self.device, state_device, impl, weight_decay, betas, eps,
                                   self.grad_dtype)
-        sp_index: list[Optional[Tensor]] = []
+        self.finalize = GradFinalizer(grid.embed_comm, grid.tp_comm, self.device)
 
         def add(b: Bucket, initial: Tensor) -> None:
             decay, count, sp = self.layout.mask_runs(b, grid.tp_comm.rank)
             self.optim.add_bucket(b, initial, decay, count)
-            parts = [torch.arange(a, z, device=self.device) for a, z, on in sp if on]  # the step needs no host sync
-            sp_index.append(torch.cat(parts) if parts else None)
+            self.finalize.add_bucket(b, sp)
 
         self.layout.materialise(initial_value, add)
         self.gatherer = ParamGatherer(chunks, self.layout, self.policy, grid.dp_comm, self.device,
                                       reshard_after_forward, overlap_param_gather)
-        self.reducer = GradReducer(self.layout, self.policy, grid.dp_comm, grid.tp_comm, grid.embed_comm,
-                                   self.grad_dtype, self.device, sp_index, max_in_flight,
-                                   on_backward_done=self.gatherer.backward_done, on_final=self.optim.grad_ready)
+        self.reducer = GradReducer(self.layout, self.policy, grid.dp_comm, self.grad_dtype, self.device,
+                                   max_in_flight, on_backward_done=self.gatherer.backward_done,
+                                   on_final=self.optim.grad_ready, before_deferred=self.finalize.sum_tied)
         self.checkpoint = ZeroCheckpoint(self.layout, self.policy, self.optim, grid.dp_comm, self.device,
                                          host_ok=grid.tp_comm.size == 1)
         self.nonfinite_param: Optional[str] = None  # named by a step skipped for a non-finite gradient
@@ -101,7 +102,8 @@ class ZeroOptimizer:
         """After the schedule: complete this step's gradient reduction (waits for what backward started)."""
         assert not self._reduced, "reduce() once per step"
         self.gatherer.settle()  # stage 3's unused prefetches, before the update writes what they read
-        self.reducer.finish()
+        self.reducer.finish()  # over dp, tied copies summed first (``before_deferred``)
+        self.finalize.sum_sequence_parallel([self.reducer.grad(b) for b in self.buckets])
         self._reduced = True
 
     def step(self, lr: float, max_norm: float, grad_scale: float = 1.0, loss: Optional[Tensor] = None,
@@ -138,8 +140,7 @@ class ZeroOptimizer:
             self.gatherer.release()  # stage 3: the root stays gathered otherwise, until the next forward
             return norm, True
         coef = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
-        resend = {b.index for b in self.buckets if self.reducer.sp_index[b.index] is not None}
-        self.optim.update(grads, lr, grad_scale * coef, resend if self.grid.tp_comm.size > 1 else set())
+        self.optim.update(grads, lr, grad_scale * coef, self.finalize.rewritten())
         self.gatherer.after_step()
         self.zero_grad()
         return norm, False

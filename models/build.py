@@ -1,0 +1,71 @@
+"""Build one pipeline stage: on the meta device, then materialised and initialised (torchtitan's order).
+
+Nothing is allocated before the stage knows its layout; ZeRO-3 may take the parameters still on the meta
+device and create them one bucket at a time (``materialise=False``). ``count_parameters`` is the same
+model's size from the config alone, for plans and metrics.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.arch import ffn_hidden, has_bias, is_llama, tied
+from models.init import InitialValues, init_parameters
+from models.stage import GPT
+
+PARALLEL_ATTRS = ("tp_split_dim", "tp_replicas", "sequence_parallel")  # what the parallel layers mark
+
+
+def build_gpt(cfg: Any, seed: int | InitialValues, device: torch.device | str = "cpu", materialise: bool = True,
+              **stage: Any) -> GPT:
+    """Build a stage on the meta device (no memory), materialise it on ``device``, initialise it.
+
+    ``stage``: ``models.stage.GPT``'s keywords (tp, layer_ids, first_stage, last_stage, sequence_parallel,
+    attention_impl, kv_replicas, tp_overlap). materialise=False leaves the parameters on the meta device for
+    their owner (ZeRO-3) to create one bucket at a time from ``models.init.initial_tp_value``; the model still
+    computes on ``device``.
+    """
+    with torch.device("meta"):
+        model = GPT(cfg, **stage)
+    model.rng.device = torch.device(device)
+    if not materialise:
+        return model
+    # new Parameter objects on the device, keeping the parallel attributes (not to_empty: it cannot swap the
+    # parameters of a model built under fake tensors, which --simulate runs)
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if id(p) not in made:
+                made[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                for attr in PARALLEL_ATTRS:
+                    setattr(made[id(p)], attr, getattr(p, attr))
+            setattr(module, name, made[id(p)])
+    init_parameters(model, seed)
+    return model
+
+
+def count_parameters(cfg: Any) -> int:
+    """Parameters of the whole model (every stage and tp rank, a tied head counted once).
+
+    The token embedding (and an untied head) count their padded rows because they are stored and
+    multiplied like any other. Llama: RMSNorms (no bias), q/o of h x h, k/v of h x kv_heads*head_dim, and
+    SwiGLU's three ffn x h matrices; no position table.
+    """
+    h, f, n_bias = cfg.hidden, ffn_hidden(cfg), int(has_bias(cfg))
+    head = 0 if tied(cfg) else cfg.padded_vocab * h
+    if is_llama(cfg):
+        kv = cfg.kv_head_count * (h // cfg.heads)
+        norm = h
+        block = 2 * norm + 2 * h * h + 2 * h * kv + n_bias * (2 * h + 2 * kv) + 3 * f * h + n_bias * (2 * f + h)
+        return cfg.padded_vocab * h + head + cfg.layers * block + norm
+    norm = h * (1 + n_bias)
+    block = (
+        2 * norm
+        + 3 * h * h + n_bias * 3 * h  # qkv
+        + h * h + n_bias * h  # attention output projection
+        + f * h + n_bias * f  # fc1
+        + h * f + n_bias * h  # fc2
+    )
+    return cfg.padded_vocab * h + head + cfg.seq_len * h + cfg.layers * block + norm

@@ -1,0 +1,75 @@
+"""Layout-independent initialisation: each parameter's value depends only on (seed, global name, shape, config).
+
+The full tensor is drawn from a generator seeded by the parameter's name and this tp rank keeps its slice, so a
+model starts the same at any (tp, pp, dp, ZeRO stage) and a checkpoint or parity test can compare by name.
+The scheme is GPT-2's (Radford et al. 2019, section 2.3), used for Llama too.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from models.stage import GPT
+
+RESIDUAL_PROJECTIONS = ("attn.proj.weight", "mlp.fc2.weight", "mlp.down.weight")
+NORMS = ("ln1", "ln2", "final_norm")
+
+InitialValues = Callable[[str, tuple[int, ...]], Tensor]  # (name, full shape) -> the full float32 value
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def initial_value(name: str, full_shape: tuple[int, ...], seed: int, cfg: Any) -> Tensor:
+    """The full (unsharded) float32 initial value of the parameter called ``name``.
+
+    GPT-2 scheme: N(0, init_std) for weights and embeddings, residual output
+    projections scaled by 1/sqrt(2 * layers) (two residual additions per block),
+    zero biases, LayerNorm weight 1. Depends only on (seed, name, shape, cfg).
+    """
+    module = name.split(".")[-2]
+    if name.endswith(".bias"):
+        return torch.zeros(full_shape)
+    if module in NORMS:
+        return torch.ones(full_shape)
+    std = cfg.init_std
+    if name.endswith(RESIDUAL_PROJECTIONS):
+        std = std / math.sqrt(2 * cfg.layers)
+    return torch.empty(full_shape).normal_(0.0, std, generator=_generator(seed, name))
+
+
+def initial_tp_value(model: GPT, name: str, seed: int | InitialValues) -> Tensor:
+    """This tp rank's slice of the initial value of the parameter ``name`` of ``model`` (CPU, float32).
+
+    ``seed``: the seed of :func:`initial_value`, or a function giving each full value (an imported
+    Hugging Face model's weights, ``train.init_from``)."""
+    module_name, _, pname = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    tp_rank, tp_size = getattr(module, "tp_rank", 0), getattr(module, "tp_size", 1)
+    p = getattr(module, pname)
+    dim = p.tp_split_dim
+    pieces = tp_size // getattr(p, "tp_replicas", 1)  # replicated k/v heads: tp/replicas distinct pieces
+    full_shape = list(p.shape)
+    if dim is not None:
+        full_shape[dim] *= pieces
+    if callable(seed):
+        value = seed(name, tuple(full_shape))
+        assert tuple(value.shape) == tuple(full_shape), (name, tuple(value.shape), full_shape)
+    else:
+        value = initial_value(name, tuple(full_shape), seed, model.cfg)
+    if dim is not None and pieces > 1:
+        value = value.chunk(pieces, dim=dim)[tp_rank * pieces // tp_size]
+    return value
+
+
+@torch.no_grad()
+def init_parameters(model: GPT, seed: int | InitialValues) -> None:
+    """Set every parameter to its layout-independent initial value (this rank's tp slice of it)."""
+    for name, p in model.named_parameters():
+        p.copy_(initial_tp_value(model, name, seed))

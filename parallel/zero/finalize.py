@@ -1,0 +1,65 @@
+"""The sums that complete a step's gradients besides the data-parallel reduction (Megatron-core's
+``finalize_model_grads``), each read from what the model declares, never from parameter names.
+
+- Tied copies: a parameter two pipeline stages hold (the token embedding of a tied head, on the first and the
+  last stage; ``tied_parameters()``, ``parallel.zero.declared``) has its gradient summed with the other
+  copy's over the group that joins them (Megatron's embedding group), in its deferred bucket's buffer just
+  before that bucket is reduced over dp, so both copies take the same update.
+- Sequence parallelism: a parameter marked ``sequence_parallel`` (the norms, the position table) saw 1/tp of
+  the tokens on each tp rank, so its reduced gradient is summed over tp, once every bucket is reduced: one
+  all-reduce of those elements of every bucket.
+
+``ZeroOptimizer.reduce`` orders them: the reducer's deferred buckets (``sum_tied`` first), then
+``sum_sequence_parallel``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from kernels.adam_cpu import Run
+from parallel.comm import Comm
+from parallel.zero.layout import Bucket
+
+
+class GradFinalizer:
+    def __init__(self, tied: Comm, tp: Comm, device: torch.device):
+        """tied: the group that sums tied copies (the embedding group); tp: the tensor-parallel group."""
+        self.tied, self.tp, self.device = tied, tp, device
+        self.sp_index: list[Optional[Tensor]] = []  # per bucket: where sequence-parallel gradients are in the range
+
+    def add_bucket(self, b: Bucket, sequence_parallel: list[Run]) -> None:
+        """A bucket's runs of (sequence-parallel) over the optimizer's range (``BucketLayout.mask_runs``), in
+        bucket order; kept as an index on the device, so the step needs no host sync."""
+        assert b.index == len(self.sp_index), (b.index, len(self.sp_index))
+        parts = [torch.arange(a, z, device=self.device) for a, z, on in sequence_parallel if on]
+        self.sp_index.append(torch.cat(parts) if parts else None)
+
+    def sum_tied(self, b: Bucket, full: Tensor) -> None:
+        """Sum the tied copies' gradients in a deferred bucket's whole buffer, before its dp reduction."""
+        for j in b.tied:
+            off, n = b.offsets[j], b.params[j][1].numel()
+            self.tied.all_reduce(full[off:off + n], tag="grad")
+
+    def sum_sequence_parallel(self, grads: list[Tensor]) -> None:
+        """Sum the sequence-parallel parameters' reduced gradients over tp (``grads``: every bucket's range)."""
+        if self.tp.size == 1:
+            return
+        parts = [(g, idx) for g, idx in zip(grads, self.sp_index) if idx is not None]
+        if not parts:
+            return
+        flat = torch.cat([g.index_select(0, idx) for g, idx in parts])
+        self.tp.all_reduce(flat, tag="grad")
+        start = 0
+        for g, idx in parts:
+            g.index_copy_(0, idx, flat[start:start + idx.numel()])
+            start += idx.numel()
+
+    def rewritten(self) -> set[int]:
+        """The buckets whose gradients ``sum_sequence_parallel`` changes after they were final (an early host
+        copy of them must be sent again)."""
+        if self.tp.size == 1:
+            return set()
+        return {i for i, idx in enumerate(self.sp_index) if idx is not None}
