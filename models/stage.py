@@ -32,15 +32,15 @@ from torch.utils.checkpoint import checkpoint
 from models.arch import tied
 from models.parts import parts_of
 from models.split import Split
-from parallel.comm import Comm, copy_to_region
+from parallel.comm import Comm
+from parallel.cross_entropy import mask_padded_vocab, vocab_parallel_cross_entropy
+from parallel.regions import copy_to_region
 from parallel.tp_random import ShardedDropout, TPRandom
 from parallel.tensor import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
     mark_sequence_parallel,
-    mask_padded_vocab,
     sequence_gathered_linear,
-    vocab_parallel_cross_entropy,
 )
 
 

@@ -9,7 +9,7 @@ from megazero.config.schema import ModelConfig
 import torch.nn.functional as F
 
 from models.build import build_gpt, count_parameters
-from parallel.tensor import vocab_parallel_cross_entropy
+from parallel.cross_entropy import vocab_parallel_cross_entropy
 
 def Cfg(**overrides) -> ModelConfig:
     """A small model config; tests override what they exercise."""

@@ -18,7 +18,7 @@ from megazero.checkpoint import store as checkpoint
 from megazero.config.schema import ModelConfig
 from megazero.train.run import run
 from models.build import build_gpt
-from parallel.tensor import vocab_parallel_cross_entropy
+from parallel.cross_entropy import vocab_parallel_cross_entropy
 from parallel.topology import Grid
 from tests.dist import run_ranks
 from tests.runs import ROOT, read_metrics, small_overrides, write_corpus
