@@ -39,6 +39,7 @@ import torch  # noqa: E402
 
 from megazero.config.load import load_config
 
+from kernels import resolve_kernels  # noqa: E402
 from megazero.config.rules import resolve_world  # noqa: E402
 from megazero.train.trainer import Trainer  # noqa: E402
 from parallel.topology import Grid  # noqa: E402
@@ -98,6 +99,7 @@ def profile_set(config: str, sets: list[str], attention: str, adam: str, smoke: 
         resolve_world(cfg, 1)
         device = torch.device(cfg.launch.device if cfg.launch.device != "auto" else
                               ("cuda" if torch.cuda.is_available() else "cpu"))
+        resolve_kernels(cfg.kernels, device.type, cfg.model.head_dim)  # as pretrain.py's entry point does
         trainer = Trainer(cfg, Grid.build(1, 1, 1, device.type), device)
         warmup, windows, window_steps, profiled = (1, 2, 2, 1) if smoke else (WARMUP, WINDOWS, WINDOW_STEPS, PROFILED)
         for _ in range(warmup):
