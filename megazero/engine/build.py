@@ -81,6 +81,7 @@ def make_zero(chunks: list[nn.Module], grid: Grid, z: ZeroConfig, precision: str
               overlap_param_gather: bool = True) -> ZeroOptimizer:
     """ZeRO over the chunks as ``z`` says (its reshard_after_forward resolved). ``overlap_param_gather=False``
     waits for stages 1-2's post-step gathers at the end of the step (a benchmark's baseline)."""
+    assert not isinstance(z.reshard_after_forward, str), "zero.reshard_after_forward: resolve_world() first"
     return ZeroOptimizer(chunks, grid, z.stage, precision, 0.0, weight_decay, z.bucket_mb, z.reshard_after_forward,
                          z.offload_optimizer, z.offload_params, adam_impl=adam_impl, device=device,
                          initial_value=initial_value, grad_dtype=z.grad_dtype,
