@@ -5,7 +5,8 @@ each bucket is copied as soon as its reduced gradient is final, on a side stream
 one GPU under ZeRO-2 with the optimizer states in pinned CPU memory (bf16, 2 microbatches), runs
 warm-up steps through ``megazero.engine.step.train_step``, then times one step with CUDA events: when the
 backward's last kernel ended on the compute stream (the executor's timeline), and when each bucket's copy
-ended on the copy stream (the optimizer's ``copy_events``). A copy that ended before the backward did was hidden entirely.
+ended on the copy stream (the optimizer's ``copy_events``). A copy that ended before the backward did was
+hidden entirely.
 
     python bench/offload_overlap.py [--layers 12 --hidden 768 --seq 1024 --micro-batch 4] [--smoke]
 
