@@ -41,7 +41,8 @@ from models.build import build_gpt  # noqa: E402
 
 
 def trainer_state(layers: int, hidden: int, vocab: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """model/NAME (bf16) and optim/NAME/{master, exp_avg, exp_avg_sq} (fp32), as Trainer.state_tensors."""
+    """model/NAME (bf16) and optim/NAME/{master, exp_avg, exp_avg_sq} (fp32), as a run saves them
+    (``megazero.train.checkpoint_state.state_tensors``)."""
     cfg = ModelConfig(layers=layers, hidden=hidden, heads=max(1, hidden // 64), seq_len=1024, vocab_size=vocab)
     shapes = {n: p.shape for n, p in build_gpt(cfg, seed=0, materialise=False).named_parameters()}
     g = torch.Generator(device=device).manual_seed(0)

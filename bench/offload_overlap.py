@@ -4,8 +4,9 @@ ZeRO-Offload (Ren et al. 2021, section 4.1) hides the gradient copies to the hos
 each bucket is copied as soon as its reduced gradient is final, on a side stream. This builds a GPT on
 one GPU under ZeRO-2 with the optimizer states in pinned CPU memory (bf16, 2 microbatches), runs
 warm-up steps through ``megazero.engine.step.train_step``, then times one step with CUDA events: when the
-backward's last kernel ended on the compute stream, and when each bucket's copy ended on the copy
-stream. A copy that ended before the backward did was hidden entirely.
+backward's last kernel ended on the compute stream (the executor's timeline), and when each bucket's copy
+ended on the copy stream (the optimizer's ``copy_events``). A copy that ended before the backward did was
+hidden entirely.
 
     python bench/offload_overlap.py [--layers 12 --hidden 768 --seq 1024 --micro-batch 4] [--smoke]
 
@@ -24,13 +25,11 @@ import argparse  # noqa: E402
 
 import torch  # noqa: E402
 
-from megazero.config.schema import ModelConfig  # noqa: E402
+from megazero.config.schema import ModelConfig, ZeroConfig  # noqa: E402
+from megazero.engine.build import make_executor, make_schedules, make_zero  # noqa: E402
 from megazero.engine.step import train_step  # noqa: E402
-from models.gpt import build_gpt  # noqa: E402
-from parallel.pipeline import PipelineExecutor  # noqa: E402
-from parallel.schedules import build_schedule  # noqa: E402
+from models.build import build_gpt  # noqa: E402
 from parallel.topology import Grid  # noqa: E402
-from parallel.zero import ZeroOptimizer  # noqa: E402
 
 M = 2
 
@@ -56,16 +55,11 @@ def main() -> int:
                       vocab_size=args.vocab)
     grid = Grid.build(1, 1, 1, device.type)
     model = build_gpt(cfg, 0, device=device, tp=grid.tp_comm)
-    zero = ZeroOptimizer([model], grid, 2, "bf16", 1e-4, 0.1, bucket_mb=25.0, offload_optimizer="cpu",
-                         device=device, adam_impl="fused")
+    offloaded = ZeroConfig(stage=2, reshard_after_forward=True, offload_optimizer="cpu")
+    zero = make_zero([model], grid, offloaded, "bf16", 0.1, device, adam_impl="fused")
     tokens = M * args.micro_batch * args.seq
-
-    def autocast():
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-
-    executor = PipelineExecutor([model], grid, (args.micro_batch, args.seq, args.hidden), torch.bfloat16, device,
-                                tokens, autocast)
-    schedule = build_schedule("1f1b", 1, M)[0]
+    executor = make_executor([model], grid, device, args.micro_batch, args.seq, args.hidden, "bf16", tokens)
+    schedule = make_schedules("1f1b", grid, M)[0]
     gen = torch.Generator().manual_seed(0)
     mbs = [torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=gen) for _ in range(M)]
     for _ in range(3):  # warm-up: allocator, kernels' autotuning, pinned buffers
@@ -78,29 +72,14 @@ def main() -> int:
         print("- smoke run on the CPU: no device-to-host copies to time")
         return 0
 
-    # instruments: an event after the schedule's last kernel, one after each bucket's copy
-    stream = torch.cuda.current_stream(device)
-    start, backward_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    copies: list[tuple[int, torch.cuda.Event]] = []
-    original_ready, original_run = zero.optim.grad_ready, executor.run
-
-    def ready(b, grad):
-        original_ready(b, grad)
-        if zero.optim.copy_stream is not None:
-            done = torch.cuda.Event(enable_timing=True)
-            done.record(zero.optim.copy_stream)
-            copies.append((grad.numel() * 4, done))
-
-    def run(*a, **k):
-        out = original_run(*a, **k)
-        backward_end.record(stream)
-        return out
-
-    zero.optim.grad_ready, zero.reducer.on_final, executor.run = ready, ready, run
+    # the executor's timeline ends at the schedule's last kernel (its stamps are CUDA events); the optimizer
+    # records an event after each bucket's copy to the host when asked to
+    zero.optim.copy_events = copies = []
     torch.cuda.synchronize()
-    start.record(stream)
     train_step(zero, executor, schedule, mbs, 1e-4, 1.0)
     torch.cuda.synchronize()
+    zero.optim.copy_events = None
+    start, backward_end = executor.trace_origin, executor.trace[-1][-1]
     end_ms = start.elapsed_time(backward_end)
     ended = [(n, start.elapsed_time(e)) for n, e in copies]
     hidden = [n for n, t in ended if t <= end_ms]

@@ -26,7 +26,6 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import argparse  # noqa: E402
-import contextlib  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
@@ -37,9 +36,10 @@ from bench.timing import timed_between_barriers  # noqa: E402
 from megazero.config.schema import ModelConfig  # noqa: E402
 from megazero.config.resolve import resolve_arch  # noqa: E402
 from megazero.costs import pipeline_costs  # noqa: E402
-from models.gpt import build_gpt  # noqa: E402
+from megazero.engine.build import make_executor, make_schedules  # noqa: E402
+from models.build import build_gpt  # noqa: E402
 from parallel.balance import balance_layers  # noqa: E402
-from parallel.pipeline import PipelineExecutor, partition_layers  # noqa: E402
+from parallel.pipeline import partition_layers  # noqa: E402
 from parallel.schedule_analysis import simulate  # noqa: E402
 from parallel.schedules import build_schedule  # noqa: E402
 from parallel.topology import Grid  # noqa: E402
@@ -82,7 +82,6 @@ def _bench_rank(rank: int, world: int, args) -> dict:
     batch = torch.randint(0, cfg.vocab_size, (m * args.micro_batch, cfg.seq_len + 1), generator=gen)
     microbatches = list(batch.split(args.micro_batch))
     tokens = m * args.micro_batch * cfg.seq_len
-    shape = (args.micro_batch, cfg.seq_len, cfg.hidden)
 
     chunks_of: dict[tuple, list] = {}  # (split name, v) -> this rank's model chunks
 
@@ -97,9 +96,9 @@ def _bench_rank(rank: int, world: int, args) -> dict:
     runs = []
     for name, schedule, v, split, overlap in CONTENDERS:
         cs = chunks(split, v)
-        executor = PipelineExecutor(cs, grid, shape, torch.float32, device, tokens, contextlib.nullcontext,
-                                    overlap_p2p=overlap)
-        actions = build_schedule(schedule, pp, m, v, overlap_p2p=overlap)[rank]
+        executor = make_executor(cs, grid, device, args.micro_batch, cfg.seq_len, cfg.hidden, "fp32", tokens,
+                                 overlap_p2p=overlap)
+        actions = make_schedules(schedule, grid, m, v, overlap_p2p=overlap)[0]
         runs.append({"name": name, "chunks": cs, "executor": executor, "actions": actions, "loss": None})
 
     def step(r: dict) -> None:

@@ -39,7 +39,7 @@ import torch  # noqa: E402
 
 from megazero.config.load import load_config
 
-from megazero.config.rules import resolve_world  # noqa: E402
+from megazero.config.resolve import resolve  # noqa: E402
 from megazero.train.trainer import Trainer  # noqa: E402
 from parallel.topology import Grid  # noqa: E402
 
@@ -95,9 +95,9 @@ def profile_set(config: str, sets: list[str], attention: str, adam: str, smoke: 
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(config, sets + [f"kernels.attention={attention}", f"kernels.adam={adam}", f"log.dir={tmp}"])
-        resolve_world(cfg, 1)
         device = torch.device(cfg.launch.device if cfg.launch.device != "auto" else
                               ("cuda" if torch.cuda.is_available() else "cpu"))
+        resolve(cfg, 1, device.type)  # as pretrain.py's entry point does
         trainer = Trainer(cfg, Grid.build(1, 1, 1, device.type), device)
         warmup, windows, window_steps, profiled = (1, 2, 2, 1) if smoke else (WARMUP, WINDOWS, WINDOW_STEPS, PROFILED)
         for _ in range(warmup):

@@ -6,11 +6,11 @@ the same loss (per-token loss summed and divided by the global token count), the
 betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on >=2-D parameters), gradient clipping at 1.0 and
 gradient accumulation over m=2 microbatches per rank, fp32:
 
-  megazero ZeRO-0    ZeroOptimizer(stage=0) through megazero.engine.step.train_step (the trainer's step)
+  megazero ZeRO-0    ZeroOptimizer at stage 0 (megazero.engine.build) through megazero.engine.step.train_step
   torch DDP          DistributedDataParallel + torch.optim.AdamW(fused=True), no_sync() but the last microbatch
-  megazero ZeRO-3    ZeroOptimizer(stage=3, reshard_after_forward=True)
+  megazero ZeRO-3    ZeroOptimizer at stage 3, reshard_after_forward=True
   torch FSDP2        fully_shard(each block, then the root) + AdamW (fused, else foreach), gradient sync last
-  megazero ZeRO-1    ZeroOptimizer(stage=1), parameter all-gathers overlapped with the next forward
+  megazero ZeRO-1    ZeroOptimizer at stage 1, parameter all-gathers overlapped with the next forward
   ZeRO-1 no overlap  the same, all-gathers waited at the end of the step
 
 on N gloo CPU ranks spawned here (1 thread each). Steps alternate between the contenders (the order
@@ -41,14 +41,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megazero.plan import stage_plan as plan  # noqa: E402
-from megazero.config.schema import ModelConfig  # noqa: E402
+from megazero.config.schema import ModelConfig, ZeroConfig  # noqa: E402
+from megazero.engine.build import make_executor, make_schedules, make_zero  # noqa: E402
 from bench.timing import timed_between_barriers  # noqa: E402
-from models.gpt import build_gpt  # noqa: E402
-from parallel.pipeline import PipelineExecutor  # noqa: E402
-from parallel.schedules import build_schedule  # noqa: E402
+from models.build import build_gpt  # noqa: E402
 from parallel.topology import Grid  # noqa: E402
 from megazero.engine.step import train_step  # noqa: E402
-from parallel.zero import ZeroOptimizer  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 
 WARMUP, M = 2, 2
@@ -81,11 +79,11 @@ def _data(step: int, dp_rank: int, dp: int) -> list[torch.Tensor]:
 def _megazero(stage: int, overlap: bool, grid: Grid, tokens: int):
     model = build_gpt(_cfg(), MODEL_SEED, tp=grid.tp_comm)
     model.train()
-    zero = ZeroOptimizer([model], grid, stage, "fp32", LR, WD, reshard_after_forward=True, betas=BETAS, eps=EPS,
-                         adam_impl="fused", overlap_param_gather=overlap)
-    executor = PipelineExecutor([model], grid, (MICRO_BATCH, SEQ_LEN, HIDDEN), torch.float32,
-                                torch.device("cpu"), tokens, contextlib.nullcontext)
-    actions = build_schedule("1f1b", 1, M)[0]
+    cpu = torch.device("cpu")
+    zero = make_zero([model], grid, ZeroConfig(stage=stage, reshard_after_forward=True), "fp32", WD, cpu,
+                     adam_impl="fused", overlap_param_gather=overlap)  # its AdamW defaults are BETAS, EPS
+    executor = make_executor([model], grid, cpu, MICRO_BATCH, SEQ_LEN, HIDDEN, "fp32", tokens)
+    actions = make_schedules("1f1b", grid, M)[0]
 
     def step(mbs) -> float:  # the trainer's step, without data loading, lr schedule and metrics
         return train_step(zero, executor, actions, mbs, LR, CLIP).loss_total.item() / tokens

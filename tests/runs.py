@@ -65,16 +65,26 @@ def read_metrics(log_dir: Path) -> list[dict]:
 
 
 def executor_for(model, grid, microbatches):
-    """The executor and 1F1B schedule the trainer would use for one bare model at pp = 1, fp32, on the CPU:
-    what tests need to drive ``megazero.engine.step.train_step`` without a Trainer."""
-    import contextlib
-
+    """The executor and 1F1B schedule the trainer would use for one bare model at pp = 1, fp32, on the CPU
+    (from ``megazero.engine.build``): what tests need to drive ``megazero.engine.step.train_step`` without a
+    whole engine."""
     import torch
 
-    from parallel.pipeline import PipelineExecutor
-    from parallel.schedules import build_schedule
+    from megazero.engine.build import make_executor, make_schedules
 
     b, s = microbatches[0].shape[0], microbatches[0].shape[1] - 1
-    executor = PipelineExecutor([model], grid, (b, s, model.embed.tokens.weight.shape[1]), torch.float32,
-                                torch.device("cpu"), len(microbatches) * b * s, contextlib.nullcontext)
-    return executor, build_schedule("1f1b", 1, len(microbatches), 1)[0]
+    executor = make_executor([model], grid, torch.device("cpu"), b, s, model.embed.tokens.weight.shape[1], "fp32",
+                             len(microbatches) * b * s)
+    return executor, make_schedules("1f1b", grid, len(microbatches))[0]
+
+
+def engine_for(cfg, grid, is_builder: bool = True):
+    """The data and the engine a run of ``cfg`` (resolved: megazero.config.resolve) would train with on this CPU rank, without
+    the loop: ``(data, megazero.engine.build.Engine)``. Collective: every rank of the grid calls it."""
+    import torch
+
+    from megazero.engine.build import build_engine
+    from megazero.train.rank_data import load_data_everywhere
+
+    data = load_data_everywhere(cfg, grid, is_builder)
+    return data, build_engine(cfg, grid, torch.device("cpu"))

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from megazero.checkpoint import store as checkpoint  # noqa: E402
 from megazero.config.load import load_config  # noqa: E402
+from megazero.config.resolve import resolve_arch  # noqa: E402
 from megazero.errors import UserError  # noqa: E402
 from megazero.interop.export import main as export_main  # noqa: E402
 from megazero.interop.export import to_hf_state_dict, write_hf_folder  # noqa: E402
@@ -40,7 +41,9 @@ OURS_GPT2 = ["model.layers=2", "model.hidden=64", "model.heads=4", f"model.vocab
 
 
 def _cfg(overrides: list[str]):
-    return load_config(None, overrides)
+    cfg = load_config(None, overrides)
+    resolve_arch(cfg.model)  # the model section as a run reads it (megazero.config.resolve)
+    return cfg
 
 
 def _jitter(params, seed: int = 1) -> None:

@@ -143,14 +143,14 @@ def test_the_memory_refusal_names_the_knobs_that_would_fit():
     """Activations dominate (fp32, 24 layers of 32 x 2048 tokens): the plan needs ~114 GB; checkpointing
     activations brings it under 20 GB, halving micro_batch does not; and a plan within the memory passes."""
     from megazero.config.load import load_config
-    from megazero.config.rules import resolve_world
+    from megazero.config.resolve import resolve
     from megazero.errors import UserError
     from megazero.plan.fits import check_fits, needed_bytes
 
     sets = ["model.layers=24", "model.hidden=1024", "model.heads=16", "model.seq_len=2048", "model.vocab_size=512",
             "train.micro_batch=32", "train.global_batch=32", "parallel.tp=1", "parallel.pp=1",
             "parallel.sequence_parallel=false", "train.precision=fp32", "zero.stage=0"]
-    cfg = resolve_world(load_config(TINY, sets), 1)
+    cfg = resolve(load_config(TINY, sets), 1, "cpu")
     need = needed_bytes(cfg, range(1), "cpu")
     assert 100e9 < need < 130e9, need
     with pytest.raises(UserError, match=r"needs at least 1\d\d\.\d\d GB on this host \(1 process\) but "
@@ -418,15 +418,15 @@ def test_a_run_refuses_more_layers_per_rank_than_it_can_build():
     """--dry-run plans any layer count; a run would build each layer as a module (host memory and a Python loop
     the byte plan does not see), so past 4096 per rank it is refused in one line before anything is built."""
     from megazero.config.load import load_config
-    from megazero.config.rules import resolve_world
+    from megazero.config.resolve import resolve
     from megazero.errors import UserError
     from megazero.plan.fits import check_fits
 
     sets = ["model.layers=1000000", "model.hidden=8", "model.heads=1", "model.seq_len=8", "parallel.tp=1",
             "parallel.pp=2", "parallel.sequence_parallel=false", "train.precision=fp32", "zero.stage=0"]
-    cfg = resolve_world(load_config(TINY, sets), 2)
+    cfg = resolve(load_config(TINY, sets), 2, "cpu")
     with pytest.raises(UserError, match=r"model\.layers=1000000 puts up to 500,000 layers on a rank "
                                          r"\(parallel\.pp=2\); a run builds at most 4096 per rank"):
         check_fits(cfg, torch.device("cpu"), 0, 0, 2, available=10**15)
-    check_fits(resolve_world(load_config(TINY, sets[1:] + ["model.layers=8192"]), 2), torch.device("cpu"), 0, 0, 2,
+    check_fits(resolve(load_config(TINY, sets[1:] + ["model.layers=8192"]), 2, "cpu"), torch.device("cpu"), 0, 0, 2,
                available=10**15)  # 4096 per rank: built

@@ -22,7 +22,7 @@ from megazero.config.load import load_config
 from megazero.costs import flops_per_token, model_flops_per_token
 from megazero.plan.activations import activation_bytes_per_layer
 from megazero.train.run import run
-from models.gpt import count_parameters
+from models.build import count_parameters
 from tests.dist import run_ranks
 from tests.hostile import assert_one_line, call, pretrain_main
 from tests.runs import ROOT, read_metrics, small_overrides, write_corpus
@@ -174,26 +174,28 @@ def _gathers_waited(rank, world):
     parent's forward (column_parallel_linears) and the untied head at the chunk's end."""
     import torch
 
-    from megazero.config.schema import ModelConfig
+    from megazero.config.schema import ModelConfig, ZeroConfig
     from megazero.config.resolve import resolve_arch
-    from models.gpt import build_gpt
+    from megazero.engine.build import make_zero
+    from megazero.engine.step import train_step
+    from models.build import build_gpt
     from parallel.topology import Grid
-    from parallel.zero.optimizer import ZeroOptimizer
+    from tests.runs import executor_for
 
     m = ModelConfig(arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab_size=512,
                     seq_len=16)
     resolve_arch(m)
     model = build_gpt(m, 0)
-    zero = ZeroOptimizer([model], Grid.build(1, 1, world, "cpu"), 1, "fp32", 1e-3, 0.0, bucket_mb=0.02)
-    ids = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(rank))
+    grid = Grid.build(1, 1, world, "cpu")
+    zero = make_zero([model], grid, ZeroConfig(stage=1, bucket_mb=0.02, reshard_after_forward=True), "fp32", 0.0)
+    ids = torch.randint(0, 500, (2, 17), generator=torch.Generator().manual_seed(rank))
     pending, buckets = [], len(zero.buckets)
+    # after each step's forward (the executor's call of the model), before its backward
+    model.register_forward_hook(lambda *_: pending.append(
+        sorted(n for b in zero.buckets if zero.gatherer.work[b.index] is not None for n, _ in b.params)))
+    executor, schedule = executor_for(model, grid, [ids])
     for _ in range(3):
-        zero.begin(1)
-        loss = model(ids, ids).mean()
-        pending.append(sorted(n for b in zero.buckets if zero.gatherer.work[b.index] is not None for n, _ in b.params))
-        loss.backward()
-        zero.reduce()
-        zero.step(1e-1, 0.0)
+        train_step(zero, executor, schedule, [ids], 1e-1, 0.0)
     return buckets, pending
 
 

@@ -31,14 +31,15 @@ def _train_and_sample(rank: int, world: int, corpus, tmp) -> dict[int, int]:
 
     from megazero.config.load import load_config
 
-    from megazero.config.rules import resolve_world
+    from megazero.config.resolve import resolve
+    from megazero.train.run_dir import plan_start
     from megazero.train.trainer import Trainer
     from parallel.topology import Grid
 
     sets = small_overrides(corpus, tmp / "cache", tmp / "run", steps=STEPS, **{
         "parallel.tp": 2, "parallel.sequence_parallel": "true", "train.micro_batch": 8, "train.global_batch": 8,
         "log.tensorboard": "false", "train.save_every": 0})
-    cfg = resolve_world(load_config(str(ROOT / "configs" / "tiny.yaml"), sets), world)
+    cfg = resolve(load_config(str(ROOT / "configs" / "tiny.yaml"), sets), world, "cpu")
     trainer = Trainer(cfg, Grid.build(2, 1, 1, "cpu"), torch.device("cpu"), is_builder=rank == 0)
     rss: dict[int, int] = {}
     original = trainer.train_step
@@ -53,7 +54,7 @@ def _train_and_sample(rank: int, world: int, corpus, tmp) -> dict[int, int]:
         return record
 
     trainer.train_step = step_and_sample
-    trainer.fit()
+    trainer.fit(plan_start(cfg))
     assert trainer.grid.counter.count() > 25 * STEPS, trainer.grid.counter.summary()  # every step's collectives counted
     return rss
 

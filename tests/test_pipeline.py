@@ -15,15 +15,14 @@ import torch
 
 from megazero.config.load import load_config
 
-from megazero.config.rules import resolve_world
+from megazero.config.resolve import resolve
 from megazero.train.run import run
 from megazero.engine.step import forward_backward
-from megazero.train.trainer import Trainer
 from models.build import build_gpt
 from parallel.schedules import batches
 from parallel.topology import Grid
 from tests.dist import run_ranks
-from tests.runs import ROOT, read_metrics, small_overrides, write_corpus
+from tests.runs import ROOT, engine_for, read_metrics, small_overrides, write_corpus
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
 STEPS = 10
@@ -46,21 +45,21 @@ def _gradient_checks(rank, world, text, cache, base):
     results = {"held": {}}
     for name, extra in SCHEDULES.items():
         cfg = load_config(TINY, _overrides(text, cache, base / f"grad_{name}", extra + ["parallel.pp=4"]))
-        resolve_world(cfg, world)
+        resolve(cfg, world, "cpu")
         grid = Grid.build(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, "cpu")
-        trainer = Trainer(cfg, grid, torch.device("cpu"), is_builder=rank == 0)
-        mbs = trainer.data.train_microbatches(0, grid.dp_rank, grid.dp, cfg.train.micro_batch, cfg.train.global_batch)
-        forward_backward(trainer.zero, trainer.executor, trainer.schedule, mbs)
-        grads = trainer.zero.full_gradients()
+        data, engine = engine_for(cfg, grid, is_builder=rank == 0)
+        mbs = data.train_microbatches(0, grid.dp_rank, grid.dp, cfg.train.micro_batch, cfg.train.global_batch)
+        forward_backward(engine.zero, engine.executor, engine.schedule, mbs)
+        grads = engine.zero.full_gradients()
         one_output = cfg.train.micro_batch * cfg.model.seq_len * cfg.model.hidden * 4
-        results["held"][name] = (trainer.executor.peak_held_bytes, one_output, len(mbs))
+        results["held"][name] = (engine.executor.peak_held_bytes, one_output, len(mbs))
 
         ref = build_gpt(cfg.model, cfg.train.seed)
-        for mb in trainer.data.train_microbatches(0, 0, 1, cfg.train.micro_batch, cfg.train.global_batch):
-            (ref(mb[:, :-1], mb[:, 1:]).sum() / trainer.tokens_per_step).backward()
+        for mb in data.train_microbatches(0, 0, 1, cfg.train.micro_batch, cfg.train.global_batch):
+            (ref(mb[:, :-1], mb[:, 1:]).sum() / engine.tokens_per_step).backward()
         want = dict(ref.named_parameters())
         names = []
-        for n, p in trainer.named_params:
+        for n, p in engine.named_params:
             err = (grads[n] - want[n].grad).abs().max().item()
             scale = want[n].grad.abs().max().item()
             assert err <= 1e-5 * scale, (name, n, err, scale)
@@ -69,19 +68,19 @@ def _gradient_checks(rank, world, text, cache, base):
 
     # pp=2 x dp=2: the data-parallel reduction runs once per step, after the last microbatch
     cfg = load_config(TINY, _overrides(text, cache, base / "dp_once", ["parallel.pp=2"]))
-    resolve_world(cfg, world)
+    resolve(cfg, world, "cpu")
     grid = Grid.build(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, "cpu")
-    trainer = Trainer(cfg, grid, torch.device("cpu"), is_builder=rank == 0)
-    mbs = trainer.data.train_microbatches(0, grid.dp_rank, grid.dp, cfg.train.micro_batch, cfg.train.global_batch)
+    data, engine = engine_for(cfg, grid, is_builder=rank == 0)
+    mbs = data.train_microbatches(0, grid.dp_rank, grid.dp, cfg.train.micro_batch, cfg.train.global_batch)
     grid.counter.reset()
     exchanges = []  # the ops of each Comm.exchange call: the executor's p2p goes through the grid's pp Comm
     exchange = grid.pp_comm.exchange
     grid.pp_comm.exchange = lambda ops: exchanges.append([(kind, tag) for kind, _, _, tag in ops]) or exchange(ops)
-    forward_backward(trainer.zero, trainer.executor, trainer.schedule, mbs)
-    results["dp_reductions"] = (len(mbs), len(trainer.zero.buckets), grid.counter.count("all_reduce", "dp", "grad"))
+    forward_backward(engine.zero, engine.executor, engine.schedule, mbs)
+    results["dp_reductions"] = (len(mbs), len(engine.zero.buckets), grid.counter.count("all_reduce", "dp", "grad"))
     c = grid.counter
     results["p2p"] = {
-        "batches": [[_counted_as(a) for a in items] for kind, items in batches(trainer.schedule) if kind == "comm"],
+        "batches": [[_counted_as(a) for a in items] for kind, items in batches(engine.schedule) if kind == "comm"],
         "exchanges": exchanges,
         "counted": {(k, t): c.count(k, "pp", t) for k in ("send", "recv") for t in ("activation", "grad")},
         "elsewhere": c.count("send") + c.count("recv") - c.count("send", "pp") - c.count("recv", "pp"),
@@ -252,7 +251,7 @@ def test_logged_model_state_is_the_largest_ranks(runs):
     base, _ = runs
     cfg = load_config(TINY, _overrides(base / "text", base / "cache", base / "pp4_1f1b",
                                        SCHEDULES["1f1b"] + ["parallel.pp=4"]))
-    resolve_world(cfg, 4)
+    resolve(cfg, 4, "cpu")
     stages = plan.make_plan(cfg).stages
     logged = read_metrics(base / "pp4_1f1b")[-1]
     for kind in ("params", "grads", "optimizer"):

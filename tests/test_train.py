@@ -275,7 +275,7 @@ def test_an_fp32_resume_of_a_bf16_checkpoint_takes_the_fp32_master_weights(corpu
 
     from megazero.config.load import load_config
 
-    from megazero.config.rules import resolve_world
+    from megazero.config.resolve import resolve
     from megazero.train.trainer import Trainer
     from parallel.topology import Grid
 
@@ -288,8 +288,8 @@ def test_an_fp32_resume_of_a_bf16_checkpoint_takes_the_fp32_master_weights(corpu
                if k.endswith("/master")}
     dcp.load(masters, storage_reader=checkpoint.SafeFileSystemReader(str(ckpt)), no_dist=True)
     for stage in (0, 3):
-        cfg = resolve_world(load_config(config, small_overrides(text, cache, tmp_path / f"fp32-{stage}", steps=3,
-                                                                **{"zero.stage": stage})), 1)
+        cfg = resolve(load_config(config, small_overrides(text, cache, tmp_path / f"fp32-{stage}", steps=3,
+                                                          **{"zero.stage": stage})), 1, "cpu")
         trainer = Trainer(cfg, Grid.build(1, 1, 1, "cpu"), torch.device("cpu"))
         trainer.load(ckpt)
         for name, value in trainer.zero.full_parameters().items():

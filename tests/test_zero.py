@@ -16,14 +16,13 @@ import torch
 
 from megazero.plan import stage_plan as plan
 from megazero.config.load import load_config
-from megazero.config.rules import resolve_world
+from megazero.config.resolve import resolve
 from megazero.train.run import run
 from megazero.engine.step import forward_backward, train_step
-from megazero.train.trainer import Trainer
 from parallel.loss_scale import LossScaler
 from parallel.topology import Grid
 from tests.dist import run_ranks
-from tests.runs import ROOT, executor_for, read_metrics, small_overrides, write_corpus
+from tests.runs import ROOT, engine_for, executor_for, read_metrics, small_overrides, write_corpus
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
 STEPS = 10
@@ -81,17 +80,18 @@ def _train_dp4(rank, world, text, cache, base, layouts):
     return _measurements(rank, world, text, cache, base)
 
 
-def _trainer(text, cache, base, world, extra, **values):
+def _engine(text, cache, base, world, extra, **values):
+    """(cfg, grid, data, engine) of a one-step run of these settings."""
     cfg = load_config(TINY, _over(text, cache, base / "probe", extra, steps=1, **values))
-    resolve_world(cfg, world)
+    resolve(cfg, world, "cpu")
     grid = Grid.build(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, "cpu")
-    return cfg, grid, Trainer(cfg, grid, torch.device("cpu"), is_builder=grid.rank == 0)
+    return (cfg, grid, *engine_for(cfg, grid, is_builder=grid.rank == 0))
 
 
-def _one_step(trainer, cfg, grid):
+def _one_step(engine, data, cfg, grid):
     """The trainer's step (megazero.engine.step.train_step) on the first global batch; returns its result."""
-    mbs = trainer.data.train_microbatches(0, grid.dp_rank, grid.dp, cfg.train.micro_batch, cfg.train.global_batch)
-    return train_step(trainer.zero, trainer.executor, trainer.schedule, mbs, 1e-3, 1.0, trainer.scaler)
+    mbs = data.train_microbatches(0, grid.dp_rank, grid.dp, cfg.train.micro_batch, cfg.train.global_batch)
+    return train_step(engine.zero, engine.executor, engine.schedule, mbs, 1e-3, 1.0, engine.scaler)
 
 
 def _measurements(rank, world, text, cache, base):
@@ -99,7 +99,7 @@ def _measurements(rank, world, text, cache, base):
     out = {}
     bigger = {"model.layers": 6}
     for stage in range(4):
-        cfg, grid, tr = _trainer(text, cache, base, world, [f"zero.stage={stage}", "train.precision=bf16",
+        cfg, grid, data, tr = _engine(text, cache, base, world, [f"zero.stage={stage}", "train.precision=bf16",
                                                             "train.micro_batch=2", "train.global_batch=8"],
                                  **bigger)
         psi = sum(p.numel() for _, p in tr.named_params)
@@ -107,7 +107,7 @@ def _measurements(rank, world, text, cache, base):
         formula = plan.model_state_bytes(psi, stage, grid.dp, "bf16")
         planned = plan.make_plan(cfg).stages[0].model_state
         grid.counter.reset()
-        _one_step(tr, cfg, grid)  # m = 1 microbatch per rank
+        _one_step(tr, data, cfg, grid)  # m = 1 microbatch per rank
         wire = grid.counter.wire(group="dp", tag="grad") + grid.counter.wire(group="dp", tag="param")
         exported = tr.zero.export_state()  # what this rank holds for a checkpoint
         owned = {n: p.numel() for n, p in tr.named_params if n in exported}
@@ -123,7 +123,7 @@ def _measurements(rank, world, text, cache, base):
 
 def _overflow(rank, world, text, cache, base):
     """fp16: an inf in one rank's gradient skips the step everywhere and changes no parameter."""
-    cfg, grid, tr = _trainer(text, cache, base, world, ["zero.stage=2", "train.precision=fp16"])
+    cfg, grid, data, tr = _engine(text, cache, base, world, ["zero.stage=2", "train.precision=fp16"])
     log = []
 
     def params():
@@ -136,7 +136,7 @@ def _overflow(rank, world, text, cache, base):
     for step, poisoned in enumerate([False, True, True, False]):
         poison[0] = poisoned and rank == 1
         before, scale = params(), tr.scaler.scale
-        skipped = _one_step(tr, cfg, grid).skipped
+        skipped = _one_step(tr, data, cfg, grid).skipped
         log.append({"skipped": skipped, "scale_before": scale, "scale_after": tr.scaler.scale,
                     "changed": not torch.equal(before, params())})
     return log

@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
 from megazero.errors import UserError, shown, shown_name
+from megazero.checkpoint.architecture import architecture_differences
 from megazero.interop.hf_layout import HF_ARCHITECTURES, Link, from_hf, hf_shape, links, model_config
 
 MAX_CONFIG_BYTES = 1 << 20  # a config.json is a few KB
@@ -160,17 +161,11 @@ def _show(value: Any) -> str:
 
 def _differences(there: dict[str, Any], m: Any) -> list[str]:
     """'model.KEY is A there and B here' for every key where the folder's model and the config differ."""
-    here = {"arch": m.arch, "layers": m.layers, "hidden": m.hidden, "heads": m.heads, "kv_heads": m.kv_head_count,
-            "ffn_hidden": m.ffn_hidden, "vocab_size": m.vocab_size, "norm_eps": m.norm_eps,
-            "rope_theta": m.rope_theta, "tie_embeddings": bool(m.tie_embeddings), "bias": bool(m.bias),
-            "rope_scaling": m.rope_scaling}
-    if m.rope_scaling != "none":
-        here.update({ours: getattr(m, ours) for _, ours, _ in _LLAMA3_KEYS})
     out = []
-    for key, value in here.items():
-        if key in there and there[key] != value:
-            split = " (megazero's one model.bias sets both)" if key == "bias" and isinstance(there[key], str) else ""
-            out.append(f"model.{key} is {_show(there[key])} there{split} and {_show(value)} here")
+    shared = {k: v for k, v in there.items() if k != "n_positions"}
+    for key, theirs, ours in architecture_differences(shared, m):
+        split = " (megazero's one model.bias sets both)" if key == "bias" and isinstance(theirs, str) else ""
+        out.append(f"model.{key} is {_show(theirs)} there{split} and {_show(ours)} here")
     if "n_positions" in there and m.seq_len > there["n_positions"]:
         out.append(f"model.seq_len is at most {there['n_positions']} there (n_positions) and {m.seq_len} here")
     return out

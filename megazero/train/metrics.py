@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 import torch
 
-from megazero.costs import model_flops_per_token  # noqa: F401 (the trainer's throughput count reads it here)
 
 # Dense peak TFLOP/s per device, by name fragment and compute dtype (vendor data sheets).
 _GPU_PEAK_TFLOPS = {

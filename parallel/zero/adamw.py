@@ -37,6 +37,9 @@ class ShardedAdamW:
         self.host_grad: list[Optional[Tensor]] = [None] * n  # offloaded: pinned landing buffers
         self.copied = [False] * n
         self.copy_stream = None
+        # None, or a list the host copies append (bytes, CUDA event recorded at the copy's end) to: set it to []
+        # to time their overlap with the backward (bench/offload_overlap.py); the caller empties it
+        self.copy_events: Optional[list] = None
         self.pinned = device.type == "cuda" and state_device.type == "cpu"
         if self.pinned:
             self.copy_stream = torch.cuda.Stream(device)
@@ -87,6 +90,10 @@ class ShardedAdamW:
             self.host_grad[b.index].copy_(grad, non_blocking=True)
         grad.record_stream(self.copy_stream)
         self.copied[b.index] = True
+        if self.copy_events is not None:
+            done = torch.cuda.Event(enable_timing=True)
+            done.record(self.copy_stream)
+            self.copy_events.append((grad.numel() * grad.element_size(), done))
 
     def discard(self) -> None:
         """A skipped step: wait for the early copies (their source is about to be zeroed) and forget them."""

@@ -1,0 +1,36 @@
+"""One comparison of two models' architectures, shared by a checkpoint resume and a Hugging Face import.
+
+Both sides are resolved model configs (``interop.hf_layout.model_config``): a key an older checkpoint lacks
+has its old meaning, and kv_heads unset equals kv_heads = heads, so only real differences remain.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+ROPE_SCALING_KEYS = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_positions")
+
+
+def _value(m: Any, key: str) -> Any:
+    """A key's resolved meaning: the number of k/v heads, not whether it was set."""
+    return m.kv_head_count if key == "kv_heads" else getattr(m, key)
+
+
+def architecture_differences(there: Mapping[str, Any], here: Any) -> list[tuple[str, Any, Any]]:
+    """(key, there, here) for every key of ``there`` whose value differs from the model config ``here``.
+    GPT-2 has no rotary positions, and unscaled rotary positions do not use the scaling's parameters, so
+    those keys are not compared where they mean nothing."""
+    out = []
+    for key, theirs in there.items():
+        ours = _value(here, key)
+        if key.startswith("rope_") and here.arch == there.get("arch", here.arch) == "gpt2":
+            continue
+        if key in ROPE_SCALING_KEYS and here.rope_scaling == "none":
+            continue  # a scaled side also differs in rope_scaling, which is compared
+        if theirs != ours:
+            out.append((key, theirs, ours))
+    return out
+
+
+def model_differences(there: Any, here: Any, keys: tuple[str, ...]) -> list[tuple[str, Any, Any]]:
+    """:func:`architecture_differences` between two model configs, over ``keys``."""
+    return architecture_differences({k: _value(there, k) for k in keys}, here)

@@ -1,0 +1,135 @@
+"""The one place an engine is assembled: model chunks, ZeRO, the pipeline executor, the schedules, the loss scaler.
+
+``build_engine`` turns a resolved config into what one rank trains with. The trainer, ``--simulate`` (through
+the trainer), the tests and the benchmarks get their engine here; a benchmark or test that brings its own bare
+model takes the pieces (``make_zero``, ``make_executor``, ``make_schedules``, ``make_scaler``) so every
+executor and optimizer in the repository is built the same way.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor, nn
+
+from megazero.config.schema import Config, ZeroConfig
+from models.build import build_gpt
+from models.init import InitialValues, initial_tp_value
+from models.llama import kv_replicas_needed
+from parallel.loss_scale import LossScaler
+from parallel.pipeline import PipelineExecutor, partition_layers
+from parallel.schedules import Action, build_schedule, virtual_stage
+from parallel.topology import Grid
+from parallel.zero import DTYPES, ZeroOptimizer
+from parallel.zero.policy import StagePolicy
+
+
+@dataclass
+class Engine:
+    """What one rank trains with. ``named_params``: the trainable parameters of its chunks under their global
+    names, as ZeRO left them (stage 3 may have given the modules new Parameter objects)."""
+
+    chunks: list[nn.Module]
+    zero: ZeroOptimizer
+    executor: PipelineExecutor
+    schedule: list[Action]
+    eval_schedule: list[Action]
+    scaler: LossScaler
+    named_params: list[tuple[str, nn.Parameter]]
+    tokens_per_step: int  # the global batch's tokens: each microbatch's loss sum is divided by it
+
+
+def initial_values(cfg: Config) -> int | InitialValues:
+    """Where the weights start: the seed of megazero's initialisation, or the Hugging Face model folder of
+    ``train.init_from`` (its config checked against ``model``; each tensor read when its parameter is made)."""
+    if not cfg.train.init_from:
+        return cfg.train.seed
+    from megazero.interop.hf_import import open_hf_model
+
+    weights = open_hf_model(cfg.train.init_from, cfg.model)
+    return lambda name, shape: weights.value(name)
+
+
+def autocast_for(precision: str, device_type: str) -> Callable[[], contextlib.AbstractContextManager]:
+    """The forward's autocast context for a precision (fp32: none)."""
+    if precision in ("bf16", "fp16"):
+        return lambda: torch.autocast(device_type=device_type, dtype=DTYPES[precision])
+    return contextlib.nullcontext
+
+
+def make_executor(chunks: list[nn.Module], grid: Grid, device: torch.device, micro_batch: int, seq_len: int,
+                  hidden: int, precision: str, tokens_per_step: int, overlap_p2p: bool = False) -> PipelineExecutor:
+    """The pipeline executor over this rank's chunks; the activations between stages are (micro_batch, seq,
+    hidden), seq split over tp under sequence parallelism."""
+    seq = seq_len // (grid.tp if chunks[0].sequence_parallel else 1)
+    return PipelineExecutor(chunks, grid, (micro_batch, seq, hidden), DTYPES[precision], device, tokens_per_step,
+                            autocast_for(precision, device.type), overlap_p2p=overlap_p2p)
+
+
+def make_schedules(kind: str, grid: Grid, microbatches: int, virtual_stages: int = 1,
+                   overlap_p2p: bool = False) -> tuple[list[Action], list[Action]]:
+    """This rank's training schedule and its forward-only (evaluation) schedule."""
+    train = build_schedule(kind, grid.pp, microbatches, virtual_stages, overlap_p2p=overlap_p2p)[grid.pp_rank]
+    evaluation = build_schedule(kind, grid.pp, microbatches, virtual_stages, forward_only=True)[grid.pp_rank]
+    return train, evaluation
+
+
+def make_zero(chunks: list[nn.Module], grid: Grid, z: ZeroConfig, precision: str, weight_decay: float,
+              device: Optional[torch.device] = None, adam_impl: str = "torch",
+              initial_value: Optional[Callable[[nn.Parameter], Tensor]] = None,
+              overlap_param_gather: bool = True) -> ZeroOptimizer:
+    """ZeRO over the chunks as ``z`` says (its reshard_after_forward resolved). ``overlap_param_gather=False``
+    waits for stages 1-2's post-step gathers at the end of the step (a benchmark's baseline)."""
+    assert not isinstance(z.reshard_after_forward, str), "zero.reshard_after_forward: megazero.config.resolve.resolve() first"
+    return ZeroOptimizer(chunks, grid, z.stage, precision, 0.0, weight_decay, z.bucket_mb, z.reshard_after_forward,
+                         z.offload_optimizer, z.offload_params, adam_impl=adam_impl, device=device,
+                         initial_value=initial_value, grad_dtype=z.grad_dtype,
+                         overlap_param_gather=overlap_param_gather)  # lr: each step passes its own
+
+
+def make_scaler(precision: str) -> LossScaler:
+    """The dynamic loss scaler: on under fp16 only (DeepSpeed's defaults)."""
+    return LossScaler(enabled=precision == "fp16")
+
+
+def build_chunks(cfg: Config, grid: Grid, device: torch.device,
+                 values: int | InitialValues) -> list[nn.Module]:
+    """This rank's model chunks: chunk c is virtual stage c*pp + pp_rank. Under a policy that shards the
+    parameters they stay on the meta device: ZeRO creates them itself, one bucket at a time."""
+    par = cfg.parallel
+    v = par.virtual_stages
+    ranges = partition_layers(cfg.model.layers, grid.pp * v, par.pp_layers)
+    last_vs = grid.pp * v - 1
+    lazy = StagePolicy.of(cfg.zero.stage).shard_params
+    # the tp ranks that share a k/v head when there are fewer than tp (a collective: every rank builds it)
+    kv_replicas = grid.tp_replica_comm(kv_replicas_needed(cfg.model, grid.tp))
+    chunks = []
+    for c in range(v):
+        vs = virtual_stage(grid.pp_rank, c, grid.pp)
+        chunks.append(build_gpt(cfg.model, values, device=device, tp=grid.tp_comm, layer_ids=ranges[vs],
+                                first_stage=vs == 0, last_stage=vs == last_vs,
+                                sequence_parallel=par.sequence_parallel, attention_impl=cfg.kernels.attention,
+                                materialise=not lazy, kv_replicas=kv_replicas, tp_overlap=par.tp_overlap))
+    return chunks
+
+
+def build_engine(cfg: Config, grid: Grid, device: torch.device, overlap_param_gather: bool = True) -> Engine:
+    """This rank's engine for a resolved config (world, kernels): every rank of the grid calls it together
+    (building the model's communicators is collective)."""
+    torch.manual_seed(cfg.train.seed)
+    values = initial_values(cfg)
+    chunks = build_chunks(cfg, grid, device, values)
+    origin = {p: (m, n) for m in chunks for n, p in m.named_parameters()}
+    t, par = cfg.train, cfg.parallel
+    zero = make_zero(chunks, grid, cfg.zero, t.precision, t.weight_decay, device, cfg.kernels.adam,
+                     initial_value=lambda p: initial_tp_value(*origin[p], values),
+                     overlap_param_gather=overlap_param_gather)
+    named = [(n, p) for m in chunks for n, p in m.named_parameters() if p.requires_grad]
+    tokens = t.global_batch * cfg.model.seq_len
+    executor = make_executor(chunks, grid, device, t.micro_batch, cfg.model.seq_len, cfg.model.hidden, t.precision,
+                             tokens, overlap_p2p=par.overlap_p2p)
+    schedule, eval_schedule = make_schedules(par.schedule, grid, cfg.microbatches, par.virtual_stages,
+                                             overlap_p2p=par.overlap_p2p)
+    return Engine(chunks, zero, executor, schedule, eval_schedule, make_scaler(t.precision), named, tokens)

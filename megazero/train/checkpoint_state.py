@@ -1,0 +1,81 @@
+"""A run's checkpoint state: what a resume needs, under logical names, saved only when finite and loaded
+only into the architecture it was written by."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megazero.checkpoint import store as checkpoint
+from megazero.checkpoint.architecture import model_differences
+from megazero.checkpoint.layout import complete_replicas, logical
+from megazero.checkpoint.writer import CheckpointWriter
+from megazero.config.schema import Config, ModelConfig
+from megazero.errors import NonFiniteStop, UserError
+from megazero.interop.hf_layout import model_config
+from parallel.loss_scale import LossScaler
+from parallel.topology import Grid
+from parallel.zero import ZeroOptimizer
+
+
+def state_tensors(zero: ZeroOptimizer, named_params: list[tuple[str, nn.Parameter]],
+                  grid: Grid) -> tuple[dict[str, torch.Tensor], dict]:
+    """Everything a resume needs that is a tensor, under logical names (layout-free), and the per-parameter
+    views it was made from (for loading back into the ZeRO buffers)."""
+    params = dict(named_params)
+    exported = zero.export_state()
+    state = {}
+    for n, kinds in exported.items():
+        p = params[n]
+        state[f"model/{n}"] = logical(kinds["param"], p, grid)
+        for k in ("master", "exp_avg", "exp_avg_sq"):
+            state[f"optim/{n}/{k}"] = logical(kinds[k], p, grid)
+    return state, exported
+
+
+def save_state(writer: CheckpointWriter, cfg: Config, zero: ZeroOptimizer,
+               named_params: list[tuple[str, nn.Parameter]], grid: Grid, scaler: LossScaler, step: int,
+               consumed_samples: int, tokenizer: Optional[str], run_id: str, device: torch.device) -> Path:
+    """Checkpoint this step (in the background with train.async_save). A state holding a non-finite value is
+    never saved: keep_last would rotate the last good checkpoint away."""
+    meta = {"consumed_samples": consumed_samples, "optimizer_step": zero.step_count,
+            "tokenizer": str(Path(tokenizer).resolve()) if tokenizer is not None else None,
+            "loss_scaler": scaler.state(),
+            "config": cfg.to_dict(),
+            "rng": "dropout streams are derived from (train.seed, step, grid coordinates)"}
+    state, _ = state_tensors(zero, named_params, grid)
+    bad = torch.zeros((), device=device)
+    for t in state.values():
+        local = t.to_local() if hasattr(t, "to_local") else t
+        bad = torch.maximum(bad, torch.isfinite(local).logical_not().any().float().to(bad.device))
+    zero.world.all_reduce(bad, op=dist.ReduceOp.MAX, tag="checkpoint")
+    if bad.item():
+        raise NonFiniteStop(f"step {step}: the model state holds non-finite values; not saved, so the "
+                            f"latest checkpoint is the last good one")
+    return writer.save(step, state, meta, run_id)
+
+
+def check_architecture(path: Path, model: ModelConfig) -> None:
+    """A resume keeps the architecture: the checkpoint's model, compared as resolved values, must be ours."""
+    theirs = model_config(checkpoint.read_meta(path).get("config", {}).get("model", {}))
+    diffs = model_differences(theirs, model, ModelConfig.ARCHITECTURE)
+    if diffs:
+        key, there, ours = diffs[0]
+        raise UserError(f"checkpoint {path}: model.{key} is {there!r} there and {ours!r} here; a resume "
+                        f"keeps the architecture ({', '.join(ModelConfig.ARCHITECTURE)})")
+
+
+def load_state(path: Path, cfg: Config, zero: ZeroOptimizer, named_params: list[tuple[str, nn.Parameter]],
+               grid: Grid, scaler: LossScaler) -> dict:
+    """Load a checkpoint into the ZeRO buffers and the scaler; returns its meta (step, consumed_samples)."""
+    check_architecture(path, cfg.model)
+    state, exported = state_tensors(zero, named_params, grid)
+    meta = checkpoint.load(path, state)
+    complete_replicas(exported, dict(named_params), grid)
+    zero.import_state(exported, int(meta["optimizer_step"]))
+    if "loss_scaler" in meta:
+        scaler.load(meta["loss_scaler"])
+    return meta

@@ -1,0 +1,21 @@
+"""The memory a log step reports: each figure the largest over all ranks (the one that runs out first:
+pipeline stages and tp/dp shards differ)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megazero.train.metrics import memory_gb
+from parallel.zero import ZeroOptimizer
+
+
+def memory_record(zero: ZeroOptimizer, device: torch.device) -> dict:
+    """Peak memory and model-state bytes (params, grads, optimizer, offloaded), in GB. Collective."""
+    state = zero.model_state_bytes()
+    kinds = ("params", "grads", "optimizer", "cpu")
+    worst = torch.tensor([memory_gb(device)] + [state[k] / 1e9 for k in kinds], dtype=torch.float64,
+                         device=device)
+    zero.world.all_reduce(worst, op=dist.ReduceOp.MAX, tag="metrics")
+    values = worst.tolist()
+    return {"memory_gb": values[0], **{f"{'offloaded' if k == 'cpu' else k}_gb": v
+                                       for k, v in zip(kinds, values[1:])}}
