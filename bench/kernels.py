@@ -27,7 +27,7 @@ asserts. Exits with code 2 and one line when there is no CUDA GPU.
 
 ``--smoke`` runs every code path at toy sizes on the CPU, the kernels under Triton's interpreter
 (TRITON_INTERPRET=1, set by this script before triton is imported), timed by wall clock: it checks
-the script, not the kernels' speed (tests/test_bench_kernels.py runs it).
+the script, not the kernels' speed (tests/bench/test_bench_kernels.py runs it).
 """
 from __future__ import annotations
 

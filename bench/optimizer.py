@@ -25,7 +25,7 @@ lines they overwrite and one stream per core keeps fewer misses in flight than A
     python bench/optimizer.py [--sizes 30M,300M] [--steps 20] [--repeats 5] [--smoke]
 
 Prints a markdown table per size and the ratios new/fused and new/foreach (<= 1.0: at least as fast).
-``--smoke``: toy sizes and few steps, to check the script (tests/test_adam_cpu.py runs it). Not a test.
+``--smoke``: toy sizes and few steps, to check the script (tests/kernels/test_adam_cpu.py runs it). Not a test.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from types import MappingProxyType
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner tries, per kernel and head-dim class (head dims
 # up to 64 share the 64 set, larger ones the 128 set). Chosen by compiling a wider grid for sm_90 (``python -m kernels.aot``):
 # every entry fits Hopper's 227 KB of shared memory per block, lowers tl.dot to wgmma and spills no
-# registers; tests/test_attention_compile.py keeps it so. Candidates that failed: 128x128 tiles at
+# registers; tests/kernels/test_attention_compile.py keeps it so. Candidates that failed: 128x128 tiles at
 # 4 warps (spill), 3-4 stage pipelines of 128-wide K/V tiles at head dim 128 (> 227 KB); for the
 # atomic-dQ backward ("dkdvq", which also holds a dQ tile) every 64-row key block at head dim 128 spills.
 HOPPER_CONFIGS = MappingProxyType({

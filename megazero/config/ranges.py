@@ -2,7 +2,7 @@
 bound, and the one check that reads them (the config's rules, a checkpoint's stored model).
 
 Every numeric key has a range that keeps what is computed from it downstream — torch sizes, numpy seeds,
-int64 counts, schedule lengths — from overflowing or hanging; tests/test_config.py checks that none lacks one.
+int64 counts, schedule lengths — from overflowing or hanging; tests/config/test_config.py checks that none lacks one.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Each row is turned into a megazero config (configs/gpt13b.yaml with ``--set``-style overrides, then
 ``megazero.config.resolve.resolve`` for the row's GPUs) and predicted as TFLOP/s per GPU counted the way its source counts FLOPs. Shared by
-bench/planner.py (the fit) and tests/test_step_time.py (the acceptance check), so the table lives once;
+bench/planner.py (the fit) and tests/plan/test_step_time.py (the acceptance check), so the table lives once;
 the rows and the clusters are read when asked (:func:`rows`, :func:`cluster_of`), not at import.
 
 Sources:

@@ -6,7 +6,7 @@ category of the code that made it, until it dies (a weakref callback) or is resi
 free use ``UntypedStorage.resize_``, which the dispatcher does not see: patched while the tracker is active,
 as torch's ``MemTracker`` does). Under ``FakeTensorMode`` the same mode sees the same ops with fake
 outputs, so a real run and ``pretrain.py --simulate`` are measured by one code path, and a real CPU run
-validates the simulator (tests/test_simulate.py).
+validates the simulator (tests/plan/test_simulate.py).
 
 Categories: "params", "grads", "optimizer" (the tensors ``ZeroOptimizer.tensors_by_kind`` names; gradient
 buffers made during backward by ``GradReducer._alloc``), "activations" (made by a forward and not freed:

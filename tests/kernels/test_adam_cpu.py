@@ -15,7 +15,7 @@ from kernels import adam_cpu
 from kernels.adam import adamw, adamw_step, resolve_impl
 from kernels.adam_cpu import adamw_step_fused, decay_runs
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # 2000 + 1000 + 231 + 1 + 17 = 3249 elements in four decay runs (the last two tensors make one), lengths not
 # multiples of the 16-float vector width, so the kernel's scalar tails run too.
 SHAPES = [(40, 50), (1000,), (33, 7), (1,), (17,)]

@@ -8,11 +8,11 @@ from megazero.checkpoint.architecture import architecture_differences, model_dif
 from megazero.config.schema import ModelConfig
 from megazero.interop.hf_layout import model_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CONSTRUCTED = re.compile(r"\b(ZeroOptimizer|PipelineExecutor|LossScaler)\(")
 # the builder, and the unit tests whose subject is one of the three classes
-ALLOWED = ("megazero/engine/", "tests/test_zero.py", "tests/test_zero_memory.py", "tests/test_pipeline.py",
-           "tests/test_engine_build.py")
+ALLOWED = ("megazero/engine/", "tests/parallel/test_zero.py", "tests/parallel/test_zero_memory.py",
+           "tests/parallel/test_pipeline.py", "tests/engine/test_engine_build.py")
 SKIPPED = (".venv", ".git", "build", "dist")
 
 

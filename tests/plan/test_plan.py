@@ -21,7 +21,7 @@ from models.build import count_parameters
 from parallel.schedule_analysis import simulate
 from parallel.schedules import build_schedule
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 GPT13B = ROOT / "configs" / "gpt13b.yaml"
 
 

@@ -1,9 +1,9 @@
-"""bench/step_profile.py's device-busy time counts overlapping kernels once (tests/test_bench_kernels.py runs the
+"""bench/step_profile.py's device-busy time counts overlapping kernels once (tests/bench/test_bench_kernels.py runs the
 script end to end, through gpu_checks.py --smoke)."""
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from step_profile import _busy_union  # noqa: E402

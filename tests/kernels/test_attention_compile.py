@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HOPPER_SHARED_BYTES = 227 * 1024  # per block, opt-in dynamic shared memory on sm_90 (CUDA programming guide)
 SMALL_GPU_SHARED_BYTES = 48 * 1024  # what any CUDA GPU gives a block without opting in
 

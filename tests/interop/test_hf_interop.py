@@ -3,7 +3,7 @@ model written as one (megazero.interop.export), each giving the same logits as t
 
 Every model is built here from a config (random weights, fp32, a few hundred KB): nothing is downloaded.
 Tolerances: import compares the same fp32 operations in the same order (only matmul blocking may differ), so
-1e-5; export goes through a save and a load of the same fp32 values, 1e-4 as tests/test_export.py.
+1e-5; export goes through a save and a load of the same fp32 values, 1e-4 as tests/interop/test_export.py.
 """
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ from megazero.data.preprocess import preprocess
 from megazero.data.tokenizer import Tokenizer, train_tokenizer
 from megazero.errors import UserError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 400
 SEQ = 16
 

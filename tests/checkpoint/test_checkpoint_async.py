@@ -19,7 +19,7 @@ from megazero.checkpoint.writer import CheckpointWriter, _StagedWriter
 from megazero.errors import UserError
 from tests.dist import run_ranks
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _state() -> dict[str, torch.Tensor]:

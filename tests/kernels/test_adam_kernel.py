@@ -133,7 +133,7 @@ def test_compiles_for_hopper(grad_dtype, copy_dtype, tmp_path):
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # really compile; keep ~/.triton clean
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     proc = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER, root, grad_dtype, copy_dtype],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -10,7 +10,7 @@ checkpoint as a Hugging Face folder, which transformers loads.
 Tolerances: the first step's loss is the imported weights' loss on the first global batch, computed by the
 same fp32 operations up to the order of sums over tp shards, microbatches and dp ranks, so 1e-5 relative (the
 DESIGN's parity bound); the exported model's logits go through a save and a load of the same fp32 values,
-1e-4 as tests/test_export.py.
+1e-4 as tests/interop/test_export.py.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from megazero.config.load import load_config, parse_set
 from megazero.config.resolve import resolve
 from megazero.errors import UserError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def write(tmp_path, text, name="run.yaml"):

@@ -27,7 +27,7 @@ from megazero.data.preprocess import preprocess
 from megazero.data.tokenizer import train_tokenizer
 from megazero.errors import UserError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # Documents with what a reader could get wrong: empty ones (skipped), unicode, newlines, escapes, a BOM-like
 # character inside a document (only a leading BOM of the file is dropped).
 DOCS = [f"Document {i}: caf\u00e9 \u4e2d\u6587 ka lo mi {'ne ' * (i % 7)}\n" + "second line\n" * (i % 3)
@@ -78,7 +78,7 @@ def _error(path: Path, key: str = "text") -> pytest.ExceptionInfo:
 
 @pytest.fixture(scope="module")
 def tok_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny sentencepiece model (as tests/test_data.py trains one), from these documents' words."""
+    """A tiny sentencepiece model (as tests/data/test_data.py trains one), from these documents' words."""
     root = tmp_path_factory.mktemp("tok")
     rng = np.random.default_rng(0)
     words = ["ka", "lo", "mi", "ne", "caf\u00e9", "Document", "second", "line", "quote", "tab"]

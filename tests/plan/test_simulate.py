@@ -13,7 +13,7 @@ import pytest
 
 from tests.dist import run_ranks
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # a small model with the run's defaults (bf16, flash-path attention): 4 layers so pp=2 with v=2 has 1 per chunk
 SMALL = ["model.layers=4", "model.hidden=64", "model.heads=4", "model.seq_len=128", "model.vocab_size=512",

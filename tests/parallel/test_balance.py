@@ -16,7 +16,7 @@ from megazero.errors import UserError
 from parallel.balance import StageCosts, balance_layers, rank_costs
 from parallel.pipeline import partition_layers
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"
 
 

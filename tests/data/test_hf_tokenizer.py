@@ -23,7 +23,7 @@ from megazero.data.tokenizer import Tokenizer
 from megazero.errors import UserError
 from tests.hostile import assert_one_line, run_process
 from tests.runs import ROOT, small_overrides
-from tests.test_data import SEQ, _cat, _cfg, _counts, _one_line_error, _streams, _text, _windows
+from tests.data.test_data import SEQ, _cat, _cfg, _counts, _one_line_error, _streams, _text, _windows
 
 EOT = "<|endoftext|>"
 

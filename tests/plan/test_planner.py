@@ -22,7 +22,7 @@ from megazero.plan.stage_plan import make_plan
 from megazero.plan.memo import PlanMemo
 from megazero.plan.step_time import step_time
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")
 GPUS = 8
 

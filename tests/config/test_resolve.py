@@ -16,7 +16,7 @@ from megazero.config.load import load_config
 from megazero.config.resolve import resolve
 from megazero.config.rules import validate
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"
 GPT13B = ROOT / "configs" / "gpt13b.yaml"
 # every value auto or unset stands for: arch keys, dp, reshard_after_forward, kernels, log.dir, pp_layers

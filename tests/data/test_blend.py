@@ -17,7 +17,7 @@ from megazero.errors import UserError
 from megazero.data.tokenizer import train_tokenizer
 from tests.hostile import assert_one_line, run_process
 from tests.runs import ROOT, write_corpus
-from tests.test_data import _one_line_error
+from tests.data.test_data import _one_line_error
 
 SEQ = 8
 WEIGHTS = [0.7, 0.2, 0.1]

@@ -1,7 +1,7 @@
 """ZeRO reads the model through its declarations: sharding units and tied parameters, never parameter names.
 
 The buckets it cuts from them are the ones it cut when it read the names (recorded in
-``tests/data/zero_buckets.json``: names and order, deferred, chunk, per-layer unit, the runs counted in the
+``tests/parallel/zero_buckets.json``: names and order, deferred, chunk, per-layer unit, the runs counted in the
 gradient norm), for a GPT-2 tied across pp=2 (one and two model chunks per rank), a Llama and a GPT-2 on one
 stage, at ZeRO-0 (size buckets) and ZeRO-3 (per-layer buckets).
 """
@@ -18,7 +18,7 @@ from models.build import build_gpt
 from parallel.zero.layout import BucketLayout
 from parallel.zero.policy import StagePolicy
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 GPT2 = dict(layers=4, hidden=64, heads=4, seq_len=32, vocab_size=300, ffn_hidden=256)
 LLAMA = dict(arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab_size=512, seq_len=32)
 
@@ -59,7 +59,7 @@ def test_a_stage_declares_its_sharding_units_and_tied_parameters():
 
 
 def test_buckets_are_the_ones_recorded_when_zero_read_names():
-    recorded = json.loads((ROOT / "tests" / "data" / "zero_buckets.json").read_text())
+    recorded = json.loads((ROOT / "tests" / "parallel" / "zero_buckets.json").read_text())
     got = {}
     for name, chunks in layouts().items():
         for zero in (0, 3):
