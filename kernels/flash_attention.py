@@ -35,7 +35,8 @@ from torch import Tensor
 
 from kernels.attention_configs import configs_for, head_dim_class
 from kernels.flash_backward import _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel
-from kernels.flash_blocks import LOG2E, _fwd_bounds, _interpreting, _jit, _keep, _lanes, block_d, tl, triton
+from kernels.flash_blocks import (LOG2E, _block_tile, _fwd_bounds, _interpreting, _jit, _keep, _key_block,
+                                   block_d, tl, triton)
 
 # Fixed (BLOCK_M, BLOCK_N) per kernel under the interpreter; uneven on purpose so the
 # bound arithmetic for BLOCK_M != BLOCK_N is what the CPU tests exercise.
@@ -51,16 +52,10 @@ DQ_MODES = ("separate", "atomic")
 def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, skd, svn, svd, offs_m, lo, hi, N_CTX, qk_scale,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                PRECISION: tl.constexpr, BLOCK_D: tl.constexpr):
-    offs_d = tl.arange(0, BLOCK_D)
-    lanes = _lanes(offs_d, HEAD_DIM, BLOCK_D)
     visits = 0
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        cols = offs_n < N_CTX  # row-constant masks keep the loads vectorised along head_dim
-        kt = tl.load(k_base + offs_n[None, :] * skn + offs_d[:, None] * skd, mask=cols[None, :] & lanes[:, None],
-                     other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=cols[:, None] & lanes[None, :],
-                    other=0.0)
+        offs_n, kt, v = _key_block(k_base, v_base, skn, skd, svn, svd, start_n, N_CTX, HEAD_DIM, BLOCK_N, BLOCK_D,
+                                   False)
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # log2-domain scores, fp32
         if MASKED:
             s = tl.where(_keep(offs_m, offs_n, N_CTX, CAUSAL), s, float("-inf"))
@@ -85,10 +80,7 @@ def _fwd_kernel(Q, K, V, O, LSE, VISITS, qk_scale,
     pid, hz = tl.program_id(0), tl.program_id(1)
     b, h = (hz // H).to(tl.int64), (hz % H).to(tl.int64)
     hk = h // GROUP
-    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    rows = offs_m < N_CTX
-    tile = rows[:, None] & _lanes(offs_d, HEAD_DIM, BLOCK_D)[None, :]
+    offs_m, offs_d, rows, tile = _block_tile(pid, N_CTX, BLOCK_M, HEAD_DIM, BLOCK_D)
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, mask=tile, other=0.0)
     k_base, v_base = K + b * skb + hk * skh, V + b * svb + hk * svh
     m_i, l_i = tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32)

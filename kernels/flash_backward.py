@@ -16,7 +16,7 @@ nor a per-query-head copy to reduce. dQ comes one of two ways:
 """
 from __future__ import annotations
 
-from kernels.flash_blocks import _fwd_bounds, _jit, _keep, _lanes, tl
+from kernels.flash_blocks import _block_tile, _fwd_bounds, _jit, _keep, _key_block, _lanes, tl
 
 @_jit
 def _bwd_delta_kernel(O, DO, DELTA, sob, soh, som, sod, sdb, sdh, sdm, sdd, H, N_CTX,
@@ -24,10 +24,7 @@ def _bwd_delta_kernel(O, DO, DELTA, sob, soh, som, sod, sdb, sdh, sdm, sdd, H, N
     """delta = rowsum(dO * O) (Algorithm 2): the P^T dP term of dS, once per row."""
     hz = tl.program_id(1)
     b, h = (hz // H).to(tl.int64), (hz % H).to(tl.int64)
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    rows = offs_m < N_CTX
-    tile = rows[:, None] & _lanes(offs_d, HEAD_DIM, BLOCK_D)[None, :]
+    offs_m, offs_d, rows, tile = _block_tile(tl.program_id(0), N_CTX, BLOCK_M, HEAD_DIM, BLOCK_D)
     o = tl.load(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, mask=tile, other=0.0)
     do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_d[None, :] * sdd, mask=tile, other=0.0)
     tl.store(DELTA + hz.to(tl.int64) * N_CTX + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rows)
@@ -98,10 +95,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, VISITS, qk_scale, 
     sab, sah, sam), so no dQ pass is needed; otherwise DQ_ACC and its strides are unused."""
     pid, hz = tl.program_id(0), tl.program_id(1)  # hz: (batch, kv head)
     b, hk = (hz // (H // GROUP)).to(tl.int64), (hz % (H // GROUP)).to(tl.int64)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    cols = offs_n < N_CTX
-    tile = cols[:, None] & _lanes(offs_d, HEAD_DIM, BLOCK_D)[None, :]
+    offs_n, offs_d, cols, tile = _block_tile(pid, N_CTX, BLOCK_N, HEAD_DIM, BLOCK_D)
     k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=tile, other=0.0)
     v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=tile, other=0.0)
     h = hk * GROUP  # the group's first query head; its LSE/DELTA row (b * H + h) is hz * GROUP
@@ -128,14 +122,10 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, VISITS, qk_scale, 
 def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, skd, svn, svd, offs_m, lo, hi, N_CTX, qk_scale,
                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                   PRECISION: tl.constexpr, BLOCK_D: tl.constexpr):
-    offs_d = tl.arange(0, BLOCK_D)
-    lanes = _lanes(offs_d, HEAD_DIM, BLOCK_D)
     visits = 0
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        cols = (offs_n[None, :] < N_CTX) & lanes[:, None]
-        kt = tl.load(k_base + offs_n[None, :] * skn + offs_d[:, None] * skd, mask=cols, other=0.0)
-        vt = tl.load(v_base + offs_n[None, :] * svn + offs_d[:, None] * svd, mask=cols, other=0.0)
+        offs_n, kt, vt = _key_block(k_base, v_base, skn, skd, svn, svd, start_n, N_CTX, HEAD_DIM, BLOCK_N, BLOCK_D,
+                                    True)
         p = tl.math.exp2(tl.dot(q, kt, input_precision=PRECISION) * qk_scale - lse[:, None])
         if MASKED:
             p = tl.where(_keep(offs_m, offs_n, N_CTX, CAUSAL), p, 0.0)
@@ -157,10 +147,7 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, VISITS, qk_scale, sm_scale,
     pid, hz = tl.program_id(0), tl.program_id(1)
     b, h = (hz // H).to(tl.int64), (hz % H).to(tl.int64)
     hk = h // GROUP
-    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    rows = offs_m < N_CTX
-    tile = rows[:, None] & _lanes(offs_d, HEAD_DIM, BLOCK_D)[None, :]
+    offs_m, offs_d, rows, tile = _block_tile(pid, N_CTX, BLOCK_M, HEAD_DIM, BLOCK_D)
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, mask=tile, other=0.0)
     do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_d[None, :] * sdd, mask=tile, other=0.0)
     lse = tl.load(LSE + hz.to(tl.int64) * N_CTX + offs_m, mask=rows, other=float("inf")) * 1.4426950408889634

@@ -78,6 +78,37 @@ def _lanes(offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @_jit
+def _block_tile(pid, N_CTX, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Positions pid*BLOCK.. of a sequence and the head-dim lanes: their offsets, which positions exist, and
+    the mask of the (positions x lanes) tile (ragged positions and padded lanes load as 0)."""
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    inside = offs < N_CTX
+    return offs, offs_d, inside, inside[:, None] & _lanes(offs_d, HEAD_DIM, BLOCK_D)[None, :]
+
+
+@_jit
+def _key_block(k_base, v_base, skn, skd, svn, svd, start_n, N_CTX, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_D: tl.constexpr, V_TRANSPOSED: tl.constexpr):
+    """One key block of the inner loops (forward, dQ): its key offsets, K^T (head dim x keys) and V, as
+    (keys x head dim) for the forward's P V or transposed for the dQ pass's dO V^T. Masks are constant along
+    one axis (keys inside the sequence x real head-dim lanes), so the loads stay vectorised along head_dim."""
+    offs_d = tl.arange(0, BLOCK_D)
+    lanes = _lanes(offs_d, HEAD_DIM, BLOCK_D)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    cols = offs_n < N_CTX
+    kt = tl.load(k_base + offs_n[None, :] * skn + offs_d[:, None] * skd, mask=cols[None, :] & lanes[:, None],
+                 other=0.0)
+    if V_TRANSPOSED:
+        v = tl.load(v_base + offs_n[None, :] * svn + offs_d[:, None] * svd, mask=cols[None, :] & lanes[:, None],
+                    other=0.0)
+    else:
+        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=cols[:, None] & lanes[None, :],
+                    other=0.0)
+    return offs_n, kt, v
+
+
+@_jit
 def _keep(offs_m, offs_n, N_CTX, CAUSAL: tl.constexpr):
     """Scores that exist: key inside the sequence and, causal, not after the query."""
     keep = offs_n[None, :] < N_CTX

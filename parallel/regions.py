@@ -24,7 +24,7 @@ collective launched in one autograd node to the later node that waits for it
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -70,52 +70,19 @@ class _ReduceFromRegion(torch.autograd.Function):
         return grad, None
 
 
-class _GatherFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, comm: Comm) -> Tensor:
-        ctx.comm = comm
-        return comm.all_gather(x, dim=x.dim() - 1)
+class _Conjugate(torch.autograd.Function):
+    """A collective (or split) whose backward is its conjugate over the same dim: all-gather / split along the
+    last dim (gather_from_region, scatter_to_region), all-gather / reduce-scatter along the sequence
+    (gather_from_sequence, reduce_scatter_to_sequence). ``dim`` None: the last dim."""
 
     @staticmethod
-    def backward(ctx, grad: Tensor):
-        return ctx.comm.split(grad, dim=grad.dim() - 1), None
-
-
-class _ScatterToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, comm: Comm) -> Tensor:
-        ctx.comm = comm
-        return comm.split(x, dim=x.dim() - 1)
+    def forward(ctx, x: Tensor, forward: Callable, backward: Callable, dim: Optional[int]) -> Tensor:
+        ctx.backward_op, ctx.dim = backward, dim
+        return forward(x, dim=x.dim() - 1 if dim is None else dim)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return ctx.comm.all_gather(grad, dim=grad.dim() - 1), None
-
-
-class _GatherFromSequence(torch.autograd.Function):
-    """Sequence-parallel region -> tensor-parallel region (before a column-parallel linear)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, comm: Comm) -> Tensor:
-        ctx.comm = comm
-        return comm.all_gather(x, dim=SEQ_DIM)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return ctx.comm.reduce_scatter(grad, dim=SEQ_DIM), None
-
-
-class _ReduceScatterToSequence(torch.autograd.Function):
-    """Tensor-parallel partial sums -> sequence-parallel region (after a row-parallel linear)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, comm: Comm) -> Tensor:
-        ctx.comm = comm
-        return comm.reduce_scatter(x, dim=SEQ_DIM)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return ctx.comm.all_gather(grad, dim=SEQ_DIM), None
+        return ctx.backward_op(grad, dim=grad.dim() - 1 if ctx.dim is None else ctx.dim), None, None, None
 
 
 def _active(comm: Optional[Comm]) -> bool:
@@ -132,16 +99,18 @@ def reduce_from_region(x: Tensor, comm: Optional[Comm]) -> Tensor:
 
 
 def gather_from_region(x: Tensor, comm: Optional[Comm]) -> Tensor:
-    return _GatherFromRegion.apply(x, comm) if _active(comm) else x
+    return _Conjugate.apply(x, comm.all_gather, comm.split, None) if _active(comm) else x
 
 
 def scatter_to_region(x: Tensor, comm: Optional[Comm]) -> Tensor:
-    return _ScatterToRegion.apply(x, comm) if _active(comm) else x
+    return _Conjugate.apply(x, comm.split, comm.all_gather, None) if _active(comm) else x
 
 
 def gather_from_sequence(x: Tensor, comm: Optional[Comm]) -> Tensor:
-    return _GatherFromSequence.apply(x, comm) if _active(comm) else x
+    """Sequence-parallel region -> tensor-parallel region (before a column-parallel linear)."""
+    return _Conjugate.apply(x, comm.all_gather, comm.reduce_scatter, SEQ_DIM) if _active(comm) else x
 
 
 def reduce_scatter_to_sequence(x: Tensor, comm: Optional[Comm]) -> Tensor:
-    return _ReduceScatterToSequence.apply(x, comm) if _active(comm) else x
+    """Tensor-parallel partial sums -> sequence-parallel region (after a row-parallel linear)."""
+    return _Conjugate.apply(x, comm.reduce_scatter, comm.all_gather, SEQ_DIM) if _active(comm) else x
