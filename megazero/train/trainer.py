@@ -19,15 +19,15 @@ import torch.distributed as dist
 
 from megazero.checkpoint.writer import CheckpointWriter
 from megazero.config.schema import Config
+from megazero.costs import model_flops_per_token
 from megazero.data import GPTData
 from megazero.engine.build import build_engine
 from megazero.engine.step import train_step
 from megazero.errors import NonFiniteStop, Preempted
-from megazero.train import lr_schedule as optim
+from megazero.train.lr_schedule import lr_at
 from megazero.train.checkpoint_state import load_state, save_state
 from megazero.train.evaluation import evaluate
 from megazero.train.memory_record import memory_record
-from megazero.costs import model_flops_per_token
 from megazero.train.metrics import MetricsLogger, peak_tflops
 from megazero.train.nonfinite import NonFiniteGuard
 from megazero.train.pipeline_trace import write_pipeline_trace
@@ -72,7 +72,7 @@ class Trainer:
         seed_step(cfg.train.seed, self.step, grid, self.chunks)
         # the schedule follows the updates made: a step skipped for an fp16 overflow does not advance it (as in
         # Megatron-LM and DeepSpeed), so early overflows do not eat the warmup
-        lr = optim.lr_at(self.zero.step_count, cfg.train.lr, cfg.train.min_lr, cfg.train.warmup_steps,
+        lr = lr_at(self.zero.step_count, cfg.train.lr, cfg.train.min_lr, cfg.train.warmup_steps,
                          cfg.train.steps)
         for m in self.chunks:
             m.train()
