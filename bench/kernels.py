@@ -65,7 +65,7 @@ ERROR_FACTOR = 2.0
 def _contenders() -> dict[str, Callable]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from kernels import attention
+    from kernels.attend import attention
 
     def sdpa(backend):
         def run(q, k, v):

@@ -75,7 +75,7 @@ def _device_kernels(trace_path: str) -> list[dict]:
 
 def launch_cost_us(impl: str, cfg, device: torch.device, calls: int = 50) -> float:
     """Host microseconds to enqueue one attention forward at the model's head shape, batch 1."""
-    from kernels import attention
+    from kernels.attend import attention
 
     h, d, s = cfg.model.heads, cfg.model.head_dim, cfg.model.seq_len
     q, k, v = (torch.randn(1, h, s, d, device=device, dtype=torch.bfloat16) for _ in range(3))

@@ -1,17 +1,15 @@
 """Fused kernels (Triton) with torch fallbacks: attention and AdamW over flat buffers.
 
-``kernels.attention(q, k, v, causal=True)`` is the attention entry point (``kernels.attend``). The package
-imports nothing from the floors above it (parallel, models, megazero): a refused ``kernels.*`` value is its
-own :class:`KernelChoiceError` (``kernels.errors``).
+``kernels.attend.attention(q, k, v, causal=True)`` is the attention entry point; ``kernels.adam`` the AdamW
+step over flat buffers. The package imports nothing from the floors above it (parallel, models, megazero):
+a refused ``kernels.*`` value is a ``kernels.errors.UserError``, the project's one input error. Importing the
+package itself loads neither torch nor triton.
 """
-
-from kernels.attend import attention  # noqa: F401 (the package's entry point)
-from kernels.errors import KernelChoiceError  # noqa: F401 (what resolve_kernels raises)
 
 
 def resolve_kernels(kernels_cfg, device_type: str, head_dim: int | None = None) -> None:
     """Turn kernels.* = auto into the implementation this machine (and model: its attention head dim) runs;
-    refuse 'triton' where it cannot (a KernelChoiceError, one line naming the key and what is valid here)."""
+    refuse 'triton' where it cannot (a UserError, one line naming the key and what is valid here)."""
     from kernels import adam, attend
 
     kernels_cfg.adam = adam.resolve_impl(kernels_cfg.adam, device_type)

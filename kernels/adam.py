@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from kernels.adam_cpu import Run, adamw_step_fused
-from kernels.errors import KernelChoiceError
+from kernels.errors import UserError
 
 
 def adamw_step(master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, lr: float, beta1: float,
@@ -231,10 +231,10 @@ def resolve_impl(requested: str, device_type: str) -> str:
     "auto": on CUDA "triton" when triton imports, else "torch"; on the CPU "fused" (torch's fused AdamW
     kernel over the buffer's decay runs, see kernels.adam_cpu). "fused" and "torch": always. "triton":
     when triton imports and the state is on CUDA (or TRITON_INTERPRET=1 runs kernels on the CPU
-    interpreter); else a KernelChoiceError naming what would be valid here.
+    interpreter); else a UserError naming what would be valid here.
     """
     if requested not in _IMPLS:
-        raise KernelChoiceError(f"kernels.adam={requested!r} is not an AdamW implementation; valid: "
+        raise UserError(f"kernels.adam={requested!r} is not an AdamW implementation; valid: "
                                 + " | ".join(_IMPLS))
     if requested in ("torch", "fused"):
         return requested
@@ -244,6 +244,6 @@ def resolve_impl(requested: str, device_type: str) -> str:
             return "triton" if triton is not None else "torch"
         return "fused" if device_type == "cpu" else "torch"
     if not runnable:
-        raise KernelChoiceError("kernels.adam='triton' needs a CUDA GPU with triton installed (or TRITON_INTERPRET=1 "
+        raise UserError("kernels.adam='triton' needs a CUDA GPU with triton installed (or TRITON_INTERPRET=1 "
                                 "to run the kernels on the CPU interpreter); valid here: auto | fused | torch")
     return "triton"

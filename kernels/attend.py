@@ -16,7 +16,7 @@ from torch import Tensor
 
 from kernels.flash_attention import FlashAttention
 from kernels.flash_blocks import DTYPES, MAX_HEAD_DIM, _interpreting, supports_head_dim, triton
-from kernels.errors import KernelChoiceError
+from kernels.errors import UserError
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, impl: str = "torch",
@@ -66,13 +66,13 @@ def resolve_impl(requested: str, device_type: str, head_dim: int | None = None) 
     has_head_dim = head_dim is None or supports_head_dim(head_dim)
     if requested == "triton":
         if not has_head_dim:
-            raise KernelChoiceError(f"kernels.attention='triton' supports head dims up to {MAX_HEAD_DIM} "
+            raise UserError(f"kernels.attention='triton' supports head dims up to {MAX_HEAD_DIM} "
                                     f"(model.hidden / model.heads), this model's is {head_dim}; valid here: "
                                     "auto | torch")
         if triton_available() and (device_type == "cuda" or _interpreting()):
             return "triton"
-        raise KernelChoiceError("kernels.attention='triton' needs a CUDA GPU with triton installed (or "
+        raise UserError("kernels.attention='triton' needs a CUDA GPU with triton installed (or "
                                 "TRITON_INTERPRET=1 to run the kernels on the CPU interpreter); valid here: "
                                 "auto | torch")
-    raise KernelChoiceError(f"kernels.attention={requested!r} is not an attention implementation; valid: "
+    raise UserError(f"kernels.attention={requested!r} is not an attention implementation; valid: "
                             "auto | torch | triton")

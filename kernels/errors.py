@@ -1,11 +1,14 @@
-"""The kernels' own error: a kernel asked for (``kernels.adam``, ``kernels.attention``) that cannot run here.
+"""The project's one input error, :class:`UserError`, defined on the lowest floor so that every floor can raise it.
 
-The kernels sit on the lowest floor and import nothing from the packages above them, so they raise this
-instead of megazero's ``UserError``. Its message is already the one line a user reads (the key, the value,
-what is valid here); the run's entry point turns it into a ``UserError`` (exit code 2) with
-``megazero.errors.as_user_error``. A ``ValueError``, as a kernel library's bad argument is.
+The kernels refuse a ``kernels.*`` value they cannot run (no CUDA, a head dim past the Triton kernel's) with
+it; ``megazero.errors`` re-exports it beside the other ways a run ends, and the CLI prints its one line and
+exits 2. Nothing here imports torch, so loading a config that names it stays light.
 """
 
 
-class KernelChoiceError(ValueError):
-    """A ``kernels.*`` value that names no implementation, or one this machine or model cannot run."""
+class UserError(Exception):
+    """A bad config value, a missing file, a corrupt dataset: anything the user can fix.
+
+    The message is one line that names the key or path, the bad value and what
+    would be valid. The CLI prints it and exits with code 2, without a traceback.
+    """

@@ -17,31 +17,11 @@ code   meaning
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import Any, Iterator
 
+from kernels.errors import UserError  # noqa: F401 (defined on the lowest floor: the kernels raise it too)
+
 SHOWN_CHARS = 60  # values echoed in messages are cut to about this many characters
-
-
-class UserError(Exception):
-    """A bad config value, a missing file, a corrupt dataset: anything the user can fix.
-
-    The message is one line that names the key or path, the bad value and what
-    would be valid. The CLI prints it and exits with code 2, without a traceback.
-    """
-
-
-@contextmanager
-def as_user_error(*kinds: type[Exception]) -> Iterator[None]:
-    """Re-raise a lower floor's input error (e.g. ``kernels.KernelChoiceError``) as a :class:`UserError` with
-    the same one-line message: those packages cannot import this module, and the CLI exits 2 on a UserError.
-
-    ``with as_user_error(KernelChoiceError): resolve_kernels(cfg.kernels, device.type, cfg.model.head_dim)``
-    """
-    try:
-        yield
-    except kinds as e:
-        raise UserError(str(e)) from None
 
 
 def shown(value: Any, limit: int = SHOWN_CHARS) -> str:

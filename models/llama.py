@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels import attention
+from kernels.attend import attention
 from models.arch import ffn_hidden, has_bias, is_llama
 from models.split import Split
 from parallel.tp_overlap import Entry

@@ -23,7 +23,6 @@ from typing import Any, Callable, Optional, Protocol
 from megazero.config.rules import world_dp
 from megazero.config.schema import AUTO, Config, KernelsConfig, ModelConfig
 from megazero.costs import compute_device, pipeline_costs
-from megazero.errors import as_user_error
 from models import arch
 from parallel.balance import balance_layers
 
@@ -74,17 +73,15 @@ def _resolve_kernels(cfg: Config, device_type: str, planned: bool) -> None:
     """kernels.* for the device. Planned, only the auto keys are resolved (by the same function, with the
     explicit ones standing in as torch, which every device runs): whether Triton can run is a question for
     the machine that runs."""
-    from kernels import KernelChoiceError, resolve_kernels  # imports torch: only once the config is checked
+    from kernels import resolve_kernels  # imports torch: only once the config is checked
 
     k = cfg.kernels
     if not planned:
-        with as_user_error(KernelChoiceError):
-            resolve_kernels(k, device_type, cfg.model.head_dim)
+        resolve_kernels(k, device_type, cfg.model.head_dim)
         return
     names = [f.name for f in dataclasses.fields(KernelsConfig)]
     probe = KernelsConfig(**{n: AUTO if getattr(k, n) == AUTO else "torch" for n in names})
-    with as_user_error(KernelChoiceError):
-        resolve_kernels(probe, device_type, cfg.model.head_dim)
+    resolve_kernels(probe, device_type, cfg.model.head_dim)
     for n in names:
         if getattr(k, n) == AUTO:
             setattr(k, n, getattr(probe, n))

@@ -17,7 +17,7 @@ import triton  # noqa: E402,F401  (a test dependency, installed by the Makefile)
 
 from kernels import adam  # noqa: E402
 from kernels.adam import adamw, adamw_step, adamw_step_triton, resolve_impl, triton_available  # noqa: E402
-from kernels.errors import KernelChoiceError  # noqa: E402
+from megazero.errors import UserError  # noqa: E402
 
 # 2000 + 1000 + 1 = 3001 elements: not a multiple of the kernel block, so the ragged tail is exercised.
 SHAPES = [(40, 50), (1000,), (1,)]
@@ -167,17 +167,17 @@ def test_resolve_impl(monkeypatch):
     assert resolve_impl("auto", "cuda") == "triton"
     assert resolve_impl("triton", "cpu") == "triton"  # TRITON_INTERPRET=1
     assert resolve_impl("triton", "cuda") == "triton"
-    with pytest.raises(KernelChoiceError, match=re.escape("valid: auto | fused | torch | triton")):
+    with pytest.raises(UserError, match=re.escape("valid: auto | fused | torch | triton")):
         resolve_impl("apex", "cuda")
     monkeypatch.delenv("TRITON_INTERPRET")
-    with pytest.raises(KernelChoiceError) as err:
+    with pytest.raises(UserError) as err:
         resolve_impl("triton", "cpu")
     assert str(err.value) == ("kernels.adam='triton' needs a CUDA GPU with triton installed (or TRITON_INTERPRET=1 "
                               "to run the kernels on the CPU interpreter); valid here: auto | fused | torch")
     assert resolve_impl("auto", "cpu") == "fused"
     monkeypatch.setattr(adam, "triton", None)  # triton not importable
     assert resolve_impl("auto", "cuda") == "torch"
-    with pytest.raises(KernelChoiceError):
+    with pytest.raises(UserError):
         resolve_impl("triton", "cuda")
     with pytest.raises(ValueError):
         adamw("apex", torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1))

@@ -20,7 +20,7 @@ assert isinstance(triton.language.zeros, InterpretedFunction), "the kernel tests
 import kernels.attend as A  # noqa: E402
 import kernels.flash_attention as FA  # noqa: E402
 import kernels.flash_blocks as FB  # noqa: E402
-from kernels.errors import KernelChoiceError  # noqa: E402
+from megazero.errors import UserError  # noqa: E402
 
 assert isinstance(FA._fwd_kernel, InterpretedFunction)
 
@@ -306,7 +306,7 @@ def test_resolve_impl(monkeypatch):
     assert A.resolve_impl("torch", "cpu") == "torch"
     assert A.triton_available()
     assert A.resolve_impl("triton", "cpu") == "triton"  # TRITON_INTERPRET=1
-    with pytest.raises(KernelChoiceError, match="kernels.attention='cuda'"):
+    with pytest.raises(UserError, match="kernels.attention='cuda'"):
         A.resolve_impl("cuda", "cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     # a GPU: auto is SDPA (its cuDNN backend outran the kernel on an H200, docs/benchmarks.md); triton is a choice
@@ -314,11 +314,11 @@ def test_resolve_impl(monkeypatch):
     assert A.resolve_impl("triton", "cuda", head_dim=128) == "triton"
     assert A.resolve_impl("triton", "cuda", head_dim=80) == "triton"  # padded to 128 inside the kernel
     assert A.resolve_impl("auto", "cuda", head_dim=256) == "torch"
-    with pytest.raises(KernelChoiceError, match=r"this model's is 256; valid here: auto \| torch$"):
+    with pytest.raises(UserError, match=r"this model's is 256; valid here: auto \| torch$"):
         A.resolve_impl("triton", "cuda", head_dim=256)
     monkeypatch.delenv("TRITON_INTERPRET")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert not A.triton_available()
     assert A.resolve_impl("auto", "cpu") == "torch"
-    with pytest.raises(KernelChoiceError, match=r"needs a CUDA GPU .* valid here: auto \| torch$"):
+    with pytest.raises(UserError, match=r"needs a CUDA GPU .* valid here: auto \| torch$"):
         A.resolve_impl("triton", "cpu")

@@ -1,36 +1,39 @@
-"""A refused kernels.* value: the kernels' own KernelChoiceError (they import nothing from megazero), turned
-into megazero's UserError, message unchanged, by ``megazero.errors.as_user_error`` at the entry point."""
+"""A refused kernels.* value is the project's one input error, raised by the kernels themselves: UserError lives
+on the lowest floor (kernels.errors), megazero.errors re-exports it, and importing it loads no torch."""
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from kernels import KernelChoiceError, resolve_kernels
-from megazero.errors import UserError, as_user_error
+from kernels import resolve_kernels
+from megazero.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_a_refusal_is_the_kernels_own_error():
+def test_a_refusal_is_a_one_line_user_error():
     cfg = SimpleNamespace(adam="apex", attention="auto")
-    with pytest.raises(KernelChoiceError) as err:
-        resolve_kernels(cfg, "cpu")
-    assert isinstance(err.value, ValueError) and not isinstance(err.value, UserError)
-    assert str(err.value) == "kernels.adam='apex' is not an AdamW implementation; valid: auto | fused | torch | triton"
-
-
-def test_as_user_error_keeps_the_one_line_message():
-    cfg = SimpleNamespace(adam="auto", attention="flash")
     with pytest.raises(UserError) as err:
-        with as_user_error(KernelChoiceError):
-            resolve_kernels(cfg, "cpu")
-    assert str(err.value) == ("kernels.attention='flash' is not an attention implementation; valid: auto | torch | "
-                              "triton")
-    assert err.value.__cause__ is None and err.value.__suppress_context__  # no chained traceback to print
-    cfg = SimpleNamespace(adam="auto", attention="auto")
-    with as_user_error(KernelChoiceError):  # what resolves passes through
         resolve_kernels(cfg, "cpu")
+    assert str(err.value) == "kernels.adam='apex' is not an AdamW implementation; valid: auto | fused | torch | triton"
+    cfg = SimpleNamespace(adam="auto", attention="flash")
+    with pytest.raises(UserError, match=r"^kernels.attention='flash' is not an attention implementation; valid: "
+                                        r"auto \| torch \| triton$"):
+        resolve_kernels(cfg, "cpu")
+    cfg = SimpleNamespace(adam="auto", attention="auto")
+    resolve_kernels(cfg, "cpu")  # what resolves passes through
     assert (cfg.adam, cfg.attention) == ("fused", "torch")
 
 
-def test_as_user_error_leaves_other_errors_alone():
-    with pytest.raises(KeyError):
-        with as_user_error(KernelChoiceError):
-            raise KeyError("not an input error")
+def test_the_error_class_is_one_and_costs_no_torch():
+    """megazero's UserError is the kernels' (one class for the CLI to catch), and loading it (as every config
+    load does) imports neither torch nor triton."""
+    import kernels.errors
+
+    assert UserError is kernels.errors.UserError
+    code = ("import sys, megazero.errors, kernels; "
+            "print(sorted(m for m in ('torch', 'triton') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
