@@ -37,8 +37,7 @@ from collections import defaultdict  # noqa: E402
 
 import torch  # noqa: E402
 
-from megazero.config.load import load_config
-
+from megazero.config.load import load_config  # noqa: E402
 from megazero.config.resolve import resolve  # noqa: E402
 from megazero.train.trainer import Trainer  # noqa: E402
 from parallel.topology import Grid  # noqa: E402

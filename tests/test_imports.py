@@ -3,9 +3,11 @@ import from a lower floor up into a higher one (kernels < parallel < models < me
 
 The files are parsed with ``ast``; nothing is imported. Imports under ``if TYPE_CHECKING:`` are left out
 (they never run). ``from a.b import c`` is an edge to the module ``a.b.c`` when that is a module of the
-project, else to ``a.b``; ``import a.b`` is an edge to ``a.b`` alone. A parent package's ``__init__``
-that Python runs on the way to a submodule is not an edge: a package face that re-exports its
-submodules is not a circle. Naming the package itself (``from a.b import name``, ``import a.b``) is.
+project, else to ``a.b``; ``import a.b`` is an edge to ``a.b``. Python runs every parent package's
+``__init__`` on the way to a submodule, so an import from outside a package is an edge to each of its
+packages too (a circle through another package's face is a circle); inside its own package a module
+reaches its parents' faces only by naming them, so a face that re-exports its submodules is no circle.
+A bare ``from b import x`` in a folder without ``__init__.py`` (bench/, run as scripts) is its sibling b.
 
 ``IMPORT_GRAPH_ROOT=/path/to/checkout`` checks another tree (e.g. an older commit's files).
 """
@@ -62,6 +64,27 @@ def _package_of(name: str, path: Path) -> str:
     return name if path.name == "__init__.py" else name.rpartition(".")[0]
 
 
+def _script_sibling(name: str, path: Path, bare: str, modules: dict[str, Path]) -> str:
+    """``bare`` as the sibling module a script folder's ``sys.path`` entry finds (bench/gpu_checks.py's
+    ``from gpu_long_run import ...``), or ``bare`` itself."""
+    if (path.parent / "__init__.py").exists():
+        return bare
+    sibling = f"{_package_of(name, path)}.{bare}" if "." in name else bare
+    return sibling if sibling in modules else bare
+
+
+def _with_parents(target: str, importer: str, modules: dict[str, Path]) -> set[str]:
+    """``target`` and the packages Python runs on the way to it that are not the importer's own ancestors."""
+    out = {target}
+    parts = target.split(".")
+    own = importer.split(".")
+    for i in range(1, len(parts)):
+        package = ".".join(parts[:i])
+        if package in modules and own[:i] != parts[:i]:
+            out.add(package)
+    return out
+
+
 def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """The project modules ``name`` (at ``path``) imports, as the module docstring defines an edge."""
     targets: set[str] = set()
@@ -69,20 +92,23 @@ def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     for node in _import_nodes(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                if alias.name in modules:
-                    targets.add(alias.name)
+                full = _script_sibling(name, path, alias.name, modules)
+                if full in modules:
+                    targets |= _with_parents(full, name, modules)
             continue
         base = node.module or ""
         if node.level:  # relative: from the package this module is in, up level - 1 packages
             package = _package_of(name, path).split(".")
             package = package[:len(package) - (node.level - 1)]
             base = ".".join(package + ([base] if base else []))
+        elif base:
+            base = _script_sibling(name, path, base, modules)
         for alias in node.names:
             full = f"{base}.{alias.name}" if base else alias.name
             if full in modules:
-                targets.add(full)
+                targets |= _with_parents(full, name, modules)
             elif base in modules:
-                targets.add(base)
+                targets |= _with_parents(base, name, modules)
     targets.discard(name)
     return targets
 
@@ -188,7 +214,8 @@ def test_no_import_up_a_floor():
 
 def test_the_graph_sees_what_it_must(tmp_path: Path):
     """Lazy imports count, TYPE_CHECKING ones do not, relative imports resolve, a package face is a node of
-    its own: a small tree with one circle of each kind and one upward edge."""
+    its own, a parent package is run on the way in from outside, a script's bare import is its sibling: a
+    small tree with one circle of each kind and one upward import."""
     files = {
         "kernels/__init__.py": "from kernels.a import f\n",
         "kernels/a.py": "import os\ndef f():\n    from megazero.errors import E\n",
@@ -201,6 +228,13 @@ def test_the_graph_sees_what_it_must(tmp_path: Path):
         "megazero/p/__init__.py": "",
         "megazero/p/s.py": "from megazero.p.t import T\n",
         "megazero/p/t.py": "from .s import S\n",
+        "megazero/f/__init__.py": "from megazero.f.impl import F\n",  # a face
+        "megazero/f/impl.py": "from megazero.g.user import U\n",
+        "megazero/g/__init__.py": "",
+        "megazero/g/user.py": "def h():\n    from megazero.f.other import O\n",  # runs megazero.f's face
+        "megazero/f/other.py": "",
+        "bench/a.py": "from b import x\n",
+        "bench/b.py": "",
         "pretrain.py": "import megazero.x\n",
     }
     for rel, text in files.items():
@@ -209,6 +243,10 @@ def test_the_graph_sees_what_it_must(tmp_path: Path):
     graph = import_graph(tmp_path)
     assert graph["kernels"] == {"kernels.a"} and graph["megazero.errors"] == set()
     assert graph["megazero.d.m"] == {"megazero.d.n"} and graph["megazero.d.n"] == {"megazero.d"}
+    assert graph["megazero.g.user"] == {"megazero.f", "megazero.f.other"} and graph["bench.a"] == {"bench.b"}
+    assert graph["pretrain"] == {"megazero", "megazero.x"}
     assert cycles(graph) == [["megazero.d", "megazero.d.m", "megazero.d.n", "megazero.d"],
+                             ["megazero.f", "megazero.f.impl", "megazero.g.user", "megazero.f"],
                              ["megazero.p.s", "megazero.p.t", "megazero.p.s"]]
-    assert upward_edges(graph) == ["kernels.a (floor 1) -> megazero.errors (floor 4)"]
+    assert upward_edges(graph) == ["kernels.a (floor 1) -> megazero (floor 4)",
+                                   "kernels.a (floor 1) -> megazero.errors (floor 4)"]

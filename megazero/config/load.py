@@ -13,7 +13,7 @@ way, load -> rules -> errors: megazero.config.rules imports nothing from here.
 
 Files and ``--set`` values are untrusted: megazero.config.yaml_load reads them (YAML 1.2 core schema; no
 aliases, tags, merge keys or duplicate keys; bounded size and depth), values are strictly typed here,
-and every number has a range in megazero.config.rules. An empty file, or a section whose keys are all
+and every number has a range in megazero.config.ranges. An empty file, or a section whose keys are all
 commented out, means the defaults.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ def _coerce(source: str, section: str, key: str, value: Any, annotation: str) ->
     """Check one value against its field's annotation (kept as a string by `from __future__`).
 
     Strictly typed: a quoted "10" is no integer and "1e-3" no number (the YAML loader reads unquoted
-    numbers as numbers); ranges are megazero.config.rules' job.
+    numbers as numbers); ranges are megazero.config.ranges' job.
     """
     full = f"{section}.{key}"
     if (section, key) == ("parallel", "pp_layers"):
@@ -94,7 +94,7 @@ def _coerce(source: str, section: str, key: str, value: Any, annotation: str) ->
 
 
 def _layer_counts(source: str, full: str, value: Any) -> Union[list, str]:
-    """parallel.pp_layers: a list of integers (their ranges are megazero.config.rules'), or auto."""
+    """parallel.pp_layers: a list of integers (their ranges are megazero.config.rules' to check), or auto."""
     if isinstance(value, list) and len(value) > MAX_LIST:
         raise invalid(source, full, value, f"at most {MAX_LIST} entries")
     if value == AUTO or (isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool)

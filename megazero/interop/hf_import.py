@@ -159,10 +159,16 @@ def _show(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
+_COMPARED = ("arch", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab_size", "norm_eps", "rope_theta",
+             "tie_embeddings", "bias", "rope_scaling")
+
+
 def _differences(there: dict[str, Any], m: Any) -> list[str]:
     """'model.KEY is A there and B here' for every key where the folder's model and the config differ."""
     out = []
-    shared = {k: v for k, v in there.items() if k != "n_positions"}
+    order = (*_COMPARED, *(ours for _, ours, _ in _LLAMA3_KEYS))  # a mismatch's keys in the order users know
+    shared = {k: there[k] for k in sorted(there, key=lambda k: order.index(k) if k in order else len(order))
+              if k != "n_positions"}
     for key, theirs, ours in architecture_differences(shared, m):
         split = " (megazero's one model.bias sets both)" if key == "bias" and isinstance(theirs, str) else ""
         out.append(f"model.{key} is {_show(theirs)} there{split} and {_show(ours)} here")

@@ -72,8 +72,7 @@ class Trainer:
         seed_step(cfg.train.seed, self.step, grid, self.chunks)
         # the schedule follows the updates made: a step skipped for an fp16 overflow does not advance it (as in
         # Megatron-LM and DeepSpeed), so early overflows do not eat the warmup
-        lr = lr_at(self.zero.step_count, cfg.train.lr, cfg.train.min_lr, cfg.train.warmup_steps,
-                         cfg.train.steps)
+        lr = lr_at(self.zero.step_count, cfg.train.lr, cfg.train.min_lr, cfg.train.warmup_steps, cfg.train.steps)
         for m in self.chunks:
             m.train()
         microbatches = self.data.train_microbatches(self.consumed_samples, grid.dp_rank, grid.dp,

@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 
 from megazero.config.load import load_config, parse_set
-
 from megazero.config.resolve import resolve
 from megazero.errors import UserError
 

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from megazero.config.load import load_config
-
 from megazero.config.resolve import resolve, resolve_arch
 from megazero.costs import flops_per_token, model_flops_per_token, model_shape
 from megazero.errors import UserError

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from megazero.config.load import load_config
-
 from megazero.config.resolve import resolve
 from megazero.train.run import run
 from megazero.engine.step import forward_backward

@@ -18,8 +18,8 @@ from megazero.plan import stage_plan as plan
 from megazero.config.load import load_config
 from megazero.config.resolve import resolve
 from megazero.train.run import run
+from megazero.engine.build import make_scaler
 from megazero.engine.step import forward_backward, train_step
-from parallel.loss_scale import LossScaler
 from parallel.topology import Grid
 from tests.dist import run_ranks
 from tests.runs import ROOT, engine_for, executor_for, read_metrics, small_overrides, write_corpus
@@ -373,5 +373,5 @@ def test_a_skipped_stage3_step_frees_what_it_gathered():
     driver = executor_for(model, grid, [ids])
     for poison in (False, True):
         state["poison"] = poison
-        skipped = train_step(zero, *driver, [ids], 1e-3, 1.0, LossScaler()).skipped
+        skipped = train_step(zero, *driver, [ids], 1e-3, 1.0, make_scaler("fp16")).skipped
         assert skipped == poison and zero.gathered_bytes == 0, (poison, zero.gathered_bytes)

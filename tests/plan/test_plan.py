@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from megazero.config.load import load_config
-
 from megazero.config.resolve import resolve
 from megazero.costs import model_flops_per_token
 from megazero.plan.activations import activation_bytes_per_layer, activation_peak, pipeline_bubble

@@ -30,7 +30,6 @@ def _train_and_sample(rank: int, world: int, corpus, tmp) -> dict[int, int]:
     import torch
 
     from megazero.config.load import load_config
-
     from megazero.config.resolve import resolve
     from megazero.train.run_dir import plan_start
     from megazero.train.trainer import Trainer

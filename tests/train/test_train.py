@@ -274,7 +274,6 @@ def test_an_fp32_resume_of_a_bf16_checkpoint_takes_the_fp32_master_weights(corpu
     import torch.distributed.checkpoint as dcp
 
     from megazero.config.load import load_config
-
     from megazero.config.resolve import resolve
     from megazero.train.trainer import Trainer
     from parallel.topology import Grid
