@@ -26,6 +26,8 @@ _CHOICES = {
     ("launch", "device"): ("auto", "cpu", "cuda"),
     ("parallel", "schedule"): SCHEDULES,
     ("train", "on_nonfinite"): ("stop", "skip"),
+    ("train", "init_unused"): ("refuse", "drop"),
+    ("train", "resume_changes"): ("warn", "allow"),
 }
 _MIN = {
     ("model", "layers"): 1, ("model", "hidden"): 1, ("model", "heads"): 1, ("model", "seq_len"): 1,

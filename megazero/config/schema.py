@@ -127,6 +127,8 @@ class TrainConfig:
     max_skipped: int = 10  # consecutive skipped updates before the run stops (fp16: at the minimum loss scale)
     async_save: bool = False  # write checkpoints in the background while training goes on
     init_from: str = ""  # a Hugging Face model folder (GPT-2 or Llama) the weights start from; optimizer fresh
+    init_unused: str = "refuse"  # refuse | drop: tensors in init_from that the config does not use
+    resume_changes: str = "warn"  # warn | allow: a resume whose data settings or seed changed says so, or not
 
 
 @dataclass
