@@ -407,15 +407,20 @@ def test_export_refuses_a_non_empty_folder_and_force_replaces_it_whole(made, cas
     (out / "mine.txt").write_text("keep me")
     code, err = export(capsys, ckpts / STEP2, out)
     assert_one_line(code, err, str(out), "not empty", "--force")
+    code, err = export(capsys, ckpts / STEP2, out, "--force")  # --force replaces only a previous export
+    assert_one_line(code, err, str(out), "mine.txt", "not a previous export")
     assert [p.name for p in out.iterdir()] == ["mine.txt"]
+    (out / "mine.txt").unlink()
+    assert export(capsys, ckpts / STEP1, out)[0] == 0  # an empty folder needs no --force
     code, err = export(capsys, ckpts / STEP2, out, "--force")
     assert code == 0, err
     # the weights and the run's tokenizer (a GPT-2 run's sentencepiece model, as tokenizer.model)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.model"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run"]  # no temporary siblings left
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    assert export(capsys, ckpts / STEP2, empty)[0] == 0  # an empty folder needs no --force
+    from safetensors.torch import load_file
+    weights = load_file(out / "model.safetensors")
+    step2 = checkpoint.read_model_state(ckpts / STEP2)["layers.0.mlp.fc1.weight"]
+    assert torch.equal(weights["transformer.h.0.mlp.c_fc.weight"], step2.t())  # step 2 replaced step 1
 
 
 def test_export_with_force_keeps_the_old_folder_until_the_new_one_is_complete(made, case, capsys, tmp_path,
@@ -424,16 +429,16 @@ def test_export_with_force_keeps_the_old_folder_until_the_new_one_is_complete(ma
 
     base, run, ckpts = case
     out = tmp_path / "hf"
-    out.mkdir()
-    (out / "mine.txt").write_text("keep me")
+    assert export(capsys, ckpts / STEP1, out)[0] == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
 
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
     code, err = export(capsys, ckpts / STEP2, out, "--force")
-    assert_one_line(code, err, str(out), "No space left")
-    assert [p.name for p in out.iterdir()] == ["mine.txt"]
+    assert_one_line(code, err, f"no space left on {out}", "needs about")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run"]
 
 

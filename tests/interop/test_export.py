@@ -78,7 +78,8 @@ def test_tensors_that_disagree_with_the_config_are_a_user_error():
 
 
 def test_write_hf_folder_is_all_or_nothing(tmp_path):
-    """A non-empty folder needs force; with force it is replaced once the new one is whole; no leftovers."""
+    """A non-empty folder needs force, and force replaces only a previous export, once the new one is whole;
+    no leftovers. A link is followed: the folder is written where it points, the link kept."""
     from megazero.errors import UserError
 
     out = tmp_path / "out"
@@ -86,18 +87,22 @@ def test_write_hf_folder_is_all_or_nothing(tmp_path):
     (out / "old.txt").write_text("x")
     with pytest.raises(UserError, match="is not empty; pass --force"):
         write_hf_folder(out, {"a": 1}, {"w": torch.zeros(2)})
+    with pytest.raises(UserError, match="not a previous export: it holds old.txt"):
+        write_hf_folder(out, {"a": 1}, {"w": torch.zeros(2)}, force=True)
     assert [p.name for p in out.iterdir()] == ["old.txt"]
-    write_hf_folder(out, {"a": 1}, {"w": torch.zeros(2)}, force=True)
+    (out / "old.txt").unlink()
+    write_hf_folder(out, {"a": 1}, {"w": torch.zeros(2)})
+    write_hf_folder(out, {"a": 2}, {"w": torch.ones(2)}, force=True)  # a previous export: replaced
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert json.loads((out / "config.json").read_text()) == {"a": 2}
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
     target = tmp_path / "target"
     target.mkdir()
-    (target / "keep.txt").write_text("y")
     link = tmp_path / "link"
     link.symlink_to(target)
-    write_hf_folder(link, {"a": 1}, {"w": torch.zeros(2)}, force=True)  # the link is replaced, not its target
-    assert not link.is_symlink() and (link / "config.json").is_file()
-    assert [p.name for p in target.iterdir()] == ["keep.txt"]
+    write_hf_folder(link, {"a": 1}, {"w": torch.zeros(2)})
+    assert link.is_symlink() and (target / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "out", "target"]
 
 
 def test_cli_missing_checkpoint_is_one_line_error(tmp_path, capsys):

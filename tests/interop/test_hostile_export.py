@@ -1,0 +1,248 @@
+"""Hostile exports: an output where a checkpoint's rotation would delete it, a meta.json that disagrees with the
+tensors, --force on what is not an export, outputs that hold the working folder, a full disk. Through
+``python -m megazero.export``'s main in this process (the full disk in a process of its own, for its mount):
+exit code 2, one line on stderr, nothing written, nothing lost.
+
+One small GPT-2 checkpoint (untied head, biases, vocab_size 300 padded to 384 rows, a 300-id tokenizer.json)
+is made once per module in a run folder's layout; each case works on a copy of that folder.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megazero.checkpoint import store as checkpoint
+from megazero.config.load import load_config
+from megazero.interop.export import main as export_main
+from models.build import build_gpt
+from tests.hostile import ROOT, assert_one_line, call
+
+VOCAB = 300
+MODEL = ["model.layers=2", "model.hidden=32", "model.heads=2", "model.seq_len=16", f"model.vocab_size={VOCAB}",
+         "model.tie_embeddings=false"]
+STEP = "step_00000001"
+
+
+def _tokenizer_json(path: Path) -> Path:
+    """A WordLevel tokenizer.json with ids 0..VOCAB-1, the last one the end-of-text token."""
+    vocab = {f"w{i}": i for i in range(VOCAB - 2)} | {"<unk>": VOCAB - 2, "<|endoftext|>": VOCAB - 1}
+    body = {"version": "1.0", "truncation": None, "padding": None, "normalizer": None, "post_processor": None,
+            "decoder": None, "pre_tokenizer": {"type": "WhitespaceSplit"},
+            "added_tokens": [{"id": VOCAB - 1, "content": "<|endoftext|>", "single_word": False, "lstrip": False,
+                              "rstrip": False, "normalized": False, "special": True}],
+            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}}
+    path.write_text(json.dumps(body))
+    return path
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory) -> Path:
+    """base/run: a log.dir holding metrics.jsonl and checkpoints/step_00000001 (meta.json records base/tok.json)."""
+    base = tmp_path_factory.mktemp("hostile_export")
+    cfg = load_config(None, MODEL)
+    model = build_gpt(cfg.model, seed=0)
+    meta = {"config": cfg.to_dict(), "consumed_samples": 0, "optimizer_step": 0,
+            "tokenizer": str(_tokenizer_json(base / "tok.json"))}
+    state = {f"model/{n}": p.detach() for n, p in model.named_parameters()}
+    checkpoint.save(base / "run" / "checkpoints", 1, state, meta, keep_last=1)
+    (base / "run" / "metrics.jsonl").write_text("")
+    return base
+
+
+@pytest.fixture
+def ck(made, tmp_path) -> Path:
+    """A fresh copy of the run folder for one case; returns its checkpoint."""
+    shutil.copytree(made / "run", tmp_path / "run")
+    return tmp_path / "run" / "checkpoints" / STEP
+
+
+def export(capsys, *argv) -> tuple[int, str]:
+    code, _, err = call(export_main, [str(a) for a in argv], capsys)
+    return code, err
+
+
+def tree(path: Path) -> list[str]:
+    """Every path under ``path``, relative, sorted: what a refused export must leave as it was."""
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+def edit_meta(ck: Path, **model) -> None:
+    meta = json.loads((ck / "meta.json").read_text())
+    meta["config"]["model"].update(model)
+    (ck / "meta.json").write_text(json.dumps(meta))
+
+
+# --- where the output may go -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("where, fragment", [
+    ("CK/hf", "inside the checkpoint"),
+    ("CK/new/deeper", "inside the checkpoint"),
+    ("CK/../step_00000001/hf", "inside the checkpoint"),  # `..` resolved
+    ("LINK/hf", "inside the checkpoint"),  # a link to the checkpoint, resolved
+    ("BEST/hf", "inside the checkpoint"),  # a checkpoint copied under a name of the user's: meta.json + .metadata
+    ("CKS/hf", "holds checkpoints"),  # log.dir/checkpoints: a save's clean-up and rotation work there
+    ("CKS/step_00000009/hf", "holds checkpoints"),  # a step a later save would write
+])
+def test_an_output_inside_a_checkpoint_or_its_folder_is_refused(ck, capsys, tmp_path, where, fragment):
+    (tmp_path / "link").symlink_to(ck)
+    if where.startswith("BEST"):
+        shutil.copytree(ck, tmp_path / "best")
+    out = (where.replace("CKS", str(ck.parent)).replace("CK", str(ck)).replace("LINK", str(tmp_path / "link"))
+           .replace("BEST", str(tmp_path / "best")))
+    before = tree(tmp_path)
+    code, err = export(capsys, ck, out, "--force")
+    assert_one_line(code, err, fragment)
+    assert tree(tmp_path) == before
+
+
+def test_an_output_inside_a_log_dirs_checkpoints_folder_is_refused_before_its_first_save(ck, capsys, tmp_path):
+    """A log.dir whose checkpoints/ is still empty (a run that has not saved yet) is recognised by its metrics."""
+    other = tmp_path / "other"
+    (other / "checkpoints").mkdir(parents=True)
+    (other / "metrics.jsonl").write_text("")
+    code, err = export(capsys, ck, other / "checkpoints" / "hf")
+    assert_one_line(code, err, str(other / "checkpoints"))
+    assert tree(other) == ["checkpoints", "metrics.jsonl"]
+
+
+@pytest.mark.parametrize("where", [".", "..", "CWD", "/"])
+def test_an_output_that_is_or_holds_the_working_folder_is_refused(ck, capsys, tmp_path, monkeypatch, where):
+    cwd = tmp_path / "work" / "here"
+    cwd.mkdir(parents=True)
+    (cwd / "notes.txt").write_text("mine")
+    monkeypatch.chdir(cwd)
+    before = tree(tmp_path)
+    code, err = export(capsys, ck, where.replace("CWD", str(cwd)), "--force")
+    assert_one_line(code, err, "working folder")
+    assert tree(tmp_path) == before  # no `.old` or `.tmp` sibling left anywhere
+
+
+# --- --force replaces a previous export, and nothing else -----------------------------------------------
+
+def test_force_replaces_a_previous_export_and_nothing_else(ck, capsys, tmp_path):
+    out = tmp_path / "hf"
+    assert export(capsys, ck, out)[0] == 0
+    exported = tree(out)
+    assert exported == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert export(capsys, ck, out, "--force")[0] == 0  # a previous export is replaced whole
+    assert tree(out) == exported
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run"]  # no sibling left
+
+    (out / "README.md").write_text("my notes")  # an export the user added to: not all ours any more
+    code, err = export(capsys, ck, out, "--force")
+    assert_one_line(code, err, str(out), "README.md", "--force")
+    assert tree(out) == sorted(exported + ["README.md"])
+
+    mine = tmp_path / "mine"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "config.json").write_text("{}")  # a name an export writes, but not an export's folder
+    code, err = export(capsys, ck, mine, "--force")
+    assert_one_line(code, err, str(mine), "not a previous export")
+    assert tree(mine) == ["config.json", "sub"]
+
+
+def test_force_through_a_link_writes_where_it_points_and_never_replaces_a_non_export(ck, capsys, tmp_path):
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "keep.txt").write_text("y")
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    code, err = export(capsys, ck, link, "--force")
+    assert_one_line(code, err, "keep.txt")
+    assert link.is_symlink() and tree(target) == ["keep.txt"]
+    (target / "keep.txt").unlink()
+    assert export(capsys, ck, link)[0] == 0  # an empty folder behind the link: the export lands there
+    assert link.is_symlink() and (target / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "run", "target"]
+
+
+# --- meta.json that disagrees with the tensors: every stored tensor is accounted for --------------------
+
+@pytest.mark.parametrize("edit, fragments", [
+    ({"tie_embeddings": True}, ("'head.weight'", "tie_embeddings=true")),  # the trained head would be dropped
+    ({"bias": False}, (".bias'", "bias=false")),  # the trained biases would be written as zeros
+    ({"vocab_size": 200}, ("'embed.tokens.weight'", "384 rows", "256")),  # rows beyond the padded vocabulary
+    ({"vocab_size": 290}, ("tok.json", "300 pieces", "model.vocab_size 290")),  # rows the tokenizer uses
+    ({"layers": 1}, ("'layers.1.", "layers=1")),
+    ({"arch": "llama"}, ("'embed.positions.weight'", "llama")),
+])
+def test_a_meta_json_that_disagrees_with_the_tensors_is_refused_naming_the_tensor(ck, capsys, tmp_path, edit,
+                                                                                   fragments):
+    edit_meta(ck, **edit)
+    code, err = export(capsys, ck, tmp_path / "hf")
+    assert_one_line(code, err, str(ck), *fragments)
+    assert not (tmp_path / "hf").exists()
+
+
+# --- a full disk ------------------------------------------------------------------------------------------
+
+FULL_DISK = r"""
+import io, json, os, sys
+from pathlib import Path
+mnt, ck, cases = Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+from megazero.interop.export import main
+results = []
+for pages in cases:
+    filler = mnt / "filler"
+    with open(filler, "wb", buffering=0) as f:  # fill the file system, then free exactly `pages` pages
+        try:
+            while f.write(b"x" * 4096):
+                pass
+        except OSError:
+            pass
+    os.truncate(filler, max(0, filler.stat().st_size - pages * 4096))
+    sys.stderr, err = io.StringIO(), sys.stderr
+    code = main([ck, str(mnt / "out" / "hf")])
+    sys.stderr, text = err, sys.stderr.getvalue()
+    results.append({"code": code, "err": text, "left": sorted(p.name for p in mnt.iterdir())})
+    filler.unlink()
+print(json.dumps(results))
+"""
+
+
+def _tmpfs_usable() -> str:
+    """Why a small tmpfs cannot be mounted in a user and mount namespace here, or "" where it can."""
+    if shutil.which("unshare") is None:
+        return "no unshare command"
+    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+                            "mount -t tmpfs -o size=64k tmpfs /mnt"], capture_output=True, text=True)
+    return "" if probe.returncode == 0 else f"cannot mount a tmpfs: {probe.stderr.strip()[:120]}"
+
+
+@pytest.fixture(scope="module")
+def tmpfs_reason() -> str:
+    return _tmpfs_usable()
+
+
+def _pages(path: Path) -> int:
+    return -(-path.stat().st_size // 4096)
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_partial_folder(ck, capsys, tmp_path, tmpfs_reason):
+    """On a 1 MB tmpfs filled up but for the pages of the files written before it, each of config.json, the
+    weights and the tokenizer finds the disk full in turn (tmpfs counts whole 4 KiB pages, folders free)."""
+    if tmpfs_reason:
+        pytest.skip(tmpfs_reason)
+    reference = tmp_path / "reference"
+    assert export(capsys, ck, reference)[0] == 0
+    order = ["config.json", "model.safetensors", "tokenizer.json"]
+    cases = [sum(_pages(reference / name) for name in order[:i]) for i in range(len(order))]
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    script = tmp_path / "full_disk.py"
+    script.write_text(FULL_DISK)
+    shell = (f'mount -t tmpfs -o size=1m tmpfs "{mnt}" && '
+             f'exec "{sys.executable}" "{script}" "{mnt}" "{ck}" "{json.dumps(cases)}"')
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", shell],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for failing, result in zip(order, json.loads(done.stdout.strip().splitlines()[-1])):
+        assert_one_line(result["code"], result["err"], "no space left on", str(mnt / "out" / "hf"), "needs about")
+        assert result["left"] == ["filler"], failing  # no partial folder, not even the parent the export made
