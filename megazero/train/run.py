@@ -145,12 +145,13 @@ def _report(line: str, every_node: bool = False, every_rank: bool = False, stdou
 
 
 def check_init_from(cfg) -> None:
-    """A ``train.init_from`` folder that is not the configured model is a config error, found before any process
-    group: its config.json and tensor headers are read, no weights."""
+    """A ``train.init_from`` folder that is not the configured model, or holds tensors it does not use (unless
+    ``train.init_unused: drop``), is a config error, found before any process group: its config.json and tensor
+    headers are read, no weights."""
     if cfg.train.init_from:
         from megazero.interop.hf_import import open_hf_model
 
-        open_hf_model(cfg.train.init_from, cfg.model)
+        open_hf_model(cfg.train.init_from, cfg.model, cfg.train.init_unused)
 
 
 def dry_run(config_path: str, overrides: list[str]) -> Plan:
