@@ -134,12 +134,13 @@ def test_a_non_finite_weight_is_named_with_its_file_as_it_is_read(tmp_path, bad,
             assert torch.isfinite(weights.value(name)).all(), name  # every other tensor reads as before
 
 
-def test_a_run_from_a_folder_with_a_nan_weight_stops_before_step_one(tmp_path, capsys):
-    """Through pretrain.py: one line naming the tensor and the file, exit 2, before any step (not exit 3,
-    a non-finite loss blamed on the gradients)."""
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[Path, Path]:
+    """A few KB of text and a 300-id byte-level BPE trained on it (the folder's tokenizer, as a run needs)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    text = tmp_path / "text"
+    base = tmp_path_factory.mktemp("corpus")
+    text = base / "text"
     text.mkdir()
     for i in range(8):
         (text / f"{i}.txt").write_text(f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * 40)
@@ -148,22 +149,60 @@ def test_a_run_from_a_folder_with_a_nan_weight_stops_before_step_one(tmp_path, c
     tok.train([str(p) for p in sorted(text.iterdir())], trainers.BpeTrainer(
         vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(tmp_path / "tokenizer.json"))
+    tok.save(str(base / "tokenizer.json"))
+    return text, base / "tokenizer.json"
+
+
+def _run_argv(tmp_path: Path, folder: Path, corpus: tuple[Path, Path], *sets: str) -> list[str]:
+    text, tokenizer = corpus
+    argv = ["--config", str(ROOT / "configs" / "tiny.yaml")]
+    for s in OURS["gpt2"] + COMMON + [
+            f"train.init_from={folder}", f"data.tokenizer={tokenizer}", f"data.paths=[{text}]",
+            f"data.cache_dir={tmp_path / 'cache'}", f"log.dir={tmp_path / 'run'}", "train.steps=2",
+            "train.global_batch=2", "train.micro_batch=1", "train.warmup_steps=1", "train.eval_every=0",
+            "train.save_every=1", "log.every=1", "log.tensorboard=false", "log.peak_tflops=1.0", *sets]:
+        argv += ["--set", s]
+    return argv
+
+
+def _nothing_ran(run: Path) -> None:
+    assert not list((run / "checkpoints").iterdir())
+    assert not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().strip()
+
+
+def test_a_run_from_a_folder_with_a_nan_weight_stops_before_step_one(tmp_path, corpus, capsys):
+    """Through pretrain.py: one line naming the tensor and the file, exit 2, before any step (not exit 3,
+    a non-finite loss blamed on the gradients)."""
     wte = 0.02 * torch.randn(VOCAB, HIDDEN)
     wte[5, 1] = float("nan")
     folder = _folder(tmp_path / "hf", "gpt2", {"transformer.wte.weight": wte})
-    argv = ["--config", str(ROOT / "configs" / "tiny.yaml")]
-    for s in OURS["gpt2"] + COMMON + [
-            f"train.init_from={folder}", f"data.tokenizer={tmp_path / 'tokenizer.json'}", f"data.paths=[{text}]",
-            f"data.cache_dir={tmp_path / 'cache'}", f"log.dir={tmp_path / 'run'}", "train.steps=2",
-            "train.global_batch=2", "train.micro_batch=1", "train.warmup_steps=1", "train.eval_every=0",
-            "train.save_every=1", "log.every=1", "log.tensorboard=false", "log.peak_tflops=1.0"]:
-        argv += ["--set", s]
-    code, _, err = call(pretrain_main, argv, capsys)
+    code, _, err = call(pretrain_main, _run_argv(tmp_path, folder, corpus), capsys)
     assert_one_line(code, err, "'transformer.wte.weight'", "model.safetensors", "1 NaN")
-    run = tmp_path / "run"
-    assert not list((run / "checkpoints").iterdir())
-    assert not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().strip()
+    _nothing_ran(tmp_path / "run")
+
+
+def _rank_main(rank: int, world: int, argv: list[str]) -> tuple[int, str]:
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = pretrain_main(argv)
+    return code, err.getvalue()
+
+
+def test_a_nan_weight_only_a_later_pipeline_stage_reads_is_reported_by_rank_0(tmp_path, corpus):
+    """pp=2 on two gloo ranks, the NaN in the last layer: only rank 1 reads it (and, not rank 0, prints nothing);
+    rank 0, whose collective with it then fails, reports rank 1's line instead of the collective, exit 2."""
+    from tests.dist import run_ranks
+
+    w = 0.02 * torch.randn(HIDDEN)
+    w[3] = float("nan")
+    folder = _folder(tmp_path / "hf", "gpt2", {"transformer.h.1.ln_2.weight": w})
+    (code0, err0), (code1, err1) = run_ranks(2, _rank_main, _run_argv(tmp_path, folder, corpus, "parallel.pp=2"))
+    assert_one_line(code0, err0, "'transformer.h.1.ln_2.weight'", "model.safetensors", "1 NaN", "found by rank 1")
+    assert (code1, err1) == (2, "")
+    _nothing_ran(tmp_path / "run")
 
 
 # --- tensors the config does not use ----------------------------------------------------------------
