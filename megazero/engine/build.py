@@ -48,7 +48,7 @@ def initial_values(cfg: Config) -> int | InitialValues:
         return cfg.train.seed
     from megazero.interop.hf_import import open_hf_model
 
-    weights = open_hf_model(cfg.train.init_from, cfg.model)
+    weights = open_hf_model(cfg.train.init_from, cfg.model, cfg.train.init_unused)
     return lambda name, shape: weights.value(name)
 
 

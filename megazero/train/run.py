@@ -64,6 +64,11 @@ def run(config_path: str, overrides: list[str]) -> list[dict]:
 
             trainer = Trainer(cfg, grid, device, is_builder=info.local_rank == 0, stop=stop)
             return trainer.fit(start)
+        except UserError as e:  # maybe found by this rank alone (a damaged weight of its pipeline stage)
+            from megazero.train.peer_errors import leave_for_rank_0
+
+            leave_for_rank_0(e, info.rank)
+            raise
         except RuntimeError as e:  # the process-group start-up included: a peer that never comes is a timeout
             raise _as_run_error(e, cfg, grid, info.rank) from None
         finally:
@@ -72,11 +77,13 @@ def run(config_path: str, overrides: list[str]) -> list[dict]:
 
 
 def _as_run_error(e: RuntimeError, cfg, grid, rank: int) -> Exception:
-    """The failures a long run meets that are not bugs, as one line: a collective that timed out or lost its
-    peer (some rank stopped taking part), or memory that ran out; anything else stays itself."""
+    """The failures a long run meets that are not bugs, as one line: memory that ran out, an input error a peer
+    met (it exited, so this rank's collective with it failed), or a collective that timed out or lost its peer
+    (some rank stopped taking part); anything else stays itself."""
     import torch
 
     from megazero.errors import CollectiveTimeout
+    from megazero.train.peer_errors import peer_error
 
     text = str(e).lower()
     first = (str(e).splitlines() or [type(e).__name__])[0][:200]
@@ -84,6 +91,9 @@ def _as_run_error(e: RuntimeError, cfg, grid, rank: int) -> Exception:
         return UserError(f"{cfg.source}: out of memory on rank {rank} ({first}); --dry-run shows the plan, and "
                          f"activation checkpointing, a higher zero.stage, a smaller train.micro_batch or more tp/pp "
                          f"reduce it")
+    peer = peer_error()
+    if peer is not None:
+        return peer
     if "timed out" in text or "timeout" in text or "connection closed by peer" in text \
             or "connection reset by peer" in text:
         last = (grid.counter.last if grid is not None else None) or "the process-group start-up"
@@ -145,12 +155,13 @@ def _report(line: str, every_node: bool = False, every_rank: bool = False, stdou
 
 
 def check_init_from(cfg) -> None:
-    """A ``train.init_from`` folder that is not the configured model is a config error, found before any process
-    group: its config.json and tensor headers are read, no weights."""
+    """A ``train.init_from`` folder that is not the configured model, or holds tensors it does not use (unless
+    ``train.init_unused: drop``), is a config error, found before any process group: its config.json and tensor
+    headers are read, no weights."""
     if cfg.train.init_from:
         from megazero.interop.hf_import import open_hf_model
 
-        open_hf_model(cfg.train.init_from, cfg.model)
+        open_hf_model(cfg.train.init_from, cfg.model, cfg.train.init_unused)
 
 
 def dry_run(config_path: str, overrides: list[str]) -> Plan:
