@@ -8,9 +8,11 @@ config, the id of the run that wrote it) live in ``meta.json``.
 Atomicity: a save writes into ``step_N.tmp/``; only when every rank has
 finished does rank 0 write ``meta.json`` and rename the folder to ``step_N``.
 A crash mid-save leaves a ``.tmp`` folder that is never read, so the latest
-complete checkpoint stays the latest. "Latest" is the one written last (each
-meta.json holds a save sequence number), not the highest step: a run resumed
-from an older checkpoint continues, and keeps, its own line.
+complete checkpoint stays the latest; a save that fails (a full disk) removes
+its own ``.tmp`` and says why in one line (megazero.checkpoint.save_failure).
+"Latest" is the one written last (each meta.json holds a save sequence number),
+not the highest step: a run resumed from an older checkpoint continues, and
+keeps, its own line.
 
 The folder is the user's too: only exact names (``step_`` + 8 digits, optionally
 ``.tmp`` / ``.old.tmp``, real directories) are megazero's; anything else is
@@ -44,9 +46,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megazero.checkpoint.meta import (FORMAT_VERSION, INT_LIMIT, MAX_STEP, META, RESUME_FIELDS, RUN_ID, check_meta,
                                       checkpoint_run_id, peek_meta, read_meta)
+from megazero.checkpoint.save_failure import describe_failure, failed_write, interruption, state_bytes
 from megazero.checkpoint.unpickle import SafeFileSystemReader
+from megazero.disk import write_refusal
 from megazero.errors import UserError
-from megazero.train.signals import Interrupted
 
 __all__ = ["FORMAT_VERSION", "META", "RESUME_FIELDS", "SafeFileSystemReader", "check_save_args",
            "checkpoint_dir", "checkpoint_run_id", "commit", "describe_failure", "foreign_entries", "latest_checkpoint",
@@ -159,8 +162,9 @@ def check_save_args(step: int, keep_last: int, run_id: Optional[str], meta: dict
     check_meta(Path(META), {**meta, "format": FORMAT_VERSION, "step": step}, require=())  # readable back
 
 
-def prepare(root: str | Path, step: int) -> Path:
-    """Rank 0: clear leftovers and make the empty ``step_N.tmp`` a save writes into (callers barrier after)."""
+def prepare(root: str | Path, step: int, needs: Optional[int] = None) -> Path:
+    """Rank 0: clear leftovers and make the empty ``step_N.tmp`` a save writes into (callers barrier after).
+    ``needs``: the bytes the save will write, for the message when the disk has no room."""
     root, tmp = Path(root), tmp_dir(root, step)
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -172,7 +176,8 @@ def prepare(root: str | Path, step: int) -> Path:
             shutil.rmtree(tmp)
         tmp.mkdir()
     except OSError as e:
-        raise UserError(f"checkpoint folder {root}: cannot prepare {tmp.name} ({e.strerror or e})") from None
+        reason = write_refusal(e, tmp, root, needs) or f"cannot prepare {tmp.name} ({e.strerror or e})"
+        raise UserError(f"checkpoint folder {root}: {reason}") from None
     return tmp
 
 
@@ -201,8 +206,9 @@ def commit(root: str | Path, step: int, meta: dict, keep_last: int, run_id: Opti
     if run_id is not None:
         body["run_id"] = run_id
     check_meta(tmp / META, body, require=())  # never write what a resume could not read back
+    text = json.dumps(body, indent=1)
     try:
-        _write_synced(tmp / META, json.dumps(body, indent=1))
+        _write_synced(tmp / META, text)
         replaced = None
         if os.path.lexists(final):
             if run_id is not None and _ours(final) and checkpoint_run_id(final) == run_id:
@@ -213,8 +219,8 @@ def commit(root: str | Path, step: int, meta: dict, keep_last: int, run_id: Opti
         os.rename(tmp, final)
         if replaced is not None:
             shutil.rmtree(replaced, ignore_errors=True)
-    except OSError as e:
-        raise UserError(f"checkpoint {final}: cannot commit it ({e.strerror or e})") from None
+    except OSError as e:  # the partial is ours (a renamed-aside copy of the step stays listed in its place)
+        raise failed_write(e, root, tmp, len(text), remove=_ours(tmp), doing="cannot commit it") from None
     if run_id is not None:  # the keep_last this run wrote last stay; other runs' checkpoints are not ours to drop
         mine = [p for p in list_checkpoints(root) if checkpoint_run_id(p) == run_id]
         for old in mine[:-keep_last]:
@@ -237,13 +243,17 @@ def save(root: str | Path, step: int, state: dict[str, torch.Tensor], meta: dict
     ``run_id`` marks the checkpoint as this run's: ``keep_last`` deletes only checkpoints with the same id
     (none when it is None)."""
     check_save_args(step, keep_last, run_id, meta)
-    tmp = prepare(root, step) if _rank() == 0 else tmp_dir(root, step)
+    needs = state_bytes(state.values())
+    tmp = prepare(root, step, needs) if _rank() == 0 else tmp_dir(root, step)
     _barrier()
     with quiet_dcp():
         try:
             dcp.save(state, checkpoint_id=str(tmp), no_dist=not _is_dist())
-        except CheckpointException as e:
-            raise write_failure(e, tmp) from None
+        except (CheckpointException, OSError) as e:  # every rank gets DCP's gathered errors: its peers are done
+            stop = interruption(e)
+            if stop is not None:
+                raise stop from None
+            raise failed_write(e, Path(root), tmp, needs, remove=_rank() == 0) from None
     _barrier()
     if _rank() == 0:
         commit(root, step, meta, keep_last, run_id)
@@ -284,28 +294,6 @@ def _readable(path: str | Path):
             yield
         except (OSError, EOFError, CheckpointException, RuntimeError, ValueError) as e:
             raise UserError(f"checkpoint {path}: unreadable ({describe_failure(e)})") from None
-
-
-def write_failure(e: CheckpointException, tmp: Path) -> BaseException:
-    """What to raise for a failed DCP write: an interruption it gathered (a second stop signal, Ctrl-C) as
-    itself, so the run stops as interrupted; anything else as one line."""
-    for failure in (e.failures or {}).values():
-        while isinstance(failure, tuple) and failure:
-            failure = failure[0]
-        if isinstance(failure, (KeyboardInterrupt, Interrupted)):
-            return failure
-    return UserError(f"checkpoint {tmp}: the write failed ({describe_failure(e)}); the previous checkpoint stays "
-                     f"the latest")
-
-
-def describe_failure(e: BaseException) -> str:
-    """``Kind: first line`` of the error behind ``e``: DCP gathers every rank's errors into one
-    CheckpointException (a BaseException) holding (exception, traceback) pairs; the lowest rank's is shown."""
-    first = e.failures[min(e.failures)] if isinstance(e, CheckpointException) and e.failures else e
-    while isinstance(first, tuple) and first:
-        first = first[0]
-    text = str(first).splitlines()[0][:200] if str(first).strip() else "no detail"
-    return f"{first.__class__.__name__}: {text}"
 
 
 def read_model_state(path: str | Path) -> dict[str, torch.Tensor]:

@@ -20,7 +20,8 @@ A failed write (or rank 0's failed commit) is noted, not raised where it is
 found: :meth:`poll` runs on each rank on its own, and a rank raising alone
 would leave the others waiting in the next step's collectives. The collective
 calls (:meth:`save`, :meth:`wait`) agree over every rank whether any noted one,
-and then all raise the same error together.
+and then all raise the same error together. Rank 0 removes a failed write's
+partial ``step_N.tmp`` when it notes the failure (megazero.checkpoint.save_failure).
 """
 from __future__ import annotations
 
@@ -39,8 +40,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megazero.checkpoint import store as checkpoint
+from megazero.checkpoint.save_failure import failed_write, interruption, state_bytes
 from megazero.errors import UserError
-from megazero.train.signals import Interrupted
 
 
 class _StagedWriter(FileSystemWriter):
@@ -56,6 +57,7 @@ class _Pending:
     step: int
     meta: dict
     run_id: Optional[str]
+    needs: int  # the bytes the write puts on disk, about
 
 
 def _staged_like(t: torch.Tensor) -> torch.Tensor:
@@ -99,7 +101,8 @@ class CheckpointWriter:
         checkpoint.check_save_args(step, self.keep_last, run_id, meta)
         self._finish()  # at most one save in flight; its buffers are about to be reused
         self._raise_if_any_failed()
-        tmp = checkpoint.prepare(self.root, step) if self._rank == 0 else checkpoint.tmp_dir(self.root, step)
+        needs = state_bytes(state.values())
+        tmp = checkpoint.prepare(self.root, step, needs) if self._rank == 0 else checkpoint.tmp_dir(self.root, step)
         self._barrier()
         staged = self._stage(state)
         writer = _StagedWriter(str(tmp))
@@ -107,7 +110,7 @@ class CheckpointWriter:
         if "async_stager" in inspect.signature(dcp.async_save).parameters:
             kwargs["async_stager"] = writer  # the writer's no-op stage, whichever way this torch picks a stager
         future = dcp.async_save(staged, **kwargs)
-        self._pending = _Pending(future, step, copy.deepcopy(meta), run_id)
+        self._pending = _Pending(future, step, copy.deepcopy(meta), run_id, needs)
         return checkpoint.checkpoint_dir(self.root, step)
 
     def _stage(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -174,17 +177,22 @@ class CheckpointWriter:
         try:
             pending.future.result()
         except (Exception, CheckpointException) as e:  # DCP's is a BaseException gathering every rank's errors
-            failure = checkpoint.write_failure(e, tmp) if isinstance(e, CheckpointException) else e
-            if isinstance(failure, (KeyboardInterrupt, Interrupted)):
-                raise failure from None
-            self.failed = f"checkpoint {tmp}: the background write failed ({checkpoint.describe_failure(e)})"
+            stop = interruption(e)
+            if stop is not None:
+                raise stop from None
+            # the future resolves once every rank's write is done: rank 0 removes the partial folder
+            self.failed = str(failed_write(e, self.root, tmp, pending.needs, remove=self._rank == 0,
+                                           doing="the background write failed"))
             return None
         if self._rank != 0:
             return checkpoint.checkpoint_dir(self.root, pending.step)
         try:
             return checkpoint.commit(self.root, pending.step, pending.meta, self.keep_last, pending.run_id)
-        except (OSError, UserError) as e:
-            self.failed = f"checkpoint {tmp}: committing it failed ({checkpoint.describe_failure(e)})"
+        except UserError as e:  # commit's own line (a refused write removed its partial folder)
+            self.failed = str(e)
+            return None
+        except OSError as e:
+            self.failed = str(failed_write(e, self.root, tmp, None, remove=True, doing="committing it failed"))
             return None
 
     def _raise_if_any_failed(self) -> None:
@@ -196,8 +204,8 @@ class CheckpointWriter:
             failed_rank = int(flag)
         said, self.failed = self.failed, None  # reported once, here, on every rank
         if failed_rank >= 0:
-            said = said or f"a background checkpoint write failed on rank {failed_rank}"
-            raise UserError(f"{said}; the previous checkpoint stays the latest")
+            raise UserError(said or f"a background checkpoint write failed on rank {failed_rank}; the previous "
+                                    f"checkpoint stays the latest")
 
     def _barrier(self) -> None:
         if self._group is not None:

@@ -8,11 +8,20 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import resource
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
 import torch
+
+from megazero.disk import replace_text, write_refusal
+from megazero.errors import UserError
+
+if TYPE_CHECKING:
+    from megazero.train.events import EventFile
+
+EVENTS = "events.out.tfevents.*"  # TensorBoard's event files (megazero.train.events writes them)
 
 
 # Dense peak TFLOP/s per device, by name fragment and compute dtype (vendor data sheets).
@@ -97,36 +106,52 @@ def _step_of(line: str) -> float:
 
 
 class MetricsLogger:
-    """Console + metrics.jsonl + TensorBoard, written only where `enabled` (the loss-holding rank)."""
+    """Console + metrics.jsonl + TensorBoard, written only where `enabled` (the loss-holding rank).
+
+    A write the disk refuses (full, over quota, read-only) is one line (UserError) naming the file, and leaves
+    no partial file of its own behind: the staged metrics.jsonl, an event file that could not be started."""
 
     def __init__(self, log_dir: str | Path, total_steps: int, enabled: bool, tensorboard: bool = True,
                  append: bool = False, start_step: int = 0):
         self.enabled = enabled
         self.total_steps = total_steps
         self.dir = Path(log_dir)
-        self.writer = None
+        self.path = self.dir / "metrics.jsonl"
+        self.writer: Optional[EventFile] = None
         self.file = None
+        self.failed = False  # a write was refused and reported: closing does not report it again
         self.started = time.perf_counter()
         self.start_step = start_step
         if not enabled:
             return
-        self.dir.mkdir(parents=True, exist_ok=True)
-        path = self.dir / "metrics.jsonl"
-        # A resume continues after its checkpoint's step: records a crashed run wrote past it are redone,
-        # so they go (here, and in TensorBoard through purge_step).
-        kept = [line for line in path.read_text().splitlines() if _step_of(line) <= start_step] \
-            if append and path.is_file() else []
-        if not append:  # a fresh run replaces the logs of one that ran here before, TensorBoard's too
-            for old in self.dir.glob("events.out.tfevents.*"):
-                old.unlink()
-        staged = path.with_name(path.name + ".tmp")  # replaced in one step: a kill now loses no history
-        staged.write_text("".join(line + "\n" for line in kept))
-        os.replace(staged, path)
-        self.file = open(path, "a")
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+        what, path, needs = "metrics", self.path, None
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            # A resume continues after its checkpoint's step: records a crashed run wrote past it are redone,
+            # so they go (here, and in TensorBoard through purge_step).
+            kept = [line for line in self.path.read_text().splitlines() if _step_of(line) <= start_step] \
+                if append and self.path.is_file() else []
+            if not append:  # a fresh run replaces the logs of one that ran here before, TensorBoard's too
+                for old in self.dir.glob(EVENTS):
+                    old.unlink()
+            text = "".join(line + "\n" for line in kept)
+            needs = len(text.encode())
+            replace_text(self.path, text)  # in one step: a kill now loses no history
+            self.file = open(self.path, "a")
+            if tensorboard:
+                from megazero.train import events  # tensorboard's protos: only where they are written
 
-            self.writer = SummaryWriter(log_dir=str(self.dir), purge_step=start_step + 1 if append else None)
+                what, path, needs = "TensorBoard events", self.dir / EVENTS, None
+                self.writer = events.EventFile(self.dir, purge_step=start_step + 1 if append else None)
+        except OSError as e:
+            raise self._refused(e, what, path, needs) from None
+
+    def _refused(self, e: OSError, what: str, path: Path, needs: Optional[int]) -> UserError:
+        """The one line for a write the disk refused (the files are closed: nothing more is written)."""
+        self.failed = True
+        self.close()
+        reason = write_refusal(e, path, self.dir, needs) or f"cannot write it ({e})"
+        return UserError(f"{what} {path}: {reason}")
 
     def log(self, step: int, values: dict) -> None:
         """Record one step's metrics (step counts from 1: the number of optimizer steps done)."""
@@ -134,12 +159,19 @@ class MetricsLogger:
             return
         record = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                                    for k, v in values.items()}}
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        line = json.dumps(record) + "\n"
+        try:
+            self.file.write(line)
+            self.file.flush()
+        except OSError as e:
+            raise self._refused(e, "metrics", self.path, len(line.encode())) from None
         if self.writer is not None:
-            for key, value in values.items():
-                if isinstance(value, (int, float)) and math.isfinite(value):
-                    self.writer.add_scalar(_tb_tag(key), value, step)
+            scalars = {_tb_tag(k): v for k, v in values.items()
+                       if isinstance(v, (int, float)) and math.isfinite(v)}
+            try:
+                self.writer.add_scalars(step, scalars)
+            except OSError as e:
+                raise self._refused(e, "TensorBoard events", self.writer.path, None) from None
         self._console(step, values)
 
     def _console(self, step: int, v: dict) -> None:
@@ -168,7 +200,19 @@ class MetricsLogger:
         print(" | ".join(parts), flush=True)
 
     def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-        if self.writer is not None:
-            self.writer.close()
+        """Close both files; a refused last write is one line (unless one was reported already)."""
+        file, writer, self.file, self.writer = self.file, self.writer, None, None
+        try:
+            if file is not None:
+                file.close()
+        except OSError as e:
+            if not self.failed:
+                if writer is not None:
+                    writer.close(quiet=True)
+                raise self._refused(e, "metrics", self.path, None) from None
+        if writer is not None:
+            try:
+                writer.close(quiet=self.failed)
+            except OSError as e:
+                raise self._refused(e, "TensorBoard events", writer.path, None) from None
+

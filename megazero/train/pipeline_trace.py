@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from megazero.disk import replace_text, write_refusal
+from megazero.errors import UserError
 from parallel.pipeline import PipelineExecutor
 from parallel.topology import Grid
 
@@ -24,4 +26,9 @@ def write_pipeline_trace(executor: PipelineExecutor, grid: Grid, log_dir: str, t
         names = [{"name": "process_name", "ph": "M", "pid": r,
                   "args": {"name": f"rank {r} (pp {r // (grid.dp * grid.tp)})"}}
                  for r in range(grid.world_size)]
-        path.write_text(json.dumps({"traceEvents": names + events, "displayTimeUnit": "ms"}))
+        text = json.dumps({"traceEvents": names + events, "displayTimeUnit": "ms"})
+        try:
+            replace_text(path, text)
+        except OSError as e:  # a full disk: one line, and no cut-short file left
+            reason = write_refusal(e, path, path.parent, len(text.encode())) or f"cannot write it ({e})"
+            raise UserError(f"log.pipeline_trace {path}: {reason}") from None

@@ -97,9 +97,11 @@ def test_a_failed_background_write_is_one_line_and_the_previous_stays_latest(tmp
 
     monkeypatch.setattr(_StagedWriter, "write_data", full_disk)
     writer.save(2, _state(), {}, "r")
-    with pytest.raises(UserError, match=r"step_00000002.tmp: the background write failed .*No space left"):
+    with pytest.raises(UserError, match=r"step_00000002: no space left on .* free\); the partial step_00000002.tmp "
+                                        r"was removed and the previous checkpoint stays the latest$"):
         writer.wait()
     assert checkpoint.latest_checkpoint(tmp_path).name == "step_00000001"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]
     monkeypatch.undo()
     writer.save(3, _state(), {}, "r")
     writer.close()

@@ -384,10 +384,12 @@ def test_an_interrupted_checkpoint_write_stops_as_interrupted(tmp_path, monkeypa
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(FileSystemWriter, "write_data", disk_full)
-    with pytest.raises(UserError, match=r"the write failed \(OSError: .*No space left on device\); the previous "
-                                        r"checkpoint stays the latest"):
+    with pytest.raises(UserError, match=r"step_00000002: no space left on .*c \(needs about 16 bytes, .* free\); the "
+                                        r"partial step_00000002.tmp was removed and the previous checkpoint stays "
+                                        r"the latest"):
         checkpoint.save(tmp_path / "c", 2, {"model/w": torch.ones(4)}, {"consumed_samples": 2}, keep_last=1)
     assert checkpoint.latest_checkpoint(tmp_path / "c") is None
+    assert not (tmp_path / "c" / "step_00000002.tmp").exists()
 
 
 def test_fp16_overflows_count_toward_max_skipped_only_at_the_minimum_scale():
