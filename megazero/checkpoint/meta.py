@@ -25,6 +25,8 @@ MAX_STEP = 10 ** 8 - 1  # checkpoint folders are named with 8 digits
 INT_LIMIT = 2 ** 63 - 1  # counters end up in int64 tensors
 MAX_META_BYTES = 16 << 20  # a real meta.json is a few KB; this bounds what a crafted one makes us read
 RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+FINGERPRINT = re.compile(r"[0-9a-f]{16}")
+MAX_PATH = 4096
 # what a resume needs beyond format and step; an export needs only the config
 RESUME_FIELDS = ("consumed_samples", "optimizer_step", "config")
 # the model keys an export and a resume cannot do without (checkpoints of every megazero version hold them)
@@ -125,9 +127,21 @@ def check_meta(where: Path, meta: Any, require: Iterable[str] = RESUME_FIELDS) -
         _loss_scaler(where, meta["loss_scaler"])
     if "run_id" in meta and not (isinstance(meta["run_id"], str) and RUN_ID.fullmatch(meta["run_id"])):
         raise _bad(where, "run_id", meta["run_id"], "1-64 letters, digits, '-' or '_'")
+    _data_record(where, meta)
     if "config" in meta:
         _config(where, meta["config"])
     return meta
+
+
+def _data_record(where: Path, meta: dict) -> None:
+    """What a resume compares of the data (megazero.train.resume_changes): the tokenizer's content fingerprint
+    and the resolved data.paths, where the checkpoint recorded them."""
+    fingerprint = meta.get("tokenizer_fingerprint")
+    if fingerprint is not None and not (isinstance(fingerprint, str) and FINGERPRINT.fullmatch(fingerprint)):
+        raise _bad(where, "tokenizer_fingerprint", fingerprint, "16 hexadecimal digits, or null")
+    paths = meta.get("data_paths", [])
+    if not isinstance(paths, list) or not all(isinstance(p, str) and 0 < len(p) <= MAX_PATH for p in paths):
+        raise _bad(where, "data_paths", paths, f"a list of paths (each 1-{MAX_PATH} characters)")
 
 
 def _load_json(meta_file: Path) -> Any:

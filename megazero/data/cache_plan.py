@@ -18,7 +18,7 @@ from typing import Any
 
 from megazero.config.data_paths import entry_path, entry_weight, source_names
 from megazero.data.corpus import corpus_key
-from megazero.data.documents import expand_inputs
+from megazero.data.documents import expand_inputs, refuse_repeats
 from megazero.data.indexed import bin_path, index_path
 from megazero.data.tokenizer import MIN_VOCAB_SIZE, Tokenizer
 from megazero.errors import UserError
@@ -57,6 +57,16 @@ def digest(*parts: Any) -> str:
     return hashlib.sha256(json.dumps([CACHE_FORMAT, *parts], default=str).encode()).hexdigest()[:16]
 
 
+def content_fingerprint(path: Path) -> str:
+    """The first 16 hex digits of the SHA-256 of a regular file's bytes, read a MiB at a time: what names a given
+    tokenizer in the cache, and what a checkpoint records of the tokenizer its ids are of."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
 def _files_fingerprint(files: list[Path]) -> str:
     stats = []
     for f in files:
@@ -93,14 +103,18 @@ def plan_cache(cfg_data: Any, vocab_size: int, builtin_max_bytes: int) -> CacheP
         key = corpus_key(builtin_max_bytes)
         corpus = cache / f"corpus-{key}.jsonl"
         sources.append(Source("the built-in corpus", "builtin", (corpus,), f"builtin-{key}", Path()))
-    for entry, name in zip(cfg_data.paths, source_names(list(cfg_data.paths))):
+    entries: list[tuple[str, Path, list[Path]]] = []  # what each entry reads: none may read a file again
+    for i, (entry, name) in enumerate(zip(cfg_data.paths, source_names(list(cfg_data.paths)))):
         raw, weight = entry_path(entry), entry_weight(entry)
         prefix = _as_prefix(Path(raw))
         if prefix is not None:
             sources.append(Source(str(raw), "prefix", (), "", prefix, name, weight))
+            entries.append((f"data.paths[{i}] {raw!r}", prefix, []))
         else:
             files = expand_inputs([raw], "data.paths")
+            entries.append((f"data.paths[{i}] {raw!r}", Path(raw), files))
             sources.append(Source(str(raw), "text", tuple(files), _files_fingerprint(files), Path(), name, weight))
+    refuse_repeats(entries)
 
     if cfg_data.tokenizer == "train":
         prefixes = [s.label for s in sources if s.kind == "prefix"]
@@ -125,7 +139,7 @@ def plan_cache(cfg_data: Any, vocab_size: int, builtin_max_bytes: int) -> CacheP
         tokenises = any(s.kind != "prefix" for s in sources)
         check_tokenizer(Tokenizer.load(tokenizer, "data.tokenizer"), vocab_size, tokenises)
         # the file's bytes, whichever kind: they alone decide the ids (the kind is read from them too)
-        tok_fingerprint = hashlib.sha256(tokenizer.read_bytes()).hexdigest()[:16]
+        tok_fingerprint = content_fingerprint(tokenizer)
 
     planned = []
     for s in sources:

@@ -64,7 +64,7 @@ def expand_inputs(paths: Iterable[str | Path], what: str = "input") -> list[Path
     ``what`` names the setting the paths came from (``data.paths``,
     ``--input``) so that an error tells the person which value to fix.
     """
-    files: list[Path] = []
+    groups: list[tuple[str, Path, list[Path]]] = []
     for raw in paths:
         path = Path(raw)
         if not path.exists():
@@ -74,14 +74,43 @@ def expand_inputs(paths: Iterable[str | Path], what: str = "input") -> list[Path
             if not found:
                 raise UserError(f"{what}: directory {path} holds no .txt or .jsonl files "
                                 "(nor .jsonl.gz, .jsonl.zst or .parquet files)")
-            files.extend(found)
         elif input_kind(path):
-            files.append(path)
+            found = [path]
         else:
             raise UserError(f"{what}: {path} has suffix {path.suffix or '(none)'!r}; valid inputs are {_KINDS_HELP}")
+        groups.append((f"{what} {str(raw)!r}", path, found))
+    files = [f for _, _, found in groups for f in found]
     for path in files:
         _check_regular(path, what)
+    refuse_repeats(groups)
     return files
+
+
+def refuse_repeats(groups: Iterable[tuple[str, Path, list[Path]]]) -> None:
+    """No file is read twice: not through two spellings of one folder (``a``, ``a/``, ``./a``, a link to it),
+    not through a folder and a folder or file inside it, not through a file link beside its target.
+
+    ``groups`` are (label for the error, the path as given, the files it stands for); files compare by
+    resolved path, as folders reached again through a link do in ``_walk``."""
+    roots: dict[str, str] = {}
+    seen: dict[str, tuple[str, Path]] = {}
+    for label, root, found in groups:
+        real_root = os.path.realpath(root)
+        if real_root in roots:
+            raise UserError(f"{label} is {roots[real_root]} again (both are {real_root}), so its files would be "
+                            "read twice; list it once")
+        roots[real_root] = label
+        for path in found:
+            real = os.path.realpath(path)
+            if real not in seen:
+                seen[real] = (label, path)
+                continue
+            first_label, first = seen[real]
+            if first_label == label:
+                raise UserError(f"{label}: {path} is {first} again (through a link), so it would be read twice; "
+                                "remove one of the two")
+            raise UserError(f"{label} reaches {path}, which {first_label} reads too (as {first}), so it would be "
+                            "read twice; list each file under one entry")
 
 
 def name_paths(paths: Iterable[str | Path], shown: int = 3) -> str:

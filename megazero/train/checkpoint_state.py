@@ -16,6 +16,7 @@ from megazero.checkpoint.writer import CheckpointWriter
 from megazero.config.schema import Config, ModelConfig
 from megazero.errors import NonFiniteStop, UserError
 from megazero.interop.hf_layout import model_config
+from megazero.train.resume_changes import check_tokenizer_content, resume_record
 from parallel.loss_scale import LossScaler
 from parallel.topology import Grid
 from parallel.zero import ZeroOptimizer
@@ -45,6 +46,7 @@ def save_state(writer: CheckpointWriter, cfg: Config, zero: ZeroOptimizer,
             "tokenizer": str(Path(tokenizer).resolve()) if tokenizer is not None else None,
             "loss_scaler": scaler.state(),
             "config": cfg.to_dict(),
+            **resume_record(cfg, tokenizer),
             "rng": "dropout streams are derived from (train.seed, step, grid coordinates)"}
     state, _ = state_tensors(zero, named_params, grid)
     bad = torch.zeros((), device=device)
@@ -69,9 +71,11 @@ def check_architecture(path: Path, model: ModelConfig) -> None:
 
 
 def load_state(path: Path, cfg: Config, zero: ZeroOptimizer, named_params: list[tuple[str, nn.Parameter]],
-               grid: Grid, scaler: LossScaler) -> dict:
-    """Load a checkpoint into the ZeRO buffers and the scaler; returns its meta (step, consumed_samples)."""
+               grid: Grid, scaler: LossScaler, tokenizer: Optional[Path] = None) -> dict:
+    """Load a checkpoint into the ZeRO buffers and the scaler; returns its meta (step, consumed_samples).
+    ``tokenizer``: the file this run's data was tokenised with, which must be the checkpoint's."""
     check_architecture(path, cfg.model)
+    check_tokenizer_content(path, cfg, tokenizer)
     state, exported = state_tensors(zero, named_params, grid)
     meta = checkpoint.load(path, state)
     complete_replicas(exported, dict(named_params), grid)

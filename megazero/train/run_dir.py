@@ -16,6 +16,7 @@ from typing import Optional
 from megazero.checkpoint import store as checkpoint
 from megazero.config.schema import Config
 from megazero.errors import UserError
+from megazero.train.resume_changes import check_resume
 
 
 @dataclass(frozen=True)
@@ -39,10 +40,11 @@ def plan_start(cfg: Config) -> Start:
                      f"write ({shown})")
     resume = cfg.train.resume
     latest = checkpoint.latest_checkpoint(root)
-    if resume == "auto" and latest is not None:
-        return Start(latest, checkpoint.checkpoint_run_id(latest) or _new_id(), tuple(notes))
-    if resume not in ("none", "auto"):
-        path = Path(resume)
+    path = latest if resume == "auto" else None if resume == "none" else Path(resume)
+    if path is not None:
+        changed = check_resume(path, cfg)  # a changed tokenizer is refused here, before any data is built
+        if changed:
+            notes.append(changed)
         return Start(path, checkpoint.checkpoint_run_id(path) or _new_id(), tuple(notes))
     if latest is not None:
         if not cfg.log.overwrite:

@@ -112,7 +112,8 @@ class Trainer:
 
     def load(self, path: Path) -> None:
         """Resume from a checkpoint of the same architecture, in any layout."""
-        meta = load_state(path, self.cfg, self.zero, self.named_params, self.grid, self.scaler)
+        meta = load_state(path, self.cfg, self.zero, self.named_params, self.grid, self.scaler,
+                          getattr(self.data, "tokenizer_path", None))
         self.step = int(meta["step"])
         self.consumed_samples = int(meta["consumed_samples"])
 

@@ -270,6 +270,11 @@ def test_documents_bom_and_folder_links(tmp_path: Path) -> None:
     with pytest.raises(UserError) as e:
         expand_inputs([tmp_path / "top"], "data.paths")
     _one_line_error(e, "data.paths", str(tmp_path / "top" / "z_again"), "twice")
+    # the same folder given twice (preprocess --input a a/), however spelled: refused by the same rule
+    for again in (tmp_path / "real", f"{tmp_path / 'real'}/", tmp_path / "top" / "a_link"):
+        with pytest.raises(UserError) as e:
+            expand_inputs([tmp_path / "real", again], "--input")
+        _one_line_error(e, "--input", str(again), "twice")
 
 
 # ---------------------------------------------------------------- samples and batches

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 from pathlib import Path
 
@@ -227,6 +228,36 @@ def test_symlink_to_itself_and_dangling_link(base, tmp_path: Path, capsys) -> No
     (folder / "self.txt").unlink()
     (folder / "gone.txt").symlink_to(tmp_path / "nowhere.txt")
     _fails(capsys, tmp_path, [folder], base["tok"], str(folder / "gone.txt"))
+
+
+@pytest.mark.parametrize("first,second", [
+    ("docs", "docs/"), ("docs", "./docs"), ("docs", "docs/../docs"), ("ABS", "docs"), ("docs", "link"),
+])
+def test_the_same_folder_listed_twice_is_refused_however_it_is_spelled(base, tmp_path: Path, monkeypatch, capsys,
+                                                                       first, second) -> None:
+    """Before: a folder reached twice through a link inside one entry was refused, but listed twice (``a`` and
+    ``a/``, or a link to it) it was read twice. One rule, by resolved path, for every spelling."""
+    (tmp_path / "docs").mkdir()
+    for name in ("000_assert.txt", "001_assignment.txt"):
+        shutil.copy(base["corpus"] / name, tmp_path / "docs" / name)
+    (tmp_path / "link").symlink_to(tmp_path / "docs")
+    monkeypatch.chdir(tmp_path)
+    first = str(tmp_path / "docs") if first == "ABS" else first
+    _fails(capsys, tmp_path, [first, second], base["tok"], "data.paths[1]", repr(second), "data.paths[0]",
+           repr(first), "read twice")
+
+
+def test_a_file_reached_by_two_entries_is_refused(base, tmp_path: Path, capsys) -> None:
+    docs = tmp_path / "docs"
+    (docs / "sub").mkdir(parents=True)
+    shutil.copy(base["corpus"] / "000_assert.txt", docs / "sub" / "a.txt")
+    shutil.copy(base["corpus"] / "001_assignment.txt", docs / "b.txt")
+    _fails(capsys, tmp_path, [docs, docs / "sub"], base["tok"], "data.paths[1]", str(docs / "sub" / "a.txt"),
+           "data.paths[0]", "read twice")
+    _fails(capsys, tmp_path, [docs / "b.txt", docs], base["tok"], "data.paths[1]", str(docs / "b.txt"),
+           "read twice")
+    (docs / "c.txt").symlink_to(docs / "b.txt")  # a file link inside one folder: the folder-link rule, for files
+    _fails(capsys, tmp_path, [docs], base["tok"], str(docs / "c.txt"), str(docs / "b.txt"), "read twice")
 
 
 # ---------------------------------------------------------------- indexed datasets
