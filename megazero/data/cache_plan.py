@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,15 +118,16 @@ def plan_cache(cfg_data: Any, vocab_size: int, builtin_max_bytes: int) -> CacheP
         tokenizer = cache / f"tokenizer-{vocab_size}-{tok_fingerprint}.model"
     else:
         tokenizer = Path(cfg_data.tokenizer)
-        if not tokenizer.is_file():
+        if not os.path.lexists(tokenizer):
             raise UserError(
                 f"data.tokenizer: {tokenizer} does not exist; give a Hugging Face tokenizer.json, "
                 "a sentencepiece .model file or 'train'"
             )
         tokenises = any(s.kind != "prefix" for s in sources)
-        check_tokenizer(Tokenizer.load(tokenizer, "data.tokenizer"), vocab_size, tokenises)
+        given = Tokenizer.load(tokenizer, "data.tokenizer")  # a FIFO or a huge file: one line, never read
+        check_tokenizer(given, vocab_size, tokenises)
         # the file's bytes, whichever kind: they alone decide the ids (the kind is read from them too)
-        tok_fingerprint = hashlib.sha256(tokenizer.read_bytes()).hexdigest()[:16]
+        tok_fingerprint = given.sha256[:16]
 
     planned = []
     for s in sources:
