@@ -25,9 +25,10 @@ every rank, so a rank neither spends the time nor holds the memory to build
 them (an epoch of 1e8 samples is 0.4 GB and seconds to shuffle). The builder
 checks each file against its checksum before the run (the cache is
 untrusted: a damaged file is built again); the other ranks open what the
-builder checked, and every id read is range-checked. A rank that finds a file
-missing builds that array in memory (the same numbers) and keeps at most two
-epochs per source.
+builder checked, and every id read is range-checked. Both files are opened only as regular files, links
+not followed (``regular_files``): a FIFO or a link in their place is built again, never waited on. A rank
+that finds a file missing builds that array in memory (the same numbers) and keeps at most two epochs per
+source.
 """
 
 from __future__ import annotations
@@ -36,13 +37,18 @@ import hashlib
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
+from numpy.lib import format as npy_format
+
+from megazero.data.regular_files import open_regular, own_folder, read_regular, replace_into
 
 BLOCK = 1 << 16  # positions per blend period
 INDEX_SUBDIR = "indices"
 PREBUILD_MIN = 1 << 20  # samples: a smaller source's permutation (< 4 MB) is built where it is read
 PREBUILD_EPOCHS = 64  # per source: later epochs of a source read that often are built where they are read
+_DIGEST_BYTES = 64  # a sha256 in hex
 
 
 def block_counts(weights: Sequence[float], length: int = BLOCK) -> np.ndarray:
@@ -113,27 +119,49 @@ class IndexFiles:
         assert arr.dtype == dtype and arr.shape == (length,), (name, arr.dtype, arr.shape)
         if not self.write:
             return arr
-        self.dir.mkdir(parents=True, exist_ok=True)
+        own_folder(self.dir)
         _write_atomic(path, lambda f: np.save(f, arr, allow_pickle=False))
-        _write_atomic(digest, lambda f: f.write(_sha256(path).encode()))
-        return np.load(path, mmap_mode="r", allow_pickle=False)
+        with open_regular(path, links=False) as f:
+            sha = _sha256(f)
+            _write_atomic(digest, lambda out: out.write(sha.encode()))
+            return _map_npy(f)
 
     def _load(self, path: Path, digest: Path, dtype: np.dtype, length: int,
               check: Callable[[np.ndarray], bool] | None) -> np.ndarray | None:
+        """The array when both files are regular files (links not followed) and, for the writer, the
+        checksum matches; None (build it again) for anything else: missing, damaged, a FIFO, a link."""
         try:
-            if not digest.is_file() or (self.write and digest.read_text() != _sha256(path)):
-                return None
-            arr = np.load(path, mmap_mode="r", allow_pickle=False)
-        except (OSError, ValueError, UnicodeDecodeError):
+            want = read_regular(digest, _DIGEST_BYTES, links=False)
+            with open_regular(path, links=False) as f:
+                if self.write and want != _sha256(f).encode():
+                    return None
+                arr = _map_npy(f)
+        except (OSError, ValueError):
             return None
         if arr.dtype != dtype or arr.shape != (length,) or (check is not None and not check(arr)):
             return None
         return arr
 
 
-def _sha256(path: Path) -> str:
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+def _sha256(f: BinaryIO) -> str:
+    f.seek(0)
+    return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _map_npy(f: BinaryIO) -> np.ndarray:
+    """The array of the open ``.npy`` file ``f``, memory-mapped from this very descriptor (``np.load`` maps
+    only by name); ValueError when ``f`` is not a plain ``.npy`` array."""
+    f.seek(0)
+    version = npy_format.read_magic(f)
+    if version == (1, 0):
+        shape, fortran, dtype = npy_format.read_array_header_1_0(f)
+    elif version == (2, 0):
+        shape, fortran, dtype = npy_format.read_array_header_2_0(f)
+    else:
+        raise ValueError(f"npy format version {version}")
+    if dtype.hasobject or not shape or 0 in shape:
+        raise ValueError("not an array of numbers")
+    return np.memmap(f, dtype=dtype, mode="r", shape=shape, order="F" if fortran else "C", offset=f.tell())
 
 
 def _write_atomic(path: Path, write: Callable) -> None:
@@ -144,7 +172,7 @@ def _write_atomic(path: Path, write: Callable) -> None:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        replace_into(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
 

@@ -5,7 +5,9 @@ reads the same files, memory-mapped: the datasets, and the index files that
 order the samples (``blend``), so a rank's memory and start-up do not grow
 with the corpus. Files appear by atomic rename: a crash never leaves a
 half-written file under a final name. What the cache holds, and under which
-names, is ``cache_plan``'s.
+names, is ``cache_plan``'s; every cache file is opened only as a regular file, links not followed
+(``regular_files``), so a FIFO, socket, link or empty folder in a cache file's place is rebuilt, never
+waited on or followed.
 
 Every input is untrusted, the cache included: a bad file is a ``UserError``
 naming it, raised while the data is opened, before a model is built. Token
@@ -23,10 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from megazero.data.blend import IndexFiles
-from megazero.data.cache_plan import CachePlan, plan_cache
+from megazero.data.cache_plan import CachePlan, Source, plan_cache
 from megazero.data.corpus import DEFAULT_MAX_BYTES, write_corpus
 from megazero.data.gpt_data import GPTData
 from megazero.data.indexed import IndexedDataset, bin_path, index_path
+from megazero.data.regular_files import make_room
 from megazero.data.samples import GPTSamples, parse_split
 from megazero.data.token_range import cached_token_range
 from megazero.data.tokenizer import Tokenizer, train_tokenizer
@@ -86,21 +89,34 @@ def _check_cache_dir(cache: Path) -> None:
 
 
 def _build(plan: CachePlan, vocab_size: int) -> None:
-    """Make what the cache lacks; a cached file that is damaged is made again, never trusted."""
+    """Make what the cache lacks; a cached file that is damaged (a FIFO, a link, a folder in its place
+    included: ``regular_files``) is made again, never trusted."""
     # Imported here: importing it with the package would make `python -m megazero.data.preprocess`
     # find the module already loaded (runpy warns about that).
     from megazero.data.preprocess import preprocess
 
     stale_tokenizer = plan.train_tokenizer and not _tokenizer_ok(plan.tokenizer, vocab_size)
-    for s in plan.sources:  # the corpus file is only an input to builds: written afresh for each
-        if s.kind == "builtin" and (stale_tokenizer or not _dataset_ok(s.prefix)):
+    written: set[Path] = set()  # the corpus file is only an input to builds: written afresh for each
+
+    def write_builtin(s: Source) -> None:
+        if s.kind == "builtin" and s.files[0] not in written:
+            make_room(s.files[0])
             write_corpus(s.files[0], plan.builtin_max_bytes)
+            written.add(s.files[0])
+
+    for s in plan.sources:
+        if s.kind == "builtin" and (stale_tokenizer or not _dataset_ok(s.prefix)):
+            write_builtin(s)
     if stale_tokenizer:
         text_files = [f for s in plan.sources for f in s.files]
+        make_room(plan.tokenizer)
         train_tokenizer(text_files, vocab_size, plan.tokenizer.with_suffix(""), text_key=plan.text_key)
-    tokenizer = Tokenizer.load(plan.tokenizer)
+    tokenizer = Tokenizer.load(plan.tokenizer, links=not plan.train_tokenizer)
     for s in plan.sources:
         if s.kind != "prefix" and not _dataset_ok(s.prefix, tokenizer.vocab_size):
+            write_builtin(s)
+            make_room(bin_path(s.prefix))
+            make_room(index_path(s.prefix))
             preprocess(list(s.files), tokenizer, s.prefix, plan.text_key, what="data.paths",
                        workers=_preprocess_workers(s.files), progress=True)
 
@@ -117,20 +133,18 @@ def _preprocess_workers(files: tuple[Path, ...]) -> int:
 
 
 def _tokenizer_ok(path: Path, vocab_size: int) -> bool:
-    if not path.exists():
-        return False
+    """A trained tokenizer in the cache that opens (a regular file, not a link) and has this vocabulary."""
     try:
-        return Tokenizer.load(path).vocab_size == vocab_size
+        return Tokenizer.load(path, links=False).vocab_size == vocab_size
     except UserError:
         return False
 
 
 def _dataset_ok(prefix: Path, vocab_size: int | None = None) -> bool:
-    """A cached dataset that opens (sizes, header, offsets) and was built for this vocabulary."""
-    if not index_path(prefix).exists():
-        return False
+    """A cached dataset that opens (regular files, not links; sizes, header, offsets) and was built for this
+    vocabulary."""
     try:
-        ds = IndexedDataset(prefix)
+        ds = IndexedDataset(prefix, links=False)
     except UserError:
         return False
     return vocab_size is None or ds.vocab_size == vocab_size
@@ -146,10 +160,10 @@ def _load(plan: CachePlan, vocab_size: int, seq_len: int, seed: int, split: str,
                 f"data cache {path} is missing after the building rank finished; "
                 f"data.cache_dir {cache} must be a directory every rank can read"
             )
-    tokenizer = Tokenizer.load(plan.tokenizer)
+    tokenizer = Tokenizer.load(plan.tokenizer, links=not plan.train_tokenizer)
     datasets = []
     for s in plan.sources:
-        ds = IndexedDataset(s.prefix)
+        ds = IndexedDataset(s.prefix, links=s.kind == "prefix")
         if ds.vocab_size != tokenizer.vocab_size:
             what = f"data.paths: dataset {s.prefix}" if s.kind == "prefix" else f"data cache {s.prefix}"
             raise UserError(

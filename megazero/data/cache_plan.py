@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from megazero.config.data_paths import entry_path, entry_weight, source_names
 from megazero.data.corpus import corpus_key
 from megazero.data.documents import expand_inputs, refuse_repeats
 from megazero.data.indexed import bin_path, index_path
+from megazero.data.regular_files import open_regular
 from megazero.data.tokenizer import MIN_VOCAB_SIZE, Tokenizer
 from megazero.errors import UserError
 
@@ -61,7 +63,7 @@ def content_fingerprint(path: Path) -> str:
     """The first 16 hex digits of the SHA-256 of a regular file's bytes, read a MiB at a time: what names a given
     tokenizer in the cache, and what a checkpoint records of the tokenizer its ids are of."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:  # a FIFO in its place: an OSError, never a wait
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()[:16]
@@ -131,15 +133,16 @@ def plan_cache(cfg_data: Any, vocab_size: int, builtin_max_bytes: int) -> CacheP
         tokenizer = cache / f"tokenizer-{vocab_size}-{tok_fingerprint}.model"
     else:
         tokenizer = Path(cfg_data.tokenizer)
-        if not tokenizer.is_file():
+        if not os.path.lexists(tokenizer):
             raise UserError(
                 f"data.tokenizer: {tokenizer} does not exist; give a Hugging Face tokenizer.json, "
                 "a sentencepiece .model file or 'train'"
             )
         tokenises = any(s.kind != "prefix" for s in sources)
-        check_tokenizer(Tokenizer.load(tokenizer, "data.tokenizer"), vocab_size, tokenises)
+        given = Tokenizer.load(tokenizer, "data.tokenizer")  # a FIFO or a huge file: one line, never read
+        check_tokenizer(given, vocab_size, tokenises)
         # the file's bytes, whichever kind: they alone decide the ids (the kind is read from them too)
-        tok_fingerprint = content_fingerprint(tokenizer)
+        tok_fingerprint = given.sha256[:16]  # = content_fingerprint(tokenizer), from the bytes already read
 
     planned = []
     for s in sources:

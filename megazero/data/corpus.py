@@ -16,6 +16,8 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
+from megazero.data.regular_files import open_regular
+
 DEFAULT_MAX_BYTES = 8_000_000
 _FORMAT = 1
 # Directories of the standard library that are not library source worth
@@ -75,7 +77,8 @@ def _documents() -> Iterator[str]:
     root = stdlib_dir()
     for path in _source_files(root):
         try:
-            text = path.read_bytes().decode("utf-8")
+            with open_regular(path) as f:  # a FIFO dropped in the interpreter's folders is skipped, not waited on
+                text = f.read().decode("utf-8")
         except (OSError, UnicodeDecodeError):
             continue
         if text.strip():

@@ -34,6 +34,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from megazero.data.readers import listed, open_jsonl, parquet_documents, reason, show
+from megazero.data.regular_files import FileTooLarge, file_kind, read_regular
 from megazero.errors import UserError
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
@@ -121,16 +122,14 @@ def name_paths(paths: Iterable[str | Path], shown: int = 3) -> str:
 
 
 def _check_regular(path: Path, what: str) -> None:
-    """Refuse what cannot be read as a file: dangling links, link loops, FIFOs, sockets, devices."""
+    """Refuse what cannot be read as a file (dangling links, link loops, FIFOs, sockets, devices) before any
+    is read; each is opened later through ``regular_files``, which checks the open descriptor again."""
     try:
         mode = path.stat().st_mode
     except OSError as e:
         raise UserError(f"{what}: cannot read {path} ({e.strerror})") from None
     if not stat.S_ISREG(mode):
-        kinds = {stat.S_ISFIFO: "a FIFO", stat.S_ISSOCK: "a socket", stat.S_ISCHR: "a character device",
-                 stat.S_ISBLK: "a block device", stat.S_ISDIR: "a folder"}
-        kind = next((name for test, name in kinds.items() if test(mode)), "not a plain file")
-        raise UserError(f"{what}: {path} is not a regular file ({kind}); valid inputs are {_KINDS_HELP}")
+        raise UserError(f"{what}: {path} is not a regular file ({file_kind(mode)}); valid inputs are {_KINDS_HELP}")
 
 
 def _walk(directory: Path, what: str) -> list[Path]:
@@ -182,11 +181,11 @@ def iter_documents(files: Iterable[Path], text_key: str = "text") -> Iterator[st
 def _read_text(path: Path) -> str:
     limit = MAX_DOCUMENT_BYTES  # read at call time, so a test can lower it
     try:
-        size = path.stat().st_size
-        if size > limit:
-            raise UserError(f"{path}: {size} bytes, more than the {limit} megazero reads as one document (a .txt "
-                            "file is one document); split it into several files or one .jsonl record per document")
-        return path.read_bytes().decode("utf-8")
+        return read_regular(path, limit).decode("utf-8")
+    except FileTooLarge as e:
+        raise UserError(f"{path}: {e.size} bytes, more than the {limit} megazero reads as one document (a .txt "
+                        "file is one document); split it into several files or one .jsonl record per document"
+                        ) from None
     except UnicodeDecodeError as e:
         raise UserError(f"{path}: not UTF-8 text (bad byte at offset {e.start})") from None
     except OSError as e:

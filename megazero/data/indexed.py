@@ -24,9 +24,11 @@ import struct
 from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
+from typing import BinaryIO
 
 import numpy as np
 
+from megazero.data.regular_files import NotRegularFile, open_regular
 from megazero.data.token_range import TokenRange, scan_token_range
 from megazero.errors import UserError
 
@@ -40,6 +42,17 @@ UINT16_VOCAB_LIMIT = 65536
 def dtype_code_for(vocab_size: int) -> int:
     """uint16 holds ids of vocabularies up to 65536 and halves the file; larger ones need int32."""
     return 1 if vocab_size <= UINT16_VOCAB_LIMIT else 2
+
+
+def _open(path: Path, links: bool) -> BinaryIO:
+    """One file of a dataset, only if it is a regular file: one line saying what it is otherwise."""
+    try:
+        return open_regular(path, links=links)
+    except FileNotFoundError:
+        raise UserError(f"dataset {path} does not exist") from None
+    except NotRegularFile as e:
+        raise UserError(f"dataset {path} is not a regular file ({e.kind}); give a PREFIX whose .bin and .idx "
+                        "are files") from None
 
 
 def index_path(prefix: str | Path) -> Path:
@@ -128,26 +141,27 @@ class IndexedDatasetBuilder:
 
 
 class IndexedDataset:
-    """Read-only view of a built dataset; the tokens are a memory map, never loaded whole."""
+    """Read-only view of a built dataset; the tokens are a memory map, never loaded whole.
 
-    def __init__(self, prefix: str | Path):
+    Both files are opened once, as regular files (``regular_files``), and read through those descriptors
+    only: a FIFO named ``PREFIX.idx`` is refused, not waited on. ``links``: follow a link at either name
+    (a user's dataset may be linked in; one in the data cache is damage).
+    """
+
+    def __init__(self, prefix: str | Path, *, links: bool = True):
         self.prefix = Path(prefix)
         idx, binf = index_path(self.prefix), bin_path(self.prefix)
-        for path in (idx, binf):
-            if not path.is_file():
-                what = "is not a regular file" if path.exists() else "does not exist"
-                raise UserError(f"dataset {path} {what}")
         try:
-            self._open(idx, binf)
+            with _open(idx, links) as idx_file, _open(binf, links) as bin_file:
+                self._read(idx, idx_file, binf, bin_file)
         except OSError as e:
             raise UserError(f"dataset {e.filename or self.prefix}: cannot read ({e.strerror})") from None
 
-    def _open(self, idx: Path, binf: Path) -> None:
-        idx_size = idx.stat().st_size
+    def _read(self, idx: Path, idx_file: BinaryIO, binf: Path, bin_file: BinaryIO) -> None:
+        idx_size = os.fstat(idx_file.fileno()).st_size
         if idx_size < _HEADER.size:
             raise UserError(f"dataset index {idx} is truncated: {idx_size} bytes, the header alone is {_HEADER.size}")
-        with idx.open("rb") as f:
-            header = f.read(_HEADER.size)
+        header = idx_file.read(_HEADER.size)
         magic, version, code, vocab_size, n_docs, n_tokens, max_token = _HEADER.unpack(header)
         if magic != MAGIC:
             raise UserError(
@@ -167,7 +181,7 @@ class IndexedDataset:
                 f"{idx_size} bytes, expected {expected_idx} for {n_docs} documents"
             )
         dtype = _DTYPES[code]
-        bin_size = binf.stat().st_size
+        bin_size = os.fstat(bin_file.fileno()).st_size
         if bin_size != n_tokens * dtype.itemsize:
             partial = f", not a whole number of {dtype.itemsize}-byte tokens" if bin_size % dtype.itemsize else ""
             raise UserError(
@@ -175,8 +189,9 @@ class IndexedDataset:
                 f"{bin_size} bytes{partial}; its index {idx} says {n_tokens} {dtype.name} tokens "
                 f"({n_tokens * dtype.itemsize} bytes)"
             )
-        offsets = np.fromfile(idx, dtype="<u8", offset=_HEADER.size)
-        if offsets[0] != 0 or offsets[-1] != n_tokens or (n_docs and bool(np.any(offsets[1:] < offsets[:-1]))):
+        offsets = np.fromfile(idx_file, dtype="<u8", count=n_docs + 1)
+        if (len(offsets) != n_docs + 1 or offsets[0] != 0 or offsets[-1] != n_tokens
+                or (n_docs and bool(np.any(offsets[1:] < offsets[:-1])))):
             raise UserError(
                 f"dataset index {idx} is corrupt: its document offsets do not run from 0 to {n_tokens} in order"
             )
@@ -185,8 +200,8 @@ class IndexedDataset:
         self.vocab_size = int(vocab_size)
         self.max_token_id = int(max_token)  # the writer's claim: checks read the ids (check_vocab)
         self.doc_offsets = offsets
-        if n_tokens:
-            self.tokens = np.memmap(binf, dtype=dtype, mode="r", shape=(int(n_tokens),))
+        if n_tokens:  # mapped from the descriptor checked above (the map keeps its own)
+            self.tokens = np.memmap(bin_file, dtype=dtype, mode="r", shape=(int(n_tokens),))
         else:  # numpy cannot map an empty file
             self.tokens = np.zeros(0, dtype=dtype)
 

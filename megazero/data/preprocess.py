@@ -73,7 +73,7 @@ def preprocess(
                         "documents could not be separated")
     files = expand_inputs(inputs, what)
     batches = _batches(files, text_key)
-    encoded = _encode_here(tok, batches) if workers == 1 else _encode_in_workers(tok.path, batches, workers)
+    encoded = _encode_here(tok, batches) if workers == 1 else _encode_in_workers(tok, batches, workers)
     with IndexedDatasetBuilder(output_prefix, tok.vocab_size) as builder, closing(encoded), \
             _Progress(files, progress) as bar:
         n_tokens = 0
@@ -134,7 +134,7 @@ def _encode_here(tok: Tokenizer, batches: Iterator[tuple[list[str], int]]) -> It
         yield (*_encode(tok, docs, threads=0), position)
 
 
-def _encode_in_workers(path: Path, batches: Iterator[tuple[list[str], int]], workers: int) -> Iterator[_Encoded]:
+def _encode_in_workers(tok: Tokenizer, batches: Iterator[tuple[list[str], int]], workers: int) -> Iterator[_Encoded]:
     """Encode over ``workers`` spawned processes; yield in input order, with few batches in flight.
 
     A bounded queue of futures rather than ``Pool.imap``: imap's feeder thread reads the whole input
@@ -144,10 +144,11 @@ def _encode_in_workers(path: Path, batches: Iterator[tuple[list[str], int]], wor
     context = multiprocessing.get_context("spawn")
     limit = workers * _IN_FLIGHT_PER_WORKER
     pending: deque[tuple[int, Future]] = deque()
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=(str(path),)) as pool:
+    source = (str(tok.path), tok.links)  # each worker opens the file as this process did
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=source) as pool:
         try:
             for docs, position in batches:
-                pending.append((position, pool.submit(_encode_in_worker, str(path), docs)))
+                pending.append((position, pool.submit(_encode_in_worker, *source, docs)))
                 if len(pending) >= limit:
                     position, future = pending.popleft()
                     yield (*future.result(), position)
@@ -163,22 +164,24 @@ def _encode_in_workers(path: Path, batches: Iterator[tuple[list[str], int]], wor
 
 
 @functools.lru_cache(maxsize=1)
-def _worker_tokenizer(path: str) -> Tokenizer:
+def _worker_tokenizer(path: str, links: bool) -> Tokenizer:
     """The tokenizer of a worker process, loaded once per process (never called in the main one)."""
-    return Tokenizer.load(path)
+    return Tokenizer.load(path, links=links)
 
 
-def _start_worker(path: str) -> None:
+def _start_worker(path: str, links: bool) -> None:
     """Pool initializer: one thread per worker (the workers are the parallelism), tokenizer loaded once."""
     os.environ["RAYON_NUM_THREADS"] = "1"  # Hugging Face tokenizers' pool, created at its first encode
     try:
-        _worker_tokenizer(path)
+        _worker_tokenizer(path, links)
     except UserError:
         pass  # raised again by the first batch, so the caller reports it: a failing initializer breaks the pool
 
 
-def _encode_in_worker(path: str, docs: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    return _encode(_worker_tokenizer(path), docs, threads=1)
+def _encode_in_worker(path: str, links: bool, docs: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """One batch in a worker. A library panic is already a UserError here (``hf_tokenizer``): the panic
+    itself could not be sent back (pyo3's exception type does not pickle)."""
+    return _encode(_worker_tokenizer(path, links), docs, threads=1)
 
 
 class _Progress:

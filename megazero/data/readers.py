@@ -1,7 +1,8 @@
 """Readers for the input files that are not plain text: compressed ``.jsonl`` streams and parquet tables.
 
 ``documents`` decides which files a path names and turns their lines into documents; this module only gets
-bytes or strings out of the formats that need a library, each as a stream held in bounded memory:
+bytes or strings out of the formats that need a library, each as a stream held in bounded memory, from a
+file opened only as a regular file (``regular_files``):
 
 * ``open_jsonl``: a binary line reader over a ``.jsonl``, ``.jsonl.gz`` or ``.jsonl.zst`` file, with the
   errors that mean its data is corrupt, so the caller reads every kind's lines the same way and can name the
@@ -28,6 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
+from megazero.data.regular_files import open_regular
 from megazero.errors import UserError
 
 # Compressed bytes given to zstd at a time: bounds the output of one call (zstd expands at most ~32768
@@ -68,9 +70,10 @@ def open_jsonl(path: Path, kind: str) -> tuple[IO[bytes], tuple[type[BaseExcepti
         except ImportError:
             raise _missing("zstandard", path) from None
     try:
-        handle = gzip.open(path, "rb") if kind == ".jsonl.gz" else path.open("rb")
+        raw = open_regular(path)
     except OSError as e:
         raise UserError(f"{path}: cannot read ({e.strerror})") from None
+    handle: IO[bytes] = _GzipFile(fileobj=raw, mode="rb") if kind == ".jsonl.gz" else raw
     if kind == ".jsonl.gz":
         # BadGzipFile (an OSError): not gzip, bad CRC; EOFError: truncated; zlib.error: garbage inside
         return handle, (OSError, EOFError, zlib.error), "gzip"
@@ -78,6 +81,19 @@ def open_jsonl(path: Path, kind: str) -> tuple[IO[bytes], tuple[type[BaseExcepti
         reader = io.BufferedReader(_ZstdReader(handle, zstandard), 1 << 16)
         return reader, (OSError, EOFError, zstandard.ZstdError), "zstd"
     return handle, (OSError,), ""
+
+
+class _GzipFile(gzip.GzipFile):
+    """gzip over a file opened by ``regular_files``, closing that file with itself (a ``GzipFile`` given an
+    open file leaves it open)."""
+
+    def close(self) -> None:
+        raw = self.fileobj
+        try:
+            super().close()
+        finally:
+            if raw is not None:
+                raw.close()
 
 
 class _ZstdReader(io.RawIOBase):
@@ -152,7 +168,7 @@ def parquet_documents(path: Path, text_key: str, limit: int, batch_rows: int) ->
     except ImportError:
         raise _missing("pyarrow", path) from None
     try:
-        handle = path.open("rb")
+        handle = open_regular(path)
     except OSError as e:
         raise UserError(f"{path}: cannot read ({e.strerror})") from None
     with handle:

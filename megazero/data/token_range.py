@@ -16,7 +16,8 @@ cannot set — the real path's inode number and the inode's change time
 32 blocks spread over the file. A rewrite is missed only if it keeps the size, lands in
 the same ctime tick as the scan and changes no sampled block. Entries are JSON
 with a checksum (never pickle); one that is unreadable, fails its checksum or
-describes another file is scanned again and rewritten, never believed.
+describes another file is scanned again and rewritten, never believed; so is one that is not a regular
+file (a FIFO, a link: ``regular_files``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+
+from megazero.data.regular_files import open_regular, own_folder, read_regular, replace_into
 
 _FORMAT = 1
 _CHUNK = 1 << 24  # tokens per scanned slice: bounded memory whatever the file size
@@ -65,9 +68,9 @@ def scan_token_range(tokens: np.ndarray) -> TokenRange:
 
 def fingerprint(path: Path) -> dict:
     """What identifies this version of the file's bytes (see the module doc)."""
-    st = os.stat(path)
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
+        st = os.fstat(f.fileno())
         if st.st_size <= _BLOCK * _SAMPLES:
             digest.update(f.read())
         else:
@@ -107,10 +110,8 @@ def _checksum(body: dict) -> str:
 def _read_entry(entry: Path, meta: dict) -> TokenRange | None:
     """The recorded range when the entry is intact and describes this very file; None otherwise."""
     try:
-        if entry.stat().st_size > _MAX_ENTRY_BYTES:
-            return None
-        body = json.loads(entry.read_bytes())
-    except (OSError, ValueError, RecursionError):
+        body = json.loads(read_regular(entry, _MAX_ENTRY_BYTES, links=False))
+    except (OSError, ValueError, RecursionError):  # a FIFO or a link there included: scanned again
         return None
     if not isinstance(body, dict) or body.pop("check", None) != _checksum(body):
         return None
@@ -129,11 +130,11 @@ def _read_entry(entry: Path, meta: dict) -> TokenRange | None:
 def _write_entry(entry: Path, meta: dict, ids: TokenRange) -> None:
     body = {**meta, **asdict(ids)}
     body["check"] = _checksum(body)
-    entry.parent.mkdir(parents=True, exist_ok=True)
+    own_folder(entry.parent)
     tmp = entry.with_name(f"{entry.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
     try:
         tmp.write_text(json.dumps(body, sort_keys=True))
-        os.replace(tmp, entry)  # readers see the old entry or the new one, never half of one
+        replace_into(tmp, entry)  # readers see the old entry or the new one, never half of one
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

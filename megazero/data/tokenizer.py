@@ -8,6 +8,7 @@ implementation's module imports this one.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
@@ -16,11 +17,38 @@ from pathlib import Path
 import sentencepiece as spm
 import tokenizers
 
-from megazero.data.hf_tokenizer import EOS_NAMES, encode_ids, looks_like_tokenizer_json, open_tokenizer_json
+from megazero.data.hf_tokenizer import EOS_NAMES, decode_ids, encode_ids, looks_like_tokenizer_json, \
+    parse_tokenizer_json, vocabulary
+from megazero.data.regular_files import FileTooLarge, NotRegularFile, read_regular
 from megazero.data.tokenizer_training import MIN_VOCAB_SIZE, train_tokenizer
 from megazero.errors import UserError
 
-__all__ = ["Tokenizer", "SentencePieceTokenizer", "HFTokenizer", "train_tokenizer", "MIN_VOCAB_SIZE"]
+__all__ = ["Tokenizer", "SentencePieceTokenizer", "HFTokenizer", "train_tokenizer", "MIN_VOCAB_SIZE",
+           "MAX_TOKENIZER_BYTES"]
+
+# The largest tokenizer file read (it is read whole, and parsed into several times its size): real
+# tokenizer.json files are 1-40 MB, sentencepiece models under 10 MB, so a larger one is not a tokenizer.
+MAX_TOKENIZER_BYTES = 256 << 20
+
+
+def read_tokenizer_file(path: str | Path, what: str = "tokenizer", *, links: bool = True) -> bytes:
+    """The bytes of the tokenizer file ``path``, when it is a regular file of at most MAX_TOKENIZER_BYTES
+    (checked before anything is read); else one line naming it (``what``: the setting it came from).
+    ``links``: follow a link at ``path`` (False for a tokenizer in the data cache)."""
+    try:
+        return read_regular(path, MAX_TOKENIZER_BYTES, links=links)
+    except FileNotFoundError:
+        raise UserError(f"{what} {path} does not exist; give a sentencepiece .model or a Hugging Face "
+                        "tokenizer.json file") from None
+    except NotRegularFile as e:
+        raise UserError(f"{what} {path} is not a regular file ({e.kind}); give a sentencepiece .model or a "
+                        "Hugging Face tokenizer.json file") from None
+    except FileTooLarge as e:
+        raise UserError(f"{what} {path} is {e.size} bytes ({e.size / 2**30:.1f} GiB), more than the "
+                        f"{e.limit} ({e.limit >> 20} MiB) megazero reads as a tokenizer (real tokenizer.json "
+                        "and .model files are under 100 MB); give the tokenizer file itself") from None
+    except OSError as e:
+        raise UserError(f"{what} {path}: cannot read ({e.strerror})") from None
 
 
 class Tokenizer(ABC):
@@ -33,21 +61,27 @@ class Tokenizer(ABC):
     """
 
     path: Path
+    sha256: str  # of the file's bytes, as read: they alone decide the ids
+    links: bool  # whether a link at ``path`` was followed (so a worker process opens it the same way)
 
     @classmethod
-    def load(cls, path: str | Path, what: str = "tokenizer") -> Tokenizer:
+    def load(cls, path: str | Path, what: str = "tokenizer", *, links: bool = True) -> Tokenizer:
         """Open ``path`` as a tokenizer.json when it is one (by name or by content), else as sentencepiece.
 
-        ``what`` names the setting the path came from (``data.tokenizer``, ``--tokenizer``), for messages.
-        Neither kind executes anything from the file: both are parsed as plain data.
+        ``what`` names the setting the path came from (``data.tokenizer``, ``--tokenizer``), for messages;
+        ``links=False`` for a tokenizer in the data cache. The file is read once, whole
+        (``read_tokenizer_file``), and parsed from those bytes. Neither kind executes anything from the
+        file: both are parsed as plain data.
         """
         path = Path(path)
-        if not path.is_file():
-            raise UserError(f"{what} {path} does not exist; give a sentencepiece .model or a Hugging Face "
-                            "tokenizer.json file")
-        if looks_like_tokenizer_json(path):
-            return HFTokenizer.open(path, what)
-        return SentencePieceTokenizer.open(path, what)
+        data = read_tokenizer_file(path, what, links=links)
+        if looks_like_tokenizer_json(path, data):
+            tok: Tokenizer = HFTokenizer.parse(data, path, what)
+        else:
+            tok = SentencePieceTokenizer.parse(data, path, what)
+        tok.sha256 = hashlib.sha256(data).hexdigest()
+        tok.links = links
+        return tok
 
     @property
     @abstractmethod
@@ -85,11 +119,12 @@ class SentencePieceTokenizer(Tokenizer):
         self.path = path
 
     @classmethod
-    def open(cls, path: Path, what: str = "tokenizer") -> SentencePieceTokenizer:
+    def parse(cls, data: bytes, path: Path, what: str = "tokenizer") -> SentencePieceTokenizer:
+        """The model in ``data`` (the bytes of ``path``); one line naming it when they are not one."""
         processor = spm.SentencePieceProcessor()
         try:
-            processor.Load(model_file=str(path))
-        except Exception as e:  # sentencepiece raises OSError or RuntimeError with a multi-line text
+            processor.LoadFromSerializedProto(data)
+        except Exception as e:  # sentencepiece raises RuntimeError with a multi-line text
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(f"{what} {path} is neither a valid sentencepiece model ({reason}) nor a Hugging Face "
                             "tokenizer.json") from None
@@ -126,16 +161,17 @@ class HFTokenizer(Tokenizer):
         self._tok = tok
         self.path = path
         self._what = what
-        vocab = tok.get_vocab(with_added_tokens=True)
+        vocab = vocabulary(tok, f"{what} {path}")
         # ids need not be dense (a vocabulary may skip ids, added tokens may sit far above the rest): the
         # embedding needs a row for the largest id, which can exceed the count of tokens
         self._vocab_size = max(tok.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1)
         self._eos_id = next((vocab[name] for name in EOS_NAMES if name in vocab), -1)
 
     @classmethod
-    def open(cls, path: Path, what: str = "tokenizer") -> HFTokenizer:
-        """Parse ``path``; anything wrong with it (encoding, JSON, structure) is one line naming it."""
-        return cls(open_tokenizer_json(path, what), path, what)
+    def parse(cls, data: bytes, path: Path, what: str = "tokenizer") -> HFTokenizer:
+        """Parse ``data`` (the bytes of ``path``); anything wrong with it (encoding, JSON, structure, a panic
+        of the library) is one line naming it."""
+        return cls(parse_tokenizer_json(data, path, what), path, what)
 
     @property
     def vocab_size(self) -> int:
@@ -157,4 +193,4 @@ class HFTokenizer(Tokenizer):
         return encode_ids(self._tok, texts, f"{self._what} {self.path}")
 
     def decode(self, ids: Iterable[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+        return decode_ids(self._tok, list(ids), f"{self._what} {self.path}")

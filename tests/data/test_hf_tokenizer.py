@@ -191,3 +191,18 @@ def test_cli_bad_tokenizer_json_exits_2_with_one_line(corpus: Path, tmp_path: Pa
     proc = run_process(argv, timeout=60)
     assert_one_line(proc.returncode, proc.stderr, "data.tokenizer", str(bad), "tokenizer.json")
     assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").glob("data-*"))
+
+
+def test_only_a_library_panic_is_turned_into_an_error(capfd) -> None:
+    """The panic guard lets every other exception through (KeyboardInterrupt, SystemExit), and what was
+    written to stderr meanwhile still reaches it. (Real panics, at load and at encode: test_hostile_data.)"""
+    import os
+
+    from megazero.data.hf_tokenizer import _panics_as
+
+    for stop in (KeyboardInterrupt, SystemExit):
+        with pytest.raises(stop):
+            with _panics_as(lambda reason: reason):
+                os.write(2, b"kept\n")
+                raise stop()
+        assert capfd.readouterr().err == "kept\n"

@@ -360,3 +360,25 @@ def test_corrupt_cached_dataset_and_tokenizer_are_rebuilt(base, tmp_path: Path, 
     binf.write_bytes(good_bin[:-2])
     _fails(capsys, tmp_path, [path], "train", *too_small, **{"model.vocab_size": 260})
     assert tok.read_bytes() == good_tok and binf.read_bytes() == good_bin
+
+
+# ---------------------------------------------------------------- files that are not regular files
+
+
+def test_fifo_given_as_a_dataset_or_a_tokenizer_is_refused(base, tmp_path: Path, capsys) -> None:
+    """A FIFO named by the user (a dataset prefix's .idx, preprocess's --tokenizer) is one line saying what it
+    is; nothing opens it (a watchdog fails the test instead of hanging). Before: the tokenizer FIFO was
+    reported as missing ("does not exist") and the .idx as "not a regular file" without saying why."""
+    from megazero.data.preprocess import main as preprocess_main
+    from tests.data.test_hostile_cache import watchdog
+
+    prefix = tmp_path / "ds"
+    os.mkfifo(f"{prefix}.idx")
+    Path(f"{prefix}.bin").write_bytes(b"\x00\x00")
+    fifo = tmp_path / "tokenizer.json"
+    os.mkfifo(fifo)
+    with watchdog():
+        _fails(capsys, tmp_path, [prefix], base["tok"], f"{prefix}.idx", "not a regular file", "a FIFO")
+        code, _, err = call(preprocess_main, ["--input", str(base["corpus"]), "--tokenizer", str(fifo),
+                                              "--output", str(tmp_path / "out")], capsys)
+    assert_one_line(code, err, f"--tokenizer {fifo}", "not a regular file", "a FIFO")

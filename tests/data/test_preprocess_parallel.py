@@ -68,7 +68,7 @@ def test_any_worker_count_writes_the_same_bytes(corpus, model: Path, tmp_path: P
 
     pools = []  # worker counts of the process pools started: workers=1 starts none
     in_workers = pre._encode_in_workers
-    monkeypatch.setattr(pre, "_encode_in_workers", lambda path, b, n: pools.append(n) or in_workers(path, b, n))
+    monkeypatch.setattr(pre, "_encode_in_workers", lambda tok, b, n: pools.append(n) or in_workers(tok, b, n))
 
     pre.preprocess(files, model, tmp_path / "w1", workers=1)
     pre.preprocess(files, Tokenizer.load(model), tmp_path / "w4", workers=4)
@@ -95,7 +95,8 @@ def test_reads_ahead_a_bounded_number_of_batches(corpus, model: Path) -> None:
             read[0] += 1
             yield batch, i
 
-    for consumed, (_, lengths, position) in enumerate(pre._encode_in_workers(model, batches(), workers), 1):
+    encoded = pre._encode_in_workers(Tokenizer.load(model), batches(), workers)
+    for consumed, (_, lengths, position) in enumerate(encoded, 1):
         assert position == consumed - 1 and len(lengths) == 1  # in input order
         ahead.append(read[0] - consumed)
     assert max(ahead) <= workers * pre._IN_FLIGHT_PER_WORKER, ahead
