@@ -35,21 +35,22 @@ def tokenizer_files(path: str | Path, arch: str, seq_len: int, vocab_size: int, 
     import sentencepiece as spm
 
     from megazero.data.cache_plan import check_tokenizer
-    from megazero.data.hf_tokenizer import EOS_NAMES, looks_like_tokenizer_json, open_tokenizer_json
-    from megazero.data.tokenizer import HFTokenizer, SentencePieceTokenizer
+    from megazero.data.hf_tokenizer import EOS_NAMES, looks_like_tokenizer_json, parse_tokenizer_json, vocabulary
+    from megazero.data.tokenizer import HFTokenizer, SentencePieceTokenizer, read_tokenizer_file
 
     path = Path(path)
+    # read once, bounded and only from a regular file; parsed from these bytes, which are also what is written
+    data = read_tokenizer_file(path, what)
     common = {"model_max_length": seq_len, "add_bos_token": False, "add_eos_token": False}
-    if looks_like_tokenizer_json(path):
-        parsed = open_tokenizer_json(path, what)  # one line for a file the library cannot parse
+    if looks_like_tokenizer_json(path, data):
+        parsed = parse_tokenizer_json(data, path, what)  # one line for a file the library cannot parse
         check_tokenizer(HFTokenizer(parsed, path, what), vocab_size, tokenises=False)
-        vocab = parsed.get_vocab(with_added_tokens=True)
+        vocab = vocabulary(parsed, f"{what} {path}")
         eos = next((name for name in EOS_NAMES if name in vocab), None)
         config = {"tokenizer_class": "PreTrainedTokenizerFast", **common, **({"eos_token": eos} if eos else {})}
         ids = {"eos_token_id": vocab[eos] if eos else None}
-        return {"tokenizer.json": path.read_bytes(), "tokenizer_config.json": _json_bytes(config)}, ids, ""
-    check_tokenizer(SentencePieceTokenizer.open(path, what), vocab_size, tokenises=False)
-    data = path.read_bytes()
+        return {"tokenizer.json": data, "tokenizer_config.json": _json_bytes(config)}, ids, ""
+    check_tokenizer(SentencePieceTokenizer.parse(data, path, what), vocab_size, tokenises=False)
     sp = spm.SentencePieceProcessor(model_proto=data)
     numbers = {"bos": sp.bos_id(), "eos": sp.eos_id(), "unk": sp.unk_id()}  # -1: the model has none
     ids = {f"{kind}_token_id": i if i >= 0 else None for kind, i in numbers.items() if kind != "unk"}
@@ -76,7 +77,7 @@ def run_tokenizer(meta: Mapping[str, Any], where: Path, m: Any
         raise UserError(f"checkpoint {where}: tokenizer={shown(value)} is invalid; expected the path of the run's "
                         f"tokenizer file")
     try:
-        exists = Path(value).is_file()
+        exists = Path(value).exists()  # something in its place that is no file: named, not skipped
     except OSError:
         exists = False
     if not exists:

@@ -180,6 +180,35 @@ def test_a_meta_json_that_disagrees_with_the_tensors_is_refused_naming_the_tenso
     assert not (tmp_path / "hf").exists()
 
 
+# --- the recorded tokenizer: read as data.tokenizer is, one line whatever the file -----------------------
+
+PANICS_AT_LOAD = {"version": "1.0", "normalizer": {"type": "Precompiled", "precompiled_charsmap": "AAAA"},
+                  "pre_tokenizer": None, "model": {"type": "WordLevel", "vocab": {"a": 0}, "unk_token": "a"}}
+
+
+@pytest.mark.parametrize("damage, fragment", [
+    ("panic", "panicked"),  # the tokenizers library raises a BaseException (a Rust panic) on this normalizer
+    ("huge", "MiB"),  # 5 GiB, sparse: refused by its size, never read
+    ("fifo", "FIFO"),  # a read would block forever
+])
+def test_a_recorded_tokenizer_that_cannot_be_read_is_one_line(ck, capsys, tmp_path, damage, fragment):
+    tok = tmp_path / "tokenizer.json"
+    if damage == "panic":
+        tok.write_text(json.dumps(PANICS_AT_LOAD))
+    elif damage == "huge":
+        with open(tok, "wb") as f:
+            f.truncate(5 << 30)
+    else:
+        os.mkfifo(tok)
+    meta = json.loads((ck / "meta.json").read_text())
+    meta["tokenizer"] = str(tok)
+    (ck / "meta.json").write_text(json.dumps(meta))
+    code, err = export(capsys, ck, tmp_path / "hf")
+    assert_one_line(code, err, str(tok), fragment)
+    assert "thread '" not in err and "panicked at" not in err, err  # no Rust backtrace on stderr
+    assert not (tmp_path / "hf").exists()
+
+
 # --- a full disk ------------------------------------------------------------------------------------------
 
 FULL_DISK = r"""
