@@ -2,7 +2,8 @@
 
 Per layer: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", §4,
 Eq. (1)-(5) (:func:`activation_bytes_per_layer`); over the schedule: the microbatches in flight along one
-rank's action list (:func:`activation_peak`), and the schedule's idle share (:func:`pipeline_bubble`).
+rank's action list (:func:`activation_peak`, over a list :func:`peak_microbatches` shortens), and the
+schedule's idle share (:func:`pipeline_bubble`).
 """
 from __future__ import annotations
 
@@ -69,6 +70,23 @@ def activation_peak(actions: Sequence[Action], per_microbatch: Sequence[int]) ->
         elif a.kind == ends:
             held, count = held - per_microbatch[a.chunk], count - 1
     return peak_bytes, peak_count
+
+
+def peak_microbatches(schedule: str, pp: int, m: int, v: int = 1) -> int:
+    """The fewest microbatches whose schedule has the same :func:`activation_peak` on every rank as ``m``'s:
+    ``m``, or fewer when ``m`` is past that. A search plans thousands of layouts of up to 2^20 passes each
+    (megazero.config.rules); listing each whole schedule would take minutes.
+
+    Why the peak stops changing (parallel.schedules): 1F1B and zb1p run at most pp - 1 warm-up forwards, then
+    pairs of one forward and one backward (zb1p: a W after each B from the rank's r-th on), then only free;
+    interleaved runs at most (pp - r - 1) * 2 + (v - 1) * pp warm-up forwards (all of them only when m == pp),
+    then forward-backward pairs whose chunks repeat every pp * v virtual microbatches, then only frees. So once
+    the warm-up is whole and the steady state holds two of its periods, more microbatches only repeat held
+    amounts already reached. GPipe holds all m: no fewer gives its peak."""
+    if schedule == "gpipe":
+        return m
+    enough = 4 * pp if schedule == "interleaved" else 2 * pp + 2  # interleaved: a multiple of pp, never pp
+    return min(m, enough)
 
 
 def pipeline_bubble(schedule: str, pp: int, m: int, v: int = 1) -> float:

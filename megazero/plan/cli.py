@@ -8,16 +8,22 @@ exit 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import errno
 import json
+import os
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Optional
 
 from megazero.config.load import load_config
+from megazero.config.ranges import MAX_WORLD
 from megazero.config.resolve import resolve
 from megazero.config.schema import AUTO, Config
-from megazero.errors import UserError
+from megazero.errors import UserError, shown, shown_name
 from megazero.plan.cluster import Cluster, load_cluster
 from megazero.plan.layouts import Layout, Ranked, parse_layout
 from megazero.plan.search import GB, MEMORY_MARGIN, PLANNED_DEVICE, Search, configure, search
@@ -44,18 +50,52 @@ def write_config(base: Config, layout: Layout, gpus: int, path: str) -> None:
     data["kernels"] = dataclasses.asdict(base.kernels)  # as asked: the machine that runs it resolves them
     if data["log"]["dir"] == f"runs/{base.name}":  # the default: runs/<the new file's name>
         data["log"]["dir"] = ""
-    try:
-        with open(path, "x") as f:  # never over a file this did not write (a config, a checkpoint's file)
-            f.write(f"# {base.source} laid out for {gpus} GPUs by python -m megazero.plan\n")
-            yaml.safe_dump(data, f, sort_keys=False, default_flow_style=False)
-    except FileExistsError:
-        raise UserError(f"--write {path}: already exists; give a new file name (an existing file is never "
-                        "replaced)") from None
-    except OSError as e:
-        raise UserError(f"--write {path}: cannot write it ({e.strerror or e})") from None
+    text = f"# {base.source} laid out for {gpus} GPUs by python -m megazero.plan\n" + \
+        yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
+    write_new(path, text)
     back = resolve(load_config(path), gpus, PLANNED_DEVICE, planned=True)
     if own_layout(back, gpus) != layout:
         raise UserError(f"--write {path}: the saved config reads back as {own_layout(back, gpus).label()}")
+
+
+def write_new(path: str, text: str) -> None:
+    """``text`` as a new file at ``path``, whole or not at all: written and synced beside it, then linked into
+    place, which fails when the name exists (a file this did not write is never replaced). A full disk, a
+    missing folder or a name the system refuses is one line, and leaves no partial or empty file."""
+    where = shown_name(path)
+    target = Path(path)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name[:64]}.", suffix=".tmp")
+    except (OSError, ValueError) as e:
+        raise UserError(f"--write {where}: cannot write it ({_reason(e)})") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except OSError as e:
+            if e.errno not in _NO_HARD_LINKS:
+                raise
+            if os.path.lexists(path):  # a file system without hard links: the check and the rename in two steps
+                raise FileExistsError(path) from None
+            os.rename(tmp, path)
+    except FileExistsError:
+        raise UserError(f"--write {where}: already exists; give a new file name (an existing file is never "
+                        "replaced)") from None
+    except OSError as e:
+        raise UserError(f"--write {where}: cannot write it ({_reason(e)}); nothing was written") from None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+_NO_HARD_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.ENOSYS)
+
+
+def _reason(e: Exception) -> str:
+    return e.strerror if isinstance(e, OSError) and e.strerror else str(e)
 
 
 def _row(rank: str, r: Ranked) -> str:
@@ -110,10 +150,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> Search:
     """The CLI's work; every input error is a UserError."""
     start = time.perf_counter()
-    if args.gpus < 1:
-        raise UserError(f"--gpus {args.gpus} is invalid; expected a GPU count >= 1")
+    if not 1 <= args.gpus <= MAX_WORLD:  # the world sizes a run accepts (parallel.world_size)
+        raise UserError(f"--gpus {shown(args.gpus)} is invalid; expected a GPU count from 1 to {MAX_WORLD}")
     if args.top < 1:
-        raise UserError(f"--top {args.top} is invalid; expected >= 1")
+        raise UserError(f"--top {shown(args.top)} is invalid; expected >= 1")
+    if args.write and os.path.lexists(args.write):  # said before the search, and again when linking it in
+        raise UserError(f"--write {shown_name(args.write)}: already exists; give a new file name (an existing file "
+                        "is never replaced)")
     fixed = parse_layout(args.layout) if args.layout else {}
     cluster = load_cluster(args.cluster)
     sets = list(args.set) + ([f"train.global_batch={args.global_batch}"] if args.global_batch is not None else [])

@@ -2,7 +2,10 @@
 recompute), ``--layout``'s fixed ones, and every combination of a GPU count's, in the order the search walks.
 
 Where it is narrowed to keep a search to seconds: tp stays within a node unless --layout fixes it; at most
-MAX_MICRO_BATCHES micro-batches per layout; interleaving at 2, 4, 8... chunks; gpipe only when fixed.
+MAX_MICRO_BATCHES micro-batches per layout; interleaving at 2, 4, 8... chunks; gpipe only when fixed. A search
+that would still take minutes (a GPU count with hundreds of divisors beside a deep model and a huge batch) is
+refused in one line, at once over MAX_LAYOUTS layouts (:func:`bounded`), or when its plans pass MAX_SEARCH_WORK
+(:func:`plan_work`, counted by megazero.plan.search): --layout narrows it.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from typing import Iterator
 
 from megazero.config.schema import Config
 from megazero.errors import UserError, shown
+from megazero.plan.activations import peak_microbatches
 from megazero.plan.state_bytes import ZERO_STAGES
 
 KNOBS = ("tp", "pp", "dp", "virtual_stages", "schedule", "zero_stage", "micro_batch", "recompute")
@@ -21,6 +25,16 @@ MAX_MICRO_BATCHES = 8  # micro-batch values tried per layout: a geometric spread
 # ZeRO stages in the order a layout tries them: ZeRO-1 first, whose memory tells ZeRO-0's (the same
 # activations beside a larger optimizer state)
 ZERO_ORDER = (1, 0, 2, 3)
+# A search's size, bounded so that the largest accepted input answers in seconds, not hours. Each layout is
+# put to the config rules (about a millisecond) and each one they accept is planned (:func:`plan_work`): its
+# schedule listed and walked per pipeline stage (megazero.plan.stage_plan), a fraction of a microsecond per
+# virtual microbatch, and each stage planned and timed, about a hundred times that. A core plans about 1.5
+# million units a second. The largest searches of the shipped configs on real clusters put 18,000 layouts to
+# the rules and plan 8 million units (llama3-70b on 10,240 GPUs of 72 per NVLink domain, a 65,536-sequence
+# batch: 5 s); a GPU count of many divisors beside a deep model and a huge batch would take hours.
+MAX_LAYOUTS = 2 ** 15
+MAX_SEARCH_WORK = 2 ** 24
+STAGE_WORK = 100  # a stage's plan and step time, in the units of one virtual microbatch of its schedule
 
 
 @dataclass(frozen=True)
@@ -139,3 +153,27 @@ def _pipelines(pp: int, layers: int, fixed: dict) -> list[tuple[str, int]]:
             [2 ** i for i in range(1, 32) if pp * 2 ** i <= layers]
         out += [(name, v) for v in chunks]
     return [(s, v) for s, v in out if "virtual_stages" not in fixed or fixed["virtual_stages"] == v]
+
+
+def plan_work(layout: Layout, microbatches: int) -> int:
+    """The work of planning a layout, in MAX_SEARCH_WORK's units: its stages, and the virtual microbatches of
+    the schedule each walks for the activation peak."""
+    listed = peak_microbatches(layout.schedule, layout.pp, microbatches, layout.virtual_stages)
+    return layout.pp * (STAGE_WORK + layout.virtual_stages * listed)
+
+
+def too_large(gpus: int, fixed: dict, what: str) -> UserError:
+    """The one line for a search that would take minutes."""
+    pinned = f" with --layout {','.join(f'{k}={v}' for k, v in fixed.items())}" if fixed else ""
+    return UserError(f"the search of {gpus} GPUs{pinned} is too large to answer in seconds ({what}); fix more "
+                     "knobs with --layout, e.g. pp=, tp= or micro_batch=")
+
+
+def bounded(layouts: Iterator[Layout], gpus: int, fixed: dict) -> list[Layout]:
+    """The layouts, listed; a UserError at once when there are more than MAX_LAYOUTS."""
+    out = []
+    for lay in layouts:
+        if len(out) == MAX_LAYOUTS:
+            raise too_large(gpus, fixed, f"over {MAX_LAYOUTS:,} layouts")
+        out.append(lay)
+    return out

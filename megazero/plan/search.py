@@ -27,7 +27,7 @@ from megazero.config.rules import validate
 from megazero.config.schema import AUTO, Config
 from megazero.errors import UserError
 from megazero.plan.cluster import Cluster
-from megazero.plan.layouts import Layout, Ranked, candidates
+from megazero.plan.layouts import MAX_SEARCH_WORK, Layout, Ranked, bounded, candidates, plan_work, too_large
 from megazero.plan.memo import PlanMemo
 from megazero.plan.stage_plan import make_plan
 from megazero.plan.step_time import Constants, step_time
@@ -72,11 +72,14 @@ class Search:
     costed: int = 0
     first_refusal: Optional[str] = None  # the rules' line for the first invalid layout
     least: Optional[tuple] = None  # (bytes, Layout) of the valid layout that needs least memory
+    work: int = 0  # of the plans made so far (megazero.plan.layouts.plan_work), bounded by MAX_SEARCH_WORK
 
 
 def search(base: Config, cluster: Cluster, gpus: int, fixed: dict, c: Constants = Constants()) -> Search:
     """Every fitting layout of ``base`` on ``gpus`` GPUs of ``cluster``, fastest first (pruned as the module
-    says)."""
+    says). A UserError when it would take minutes: at once over MAX_LAYOUTS layouts, or once the plans of those
+    the rules accept pass MAX_SEARCH_WORK (megazero.plan.layouts)."""
+    layouts = bounded(candidates(base, gpus, fixed, cluster.gpus_per_node), gpus, fixed)
     budget = cluster.memory_gb * GB * MEMORY_MARGIN
     found = Search([])
     memo = PlanMemo()
@@ -89,6 +92,10 @@ def search(base: Config, cluster: Cluster, gpus: int, fixed: dict, c: Constants 
         except UserError as e:
             found.first_refusal = found.first_refusal or str(e)
             return None
+        found.work += plan_work(layout, cfg.microbatches)
+        if found.work > MAX_SEARCH_WORK:
+            raise too_large(gpus, fixed, f"its plans pass {MAX_SEARCH_WORK:,} units of work, about 10 s, after "
+                                         f"{found.costed:,} of its {len(layouts):,} layouts")
         plan = make_plan(cfg, memo)
         st = step_time(cfg, cluster, c, plan=plan)
         found.costed += 1
@@ -103,7 +110,7 @@ def search(base: Config, cluster: Cluster, gpus: int, fixed: dict, c: Constants 
         found.ranked.append(Ranked(layout, st.memory_bytes / GB, st.total, achieved, achieved / cluster.peak_tflops))
 
     with _no_cyclic_gc():
-        _walk(candidates(base, gpus, fixed, cluster.gpus_per_node), fixed, base.model.layers, cost, keep, budget)
+        _walk(iter(layouts), fixed, base.model.layers, cost, keep, budget)
     found.ranked.sort(key=lambda r: r.step_s)
     return found
 

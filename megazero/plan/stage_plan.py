@@ -18,7 +18,8 @@ from typing import Optional
 
 from megazero.config.schema import Config
 from megazero.costs import compute_device, flops_per_token, model_flops_per_token, model_shape, pipeline_costs
-from megazero.plan.activations import LOGIT_BYTES, activation_bytes_per_layer, activation_peak, pipeline_bubble
+from megazero.plan.activations import (LOGIT_BYTES, activation_bytes_per_layer, activation_peak, peak_microbatches,
+                                      pipeline_bubble)
 from megazero.plan.memo import PlanMemo
 from megazero.plan.params import ParamCounts
 from megazero.plan.state_bytes import gathered_bytes, grad_buffer_bytes, model_state_bytes
@@ -37,7 +38,7 @@ class StagePlan:
     """One pipeline stage: what each of its tp*dp ranks holds, keeps and computes."""
 
     pp_rank: int
-    ranks: list[int]  # global ranks of the stage (every dp replica, every tp rank)
+    ranks: range  # global ranks of the stage (every dp replica, every tp rank): contiguous, tp fastest then dp
     layers: list[range]  # per model chunk
     params: int  # held by one rank, the tied embedding copy on the last stage included
     replicated: int  # of those, the ones every tp rank holds whole
@@ -117,8 +118,10 @@ def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action], p
     vocab = m.padded_vocab if last_vs in chunks else 0
     per_token = flops_per_token(n_layers, m.hidden, m.ffn_hidden, m.seq_len, vocab, **model_shape(m))
     flops = per_token * tokens / par.tp
-    ranks = [coords_to_rank(r, d, k, par.tp, par.dp) for d in range(par.dp) for k in range(par.tp)]
-    return StagePlan(r, sorted(ranks), [ranges[vs] for vs in chunks], psi, replicated, state, ckpt, full,
+    # a range, not a list: a search plans hundreds of layouts of up to a million ranks each
+    first, last = coords_to_rank(r, 0, 0, par.tp, par.dp), coords_to_rank(r, par.dp - 1, par.tp - 1, par.tp, par.dp)
+    assert last - first + 1 == par.tp * par.dp, (first, last, par.tp, par.dp)  # the stage's ranks are contiguous
+    return StagePlan(r, range(first, last + 1), [ranges[vs] for vs in chunks], psi, replicated, state, ckpt, full,
                      count, max(head), flops, gathered_bytes(cfg, chunks, ranges, psi, params),
                      grad_buffer_bytes(cfg, chunks, psi, params))
 
@@ -130,7 +133,9 @@ def make_plan(cfg: Config, memo: Optional[PlanMemo] = None) -> Plan:
     m, par, t = cfg.model, cfg.parallel, cfg.train
     mb = cfg.microbatches
     ranges = partition_layers(m.layers, par.pp * par.virtual_stages, par.pp_layers)
-    schedule = memo.schedule(par.schedule, par.pp, mb, par.virtual_stages)
+    # the schedule is walked for its activation peak only: the shortest one with the same peak
+    schedule = memo.schedule(par.schedule, par.pp, peak_microbatches(par.schedule, par.pp, mb, par.virtual_stages),
+                             par.virtual_stages)
     params = ParamCounts.of(cfg, memo)
     stages = [_stage_plan(cfg, r, ranges, schedule[r], params, memo) for r in range(par.pp)]
     tokens = t.global_batch * m.seq_len

@@ -13,7 +13,7 @@ import pytest
 from megazero.config.load import load_config
 from megazero.config.resolve import resolve
 from megazero.costs import model_flops_per_token
-from megazero.plan.activations import activation_bytes_per_layer, activation_peak, pipeline_bubble
+from megazero.plan.activations import activation_bytes_per_layer, activation_peak, peak_microbatches, pipeline_bubble
 from megazero.plan.stage_plan import make_plan
 from megazero.plan.state_bytes import model_state_bytes
 from models.build import count_parameters
@@ -125,6 +125,25 @@ def test_microbatches_in_flight_match_the_schedule(name, pp, m, v):
             assert count == m
         if name == "zb1p":  # held from F to W: the deferred weight gradients keep later ranks' microbatches
             assert count == min(pp, m)
+
+
+@pytest.mark.parametrize("name, v", [("1f1b", 1), ("zb1p", 1), ("interleaved", 2), ("interleaved", 3)])
+def test_the_shortened_schedule_has_every_rank_s_activation_peak(name, v):
+    """The plan walks the schedule of peak_microbatches(m) microbatches for m's activation peak: the same on
+    every rank, for chunks of unequal sizes (the head's logits on the last), from where it first shortens to
+    three steady-state periods past it, and far beyond."""
+    per = [7, 11, 13][:v]
+    for pp in range(2 if name == "interleaved" else 1, 7):
+        step = pp if name == "interleaved" else 1
+        shortest = peak_microbatches(name, pp, 10 ** 9, v)
+        assert shortest % step == 0 and shortest != (pp if name == "interleaved" else -1)
+        short = build_schedule(name, pp, shortest, v)
+        for m in list(range(shortest + step, shortest + 3 * pp * v + step, step)) + [shortest * 25]:
+            assert peak_microbatches(name, pp, m, v) == shortest
+            full = build_schedule(name, pp, m, v)
+            assert [activation_peak(a, per) for a in full] == [activation_peak(a, per) for a in short], (pp, m)
+    assert peak_microbatches("gpipe", 4, 1000) == 1000  # GPipe holds every microbatch: nothing shortens it
+    assert peak_microbatches("1f1b", 4, 3) == 3
 
 
 def test_pipeline_bubble():

@@ -213,7 +213,7 @@ def test_shipped_clusters_load(name, memory, peak):
     (lambda t: t + "nvlink_gbps: 900\n", "nvlink_gbps=900 is invalid; unknown key"),
     (lambda t: t.replace("inter_node_gbps: 50", "inter_node_gbps: -50"), "inter_node_gbps=-50 is invalid"),
     (lambda t: t.replace("hbm_gbps: 3350", ""), "hbm_gbps is missing"),
-    (lambda t: t.replace("gpus_per_node: 8", "gpus_per_node: 8.5"), "expected a positive integer"),
+    (lambda t: t.replace("gpus_per_node: 8", "gpus_per_node: 8.5"), "expected an integer from 1 to 4096"),
 ])
 def test_bad_cluster_file_is_one_line(tmp_path, capsys, edit, says):
     path = tmp_path / "bad.yaml"
