@@ -14,6 +14,11 @@ encode the batches, and the results are written in input order, so the
 ``_IN_FLIGHT_PER_WORKER`` batches per worker are read ahead, so memory stays
 bounded on any corpus. Workers are spawned, never forked: the caller (pretrain)
 may hold torch and its threads, which a fork would copy in an unusable state.
+The workers belong to the process that started them: they ignore SIGINT and
+SIGTERM (sent to a whole process group by Ctrl-C or a cluster's scheduler, they
+would die halfway through handing back a batch); that process stops them (on an
+error or a stop signal, once the batches they are encoding are done), and they
+end by themselves when it is gone, however it went.
 """
 
 from __future__ import annotations
@@ -22,7 +27,10 @@ import argparse
 import functools
 import multiprocessing
 import os
+import signal
 import sys
+import threading
+import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -44,6 +52,8 @@ from megazero.errors import UserError
 _BATCH_CHARS = 1_000_000
 # Batches queued per worker: one being encoded, one waiting, so a worker never idles while this process reads.
 _IN_FLIGHT_PER_WORKER = 2
+# How often a worker looks whether the process that started it is still there.
+_PARENT_POLL_S = 0.5
 
 # (ids, document lengths, input bytes read through this batch); ids hold each document followed by the EOS
 _Encoded = tuple[np.ndarray, np.ndarray, int]
@@ -170,12 +180,26 @@ def _worker_tokenizer(path: str, links: bool) -> Tokenizer:
 
 
 def _start_worker(path: str, links: bool) -> None:
-    """Pool initializer: one thread per worker (the workers are the parallelism), tokenizer loaded once."""
+    """Pool initializer: one thread per worker (the workers are the parallelism), tokenizer loaded once; the
+    stop signals left to the parent, and a watch on it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        threading.Thread(target=_exit_with_parent, args=(parent.pid,), name="parent-watch", daemon=True).start()
     os.environ["RAYON_NUM_THREADS"] = "1"  # Hugging Face tokenizers' pool, created at its first encode
     try:
         _worker_tokenizer(path, links)
     except UserError:
         pass  # raised again by the first batch, so the caller reports it: a failing initializer breaks the pool
+
+
+def _exit_with_parent(parent: int) -> None:
+    """End this worker once the process that started it is gone (killed, even by SIGKILL): the task queue
+    never tells, and a worker would wait on it for ever."""
+    while os.getppid() == parent:
+        time.sleep(_PARENT_POLL_S)
+    os._exit(1)
 
 
 def _encode_in_worker(path: str, links: bool, docs: list[str]) -> tuple[np.ndarray, np.ndarray]:

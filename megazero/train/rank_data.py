@@ -10,6 +10,7 @@ from torch import nn
 from megazero.config.schema import Config
 from megazero.data import GPTData, build_data
 from megazero.errors import UserError
+from megazero.train.signals import StoppedEarly
 from parallel.topology import Grid
 
 
@@ -28,23 +29,29 @@ def seed_step(seed: int, step: int, grid: Grid, chunks: list[nn.Module]) -> None
 
 
 def load_data_everywhere(cfg: Config, grid: Grid, is_builder: bool) -> GPTData:
-    """Build the dataset on one rank per node, let the others load it; an input error stops every rank."""
+    """Build the dataset on one rank per node, let the others load it; an input error, or a stop signal while a
+    builder works (the others wait for it in a collective, where a signal cannot reach them), stops every rank."""
     m, t = cfg.model, cfg.train
 
     def noop() -> None:
         pass
 
-    data, error = None, None
+    data, error, stopped = None, None, 0
     if is_builder:
         try:
             data = build_data(cfg.data, m.vocab_size, m.seq_len, t.seed, is_builder=True, barrier=noop,
                               train_samples=t.steps * t.global_batch)
         except UserError as e:
             error = str(e)
+        except StoppedEarly as e:
+            stopped = e.signum
     if dist.is_initialized():
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        error = next((e for e in errors if e), None)
+        outcomes: list = [None] * dist.get_world_size()
+        dist.all_gather_object(outcomes, (error, stopped))
+        error = next((e for e, _ in outcomes if e), None)
+        stopped = max(s for _, s in outcomes)
+    if stopped:
+        raise StoppedEarly(stopped)
     if error:
         raise UserError(error)
     if data is None:

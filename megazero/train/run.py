@@ -29,7 +29,8 @@ def run(config_path: str, overrides: list[str]) -> list[dict]:
     from megazero import launch
     from megazero.plan.fits import check_fits
     from megazero.train.run_dir import plan_start
-    from megazero.train.signals import StopSignals
+    from megazero.train.run_lock import lock_run
+    from megazero.train.signals import StopSignals, StoppedEarly
     from parallel.topology import Grid
 
     info = launch.process_info()
@@ -52,26 +53,33 @@ def run(config_path: str, overrides: list[str]) -> list[dict]:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     check_fits(cfg, device, info.rank, info.local_rank, local_world)
     check_init_from(cfg)
-    start = plan_start(cfg)  # continue, start afresh or refuse: decided from the folder, before anything is built
-    with StopSignals() as stop:
-        created, grid = False, None
+    with StopSignals() as stop:  # until the loop begins a stop signal ends the run at once: nothing to save yet
+        created, grid, lock = False, None, None
         try:
             created = launch.init_distributed(info, device, cfg.launch.timeout_minutes)
             grid = Grid.build(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, device.type,
                               timedelta(minutes=cfg.launch.timeout_minutes))
+            lock = lock_run(cfg, grid)  # one run per log.dir: refused on every rank before the folder is used
+            start = plan_start(cfg)  # continue, start afresh or refuse: decided from the folder, before any build
             launch.seed_everything(cfg.train.seed)
             from megazero.train.trainer import Trainer
 
             trainer = Trainer(cfg, grid, device, is_builder=info.local_rank == 0, stop=stop)
             return trainer.fit(start)
-        except UserError as e:  # maybe found by this rank alone (a damaged weight of its pipeline stage)
-            from megazero.train.peer_errors import leave_for_rank_0
+        except Exception as e:
+            if stop.stopped_early:  # what failed after an early stop (a collective whose peer left) failed of it
+                raise StoppedEarly(stop.received) from None
+            if isinstance(e, UserError):  # maybe found by this rank alone (a damaged weight of its pipeline stage)
+                from megazero.train.peer_errors import leave_for_rank_0
 
-            leave_for_rank_0(e, info.rank)
+                leave_for_rank_0(e, info.rank)
+                raise
+            if isinstance(e, RuntimeError):  # the process-group start-up too: a peer that never comes is a timeout
+                raise _as_run_error(e, cfg, grid, info.rank) from None
             raise
-        except RuntimeError as e:  # the process-group start-up included: a peer that never comes is a timeout
-            raise _as_run_error(e, cfg, grid, info.rank) from None
         finally:
+            if lock is not None:
+                lock.release()
             if created:
                 launch.shutdown()
 

@@ -33,9 +33,10 @@ from megazero.train.nonfinite import NonFiniteGuard
 from megazero.train.pipeline_trace import write_pipeline_trace
 from megazero.train.rank_data import load_data_everywhere, seed_step
 from megazero.train.run_dir import Start, clear_earlier_run
+from megazero.train.run_lock import writer_rank
 from megazero.train.signals import StopSignals, exit_code, signal_name
 from parallel.host import host_values
-from parallel.topology import Grid, coords_to_rank
+from parallel.topology import Grid
 
 HISTORY = 100  # step records fit() keeps and returns, the last ones (metrics.jsonl holds every logged step)
 
@@ -59,8 +60,7 @@ class Trainer:
         self.consumed_samples = 0
         self.guard = NonFiniteGuard(cfg.train.on_nonfinite, cfg.train.max_skipped, fp16=self.scaler.enabled)
         self.stop_agreed = 0  # the stop signal some rank received (agreed at the last step), 0 for none
-        writer_rank = coords_to_rank(grid.pp - 1, 0, 0, grid.tp, grid.dp)
-        self.is_writer = grid.rank == writer_rank
+        self.is_writer = grid.rank == writer_rank(grid)
         self.ckpt_root = Path(cfg.log.dir) / "checkpoints"
         self.flops_per_step = model_flops_per_token(cfg.model) * self.tokens_per_step
         self.peak = None  # measured lazily, only where it is reported
@@ -130,6 +130,8 @@ class Trainer:
             self.run_id = ids[0]
         if start.resume is not None:
             self.load(start.resume)
+        if self.stop is not None:  # from here on log.dir changes: a stop signal waits for a step and its save
+            self.stop.defer()
         if self.is_writer:
             for note in start.notes:
                 print(note, flush=True)

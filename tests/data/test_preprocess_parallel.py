@@ -8,9 +8,13 @@ batches, more than the workers hold in flight.
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import subprocess
 import sys
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -139,3 +143,47 @@ def test_worker_error_is_the_callers_one_line_error(corpus, model: Path, tmp_pat
         pre.preprocess(corpus[0], tok, tmp_path / "out", workers=2)
     assert "\n" not in str(e.value) and f"{copy} does not exist" in str(e.value), e.value
     assert list(tmp_path.iterdir()) == []
+
+
+_READ_AND_WAIT = """
+import multiprocessing, sys, time
+from pathlib import Path
+from megazero.data import preprocess as pre
+stream = pre._encode_in_workers(Path(sys.argv[1]), iter([(["a few words"], i) for i in range(6)]), 2)
+next(stream)
+print(*[p.pid for p in multiprocessing.active_children() if p.name.startswith("SpawnProcess")], flush=True)
+time.sleep(600)
+"""
+
+
+def test_workers_end_when_the_process_that_started_them_is_killed(model: Path) -> None:
+    """SIGKILL (the OOM killer, a scheduler's last word) to the process reading the results: its tokenising
+    workers end within a second or two, instead of waiting for work for ever."""
+    proc = subprocess.Popen([sys.executable, "-c", _READ_AND_WAIT, str(model)], cwd=Path(__file__).parents[2],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        workers = [int(w) for w in proc.stdout.readline().split()]
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()  # not read to its end: the workers hold the pipe too
+    assert len(workers) == 2, workers
+
+    def alive() -> list[int]:
+        found = []
+        for pid in workers:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state != "Z":
+                found.append(pid)
+        return found
+
+    deadline = time.monotonic() + 5
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = alive()
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"workers {left} outlived their parent by 5 s"

@@ -260,6 +260,48 @@ def test_a_second_sigint_stops_at_once_without_saving(corpus, tmp_path):
     assert checkpoint.latest_checkpoint(log / "checkpoints") is None
 
 
+def _has_open(pid: int, path: Path) -> bool:
+    """Whether the process has the file open (Linux: its /proc/PID/fd links)."""
+    try:
+        return any(os.readlink(fd) == str(path) for fd in Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return False
+
+
+def test_a_stop_signal_during_data_preparation_exits_at_once(corpus, tmp_path):
+    """Tokenising a corpus of 20 million blank lines (about 40 s here, 200 KB compressed) before the first step:
+    SIGTERM 3 s into it ends the run within 5 s, with one line on stderr and exit 143; there is nothing to save,
+    and the cache holds no dataset, finished or partial."""
+    import gzip
+
+    from megazero.data.tokenizer import train_tokenizer
+
+    blank = tmp_path / "blank.jsonl.gz"
+    with gzip.open(blank, "wb", compresslevel=1) as f:
+        for _ in range(20):
+            f.write(b"\n" * 1_000_000)
+    model = train_tokenizer([corpus[0]], 512, tmp_path / "tok" / "t")
+    cache, log = tmp_path / "cache", tmp_path / "run"
+    proc = _popen(pretrain_cmd(small_overrides(blank, cache, log, steps=5, **{"data.tokenizer": str(model)})))
+    deadline = time.monotonic() + 120
+    while not _has_open(proc.pid, blank):  # the run is reading the corpus: data preparation has begun
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    time.sleep(3)
+    assert proc.poll() is None and _has_open(proc.pid, blank) and not (log / "metrics.jsonl").exists()
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out, err = proc.communicate(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"still running 5 s after SIGTERM: {proc.communicate()}") from None
+    assert time.monotonic() - sent < 5
+    assert_one_line(proc.returncode, err, "SIGTERM", "before the first step", exit_code=128 + signal.SIGTERM)
+    left = sorted(p.name for p in cache.rglob("*") if p.is_file())
+    assert not [n for n in left if ".idx" in n or ".bin" in n], left
+
+
 # --- several ranks: preemption through torchrun, a killed rank restarted, a frozen rank -----------------
 
 MULTI_STEPS = 24
