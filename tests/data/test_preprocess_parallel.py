@@ -149,7 +149,8 @@ _READ_AND_WAIT = """
 import multiprocessing, sys, time
 from pathlib import Path
 from megazero.data import preprocess as pre
-stream = pre._encode_in_workers(Path(sys.argv[1]), iter([(["a few words"], i) for i in range(6)]), 2)
+from megazero.data.tokenizer import Tokenizer
+stream = pre._encode_in_workers(Tokenizer.load(sys.argv[1]), iter([(["a few words"], i) for i in range(6)]), 2)
 next(stream)
 print(*[p.pid for p in multiprocessing.active_children() if p.name.startswith("SpawnProcess")], flush=True)
 time.sleep(600)
