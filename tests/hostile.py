@@ -7,8 +7,11 @@ a hang) use :func:`run_process`.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -56,3 +59,23 @@ def run_process(argv: Sequence[str], env: dict | None = None, timeout: float = 1
     base["OMP_NUM_THREADS"] = "1"
     base.update(env or {})
     return subprocess.run(list(argv), capture_output=True, text=True, cwd=cwd, env=base, timeout=timeout)
+
+
+class Hung(Exception):
+    """The body was still running when :func:`watchdog` fired (not an OSError: no handler may mistake it)."""
+
+
+@contextmanager
+def watchdog(seconds: int) -> Iterator[None]:
+    """Raise :class:`Hung` in this (the main) thread after ``seconds``, even inside a blocking ``open()``
+    (PEP 475): a case that used to hang fails instead of hanging the suite."""
+    def fire(signum, frame):
+        raise Hung(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, fire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

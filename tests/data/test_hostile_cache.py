@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import stat
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,31 +19,12 @@ import pytest
 
 from megazero.data import build_data
 from megazero.errors import UserError
-from tests.hostile import call, pretrain_main
+from tests.hostile import call, pretrain_main, watchdog
 from tests.runs import ROOT, small_overrides, write_corpus
 
 VOCAB = 512
 SEQ = 32
 WATCHDOG_S = 30  # a cold build here takes about 1.5 s; a blocked open() takes forever
-
-
-class Hung(Exception):
-    """The build was still blocked when the watchdog fired (not an OSError: no handler may mistake it)."""
-
-
-@contextmanager
-def watchdog(seconds: int = WATCHDOG_S) -> Iterator[None]:
-    """Raise :class:`Hung` in this thread after ``seconds``, even inside a blocking ``open()`` (PEP 475)."""
-    def fire(signum, frame):
-        raise Hung(f"still blocked after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, fire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def _cfg(paths: list[Path], cache: Path, tokenizer: str | Path = "train") -> SimpleNamespace:
@@ -55,7 +33,7 @@ def _cfg(paths: list[Path], cache: Path, tokenizer: str | Path = "train") -> Sim
 
 
 def _build(cfg: SimpleNamespace, **kw) -> None:
-    with watchdog():
+    with watchdog(WATCHDOG_S):
         build_data(cfg, VOCAB, SEQ, 0, True, lambda: None, train_samples=16, **kw)
 
 
@@ -207,7 +185,7 @@ def test_a_run_with_a_fifo_for_its_blend_index_trains(warm, tmp_path: Path, caps
     argv = ["--config", str(ROOT / "configs" / "tiny.yaml")]
     for o in overrides:
         argv += ["--set", o]
-    with watchdog():
+    with watchdog(WATCHDOG_S):
         code, _, err = call(pretrain_main, argv, capsys)
     assert code == 0, err[-3000:]
     _assert_rebuilt(warm)

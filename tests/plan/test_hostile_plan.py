@@ -10,13 +10,10 @@ import json
 import math
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -24,32 +21,17 @@ from megazero.config.ranges import MAX_WORLD
 from megazero.config.yaml_load import load_yaml
 from megazero.plan import cli as planner_cli, search as planner_search
 from megazero.plan.cluster import CLUSTER_DIR
-from tests.hostile import ROOT, assert_one_line, call
+from tests.hostile import ROOT, assert_one_line, call, watchdog
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
 LLAMA_70B = str(ROOT / "configs" / "llama3-70b.yaml")
 FEW = ["--layout", "tp=2,pp=2,zero_stage=1"]  # a search of a few layouts: the cluster cases cost milliseconds
 
 
-@contextmanager
-def deadline(seconds: int) -> Iterator[None]:
-    """Raise TimeoutError in this (the main) thread when the body runs longer than ``seconds``."""
-    def expire(signum, frame):
-        raise TimeoutError(f"still running after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def plan(argv: list[str], capsys, seconds: int = 60) -> tuple[int, str, str, float]:
     """(exit code, stdout, stderr, seconds taken) of the planner's main in this process, under a watchdog."""
     start = time.perf_counter()
-    with deadline(seconds):
+    with watchdog(seconds):
         code, out, err = call(planner_cli.main, argv, capsys)
     return code, out, err, time.perf_counter() - start
 
