@@ -64,8 +64,9 @@ def os_error(e: BaseException) -> Optional[OSError]:
 
 
 def is_no_space(e: BaseException, where: str | Path, needs: Optional[int] = None) -> bool:
-    """Whether ``e``, from writing under ``where`` (``needs`` bytes in all, if known), is a full disk or a
-    spent quota. Call it before the partial write is removed: statvfs must see the disk as the write left it."""
+    """Whether ``e``, from writing under ``where`` (``needs`` bytes in all, if known: for a checkpoint, every
+    rank's share), is a full disk or a spent quota. Call it before the partial write is removed: statvfs must
+    see the disk as the write left it."""
     found = os_error(e)
     if found is not None and found.errno in NO_SPACE:
         return True

@@ -2,8 +2,9 @@
 
 DCP gathers every rank's errors into one CheckpointException (a BaseException) holding (exception,
 traceback) pairs. An interruption among them (a second stop signal, Ctrl-C) is raised as itself, so the
-run stops as interrupted. A full disk is named as one ("no space left on <folder> (needs about N)"), even
-when torch's zip writer words it as "unexpected pos"; any other refusal by the disk names its path.
+run stops as interrupted. A full disk is named as one ("no space left on <folder> (needs about N)", N the whole
+checkpoint: every rank's share), even when torch's zip writer words it as "unexpected pos"; any other
+refusal by the disk names its path.
 The partial folder this save made is removed (rank 0), so a failed save does not keep the disk full; the
 previous checkpoint stays the latest.
 """
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megazero.disk import is_no_space, write_refusal
@@ -22,9 +24,28 @@ from megazero.errors import UserError
 from megazero.train.signals import Interrupted
 
 
-def state_bytes(state: Iterable[torch.Tensor]) -> int:
-    """What a checkpoint of these tensors needs on disk, about: each logical tensor's bytes, once."""
-    return sum(t.numel() * t.element_size() for t in state)
+def local_bytes(state: Iterable[torch.Tensor]) -> int:
+    """This rank's share of a checkpoint of these tensors: a DTensor's local piece, any other tensor whole."""
+    from torch.distributed.tensor import DTensor
+
+    return sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in state)
+
+
+def checkpoint_bytes(state: Iterable[torch.Tensor], group: Optional[dist.ProcessGroup] = None) -> int:
+    """What the whole checkpoint needs on disk, about: every rank's share, summed over ``group`` (the world
+    by default). Every rank writes into the one folder, and under ZeRO and pipelining each holds only the
+    parameters it owns of its own stage, so one rank's share can be a small part of it. Collective (one
+    scalar): call it on every rank before the write begins, never on a failure's path, where a peer may be
+    gone. A tensor replicated over tp ranks (a norm's weight) is counted on each though written once: a
+    small excess."""
+    total = local_bytes(state)
+    if not (dist.is_available() and dist.is_initialized()):
+        return total
+    on_cuda = str(dist.get_backend(group)) == "nccl"  # an nccl-only group reduces device tensors only
+    device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+    summed = torch.tensor([total], dtype=torch.int64, device=device)
+    dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
+    return int(summed.item())
 
 
 def _failures(e: BaseException) -> Iterator[BaseException]:

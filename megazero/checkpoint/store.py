@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megazero.checkpoint.meta import (FORMAT_VERSION, INT_LIMIT, MAX_STEP, META, RESUME_FIELDS, RUN_ID, check_meta,
                                       checkpoint_run_id, peek_meta, read_meta)
-from megazero.checkpoint.save_failure import describe_failure, failed_write, interruption, state_bytes
+from megazero.checkpoint.save_failure import checkpoint_bytes, describe_failure, failed_write, interruption
 from megazero.checkpoint.unpickle import SafeFileSystemReader
 from megazero.disk import write_refusal
 from megazero.errors import UserError
@@ -243,7 +243,7 @@ def save(root: str | Path, step: int, state: dict[str, torch.Tensor], meta: dict
     ``run_id`` marks the checkpoint as this run's: ``keep_last`` deletes only checkpoints with the same id
     (none when it is None)."""
     check_save_args(step, keep_last, run_id, meta)
-    needs = state_bytes(state.values())
+    needs = checkpoint_bytes(state.values())  # every rank's share: the whole folder
     tmp = prepare(root, step, needs) if _rank() == 0 else tmp_dir(root, step)
     _barrier()
     with quiet_dcp():

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megazero.checkpoint import store as checkpoint
-from megazero.checkpoint.save_failure import failed_write, interruption, state_bytes
+from megazero.checkpoint.save_failure import checkpoint_bytes, failed_write, interruption
 from megazero.errors import UserError
 
 
@@ -101,7 +101,7 @@ class CheckpointWriter:
         checkpoint.check_save_args(step, self.keep_last, run_id, meta)
         self._finish()  # at most one save in flight; its buffers are about to be reused
         self._raise_if_any_failed()
-        needs = state_bytes(state.values())
+        needs = checkpoint_bytes(state.values(), self._group)  # every rank's share, as the write begins
         tmp = checkpoint.prepare(self.root, step, needs) if self._rank == 0 else checkpoint.tmp_dir(self.root, step)
         self._barrier()
         staged = self._stage(state)

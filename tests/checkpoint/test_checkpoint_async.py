@@ -4,6 +4,7 @@ training's own collectives run beside DCP's background ones."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -212,8 +213,38 @@ def _two_ranks(rank: int, world: int, root: str) -> dict:
             result["equal"][step] = (ours.keys() == expected.keys() == reference.keys()
                                      and all(torch.equal(ours[k], expected[k]) and torch.equal(ours[k], reference[k])
                                              for k in expected))
+    result["needs"] = _needs_said(rank, Path(root))
     dist.barrier()
     return result
+
+
+def _needs_said(rank: int, root: Path) -> dict:
+    """Each rank holding only its own (uneven) share, as under ZeRO: the files of a good save of it, and what
+    each writer says a full disk needed for the next."""
+    import errno
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    def full_disk(*_args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    owned = {f"model/own{rank}": torch.zeros(16384 * (rank + 1))}  # 64 KB on rank 0, 128 KB on rank 1
+    said = {}
+    for kind in ("sync", "async"):
+        writer = CheckpointWriter(root / f"needs-{kind}", keep_last=5, async_save=kind == "async")
+        good = writer.save(1, owned, {}, "run-n")
+        writer.wait()
+        original = FileSystemWriter.write_data
+        FileSystemWriter.write_data = full_disk  # every rank's write: DCP's sync and async writers alike
+        try:
+            writer.save(2, owned, {}, "run-n")
+            writer.wait()
+        except UserError as e:
+            said[kind] = {"line": str(e), "files": sum(f.stat().st_size for f in good.iterdir())}
+        finally:
+            FileSystemWriter.write_data = original
+            writer.close()
+    return said
 
 
 def test_two_gloo_ranks_commit_correct_async_checkpoints(tmp_path):
@@ -221,3 +252,8 @@ def test_two_gloo_ranks_commit_correct_async_checkpoints(tmp_path):
     assert results[0]["listed"] == ["step_00000002", "step_00000003"]  # keep_last=2 of this run's
     assert results[0]["equal"] == {2: True, 3: True}
     assert {r["committed"] for r in results} == {str(tmp_path / "async" / "step_00000003")}
+    for rank, result in enumerate(results):  # the whole checkpoint's need, not the rank's share
+        for kind in ("sync", "async"):
+            said = result["needs"][kind]
+            found = re.search(r"needs about ([0-9.]+) KB", said["line"])
+            assert found and abs(float(found.group(1)) * 1e3 - said["files"]) <= 0.1 * said["files"], (rank, said)

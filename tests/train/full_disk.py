@@ -12,13 +12,14 @@ import errno
 import io
 import json
 import os
+import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
 
 from tests.hostile import pretrain_main
-from tests.runs import small_overrides
+from tests.runs import pretrain_cmd, small_overrides
 
 TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
 
@@ -73,6 +74,17 @@ def train(log: Path, corpus: Path, cache: Path, steps: int, **extra) -> dict:
             "metrics": metrics.read_text() if metrics.is_file() else None}
 
 
+def train_ranks(log: Path, corpus: Path, cache: Path, steps: int, nproc: int = 2, **extra) -> dict:
+    """One run of ``nproc`` ranks under torchrun (a process each): its exit code, the error lines its ranks
+    said, and what its log.dir holds after it."""
+    values = {"train.save_every": 1, "train.keep_last": 1, "parallel.dp": nproc, **extra}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run(pretrain_cmd(small_overrides(corpus, cache, log, steps=steps, **values), nproc),
+                          capture_output=True, text=True, env={**env, "OMP_NUM_THREADS": "1"}, timeout=240)
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error: ")]
+    return {"code": proc.returncode, "err": "\n".join(said) or proc.stderr[-3000:], "files": files(log)}
+
+
 def short_write(full: Path, roomy: Path, size: int) -> dict:
     """torch's zip writer words a full disk as "unexpected pos"; another rank's error reaches rank 0 pickled,
     without the OSError behind it. The line a save would say for it, on the full disk and on a roomy one."""
@@ -96,10 +108,10 @@ def main(argv: list[str]) -> int:
     run, fresh = disk / "run", disk / "fresh"
     phases: dict[str, dict] = {}
 
-    def phase(name: str, log: Path, steps: int, room: int | None, **extra) -> dict:
+    def phase(name: str, log: Path, steps: int, room: int | None, runner=train, **extra) -> dict:
         left = leave_free(disk, room) if room is not None else free(disk)
         t0 = time.perf_counter()
-        result = train(log, corpus, cache, steps, **extra)
+        result = runner(log, corpus, cache, steps, **extra)
         phases[name] = {**result, "free_before": left, "free_after": free(disk), "seconds": time.perf_counter() - t0}
         return phases[name]
 
@@ -121,6 +133,8 @@ def main(argv: list[str]) -> int:
     acc.Reload()
     phases["finished"]["tensorboard_loss_steps"] = [e.step for e in acc.Scalars("train/loss")] \
         if "train/loss" in acc.Tags()["scalars"] else []
+    # two dp ranks, each writing the half of the state it owns into the one folder: the whole does not fit
+    phase("dp2_full", disk / "dp2", 1, size // 2, runner=train_ranks)
     Path(report).write_text(json.dumps(phases, indent=1))
     return 0
 

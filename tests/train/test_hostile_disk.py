@@ -85,6 +85,19 @@ def test_a_full_disk_mid_save_is_one_line_leaves_nothing_and_resumes(report):
     assert _steps(resumed["metrics"]) == [1, 2]
 
 
+def test_a_full_disk_under_two_ranks_says_what_the_whole_checkpoint_needs(report):
+    """Each dp rank writes only the parameters it owns into the one folder: the need said is the whole
+    checkpoint's (within 10% of step 1's files, which hold the same tensors), not one rank's share."""
+    full, size = report["dp2_full"], report["first"]["checkpoint_bytes"]
+    root = f"{report['disk']}/dp2/checkpoints"
+    lines = full["err"].splitlines()
+    assert full["code"] != 0 and lines and all(line.startswith("error: ") for line in lines), full
+    for line in lines:  # each rank's
+        assert f"checkpoint {root}/step_00000001: no space left on {root} (needs about " in line, line
+        assert abs(_needs(line) - size) <= 0.1 * size, (line, size)
+    assert not [f for f in full["files"] if f.startswith("checkpoints/step_")], full["files"]  # the partial is gone
+
+
 def test_metrics_and_tensorboard_on_a_full_disk_are_one_line_and_leave_nothing(report):
     metrics = report["metrics_full"]
     before = report["async_full"]["metrics"]
