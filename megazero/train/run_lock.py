@@ -83,8 +83,7 @@ def take_lock(cfg: Config) -> Optional[RunLock]:
                   f"log.dir={cfg.log.dir!r} would not be refused", flush=True)
             os.close(fd)
             return None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} host {socket.gethostname()}\n".encode(), 0)
+        _name_holder(fd)
     except OSError as e:  # a full disk, say: one line on every rank, not a traceback on one and a hang elsewhere
         os.close(fd)
         raise UserError(f"{cfg.source}: log.dir={cfg.log.dir!r}: cannot lock or write {path} ({e.strerror})") \
@@ -93,6 +92,19 @@ def take_lock(cfg: Config) -> Optional[RunLock]:
         os.close(fd)
         raise
     return RunLock(fd, path)
+
+
+def _name_holder(fd: int) -> None:
+    """Write this process's pid and host into the held lock file. A full disk leaves the lock held and the file
+    empty (a refused run then says the holder is unknown): the run goes on to the writer that needs the room,
+    which says so in its own line."""
+    os.ftruncate(fd, 0)
+    try:
+        os.pwrite(fd, f"pid {os.getpid()} host {socket.gethostname()}\n".encode(), 0)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        os.ftruncate(fd, 0)
 
 
 def _holder(fd: int) -> str:
