@@ -12,12 +12,13 @@ Every stored tensor is accounted for (``megazero.interop.export_tensors``): a me
 describes the tensors is refused, not exported as a model with trained weights dropped. The run's tokenizer
 (the checkpoint's meta.json records its path) is checked against the vocabulary and copied beside the
 weights with a minimal tokenizer_config.json, so ``AutoTokenizer`` gives the ids the model was trained on
-(``megazero.interop.export_tokenizer``); a checkpoint that records none (older megazero) is exported without
-one, with a note.
+(``megazero.interop.export_tokenizer``; a file whose content is no longer what meta.json recorded is
+refused); a checkpoint that records none (older megazero) is exported without one, with a note.
 
 Where the folder may go is decided first, on resolved paths (``megazero.interop.export_place``): never
-inside a checkpoint or a folder checkpoints are saved into, never over the working folder, and --force
-replaces only a previous export. The folder is written whole or not at all (``megazero.interop.export_folder``).
+inside a checkpoint or a folder checkpoints are saved into, never over the working folder or a mount point,
+and --force replaces only a previous export. The folder is written whole or not at all
+(``megazero.interop.export_folder``).
 """
 
 from __future__ import annotations

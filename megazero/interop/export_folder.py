@@ -2,15 +2,17 @@
 
 The files go into a hidden sibling of OUT (the same file system, so the final rename is atomic), which is
 renamed into place only once every file is written; a previous export (``--force``) is set aside first and
-removed only after the new folder is in place. A write that fails (a full disk, a quota) removes the sibling
-and the parent folders the export made, leaves OUT as it was, and is one line: "no space left on OUT (the
-export needs about N MB)" for a full disk.
+removed only after the new folder is in place. A write that fails (a full disk, a quota) removes the
+siblings and the parent folders the export made, leaves OUT as it was, and is one line (``megazero.disk``'s
+wording): "no space left on OUT (needs about N MB, M free)" for a full disk. An OUT that is a mount point
+cannot be renamed over (EBUSY): refused (``megazero.interop.export_place.mount_point_refusal``).
 """
 from __future__ import annotations
 
 import errno
 import json
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Mapping
@@ -19,10 +21,11 @@ from typing import Optional
 
 from torch import Tensor
 
+from megazero.disk import is_no_space, no_space_text
 from megazero.errors import UserError
-from megazero.interop.export_place import MARK, WEIGHTS, check_output
+from megazero.interop.export_place import MARK, WEIGHTS, check_output, mount_point_refusal
 
-_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_RUST_OS_ERROR = re.compile(r"os error (\d+)\)")  # how safetensors' own error carries the OS error's number
 
 
 def _sibling(out: Path, kind: str) -> Path:
@@ -42,18 +45,31 @@ def _missing_parents(out: Path) -> list[Path]:
     return missing
 
 
-def _replace(tmp: Path, out: Path) -> None:
-    """Put the complete ``tmp`` at ``out``; a previous export there is set aside first and removed afterwards."""
+def _replace(tmp: Path, out: Path, given: Path) -> None:
+    """Put the complete ``tmp`` at ``out`` (typed as ``given``); a previous export there is set aside first and
+    removed afterwards.
+    Every failure leaves OUT as it was and no sibling of its own behind (the previous export is never deleted
+    before the new folder is in place: kept aside, and named, where it cannot be put back)."""
     old = None
-    if os.path.lexists(out) and next(out.iterdir(), None) is not None:
-        old = _sibling(out, "old")
-        os.rename(out, old / "out")
     try:
-        os.rename(tmp, out)  # over a missing or empty folder: one atomic step
-    except OSError:
-        if old is not None:  # OUT as it was
-            os.rename(old / "out", out)
+        if os.path.lexists(out) and next(out.iterdir(), None) is not None:
+            old = _sibling(out, "old")
+            os.rename(out, old / "out")
+        try:
+            os.rename(tmp, out)  # over a missing or empty folder: one atomic step
+        except OSError:
+            if old is not None:  # OUT as it was
+                try:
+                    os.rename(old / "out", out)
+                except OSError as e:
+                    raise UserError(f"export output '{given}': the new export could not be put in place, nor the "
+                                    f"previous one back ({e.strerror or e}); it is kept at {old / 'out'}") from None
+            raise
+    except OSError as e:
+        if old is not None and not os.path.lexists(old / "out"):
             old.rmdir()
+        if e.errno == errno.EBUSY:  # a mount point os.path.ismount did not see (a bind mount on the same disk)
+            raise mount_point_refusal(given) from None
         raise
     if old is not None:
         try:
@@ -63,17 +79,12 @@ def _replace(tmp: Path, out: Path) -> None:
                   f"delete it by hand")
 
 
-def _size(n: int) -> str:
-    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{-(-n // 1000)} KB"
-
-
-def _no_space(e: BaseException) -> Optional[str]:
-    """The reason when ``e`` says the disk (or a quota) is full: an OSError, or safetensors' own error
-    carrying the OS error's number in its text."""
+def _os_error(e: BaseException) -> Optional[OSError]:
+    """``e`` as an OSError: itself, or the one safetensors' own error names only in its text."""
     if isinstance(e, OSError):
-        return (e.strerror or str(e)) if e.errno in _NO_SPACE else None
-    text = str(e)
-    return next((os.strerror(code) for code in _NO_SPACE if f"os error {code})" in text), None)
+        return e
+    found = _RUST_OS_ERROR.search(str(e))
+    return OSError(int(found.group(1)), os.strerror(int(found.group(1)))) if found else None
 
 
 def write_hf_folder(out_dir: str | Path, hf_config: dict, hf_state: Mapping[str, Tensor],
@@ -96,17 +107,20 @@ def write_hf_folder(out_dir: str | Path, hf_config: dict, hf_state: Mapping[str,
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt", MARK[0]: MARK[1]})
         for name, data in (extra_files or {}).items():
             (tmp / name).write_bytes(data)
-        _replace(tmp, out)
+        _replace(tmp, out, given)
         tmp = None
     except Exception as e:  # OSError, or safetensors' own error type for a failed write (a full disk)
         if not isinstance(e, OSError) and type(e).__name__ != "SafetensorError":
             raise
-        reason = _no_space(e)
-        if reason is not None:
-            need = sum(t.numel() * t.element_size() for t in tensors.values()) + sum(map(len, files.values()))
-            raise UserError(f"no space left on {given} (the export needs about {_size(need)}; {reason}): nothing "
-                            f"was written; free some space there or choose another folder") from None
-        raise UserError(f"export output '{given}': cannot write it ({getattr(e, 'strerror', None) or e})") from None
+        err = _os_error(e)
+        if err is None:
+            raise UserError(f"export output '{given}': cannot write it ({e})") from None
+        need = sum(t.numel() * t.element_size() for t in tensors.values()) + sum(map(len, files.values()))
+        if is_no_space(err, given, need):  # asked before the partial folder is removed
+            raise UserError(f"{no_space_text(given, need, err)}: nothing was written; free some space there or "
+                            f"choose another folder") from None
+        raise UserError(f"export output '{given}': cannot write it ({err.strerror or err}); nothing was written"
+                        ) from None
     finally:
         if tmp is not None:  # a failed write leaves nothing behind, and OUT as it was
             shutil.rmtree(tmp, ignore_errors=True)

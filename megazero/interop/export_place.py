@@ -6,10 +6,17 @@ Refused:
 * the working folder or a folder holding it (``.``, ``..``, ``/``): replacing it would pull the floor away;
 * a folder holding the checkpoint being exported;
 * a place inside a checkpoint folder (a folder megazero wrote as a checkpoint: its exact ``step_`` name, or
-  meta.json beside DCP's ``.metadata``), or inside a folder checkpoints are saved into (one that holds
-  megazero's checkpoint folders, or a log.dir's ``checkpoints/``, recognised before its first save by the
-  log.dir's metrics.jsonl): a save's clean-up, ``keep_last`` rotation or ``log.overwrite`` deletes what it
-  finds there, an export with it;
+  meta.json beside DCP's ``.metadata``): ``keep_last`` rotation and ``log.overwrite`` delete a checkpoint
+  folder whole, and a re-save of its step replaces it, an export inside with it;
+* a place inside a folder checkpoints are saved into (one that holds megazero's checkpoint folders, or a
+  log.dir's ``checkpoints/``, recognised before its first save by the log.dir's metrics.jsonl). megazero
+  deletes only its exact ``step_`` names there: an export under one (``step_00000009/hf``, made before that
+  step is saved) is deleted by ``log.overwrite`` or moved aside by the save of that step, and under a ``.tmp``
+  name deleted by the next save's clean-up. Any other name is left alone, but refused too: that folder is the
+  checkpoints' own, the one a user deletes or copies to drop or move them, and an export kept there would go
+  with them;
+* an existing OUT that is a mount point (a volume mounted into a container): it cannot be replaced by a rename,
+  so the all-or-nothing write below it could not be kept; a subfolder of it can;
 * an existing OUT that is not a folder; a non-empty one without ``--force``; and with ``--force``, one that is
   not a previous export: --force replaces a folder ``megazero.export`` wrote (only the files an export writes,
   its model.safetensors marked as an export's) and nothing else.
@@ -91,7 +98,17 @@ def check_place(out: Path, given: Path, checkpoint: Optional[Path] = None) -> No
                             f"(keep_last, a re-save) would delete the export with it; choose a folder outside it")
         if holds_checkpoints(folder):
             raise UserError(f"export output '{given}' lies inside {folder}, a folder that holds checkpoints (a "
-                            f"log.dir's checkpoints/): saves clean up and rotate there; choose a folder outside it")
+                            f"log.dir's checkpoints/): it is the checkpoints' folder, where saves clean up and "
+                            f"rotate; choose a folder outside it")
+
+
+def mount_point_refusal(given: Path) -> UserError:
+    """The refusal of an OUT that is a mount point: the export's folder is renamed into place whole, and a
+    mount point cannot be renamed over; written into file by file, a failure or a kill midway would leave a
+    partial export (or a mix of the old and the new one) where a loader finds it."""
+    inside = given / "hf"
+    return UserError(f"export output '{given}' is a mount point, which cannot be replaced in one step, and an "
+                     f"export is written whole or not at all; export into a subfolder of it, e.g. '{inside}'")
 
 
 def not_an_export(folder: Path) -> str:
@@ -132,6 +149,8 @@ def check_output(out_dir: str | Path, force: bool, checkpoint: Optional[str | Pa
         return out
     if not _is_dir(out):
         raise UserError(f"export output '{given}' exists and is not a directory")
+    if os.path.ismount(out):  # a bind mount on the same disk is not seen here: the rename's EBUSY says it
+        raise mount_point_refusal(given)
     try:
         empty = next(out.iterdir(), None) is None
     except OSError as e:

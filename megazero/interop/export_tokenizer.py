@@ -4,10 +4,13 @@ The checkpoint's meta.json records the tokenizer's path. It is read through ``me
 a file that is no tokenizer, or that the tokenizers library cannot parse, is one line naming it) and checked
 against the model's vocabulary by the rule ``data.tokenizer`` obeys at training
 (``megazero.data.cache_plan.check_tokenizer``): a tokenizer with more pieces than ``model.vocab_size`` would
-use rows the export cuts.
+use rows the export cuts. Where meta.json records the file's content fingerprint (``tokenizer_fingerprint``,
+written at save), the bytes read must match it: a file replaced at that path by another tokenizer would give
+the exported model ids it was not trained on, so it is refused rather than shipped.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,15 +25,16 @@ def _json_bytes(obj: Any) -> bytes:
     return (json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
 
 
-def tokenizer_files(path: str | Path, arch: str, seq_len: int, vocab_size: int, what: str = "tokenizer"
-                    ) -> tuple[dict[str, bytes], dict[str, Optional[int]], str]:
+def tokenizer_files(path: str | Path, arch: str, seq_len: int, vocab_size: int, what: str = "tokenizer",
+                    fingerprint: Optional[str] = None) -> tuple[dict[str, bytes], dict[str, Optional[int]], str]:
     """(files to write beside the weights, bos/eos ids for config.json, a note or "") for the run's tokenizer.
 
     A tokenizer.json is copied as is, named for ``PreTrainedTokenizerFast``. A sentencepiece model becomes
     tokenizer.model named for ``LlamaTokenizer`` (Llama only: transformers has no sentencepiece GPT-2
     tokenizer), told whether the model adds a leading "▁" (megazero trains without it), so both give the
     same ids. Neither adds BOS/EOS: megazero trained on documents joined by EOS alone. ``what`` names where the
-    path came from, for messages.
+    path came from, for messages. ``fingerprint``: the content fingerprint the file must have
+    (``megazero.data.cache_plan.content_fingerprint``), None to take the file as it is.
     """
     import sentencepiece as spm
 
@@ -41,6 +45,11 @@ def tokenizer_files(path: str | Path, arch: str, seq_len: int, vocab_size: int, 
     path = Path(path)
     # read once, bounded and only from a regular file; parsed from these bytes, which are also what is written
     data = read_tokenizer_file(path, what)
+    ours = hashlib.sha256(data).hexdigest()[:16]  # = content_fingerprint(path), of the bytes that are written
+    if fingerprint is not None and ours != fingerprint.lower():
+        raise UserError(f"{what} {path} has changed since the checkpoint was saved (content {ours} now, "
+                        f"{fingerprint} recorded): its token ids would not be the ones the model was trained on; "
+                        f"put the run's tokenizer file back at that path")
     common = {"model_max_length": seq_len, "add_bos_token": False, "add_eos_token": False}
     if looks_like_tokenizer_json(path, data):
         parsed = parse_tokenizer_json(data, path, what)  # one line for a file the library cannot parse
@@ -83,6 +92,7 @@ def run_tokenizer(meta: Mapping[str, Any], where: Path, m: Any
     if not exists:
         return {}, {}, f"the run's tokenizer {value} is no longer there: none exported"
     try:
-        return tokenizer_files(value, m.arch, m.seq_len, m.vocab_size, "data.tokenizer")
+        return tokenizer_files(value, m.arch, m.seq_len, m.vocab_size, "data.tokenizer",
+                               meta.get("tokenizer_fingerprint"))
     except UserError as e:
         raise UserError(f"checkpoint {where}: {e}") from None

@@ -1,6 +1,7 @@
 """Hostile exports: an output where a checkpoint's rotation would delete it, a meta.json that disagrees with the
-tensors, --force on what is not an export, outputs that hold the working folder, a full disk. Through
-``python -m megazero.export``'s main in this process (the full disk in a process of its own, for its mount):
+tensors, --force on what is not an export, outputs that hold the working folder, a recorded tokenizer replaced
+by another, a full disk, an output that is a mount point. Through ``python -m megazero.export``'s main in this
+process (the full disk and the mount points in a process of its own, for its mounts):
 exit code 2, one line on stderr, nothing written, nothing lost.
 
 One small GPT-2 checkpoint (untied head, biases, vocab_size 300 padded to 384 rows, a 300-id tokenizer.json)
@@ -19,6 +20,7 @@ import pytest
 
 from megazero.checkpoint import store as checkpoint
 from megazero.config.load import load_config
+from megazero.data.cache_plan import content_fingerprint
 from megazero.interop.export import main as export_main
 from models.build import build_gpt
 from tests.hostile import ROOT, assert_one_line, call
@@ -29,9 +31,11 @@ MODEL = ["model.layers=2", "model.hidden=32", "model.heads=2", "model.seq_len=16
 STEP = "step_00000001"
 
 
-def _tokenizer_json(path: Path) -> Path:
-    """A WordLevel tokenizer.json with ids 0..VOCAB-1, the last one the end-of-text token."""
-    vocab = {f"w{i}": i for i in range(VOCAB - 2)} | {"<unk>": VOCAB - 2, "<|endoftext|>": VOCAB - 1}
+def _tokenizer_json(path: Path, shift: int = 0) -> Path:
+    """A WordLevel tokenizer.json with ids 0..VOCAB-1, the last one the end-of-text token; ``shift`` rotates the
+    ids of the words (the same pieces, other meanings)."""
+    words = VOCAB - 2
+    vocab = {f"w{i}": (i + shift) % words for i in range(words)} | {"<unk>": VOCAB - 2, "<|endoftext|>": VOCAB - 1}
     body = {"version": "1.0", "truncation": None, "padding": None, "normalizer": None, "post_processor": None,
             "decoder": None, "pre_tokenizer": {"type": "WhitespaceSplit"},
             "added_tokens": [{"id": VOCAB - 1, "content": "<|endoftext|>", "single_word": False, "lstrip": False,
@@ -43,12 +47,14 @@ def _tokenizer_json(path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory) -> Path:
-    """base/run: a log.dir holding metrics.jsonl and checkpoints/step_00000001 (meta.json records base/tok.json)."""
+    """base/run: a log.dir holding metrics.jsonl and checkpoints/step_00000001 (meta.json records base/tok.json
+    and its content fingerprint, as a save does)."""
     base = tmp_path_factory.mktemp("hostile_export")
     cfg = load_config(None, MODEL)
     model = build_gpt(cfg.model, seed=0)
-    meta = {"config": cfg.to_dict(), "consumed_samples": 0, "optimizer_step": 0,
-            "tokenizer": str(_tokenizer_json(base / "tok.json"))}
+    tok = _tokenizer_json(base / "tok.json")
+    meta = {"config": cfg.to_dict(), "consumed_samples": 0, "optimizer_step": 0, "tokenizer": str(tok),
+            "tokenizer_fingerprint": content_fingerprint(tok)}
     state = {f"model/{n}": p.detach() for n, p in model.named_parameters()}
     checkpoint.save(base / "run" / "checkpoints", 1, state, meta, keep_last=1)
     (base / "run" / "metrics.jsonl").write_text("")
@@ -201,7 +207,7 @@ def test_a_recorded_tokenizer_that_cannot_be_read_is_one_line(ck, capsys, tmp_pa
     else:
         os.mkfifo(tok)
     meta = json.loads((ck / "meta.json").read_text())
-    meta["tokenizer"] = str(tok)
+    meta.update(tokenizer=str(tok), tokenizer_fingerprint=None)  # none recorded: the file itself is what is read
     (ck / "meta.json").write_text(json.dumps(meta))
     code, err = export(capsys, ck, tmp_path / "hf")
     assert_one_line(code, err, str(tok), fragment)
@@ -209,13 +215,40 @@ def test_a_recorded_tokenizer_that_cannot_be_read_is_one_line(ck, capsys, tmp_pa
     assert not (tmp_path / "hf").exists()
 
 
+def test_a_recorded_tokenizer_whose_content_changed_is_refused(ck, capsys, tmp_path):
+    """The file at the recorded path was replaced by another tokenizer the vocabulary check accepts (the same
+    pieces, their ids rotated): exported, it would give the model ids it was not trained on."""
+    tok = _tokenizer_json(tmp_path / "tok.json")
+    recorded = content_fingerprint(tok)
+    meta = json.loads((ck / "meta.json").read_text())
+    meta.update(tokenizer=str(tok), tokenizer_fingerprint=recorded)
+    (ck / "meta.json").write_text(json.dumps(meta))
+    _tokenizer_json(tok, shift=1)
+    now = content_fingerprint(tok)
+    assert now != recorded
+    code, err = export(capsys, ck, tmp_path / "hf")
+    assert_one_line(code, err, str(tok), recorded, now)
+    assert not (tmp_path / "hf").exists()
+    _tokenizer_json(tok)  # the file the run trained with, back in place: exported
+    assert export(capsys, ck, tmp_path / "hf")[0] == 0
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == tok.read_bytes()
+
+
 # --- a full disk ------------------------------------------------------------------------------------------
 
 FULL_DISK = r"""
-import io, json, os, sys
+import io, json, os, shutil, sys
 from pathlib import Path
-mnt, ck, cases = Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+mnt, ck, cases, reference, bind = Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]), *sys.argv[4:6]
+bind = Path(bind)
 from megazero.interop.export import main
+
+def run(*argv):
+    sys.stderr, err = io.StringIO(), sys.stderr
+    code = main([ck, *map(str, argv)])
+    sys.stderr, text = err, sys.stderr.getvalue()
+    return {"code": code, "err": text}
+
 results = []
 for pages in cases:
     filler = mnt / "filler"
@@ -226,12 +259,19 @@ for pages in cases:
         except OSError:
             pass
     os.truncate(filler, max(0, filler.stat().st_size - pages * 4096))
-    sys.stderr, err = io.StringIO(), sys.stderr
-    code = main([ck, str(mnt / "out" / "hf")])
-    sys.stderr, text = err, sys.stderr.getvalue()
-    results.append({"code": code, "err": text, "left": sorted(p.name for p in mnt.iterdir())})
+    results.append({**run(mnt / "out" / "hf"), "left": sorted(p.name for p in mnt.iterdir())})
     filler.unlink()
-print(json.dumps(results))
+mounts = {}  # OUT is itself a mount point: the tmpfs (os.path.ismount sees it), a bind mount on the same disk (not)
+for name, out in (("tmpfs", mnt), ("bind", bind)):
+    empty = run(out)
+    empty["left"] = sorted(p.name for p in out.iterdir())
+    for f in Path(reference).iterdir():  # a previous export in the mount point
+        shutil.copy(f, out / f.name)
+    forced = run(out, "--force")
+    forced["left"] = sorted(p.name for p in out.iterdir())
+    mounts[name] = [empty, forced]
+print(json.dumps({"full": results, "mounts": mounts,
+                  "beside": sorted(p.name for p in mnt.parent.iterdir() if p.name.startswith("."))}))
 """
 
 
@@ -253,25 +293,40 @@ def _pages(path: Path) -> int:
     return -(-path.stat().st_size // 4096)
 
 
-def test_a_full_disk_is_one_line_and_leaves_no_partial_folder(ck, capsys, tmp_path, tmpfs_reason):
+def test_a_full_disk_or_a_mount_point_is_one_line_and_leaves_no_partial_folder(ck, capsys, tmp_path, tmpfs_reason):
     """On a 1 MB tmpfs filled up but for the pages of the files written before it, each of config.json, the
-    weights and the tokenizer finds the disk full in turn (tmpfs counts whole 4 KiB pages, folders free)."""
+    weights and the tokenizer finds the disk full in turn (tmpfs counts whole 4 KiB pages, folders free).
+
+    Then OUT is the mount point itself (a volume mounted into a container): it cannot be replaced by a rename,
+    and writing into it file by file would not be all or nothing, so it is refused, empty or holding a previous
+    export (--force), naming it and the way out, with nothing left beside it. The tmpfs is a mount point
+    os.path.ismount sees (refused before the tensors are read); a bind mount of a folder onto itself on the
+    same disk is one it does not (the rename's EBUSY)."""
     if tmpfs_reason:
         pytest.skip(tmpfs_reason)
     reference = tmp_path / "reference"
     assert export(capsys, ck, reference)[0] == 0
     order = ["config.json", "model.safetensors", "tokenizer.json"]
     cases = [sum(_pages(reference / name) for name in order[:i]) for i in range(len(order))]
-    mnt = tmp_path / "mnt"
+    mnt, bind = tmp_path / "mnt", tmp_path / "bind"
     mnt.mkdir()
+    bind.mkdir()
     script = tmp_path / "full_disk.py"
     script.write_text(FULL_DISK)
-    shell = (f'mount -t tmpfs -o size=1m tmpfs "{mnt}" && '
-             f'exec "{sys.executable}" "{script}" "{mnt}" "{ck}" "{json.dumps(cases)}"')
+    shell = (f'mount -t tmpfs -o size=1m tmpfs "{mnt}" && mount --bind "{bind}" "{bind}" && '
+             f'exec "{sys.executable}" "{script}" "{mnt}" "{ck}" "{json.dumps(cases)}" "{reference}" "{bind}"')
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", shell],
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    for failing, result in zip(order, json.loads(done.stdout.strip().splitlines()[-1])):
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    for failing, result in zip(order, found["full"]):
         assert_one_line(result["code"], result["err"], "no space left on", str(mnt / "out" / "hf"), "needs about")
         assert result["left"] == ["filler"], failing  # no partial folder, not even the parent the export made
+    for name, out in (("tmpfs", mnt), ("bind", bind)):
+        empty, forced = found["mounts"][name]
+        assert_one_line(empty["code"], empty["err"], str(out), "mount point", "subfolder")
+        assert empty["left"] == [], name
+        assert_one_line(forced["code"], forced["err"], str(out), "mount point", "subfolder")
+        assert forced["left"] == sorted(p.name for p in reference.iterdir()), name  # the previous export kept
+    assert found["beside"] == []  # no `.old` or `.tmp` sibling left beside either mount point
