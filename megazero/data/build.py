@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from megazero.data.blend import IndexFiles
-from megazero.data.cache_plan import CachePlan, Source, plan_cache
+from megazero.data.cache_plan import CachePlan, Source, files_fingerprint, plan_cache
 from megazero.data.corpus import DEFAULT_MAX_BYTES, write_corpus
-from megazero.data.gpt_data import GPTData
+from megazero.data.gpt_data import GPTData, SourceStamp
 from megazero.data.indexed import IndexedDataset, bin_path, index_path
 from megazero.data.regular_files import make_room
 from megazero.data.samples import GPTSamples, parse_split
@@ -180,4 +180,18 @@ def _load(plan: CachePlan, vocab_size: int, seq_len: int, seed: int, split: str,
                          weights=None if weights[0] is None else weights, files=IndexFiles(cache, is_builder))
     if is_builder:
         samples.order.prebuild(train_samples)
-    return GPTData(plan.tokenizer, samples.n_train, samples.n_val, seq_len, samples)
+    return GPTData(plan.tokenizer, samples.n_train, samples.n_val, seq_len, samples,
+                   tokenizer_fingerprint=tokenizer.sha256[:16], stamps=_stamps(plan))
+
+
+def _stamps(plan: CachePlan) -> tuple[SourceStamp, ...]:
+    """Each data.paths entry as built, for a checkpoint to record: the fingerprint its cache name was made of
+    (text files), or the dataset files' (a preprocessed dataset, by their stat alone)."""
+    stamps = []
+    for s in plan.sources:
+        if s.kind == "text":
+            stamps.append(SourceStamp(os.path.realpath(s.label), s.fingerprint, len(s.files)))
+        elif s.kind == "prefix":
+            fingerprint = files_fingerprint([bin_path(s.prefix), index_path(s.prefix)])
+            stamps.append(SourceStamp(os.path.realpath(s.label), fingerprint, None))
+    return tuple(stamps)

@@ -69,7 +69,8 @@ def content_fingerprint(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def _files_fingerprint(files: list[Path]) -> str:
+def files_fingerprint(files: list[Path]) -> str:
+    """What identifies these files as they are now (names, sizes, times, inodes), without reading them."""
     stats = []
     for f in files:
         try:
@@ -115,7 +116,7 @@ def plan_cache(cfg_data: Any, vocab_size: int, builtin_max_bytes: int) -> CacheP
         else:
             files = expand_inputs([raw], "data.paths")
             entries.append((f"data.paths[{i}] {raw!r}", Path(raw), files))
-            sources.append(Source(str(raw), "text", tuple(files), _files_fingerprint(files), Path(), name, weight))
+            sources.append(Source(str(raw), "text", tuple(files), files_fingerprint(files), Path(), name, weight))
     refuse_repeats(entries)
 
     if cfg_data.tokenizer == "train":

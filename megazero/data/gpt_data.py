@@ -12,6 +12,16 @@ if TYPE_CHECKING:  # torch is imported where tensors are made, so preprocessing 
     import torch
 
 
+@dataclass(frozen=True)
+class SourceStamp:
+    """One data.paths entry as its dataset was built: what a checkpoint records, for a resume to notice files
+    that changed under the same path (``megazero.train.resume_changes``)."""
+
+    path: str  # resolved
+    fingerprint: str  # of its files' names, sizes, times and inodes (``cache_plan.files_fingerprint``)
+    files: int | None  # how many text files it read (None: a preprocessed dataset)
+
+
 @dataclass
 class GPTData:
     """The samples a run reads; every method is a pure function of its arguments."""
@@ -21,6 +31,8 @@ class GPTData:
     val_samples: int
     seq_len: int
     samples: GPTSamples = field(repr=False, compare=False)
+    tokenizer_fingerprint: str | None = None  # of the bytes the tokenizer was loaded from (``content_fingerprint``)
+    stamps: tuple[SourceStamp, ...] = ()  # one per data.paths entry, in order
 
     @property
     def source_names(self) -> list[str]:

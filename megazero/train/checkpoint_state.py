@@ -3,7 +3,7 @@ only into the architecture it was written by."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -16,7 +16,7 @@ from megazero.checkpoint.writer import CheckpointWriter
 from megazero.config.schema import Config, ModelConfig
 from megazero.errors import NonFiniteStop, UserError
 from megazero.interop.hf_layout import model_config
-from megazero.train.resume_changes import check_tokenizer_content, resume_record
+from megazero.train.resume_changes import check_built_data, resume_record
 from parallel.loss_scale import LossScaler
 from parallel.topology import Grid
 from parallel.zero import ZeroOptimizer
@@ -39,14 +39,16 @@ def state_tensors(zero: ZeroOptimizer, named_params: list[tuple[str, nn.Paramete
 
 def save_state(writer: CheckpointWriter, cfg: Config, zero: ZeroOptimizer,
                named_params: list[tuple[str, nn.Parameter]], grid: Grid, scaler: LossScaler, step: int,
-               consumed_samples: int, tokenizer: Optional[str], run_id: str, device: torch.device) -> Path:
+               consumed_samples: int, data: Any, run_id: str, device: torch.device) -> Path:
     """Checkpoint this step (in the background with train.async_save). A state holding a non-finite value is
-    never saved: keep_last would rotate the last good checkpoint away."""
+    never saved: keep_last would rotate the last good checkpoint away. ``data``: the run's ``GPTData``, whose
+    tokenizer and files as built are recorded (no file is read here)."""
+    tokenizer = getattr(data, "tokenizer_path", None)
     meta = {"consumed_samples": consumed_samples, "optimizer_step": zero.step_count,
             "tokenizer": str(Path(tokenizer).resolve()) if tokenizer is not None else None,
             "loss_scaler": scaler.state(),
             "config": cfg.to_dict(),
-            **resume_record(cfg, tokenizer),
+            **resume_record(cfg, getattr(data, "tokenizer_fingerprint", None), getattr(data, "stamps", ())),
             "rng": "dropout streams are derived from (train.seed, step, grid coordinates)"}
     state, _ = state_tensors(zero, named_params, grid)
     bad = torch.zeros((), device=device)
@@ -71,15 +73,17 @@ def check_architecture(path: Path, model: ModelConfig) -> None:
 
 
 def load_state(path: Path, cfg: Config, zero: ZeroOptimizer, named_params: list[tuple[str, nn.Parameter]],
-               grid: Grid, scaler: LossScaler, tokenizer: Optional[Path] = None) -> dict:
-    """Load a checkpoint into the ZeRO buffers and the scaler; returns its meta (step, consumed_samples).
-    ``tokenizer``: the file this run's data was tokenised with, which must be the checkpoint's."""
+               grid: Grid, scaler: LossScaler, data: Any = None) -> tuple[dict, Optional[str]]:
+    """Load a checkpoint into the ZeRO buffers and the scaler; returns its meta (step, consumed_samples) and the
+    line that names the data settings changed since it (None: none, or train.resume_changes=allow).
+    ``data``: the run's ``GPTData``, whose tokenizer must be the checkpoint's."""
     check_architecture(path, cfg.model)
-    check_tokenizer_content(path, cfg, tokenizer)
+    changed = check_built_data(path, cfg, getattr(data, "tokenizer_fingerprint", None),
+                               getattr(data, "stamps", None))
     state, exported = state_tensors(zero, named_params, grid)
     meta = checkpoint.load(path, state)
     complete_replicas(exported, dict(named_params), grid)
     zero.import_state(exported, int(meta["optimizer_step"]))
     if "loss_scaler" in meta:
         scaler.load(meta["loss_scaler"])
-    return meta
+    return meta, changed

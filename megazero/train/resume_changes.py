@@ -8,24 +8,30 @@ while what decides it is unchanged. Two kinds of change:
   content of its tokenizer (``tokenizer_fingerprint``) the tokenizers compare by content (a renamed copy is the
   same tokenizer, the same path rewritten is not); older checkpoints compare by name. ``data.tokenizer: train``
   trains on the files of ``data.paths``, in order, read by ``data.text_key``: a change of those is a change of
-  the tokenizer, refused before anything is built; a change of the files' text under the same paths is found
-  by content once the tokenizer is trained, before the weights are loaded (``check_tokenizer_content``).
-* The sample stream: ``data.paths`` (by resolved path: ``a``, ``a/`` and a link to ``a`` are one folder) and
-  their blend weights, ``data.text_key``, ``data.split`` (as fractions: ``98,2`` is ``49,1``) and
-  ``train.seed``. The run goes on, and the writing rank says in one line what changed and what it does to the
-  samples, unless ``train.resume_changes: allow`` acknowledges it.
+  the tokenizer, refused before anything is built; a change of the files' text under the same paths, or
+  ``train`` after a checkpoint that named a file, is found by content once the tokenizer is trained, before the
+  weights are loaded (``check_built_data``).
+* The sample stream: ``data.paths`` (by resolved path: ``a``, ``a/`` and a link to ``a`` are one folder), the
+  files under each (by the fingerprint the data cache names them by), their blend weights, ``data.text_key``,
+  ``data.split`` (as fractions: ``98,2`` is ``49,1``) and ``train.seed``. The run goes on, and the writing rank
+  says in one line what changed and what it does to the samples, unless ``train.resume_changes: allow``
+  acknowledges it.
+
+What a save records is taken from the data as the run built it (``GPTData``), never from the files at the time
+of the save: the tokenizer the ids came from, and no file read by every rank in the save's collective.
 """
 from __future__ import annotations
 
 import math
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from megazero.checkpoint.meta import read_meta, short
 from megazero.config.data_paths import entry_path, entry_weight
 from megazero.config.schema import Config
 from megazero.data.cache_plan import content_fingerprint
+from megazero.data.gpt_data import SourceStamp
 from megazero.errors import UserError
 
 _KEEP = "a resume keeps the tokenizer, since another gives the token ids other meanings"
@@ -35,47 +41,60 @@ _REORDERED = ("the sample order after step {n} differs from the one the run star
 Paths = list[tuple[str, Optional[float]]]  # (resolved path, blend weight or None) per data.paths entry
 
 
-def resume_record(cfg: Config, tokenizer: str | Path | None) -> dict:
+def resume_record(cfg: Config, tokenizer_fingerprint: Optional[str], stamps: Sequence[SourceStamp]) -> dict:
     """What a save records beside the config, for a later resume to compare: ``data.paths`` resolved (against
-    this run's working folder, which a later one may not share) and the content fingerprint of the tokenizer
-    file the run reads."""
-    file = Path(tokenizer) if tokenizer is not None else None
-    fingerprint = content_fingerprint(file) if file is not None and file.is_file() else None
+    this run's working folder, which a later one may not share), the content fingerprint of the tokenizer the
+    data was read with and each entry's files as built (``GPTData``: nothing is read here)."""
     return {"data_paths": [os.path.realpath(entry_path(e)) for e in cfg.data.paths],
-            "tokenizer_fingerprint": fingerprint}
+            "tokenizer_fingerprint": tokenizer_fingerprint,
+            "data_sources": [{"path": s.path, "fingerprint": s.fingerprint, "files": s.files} for s in stamps]}
 
 
-def check_resume(path: Path, cfg: Config) -> Optional[str]:
-    """Before anything is built: refuse a resume of checkpoint ``path`` with another tokenizer; return the one
-    line that names the other changes (None where nothing changed, or train.resume_changes=allow)."""
-    return compare(path, read_meta(path), cfg)
+def check_resume(path: Path, cfg: Config) -> None:
+    """Before anything is built: refuse a resume of checkpoint ``path`` with another tokenizer (the other changes
+    are named once the data is built: ``check_built_data``)."""
+    meta = read_meta(path)
+    data = meta.get("config", {}).get("data")
+    if isinstance(data, dict):
+        _check_tokenizer(path, meta, data, cfg, _their_paths(meta, data), _our_paths(cfg))
 
 
-def check_tokenizer_content(path: Path, cfg: Config, tokenizer: Optional[Path]) -> None:
-    """Once the data is built: the tokenizer file this run reads must hold what checkpoint ``path`` recorded
-    (``data.tokenizer: train`` trains again when the text under ``data.paths`` changed)."""
-    fingerprint = read_meta(path).get("tokenizer_fingerprint")
-    if not fingerprint or tokenizer is None or not Path(tokenizer).is_file():
-        return
-    ours = content_fingerprint(Path(tokenizer))
-    if ours != fingerprint:
-        how = (f"data.tokenizer='train' trained {tokenizer} (content {ours}) afresh, since the text under "
-               f"data.paths changed, and it is" if cfg.data.tokenizer == "train"
-               else f"data.tokenizer {str(tokenizer)!r} (content {ours}) is")
+def check_built_data(path: Path, cfg: Config, tokenizer_fingerprint: Optional[str],
+                     stamps: Optional[Sequence[SourceStamp]]) -> Optional[str]:
+    """Once the data is built, before the weights are loaded: the tokenizer the data was read with must be the
+    one checkpoint ``path`` recorded (``data.tokenizer: train`` trains again when the text under ``data.paths``
+    changed); returns the one line that names the other changes (None where nothing changed, or
+    train.resume_changes=allow). ``stamps``: the entries as built (None: data not built from cfg.data)."""
+    meta = read_meta(path)
+    fingerprint = meta.get("tokenizer_fingerprint")
+    if fingerprint and tokenizer_fingerprint and tokenizer_fingerprint != fingerprint:
+        data = meta.get("config", {}).get("data")
+        old = data.get("tokenizer") if isinstance(data, dict) else None
+        how = (f"data.tokenizer='train' trained a tokenizer (content {tokenizer_fingerprint})"
+               + (" afresh, since the text under data.paths changed, and it is" if old == "train" else ", which is")
+               if cfg.data.tokenizer == "train"
+               else f"data.tokenizer {cfg.data.tokenizer!r} (content {tokenizer_fingerprint}) is")
+        named = f" (resume with data.tokenizer={short(old)})" if isinstance(old, str) and old != "train" else ""
         raise UserError(f"checkpoint {path}: {how} not the tokenizer the checkpoint was trained with (content "
-                        f"{fingerprint}); {_KEEP}")
+                        f"{fingerprint}); {_KEEP}{named}")
+    return _changes(path, meta, cfg, stamps)
 
 
-def compare(where: Path, meta: dict, cfg: Config) -> Optional[str]:
-    """The checks of ``check_resume`` on a checked meta.json (``megazero.checkpoint.meta``)."""
+def compare(where: Path, meta: dict, cfg: Config, stamps: Optional[Sequence[SourceStamp]] = None) -> Optional[str]:
+    """The checks of ``check_resume`` and the line of ``check_built_data`` on a checked meta.json
+    (``megazero.checkpoint.meta``), without the content check of a tokenizer not yet built."""
+    data = meta.get("config", {}).get("data")
+    if isinstance(data, dict):
+        _check_tokenizer(where, meta, data, cfg, _their_paths(meta, data), _our_paths(cfg))
+    return _changes(where, meta, cfg, stamps)
+
+
+def _changes(where: Path, meta: dict, cfg: Config, stamps: Optional[Sequence[SourceStamp]]) -> Optional[str]:
     config = meta.get("config", {})
     data, train = config.get("data"), config.get("train")
-    if not isinstance(data, dict):  # a checkpoint that recorded no data settings: nothing to compare
+    if not isinstance(data, dict) or cfg.train.resume_changes == "allow":  # no data settings: nothing to compare
         return None
     there, here = _their_paths(meta, data), _our_paths(cfg)
-    _check_tokenizer(where, meta, data, cfg, there, here)
-    if cfg.train.resume_changes == "allow":
-        return None
     n = meta["step"]
     changes = []
     if [p for p, _ in there] != [p for p, _ in here]:
@@ -91,6 +110,7 @@ def compare(where: Path, meta: dict, cfg: Config) -> Optional[str]:
         changes.append(f"blend weights in data.paths changed ({shown}): the samples after step {n} follow the new "
                        f"mixture, in another order than the run started with (samples already trained on may come "
                        f"again, others not at all)")
+    changes += _changed_files(meta, cfg, stamps or (), n)
     old_key = data.get("text_key", "text")
     if old_key != cfg.data.text_key:
         changes.append(f"data.text_key {short(old_key)} -> {cfg.data.text_key!r}: the documents are read from "
@@ -132,6 +152,8 @@ def _check_tokenizer(where: Path, meta: dict, data: dict, cfg: Config, there: Pa
         raise UserError(f"checkpoint {where}: data.tokenizer is {short(old)} there and {new!r} here; {_KEEP} "
                         f"(resume with data.tokenizer={short(old)}, or start afresh)")
     if old != "train":
+        if fingerprint:  # by content, once trained: the file the checkpoint named may be what train makes here
+            return
         raise UserError(f"checkpoint {where}: data.tokenizer is {short(old)} there and 'train' here; {_KEEP} "
                         f"(resume with data.tokenizer={short(old)}, or start afresh)")
     instead = f", or set data.tokenizer={_cut(recorded)!r} (the tokenizer it trained)" if recorded else ""
@@ -144,6 +166,34 @@ def _check_tokenizer(where: Path, meta: dict, data: dict, cfg: Config, there: Pa
         raise UserError(f"checkpoint {where}: data.tokenizer='train' trains on data.text_key, which is "
                         f"{short(old_key)} there and {cfg.data.text_key!r} here, so the tokenizer trained now would "
                         f"not be the checkpoint's; {_KEEP}: resume with data.text_key={short(old_key)}{instead}")
+
+
+def _changed_files(meta: dict, cfg: Config, stamps: Sequence[SourceStamp], n: int) -> list[str]:
+    """The entries kept under the same resolved path whose files changed since the checkpoint: the dataset is
+    built again from them. A checkpoint that recorded no files (an older megazero) is not compared."""
+    recorded = meta.get("data_sources")
+    theirs: dict[str, tuple[str, Optional[int]]] = {}
+    for r in recorded if isinstance(recorded, list) else []:
+        if isinstance(r, dict) and isinstance(r.get("path"), str) and isinstance(r.get("fingerprint"), str):
+            files = r.get("files")
+            count = files if isinstance(files, int) and not isinstance(files, bool) and 0 <= files < 1 << 63 else None
+            theirs.setdefault(r["path"], (r["fingerprint"], count))
+    changes = []
+    for i, (entry, stamp) in enumerate(zip(cfg.data.paths, stamps)):
+        if stamp.path not in theirs or theirs[stamp.path][0] == stamp.fingerprint:
+            continue
+        then = theirs[stamp.path][1]
+        if stamp.files is None:
+            how = "its dataset files were rewritten"
+        elif then is not None and then != stamp.files:
+            how = f"{then} files then, {stamp.files} now"
+        else:
+            how = f"{stamp.files} files, some rewritten, replaced or touched"
+        changes.append(f"data.paths[{i}] {_cut(str(entry_path(entry)))!r}: its files changed since the checkpoint "
+                       f"({how}), so its dataset is built again: the sample order from here differs from the one "
+                       f"the run started with (samples after step {n} may be ones already trained on, or of text "
+                       f"it has not seen)")
+    return changes
 
 
 def _our_paths(cfg: Config) -> Paths:

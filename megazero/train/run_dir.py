@@ -42,9 +42,8 @@ def plan_start(cfg: Config) -> Start:
     latest = checkpoint.latest_checkpoint(root)
     path = latest if resume == "auto" else None if resume == "none" else Path(resume)
     if path is not None:
-        changed = check_resume(path, cfg)  # a changed tokenizer is refused here, before any data is built
-        if changed:
-            notes.append(changed)
+        check_resume(path, cfg)  # a changed tokenizer is refused here, before any data is built (the other
+        # changes are named once it is: Trainer.load)
         return Start(path, checkpoint.checkpoint_run_id(path) or _new_id(), tuple(notes))
     if latest is not None:
         if not cfg.log.overwrite:

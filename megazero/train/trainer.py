@@ -107,15 +107,15 @@ class Trainer:
     def save(self, writer: CheckpointWriter) -> Path:
         """Checkpoint this step; a non-finite state is refused (``megazero.train.checkpoint_state``)."""
         return save_state(writer, self.cfg, self.zero, self.named_params, self.grid, self.scaler, self.step,
-                          self.consumed_samples, getattr(self.data, "tokenizer_path", None), self.run_id,
-                          self.device)
+                          self.consumed_samples, self.data, self.run_id, self.device)
 
-    def load(self, path: Path) -> None:
-        """Resume from a checkpoint of the same architecture, in any layout."""
-        meta = load_state(path, self.cfg, self.zero, self.named_params, self.grid, self.scaler,
-                          getattr(self.data, "tokenizer_path", None))
+    def load(self, path: Path) -> Optional[str]:
+        """Resume from a checkpoint of the same architecture, in any layout; returns the line that names the data
+        settings changed since it (None: none, or train.resume_changes=allow), for the writing rank to print."""
+        meta, changed = load_state(path, self.cfg, self.zero, self.named_params, self.grid, self.scaler, self.data)
         self.step = int(meta["step"])
         self.consumed_samples = int(meta["consumed_samples"])
+        return changed
 
     # ----- the loop ---------------------------------------------------------------------------
     def fit(self, start: Start) -> list[dict]:
@@ -128,12 +128,14 @@ class Trainer:
             ids = [self.run_id]
             dist.broadcast_object_list(ids, src=0)
             self.run_id = ids[0]
+        notes = list(start.notes)
         if start.resume is not None:
-            self.load(start.resume)
+            changed = self.load(start.resume)
+            notes += [changed] if changed else []
         if self.stop is not None:  # from here on log.dir changes: a stop signal waits for a step and its save
             self.stop.defer()
         if self.is_writer:
-            for note in start.notes:
+            for note in notes:
                 print(note, flush=True)
             if start.resume is not None:
                 print(f"resumed from {start.resume} at step {self.step}", flush=True)

@@ -15,6 +15,8 @@ import pytest
 
 from megazero.config.load import load_config
 from megazero.errors import UserError
+from megazero.data.cache_plan import content_fingerprint
+from megazero.data.gpt_data import SourceStamp
 from megazero.train.resume_changes import compare, resume_record
 from tests.hostile import ROOT, assert_one_line, call, pretrain_main
 from tests.runs import small_overrides, write_corpus
@@ -48,7 +50,7 @@ def _meta(cfg, tokenizer: str | None = None, old: bool = False) -> dict:
     meta = {"format": 1, "step": 4, "consumed_samples": 32, "optimizer_step": 4, "config": cfg.to_dict(),
             "tokenizer": str(Path(tok).resolve()) if tok else None}
     if not old:
-        meta.update(resume_record(cfg, tok))
+        meta.update(resume_record(cfg, content_fingerprint(Path(tok)) if tok else None, ()))
     return meta
 
 
@@ -102,7 +104,9 @@ def test_another_tokenizer_is_refused_naming_both(here):
     line = str(e.value)
     assert "\n" not in line and "data.tokenizer" in line and "'tok.json'" in line and "'other.json'" in line, line
     with pytest.raises(UserError, match="data.tokenizer is 'tok.json' there and 'train' here"):
-        compare(WHERE, _meta(_cfg()), _cfg("data.tokenizer=train"))
+        compare(WHERE, _meta(_cfg(), old=True), _cfg("data.tokenizer=train"))  # by name: an older checkpoint
+    # where the checkpoint recorded its tokenizer's content, what train makes is compared by content, once made
+    assert compare(WHERE, _meta(_cfg()), _cfg("data.tokenizer=train")) is None
     # allow acknowledges changes of the stream, never a change of what the ids mean
     with pytest.raises(UserError, match="data.tokenizer"):
         compare(WHERE, _meta(_cfg()), _cfg("data.tokenizer=other.json", "train.resume_changes=allow"))
@@ -226,3 +230,95 @@ def test_a_trained_tokenizer_retrained_on_changed_files_is_refused(tmp_path, cap
     os.utime(first)
     code, out, err = call(pretrain_main, _argv(corpus, cache, log), capsys)
     assert code == 0, err
+
+
+def _trained_tokenizer(trained, to: Path) -> Path:
+    """A copy, under another name, of the tokenizer the module's run trained."""
+    (made,) = (trained[1]).glob("tokenizer-*.model")
+    shutil.copy(made, to)
+    return to
+
+
+def _meta_of(log: Path, step: int) -> dict:
+    import json
+
+    return json.loads((log / "checkpoints" / f"step_{step:08d}" / "meta.json").read_text())
+
+
+def test_a_save_records_the_tokenizer_the_data_was_read_with_not_the_file_as_it_is_then(trained, tmp_path, capsys,
+                                                                                         monkeypatch):
+    """The tokenizer file replaced while the run trains: the checkpoint records the one its ids are of."""
+    from megazero.data.cache_plan import content_fingerprint
+    from megazero.train.trainer import Trainer
+
+    tok = _trained_tokenizer(trained, tmp_path / "tok.model")
+    original = content_fingerprint(tok)
+    step = Trainer.train_step
+
+    def replaced_then_step(self):
+        tok.write_bytes(b"another tokenizer now")
+        return step(self)
+
+    monkeypatch.setattr(Trainer, "train_step", replaced_then_step)
+    code, _, err = _resume(trained, tmp_path, capsys, f"data.tokenizer={tok}", "train.steps=2")
+    assert code == 0, err
+    assert _meta_of(tmp_path / "run", 2)["tokenizer_fingerprint"] == original
+
+
+def test_a_trained_tokenizer_resumed_from_its_copy_resumes_with_train_again(trained, tmp_path, capsys):
+    """train -> the trained tokenizer's copy by name -> train: the same tokenizer throughout, by content;
+    and a resume that changes nothing says nothing."""
+    tok = _trained_tokenizer(trained, tmp_path / "tok.model")
+    code, out, err = _resume(trained, tmp_path, capsys, f"data.tokenizer={tok}", "train.steps=2")
+    assert code == 0 and "warning" not in out, (err, out)
+    code, out, err = call(pretrain_main, _argv(*trained[:2], tmp_path / "run", "train.steps=2"), capsys)
+    assert code == 0, err
+    assert "warning" not in out and "resumed from" in out, out
+
+
+def test_a_changed_corpus_under_the_same_path_is_named_once(trained, tmp_path, capsys):
+    """New files in a data.paths folder: the dataset is built again and the sample stream is another, named
+    in the one warning line; an unchanged resume says nothing."""
+    corpus = write_corpus(tmp_path / "corpC")
+    later = sorted(corpus.iterdir())[30:]
+    spare = tmp_path / "spare"
+    spare.mkdir()
+    for f in later:  # kept aside, to come back as new files
+        f.rename(spare / f.name)
+    tok = _trained_tokenizer(trained, tmp_path / "tok.model")
+    cache, log = tmp_path / "cache", tmp_path / "run"
+    argv = _argv(corpus, cache, log, f"data.tokenizer={tok}")
+    assert pretrain_main(argv) == 0
+    capsys.readouterr()
+    code, out, err = call(pretrain_main, argv, capsys)
+    assert code == 0 and "warning" not in out, (err, out)  # unchanged: not a word
+    for f in spare.iterdir():
+        shutil.copy(f, corpus / f"new_{f.name}")
+    code, out, err = call(pretrain_main, argv, capsys)
+    assert code == 0, err
+    lines = [line for line in out.splitlines() if "warning" in line]
+    assert len(lines) == 1, out
+    added = len(list(spare.iterdir()))
+    for fragment in (f"data.paths[0] {str(corpus)!r}: its files changed since the checkpoint",
+                     f"30 files then, {30 + added} now",
+                     "after step 1", "train.resume_changes=allow"):
+        assert fragment in lines[0], (fragment, lines[0])
+    code, out, err = call(pretrain_main, argv + ["--set", "train.resume_changes=allow"], capsys)
+    assert code == 0 and "warning" not in out, (err, out)
+
+
+def test_files_changed_under_a_kept_path_are_named_where_the_checkpoint_recorded_them(here):
+    cfg = _cfg()
+    built = (SourceStamp(str(here / "a"), "0" * 16, 3), SourceStamp(str(here / "b"), "1" * 16, 5))
+    meta = _meta(cfg)
+    meta.update(resume_record(cfg, meta["tokenizer_fingerprint"], built))
+    assert compare(WHERE, meta, cfg, built) is None  # as built then
+    now = (built[0], SourceStamp(str(here / "b"), "2" * 16, 9))
+    note = compare(WHERE, meta, cfg, now)
+    assert note is not None and "\n" not in note and "data.paths[0]" not in note, note
+    assert "data.paths[1] 'b': its files changed since the checkpoint (5 files then, 9 now)" in note, note
+    assert compare(WHERE, meta, _cfg("train.resume_changes=allow"), now) is None
+    assert compare(WHERE, _meta(cfg), cfg, now) is None  # a checkpoint that recorded no files: not compared
+    meta["data_sources"] = [{"path": str(here / "b"), "fingerprint": "3" * 16, "files": 10 ** 5000}, 7, {"path": 1}]
+    note = compare(WHERE, meta, cfg, now)  # crafted: named, never a traceback
+    assert note is not None and "data.paths[1] 'b'" in note and len(note) < 2000, note
