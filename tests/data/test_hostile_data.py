@@ -370,14 +370,14 @@ def test_fifo_given_as_a_dataset_or_a_tokenizer_is_refused(base, tmp_path: Path,
     is; nothing opens it (a watchdog fails the test instead of hanging). Before: the tokenizer FIFO was
     reported as missing ("does not exist") and the .idx as "not a regular file" without saying why."""
     from megazero.data.preprocess import main as preprocess_main
-    from tests.data.test_hostile_cache import watchdog
+    from tests.hostile import watchdog
 
     prefix = tmp_path / "ds"
     os.mkfifo(f"{prefix}.idx")
     Path(f"{prefix}.bin").write_bytes(b"\x00\x00")
     fifo = tmp_path / "tokenizer.json"
     os.mkfifo(fifo)
-    with watchdog():
+    with watchdog(30):
         _fails(capsys, tmp_path, [prefix], base["tok"], f"{prefix}.idx", "not a regular file", "a FIFO")
         code, _, err = call(preprocess_main, ["--input", str(base["corpus"]), "--tokenizer", str(fifo),
                                               "--output", str(tmp_path / "out")], capsys)
