@@ -1,10 +1,13 @@
-"""The topology grid: which rank does what along (pp, dp, tp).
+"""The topology grid: which rank does what along (pp, dp, tp), with expert parallelism carved out of dp.
 
 Rank order is Megatron's default, tp fastest: TP groups stay inside a node
 (NVLink), DP next, PP across nodes —
 ``rank = (pp_rank * dp + dp_rank) * tp + tp_rank``.
-The Grid is built over a torch DeviceMesh with dims ("pp", "dp", "tp") and is
-an object handed to whoever needs it, never a global.
+Expert parallelism (``ep``) splits dp, fastest within it, as Megatron's expert-data-parallel does:
+``dp_rank = edp_rank * ep + ep_rank``. An expert lives on one rank of its ep group (the ep consecutive dp
+ranks of one (pp, edp, tp) position) and is replicated over the edp = dp / ep ranks of its edp group.
+The Grid is built over a torch DeviceMesh with dims ("pp", "dp", "tp") — ("pp", "edp", "ep", "tp") with
+"dp" their flattening when ep > 1 — and is an object handed to whoever needs it, never a global.
 """
 from __future__ import annotations
 
@@ -71,11 +74,14 @@ class Grid:
     pp: int
     dp: int
     rank: int = 0
+    ep: int = 1  # expert-parallel ranks, carved out of dp (dp_rank = edp_rank * ep + ep_rank)
     mesh: object = None
     tp_group: Optional[dist.ProcessGroup] = None
     dp_group: Optional[dist.ProcessGroup] = None
     pp_group: Optional[dist.ProcessGroup] = None
     embed_group: Optional[dist.ProcessGroup] = None
+    ep_group: Optional[dist.ProcessGroup] = None  # the ranks that split one set of experts
+    edp_group: Optional[dist.ProcessGroup] = None  # the ranks that hold copies of the same experts
     counter: CommCounter = field(default_factory=CommCounter)
     timeout: Optional[timedelta] = None  # every group's collective timeout (None: torch's default)
     replica_comms: dict = field(default_factory=dict)  # tp_replica_comm's groups, by size
@@ -85,13 +91,20 @@ class Grid:
         self.dp_comm = Comm(self.dp_group, "dp", self.counter)
         self.pp_comm = Comm(self.pp_group, "pp", self.counter)
         self.embed_comm = Comm(self.embed_group, "embed", self.counter)
+        assert self.ep >= 1 and self.dp % self.ep == 0, (self.dp, self.ep)
+        if self.ep == 1:  # the experts' groups are the dense ones: the same communicators, counted as such
+            self.ep_comm, self.edp_comm = Comm(None, "ep", self.counter), self.dp_comm
+        else:
+            self.ep_comm = Comm(self.ep_group, "ep", self.counter)
+            self.edp_comm = Comm(self.edp_group, "edp", self.counter)
 
     @classmethod
     def single(cls) -> "Grid":
         return cls(tp=1, pp=1, dp=1, rank=0)
 
     @classmethod
-    def build(cls, tp: int, pp: int, dp: int, device_type: str = "cpu", timeout: Optional[timedelta] = None) -> "Grid":
+    def build(cls, tp: int, pp: int, dp: int, device_type: str = "cpu", timeout: Optional[timedelta] = None,
+              ep: int = 1) -> "Grid":
         """Build the DeviceMesh over the initialised default process group.
 
         ``timeout`` bounds the collectives of every group (launch.timeout_minutes): a group made without one
@@ -103,18 +116,24 @@ class Grid:
         assert tp * pp * dp == world, f"tp*pp*dp={tp * pp * dp} != world size {world}"
         from torch.distributed.device_mesh import init_device_mesh
 
-        names = ("pp", "dp", "tp")
+        assert dp % ep == 0, f"parallel.ep={ep} must divide dp={dp}"
+        names = ("pp", "dp", "tp") if ep == 1 else ("pp", "edp", "ep", "tp")
+        shape = (pp, dp, tp) if ep == 1 else (pp, dp // ep, ep, tp)
         override = None
         if timeout is not None:
             backend = "nccl" if device_type == "cuda" else "gloo"
             options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
             options._timeout = timeout
             override = {name: (backend, options) for name in names}
-        mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=names, backend_override=override)
-        return cls(tp=tp, pp=pp, dp=dp, rank=dist.get_rank(), mesh=mesh,
-                   tp_group=mesh.get_group("tp"), dp_group=mesh.get_group("dp"),
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override)
+        experts, dp_mesh = {}, mesh["dp"] if ep == 1 else None
+        if ep > 1:
+            dp_mesh = mesh["edp", "ep"]._flatten("dp", backend_override=override["edp"] if override else None)
+            experts = dict(ep_group=mesh.get_group("ep"), edp_group=mesh.get_group("edp"))
+        return cls(tp=tp, pp=pp, dp=dp, rank=dist.get_rank(), mesh=mesh, ep=ep,
+                   tp_group=mesh.get_group("tp"), dp_group=dp_mesh.get_group(),
                    pp_group=mesh.get_group("pp"), embed_group=new_embedding_group(tp, pp, dp, timeout),
-                   timeout=timeout)
+                   timeout=timeout, **experts)
 
     def tp_replica_comm(self, size: int) -> Comm:
         """This rank's group of ``size`` consecutive tp ranks: the ranks that hold one replicated k/v head when
@@ -154,6 +173,15 @@ class Grid:
         return self.coords[2]
 
     @property
+    def ep_rank(self) -> int:
+        """This rank's place in its ep group: which slice of the experts it holds."""
+        return self.dp_rank % self.ep
+
+    @property
+    def edp_rank(self) -> int:
+        return self.dp_rank // self.ep
+
+    @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
 
@@ -175,7 +203,8 @@ class Grid:
         return coords_to_rank(self.pp_rank + 1, self.dp_rank, self.tp_rank, self.tp, self.dp)
 
     def __str__(self) -> str:
-        lines = [f"grid pp={self.pp} x dp={self.dp} x tp={self.tp} (world {self.world_size}, tp fastest)"]
+        lines = [f"grid pp={self.pp} x dp={self.dp} x tp={self.tp} (world {self.world_size}, tp fastest)"
+                 + (f"; ep={self.ep} inside dp (dp_rank = edp_rank * {self.ep} + ep_rank)" if self.ep > 1 else "")]
         for p in range(self.pp):
             rows = []
             for d in range(self.dp):

@@ -11,8 +11,22 @@ ROPE_SCALING_KEYS = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_fact
 
 
 def _value(m: Any, key: str) -> Any:
-    """A key's resolved meaning: the number of k/v heads, not whether it was set."""
+    """A key's resolved meaning: the number of k/v heads, not whether it was set; of ``moe``, the keys that
+    shape the network (a dense model's: none), not its training settings."""
+    if key == "moe":
+        return moe_architecture(m.moe)
     return m.kv_head_count if key == "kv_heads" else getattr(m, key)
+
+
+def moe_architecture(moe: Any) -> Any:
+    """``model.moe``'s architecture keys as a mapping (``dense`` without experts), a stored mapping too."""
+    from megazero.config.schema import MoeConfig
+
+    get = moe.get if isinstance(moe, Mapping) else lambda k, d=None: getattr(moe, k, d)
+    if not get("experts", 0):
+        return "dense"
+    defaults = MoeConfig()
+    return {k: get(k, getattr(defaults, k)) for k in MoeConfig.ARCHITECTURE}
 
 
 def architecture_differences(there: Mapping[str, Any], here: Any) -> list[tuple[str, Any, Any]]:
@@ -22,6 +36,8 @@ def architecture_differences(there: Mapping[str, Any], here: Any) -> list[tuple[
     out = []
     for key, theirs in there.items():
         ours = _value(here, key)
+        if key == "moe":
+            theirs = moe_architecture(theirs)
         if key.startswith("rope_") and here.arch == there.get("arch", here.arch) == "gpt2":
             continue
         if key in ROPE_SCALING_KEYS and here.rope_scaling == "none":

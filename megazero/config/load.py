@@ -137,14 +137,33 @@ def _suggest(word: str, options) -> str:
 
 def apply_value(cfg: Config, section: str, key: str, value: Any, source: str) -> None:
     """Set ``section.key`` to ``value`` after checking the names and the value's type (not its range): a file's
-    key, a ``--set`` and a checkpoint's stored model setting alike; an error names ``source``."""
+    key, a ``--set`` and a checkpoint's stored model setting alike; an error names ``source``. A key may name
+    a nested mapping's key (``moe.experts`` in ``model``), and a nested mapping takes a mapping of its keys."""
     if section not in SECTIONS:
         raise UserError(f"{source}: unknown section {shown(section)}; {_suggest(str(section), SECTIONS)}")
-    obj = getattr(cfg, section)
-    fields = {f.name: f for f in dataclasses.fields(obj)}
+    obj, name = getattr(cfg, section), section
+    while True:
+        fields = {f.name: f for f in dataclasses.fields(obj)}
+        head, dot, rest = key.partition(".")
+        if not dot or head not in fields or not dataclasses.is_dataclass(getattr(obj, head)):
+            break
+        obj, name, key = getattr(obj, head), f"{name}.{head}", rest
     if key not in fields:
-        raise UserError(f"{source}: unknown key {shown(f'{section}.{key}')}; {_suggest(str(key), fields)}")
-    setattr(obj, key, _coerce(source, section, key, value, str(fields[key].type)))
+        raise UserError(f"{source}: unknown key {shown(f'{name}.{key}')}; {_suggest(str(key), fields)}")
+    nested = getattr(obj, key)
+    if dataclasses.is_dataclass(nested):
+        if value is None:  # a mapping whose keys are all commented out: its defaults
+            return
+        if not isinstance(value, dict):
+            raise invalid(source, f"{name}.{key}", value, f"expected a mapping of {name}.{key}'s keys")
+        for sub, v in value.items():
+            if not isinstance(sub, str):
+                raise UserError(f"{source}: unknown key {shown(sub)} in '{name}.{key}'; valid: "
+                                f"{', '.join(sorted(f.name for f in dataclasses.fields(nested)))}")
+            apply_value(cfg, section, f"{key}.{sub}" if name == section else f"{name[len(section) + 1:]}.{key}.{sub}",
+                        v, source)
+        return
+    setattr(obj, key, _coerce(source, name, key, value, str(fields[key].type)))
 
 
 def parse_set(item: str) -> tuple[str, str, Any]:

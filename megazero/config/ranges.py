@@ -28,6 +28,7 @@ _CHOICES = {
     ("train", "on_nonfinite"): ("stop", "skip"),
     ("train", "init_unused"): ("refuse", "drop"),
     ("train", "resume_changes"): ("warn", "allow"),
+    ("model.moe", "router"): ("softmax", "sigmoid"),
 }
 _MIN = {
     ("model", "layers"): 1, ("model", "hidden"): 1, ("model", "heads"): 1, ("model", "seq_len"): 1,
@@ -44,6 +45,11 @@ _MIN = {
     ("parallel", "world_size"): 0, ("log", "every"): 1, ("model", "init_std"): 0.0,
     ("log", "peak_tflops"): 1e-9, ("train", "max_skipped"): 1,
     ("launch", "memory_gb"): 0.0, ("launch", "rank"): -1,
+    ("model.moe", "experts"): 0, ("model.moe", "top_k"): 1, ("model.moe", "expert_hidden"): 1,
+    ("model.moe", "shared_experts"): 0, ("model.moe", "dense_layers"): 0, ("model.moe", "every"): 1,
+    ("model.moe", "routed_scaling_factor"): 1e-6, ("model.moe", "bias_update_rate"): 0.0,
+    ("model.moe", "aux_loss"): 0.0, ("model.moe", "z_loss"): 0.0, ("model.moe", "capacity_factor"): 0.0,
+    ("parallel", "ep"): 1,
     ("launch", "timeout_minutes"): 0.01,  # > 0: torch counts in milliseconds, so less would round to no wait
 }
 
@@ -90,6 +96,16 @@ _MAX = {
     ("launch", "timeout_minutes"): 10080.0,  # a week; timedelta and NCCL's milliseconds hold it easily
     ("launch", "memory_gb"): 2.0 ** 40,  # a TB of TB; bytes stay exact in float64
     ("launch", "rank"): MAX_WORLD - 1,  # below the world size, checked once the world is known
+    ("model.moe", "experts"): 2 ** 16,  # DeepSeek-V3: 256; per-expert counts and biases are E-long vectors
+    ("model.moe", "top_k"): 2 ** 16,  # at most experts, checked by the rules
+    ("model.moe", "expert_hidden"): 2 ** 20,  # as model.ffn_hidden
+    ("model.moe", "shared_experts"): 2 ** 10,  # their SwiGLU is shared_experts*expert_hidden wide
+    ("model.moe", "dense_layers"): 2 ** 31 - 1, ("model.moe", "every"): 2 ** 31 - 1,  # as model.layers
+    ("model.moe", "routed_scaling_factor"): 1e6,  # DeepSeek-V3: 2.5; a scale this far out only overflows
+    ("model.moe", "bias_update_rate"): 1.0,  # DeepSeek-V3: 0.001; the router's sigmoid scores are in (0, 1)
+    ("model.moe", "aux_loss"): 1e6, ("model.moe", "z_loss"): 1e6,  # coefficients (~1e-2, ~1e-3 in use)
+    ("model.moe", "capacity_factor"): 2 ** 16,  # past experts/top_k every expert takes every token anyway
+    ("parallel", "ep"): MAX_WORLD,
 }
 _PROBABILITY = {("model", "dropout")}
 
@@ -101,10 +117,16 @@ def check_ranges(cfg: Config, sections: Optional[Iterable[str]] = None, source: 
     wanted = None if sections is None else set(sections)
 
     def keys(table) -> list:
-        return [k for k in table if wanted is None or k[0] in wanted]
+        return [k for k in table if wanted is None or k[0].split(".")[0] in wanted]
+
+    def value(section: str, key: str):
+        obj = cfg
+        for part in section.split("."):  # model.moe: a mapping inside a section
+            obj = getattr(obj, part)
+        return getattr(obj, key)
 
     for section, key in keys(_MIN) + [k for k in keys(_MAX) if k not in _MIN]:
-        v = getattr(getattr(cfg, section), key)
+        v = value(section, key)
         if v is None or v == AUTO:
             continue
         low, high = _MIN.get((section, key)), _MAX.get((section, key))
@@ -112,10 +134,10 @@ def check_ranges(cfg: Config, sections: Optional[Iterable[str]] = None, source: 
             valid = " and ".join(f"{op} {bound}" for op, bound in ((">=", low), ("<=", high)) if bound is not None)
             raise invalid(src, f"{section}.{key}", v, f"must be {valid}")
     for section, key in keys(_PROBABILITY):
-        v = getattr(getattr(cfg, section), key)
+        v = value(section, key)
         if not 0.0 <= v < 1.0:
             raise invalid(src, f"{section}.{key}", v, "must be in [0, 1)")
     for (section, key), choices in ((k, _CHOICES[k]) for k in keys(_CHOICES)):
-        v = getattr(getattr(cfg, section), key)
+        v = value(section, key)
         if v not in choices:
             raise invalid(src, f"{section}.{key}", v, f"valid: {' | '.join(str(c) for c in choices)}")

@@ -87,6 +87,22 @@ def _check_model_rules(cfg: Config, src: str) -> None:
     if m.checkpoint_layers and not m.activation_checkpointing:
         raise invalid(src, "model.checkpoint_layers", m.checkpoint_layers,
                       "recomputes layers only with model.activation_checkpointing=true; 0 without it")
+    _check_moe_model(m, src)
+
+
+def _check_moe_model(m, src: str) -> None:
+    """model.moe: llama's MLP replaced; k of E experts per token; at least one layer a mixture of experts."""
+    moe = m.moe
+    if not moe.experts:
+        return
+    if m.arch != "llama":
+        raise invalid(src, "model.moe.experts", moe.experts, f"mixtures of experts need model.arch=llama (got "
+                      f"{m.arch}); set model.moe.experts=0 for a dense {m.arch}")
+    if moe.top_k > moe.experts:
+        raise invalid(src, "model.moe.top_k", moe.top_k, f"must be <= model.moe.experts={moe.experts}")
+    if moe.dense_layers >= m.layers:
+        raise invalid(src, "model.moe.dense_layers", moe.dense_layers,
+                      f"leaves no mixture-of-experts layer; must be < model.layers={m.layers}")
 
 
 def _check_zero(cfg: Config) -> None:
@@ -164,6 +180,29 @@ def _check_tp(cfg: Config) -> None:
     if cfg.parallel.tp_overlap and cfg.train.micro_batch % 2:
         raise invalid(src, "train.micro_batch", cfg.train.micro_batch,
                       "must be even with parallel.tp_overlap=true (each microbatch runs as two halves)")
+    _check_experts(cfg)
+
+
+def _check_experts(cfg: Config) -> None:
+    """Expert parallelism splits the experts evenly over ep ranks carved out of dp; each tp rank routes its own
+    sequence shard, so the sequence splits over tp."""
+    m, p, src = cfg.model, cfg.parallel, cfg.source
+    moe = m.moe
+    if p.ep > 1 and not moe.experts:
+        raise invalid(src, "parallel.ep", p.ep, "splits experts, and model.moe.experts is 0; use 1")
+    if not moe.experts:
+        return
+    if moe.experts % p.ep:
+        raise invalid(src, "model.moe.experts", moe.experts, f"must be divisible by parallel.ep={p.ep} (whole "
+                      "experts per rank)")
+    if isinstance(p.dp, int) and p.dp % p.ep:
+        raise invalid(src, "parallel.ep", p.ep, f"must divide parallel.dp={p.dp} (ep is carved out of dp)")
+    if p.tp > 1 and m.seq_len % p.tp:
+        raise invalid(src, "model.seq_len", m.seq_len, f"must be divisible by parallel.tp={p.tp}: each tp rank "
+                      "routes its own part of the sequence to the experts")
+    if p.tp_overlap:
+        raise invalid(src, "parallel.tp_overlap", True, "does not apply to mixture-of-experts layers (their "
+                      "expert computation is not split over tp); use false")
 
 
 def _check_pp(cfg: Config) -> None:
@@ -237,6 +276,9 @@ def world_dp(cfg: Config, world_size: int) -> int:
         raise UserError(f"{src}: parallel.tp*pp*dp = {p.tp}*{p.pp}*{dp} = {p.tp * p.pp * dp} "
                         f"does not match the world size {world_size}; set parallel.dp=auto or launch "
                         f"{p.tp * p.pp * dp} processes")
+    if dp % p.ep:
+        raise invalid(src, "parallel.ep", p.ep, f"must divide parallel.dp={dp} (ep is carved out of dp; world "
+                      f"{world_size} = tp {p.tp} x pp {p.pp} x dp {dp})")
     _check_batch(cfg, dp)
     _check_microbatches(cfg, dp)
     return dp

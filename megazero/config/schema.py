@@ -16,6 +16,35 @@ AUTO = "auto"
 
 
 @dataclass
+class MoeConfig:
+    """``model.moe``: a mixture of experts in place of the MLP of some layers (llama only; docs/moe.md).
+
+    Off while ``experts`` is 0. Layer i is a mixture of experts when i >= dense_layers and
+    (i - dense_layers) % every == 0."""
+
+    experts: int = 0  # routed experts E; 0 = a dense model
+    top_k: int = 2  # experts each token is sent to
+    expert_hidden: Union[int, None] = None  # each expert's SwiGLU width; None -> the model's ffn_hidden
+    shared_experts: int = 0  # always-on experts (DeepSeek, Qwen2-MoE), one SwiGLU of shared_experts*expert_hidden
+    dense_layers: int = 0  # the first k layers keep a dense MLP (DeepSeek-V3: 3)
+    every: int = 1  # a mixture of experts every n layers after the dense ones
+    router: str = "softmax"  # softmax (Mixtral, Qwen3-MoE) | sigmoid (DeepSeek-V3: bias-selected top-k)
+    norm_topk_prob: bool = True  # renormalise the k gate weights to sum to 1
+    routed_scaling_factor: float = 1.0  # the routed experts' output is multiplied by it (DeepSeek-V3: 2.5)
+    # training settings (may change on a resume):
+    bias_update_rate: float = 0.001  # sigmoid: DeepSeek-V3's gamma, bias_e += gamma*sign(mean load - load_e)
+    aux_loss: float = 0.0  # the Switch/GShard load-balancing loss's coefficient, per sequence
+    z_loss: float = 0.0  # the router z-loss's coefficient (Zoph et al. 2022), per token
+    capacity_factor: float = 0.0  # 0: dropless; else tokens past capacity*tokens*top_k/E per expert are dropped
+
+    ARCHITECTURE = ("experts", "top_k", "expert_hidden", "shared_experts", "dense_layers", "every", "router",
+                    "norm_topk_prob", "routed_scaling_factor")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.experts > 0 and layer >= self.dense_layers and (layer - self.dense_layers) % self.every == 0
+
+
+@dataclass
 class ModelConfig:
     arch: str = "gpt2"  # gpt2 | llama (RMSNorm, rotary positions, SwiGLU, grouped-query attention)
     layers: int = 2
@@ -44,12 +73,13 @@ class ModelConfig:
     checkpoint_layers: int = 0
     init_std: float = 0.02
     vocab_pad_multiple: int = 128
+    moe: MoeConfig = field(default_factory=MoeConfig)  # a mapping: model.moe.experts, ... (above)
 
     # The keys that define the network a checkpoint holds; the others (dropout, activation checkpointing,
     # init_std) may change between a save and a resume.
     ARCHITECTURE = ("arch", "layers", "hidden", "heads", "kv_heads", "seq_len", "vocab_size", "ffn_hidden", "bias",
                     "tie_embeddings", "norm_eps", "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor",
-                    "rope_high_freq_factor", "rope_original_positions", "vocab_pad_multiple")
+                    "rope_high_freq_factor", "rope_original_positions", "vocab_pad_multiple", "moe")
 
     @property
     def padded_vocab(self) -> int:
@@ -77,6 +107,7 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     dp: Union[int, str] = AUTO  # "auto" = world_size / (tp * pp), resolved at launch
+    ep: int = 1  # expert parallelism: model.moe's experts split over ep ranks carved out of dp (docs/moe.md)
     sequence_parallel: bool = False  # split norms/dropout along the sequence over tp (Korthikanti et al. 2022)
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb1p
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved)
