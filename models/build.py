@@ -15,7 +15,7 @@ from models.arch import ffn_hidden, has_bias, is_llama, tied
 from models.init import InitialValues, init_parameters
 from models.stage import GPT
 
-PARALLEL_ATTRS = ("tp_split_dim", "tp_replicas", "sequence_parallel")  # what the parallel layers mark
+PARALLEL_ATTRS = ("tp_split_dim", "tp_replicas", "sequence_parallel", "ep_split_dim", "reduce_group")  # marked
 
 
 def build_gpt(cfg: Any, seed: int | InitialValues, device: torch.device | str = "cpu", materialise: bool = True,
@@ -30,6 +30,10 @@ def build_gpt(cfg: Any, seed: int | InitialValues, device: torch.device | str = 
     with torch.device("meta"):
         model = GPT(cfg, **stage)
     model.rng.device = torch.device(device)
+    for module in model.modules():  # buffers (a router's bias, its statistics) are small: always real, zero
+        for name, b in list(module.named_buffers(recurse=False)):
+            if b is not None and b.is_meta:
+                setattr(module, name, torch.zeros(b.shape, dtype=b.dtype, device=device))
     if not materialise:
         return model
     # new Parameter objects on the device, keeping the parallel attributes (not to_empty: it cannot swap the
@@ -40,7 +44,8 @@ def build_gpt(cfg: Any, seed: int | InitialValues, device: torch.device | str = 
             if id(p) not in made:
                 made[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
                 for attr in PARALLEL_ATTRS:
-                    setattr(made[id(p)], attr, getattr(p, attr))
+                    if hasattr(p, attr):
+                        setattr(made[id(p)], attr, getattr(p, attr))
             setattr(module, name, made[id(p)])
     init_parameters(model, seed)
     return model

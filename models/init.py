@@ -34,6 +34,9 @@ def initial_value(name: str, full_shape: tuple[int, ...], seed: int, cfg: Any) -
     zero biases, LayerNorm weight 1. Depends only on (seed, name, shape, cfg).
     """
     module = name.split(".")[-2]
+    if ".experts." in name and name.endswith(".down"):  # an expert's output projection is a residual one
+        return torch.empty(full_shape).normal_(0.0, cfg.init_std / math.sqrt(2 * cfg.layers),
+                                               generator=_generator(seed, name))
     if name.endswith(".bias"):
         return torch.zeros(full_shape)
     if module in NORMS:
@@ -53,6 +56,8 @@ def initial_tp_value(model: GPT, name: str, seed: int | InitialValues) -> Tensor
     module = model.get_submodule(module_name)
     tp_rank, tp_size = getattr(module, "tp_rank", 0), getattr(module, "tp_size", 1)
     p = getattr(module, pname)
+    if getattr(p, "ep_split_dim", None) is not None:
+        return _local_experts(model, name, module, p, seed)
     dim = p.tp_split_dim
     pieces = tp_size // getattr(p, "tp_replicas", 1)  # replicated k/v heads: tp/replicas distinct pieces
     full_shape = list(p.shape)
@@ -66,6 +71,28 @@ def initial_tp_value(model: GPT, name: str, seed: int | InitialValues) -> Tensor
     if dim is not None and pieces > 1:
         value = value.chunk(pieces, dim=dim)[tp_rank * pieces // tp_size]
     return value
+
+
+def expert_name(name: str, expert: int) -> str:
+    """The logical name of one expert's matrix of a stacked expert parameter: ``layers.3.mlp.experts.5.gate``
+    for expert 5 of ``layers.3.mlp.experts.gate`` (what its initial value is drawn by, and an import reads)."""
+    prefix, _, kind = name.rpartition(".")
+    return f"{prefix}.{expert}.{kind}"
+
+
+def _local_experts(model: GPT, name: str, module, p, seed: int | InitialValues) -> Tensor:
+    """This ep rank's experts of a stacked expert parameter, each drawn by its own name: no rank builds the
+    whole stack (E of them), and the values do not depend on how the experts are split."""
+    values = []
+    for e in range(module.first, module.first + p.shape[0]):
+        one = expert_name(name, e)
+        if callable(seed):
+            v = seed(one, tuple(p.shape[1:]))
+            assert tuple(v.shape) == tuple(p.shape[1:]), (one, tuple(v.shape), tuple(p.shape[1:]))
+        else:
+            v = initial_value(one, tuple(p.shape[1:]), seed, model.cfg)
+        values.append(v)
+    return torch.stack(values)
 
 
 @torch.no_grad()

@@ -159,9 +159,10 @@ class LlamaAttention(nn.Module):
 class SwiGLU(nn.Module):
     """down(silu(gate x) * up x) (Shazeer 2020): gate and up column-parallel, down row-parallel."""
 
-    def __init__(self, cfg: Any, par: Split):
+    def __init__(self, cfg: Any, par: Split, width: Optional[int] = None):
+        """width: the hidden width (default the model's ffn_hidden; a mixture of experts' shared experts)."""
         super().__init__()
-        h, f, sp, bias = cfg.hidden, ffn_hidden(cfg), par.sp, has_bias(cfg)
+        h, f, sp, bias = cfg.hidden, width or ffn_hidden(cfg), par.sp, has_bias(cfg)
         self.gate = ColumnParallelLinear(h, f, bias, par.tp, sequence_parallel=sp)
         self.up = ColumnParallelLinear(h, f, bias, par.tp, sequence_parallel=sp)
         self.down = RowParallelLinear(f, h, bias, par.tp, sequence_parallel=sp)

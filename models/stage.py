@@ -85,11 +85,12 @@ class GPT(nn.Module):
         attention_impl: str = "torch",
         kv_replicas: Optional[Comm] = None,
         tp_overlap: bool = False,
+        ep: Optional[Comm] = None,
     ):
         super().__init__()
         self.cfg = cfg
         self.rng = TPRandom()
-        self.par = Split(tp, sequence_parallel, self.rng, attention_impl, kv_replicas, tp_overlap)
+        self.par = Split(tp, sequence_parallel, self.rng, attention_impl, kv_replicas, tp_overlap, ep)
         self.tp, self.tp_rank, self.tp_size = tp, self.par.rank, self.par.size
         self.sequence_parallel = self.par.sp
         self.layer_ids = range(cfg.layers) if layer_ids is None else layer_ids
@@ -104,7 +105,7 @@ class GPT(nn.Module):
         positions = first_stage and parts.positions
         self.embed = Embedding(cfg, self.par, positions) if first_stage or (last_stage and self.tied) else None
         self.embed_dropout = ShardedDropout(cfg.dropout, self.rng, split=self.par.sp) if first_stage else None
-        self.layers = nn.ModuleDict({str(i): parts.block(cfg, self.par) for i in self.layer_ids})
+        self.layers = nn.ModuleDict({str(i): parts.block(cfg, self.par, i) for i in self.layer_ids})
         self.final_norm = parts.norm(cfg, self.par) if last_stage else None
         # the untied output head: vocab-parallel rows, as the embedding's
         self.head = (ColumnParallelLinear(cfg.hidden, cfg.padded_vocab, False, tp, sequence_parallel=self.par.sp)
@@ -129,6 +130,19 @@ class GPT(nn.Module):
         if not self.shares_embedding_across_stages:
             return []
         return [TiedParameter("embed.tokens.weight", self.embed.tokens.weight, counted=self.first_stage)]
+
+    def moe_layers(self) -> list[tuple[int, nn.Module]]:
+        """(global layer index, its mixture-of-experts MLP) for this stage's mixture-of-experts layers: their
+        statistics are summed over the ranks and their routers' biases moved after each step."""
+        moe = getattr(self.cfg, "moe", None)
+        if moe is None:
+            return []
+        return [(i, self.layers[str(i)].mlp) for i in self.layer_ids if moe.is_moe_layer(i)]
+
+    def set_loss_weight(self, weight: float) -> None:
+        """d(loss)/d(an auxiliary loss summed over tokens), for the forwards that follow: the loss scale over
+        the global batch's tokens, as the main loss is weighted (``parallel.pipeline``)."""
+        self.par.aux_weight.value = weight
 
     def recomputed_parameters(self) -> list[nn.Parameter]:
         """The parameters of the layers recomputed in backward (activation checkpointing): a split backward

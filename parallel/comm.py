@@ -181,6 +181,17 @@ class Comm:
         _reduce_scatter_single(out, moved, self.group)
         return out.movedim(0, dim).contiguous()
 
+    def all_to_all(self, x: Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
+                   tag: str = "activation") -> Tensor:
+        """Rows of x (dim 0) to every rank: ``in_splits[r]`` rows go to rank r, ``out_splits[r]`` come from it
+        (uneven splits: ``all_to_all_single``). Counted as the rows that leave this rank."""
+        if self.size == 1:
+            return x
+        self._record("all_to_all", x[:x.shape[0] - in_splits[self.rank]], tag)
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), list(out_splits), list(in_splits), group=self.group)
+        return out
+
     def split(self, x: Tensor, dim: int) -> Tensor:
         """This rank's chunk along dim (no communication)."""
         if self.size == 1:

@@ -128,6 +128,8 @@ class PipelineExecutor:
         mb = microbatches[a.mb]
         x = mb[:, :-1].to(self.device, non_blocking=True) if vs == 0 else inputs[key]
         model = self.chunks[a.chunk]
+        if hasattr(model, "set_loss_weight"):  # auxiliary losses (a router's) are weighted as the main loss
+            model.set_loss_weight(0.0 if forward_only else self.loss_scale / self.tokens_per_step)
         with self.autocast():
             if vs == self.last_vs:
                 token_loss = model(x, mb[:, 1:].to(self.device, non_blocking=True))

@@ -114,3 +114,15 @@ def gather_from_sequence(x: Tensor, comm: Optional[Comm]) -> Tensor:
 def reduce_scatter_to_sequence(x: Tensor, comm: Optional[Comm]) -> Tensor:
     """Tensor-parallel partial sums -> sequence-parallel region (after a row-parallel linear)."""
     return _Conjugate.apply(x, comm.reduce_scatter, comm.all_gather, SEQ_DIM) if _active(comm) else x
+
+
+def split_to_sequence(x: Tensor, comm: Optional[Comm]) -> Tensor:
+    """A tensor every tp rank holds whole -> this rank's part of the sequence (no communication); backward
+    all-gathers the parts' gradients, so every rank gets the whole, as each held the whole."""
+    return _Conjugate.apply(x, comm.split, comm.all_gather, SEQ_DIM) if _active(comm) else x
+
+
+def gather_to_whole(x: Tensor, comm: Optional[Comm]) -> Tensor:
+    """Each tp rank's part of the sequence -> the whole sequence on every rank; backward keeps this rank's part
+    of the (equal) gradients: :func:`split_to_sequence`'s conjugate."""
+    return _Conjugate.apply(x, comm.all_gather, comm.split, SEQ_DIM) if _active(comm) else x

@@ -111,7 +111,8 @@ def build_chunks(cfg: Config, grid: Grid, device: torch.device,
         chunks.append(build_gpt(cfg.model, values, device=device, tp=grid.tp_comm, layer_ids=ranges[vs],
                                 first_stage=vs == 0, last_stage=vs == last_vs,
                                 sequence_parallel=par.sequence_parallel, attention_impl=cfg.kernels.attention,
-                                materialise=not lazy, kv_replicas=kv_replicas, tp_overlap=par.tp_overlap))
+                                materialise=not lazy, kv_replicas=kv_replicas, tp_overlap=par.tp_overlap,
+                                ep=grid.ep_comm))
     return chunks
 
 

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from megazero.engine.routers import RouterStats, balance_routers
 from parallel.loss_scale import LossScaler
 from parallel.host import host_values
 from parallel.pipeline import PipelineExecutor
@@ -28,6 +29,7 @@ class StepResult:
     nonfinite_param: Optional[str]  # the first parameter with a non-finite gradient here (not under fp16)
     loss_nonfinite: bool  # some rank's loss was non-finite
     loss_total: Tensor  # the loss sum over the dp group (the global batch's, on the last pipeline stage)
+    routers: Optional[RouterStats] = None  # the mixture-of-experts layers' load and losses (None: dense)
 
 
 def forward_backward(zero: ZeroOptimizer, executor: PipelineExecutor, schedule: list[Action],
@@ -60,6 +62,8 @@ def train_step(zero: ZeroOptimizer, executor: PipelineExecutor, schedule: list[A
         flags.copy_(agreed[1:].view_as(flags))
     if scaler is not None:
         scaler.update(skipped)
+    routers = balance_routers(executor.chunks, zero.world, update=not skipped)
     if loss_work is not None:
         loss_work.wait()
-    return StepResult(loss_sum, norm, skipped, zero.nonfinite_param, bool(host_values(agreed[0])[0]), loss_total)
+    return StepResult(loss_sum, norm, skipped, zero.nonfinite_param, bool(host_values(agreed[0])[0]), loss_total,
+                      routers)

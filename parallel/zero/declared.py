@@ -18,6 +18,16 @@ from __future__ import annotations
 
 from torch import nn
 
+DENSE = "dp"  # the group every parameter reduces over unless it declares another
+EXPERT = "edp"  # an expert's: the ranks that hold the same experts (parallel.topology)
+
+
+def reduce_group(p: nn.Parameter) -> str:
+    """The group a parameter's gradient is reduced (and, under ZeRO, sharded) over: its ``reduce_group``."""
+    group = getattr(p, "reduce_group", DENSE)
+    assert group in (DENSE, EXPERT), group
+    return group
+
 
 def sharding_units(chunk: nn.Module) -> list[tuple[str, nn.Module]]:
     """The chunk's sharding units with their global name prefixes, in forward order."""

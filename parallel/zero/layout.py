@@ -51,18 +51,23 @@ class BucketLayout:
 
     def __init__(self, chunks: list[nn.Module], policy: StagePolicy, dp: int, dp_rank: int, dtype: torch.dtype,
                  grad_dtype: torch.dtype, bucket_mb: float, device: torch.device,
-                 param_device: Optional[torch.device] = None):
+                 param_device: Optional[torch.device] = None,
+                 select: Optional[Callable[[nn.Parameter], bool]] = None):
+        """select: the parameters of ``chunks`` this layout holds (default all): those that reduce over the
+        group whose size and rank are ``dp`` and ``dp_rank`` (``parallel.zero.declared.reduce_group``)."""
         self.policy, self.dp, self.dp_rank = policy, dp, dp_rank
         self.chunks, self.dtype, self.device = chunks, dtype, device
         self.param_device = param_device if param_device is not None else device
-        frozen = [n for c in chunks for n, p in c.named_parameters() if not p.requires_grad]
+        frozen = [n for c in chunks for n, p in c.named_parameters() if not p.requires_grad and
+                  (select is None or select(p))]
         if frozen:  # its bucket would wait forever for a gradient (and never be reduced)
             raise ValueError(f"ZeroOptimizer trains every parameter it is given; frozen: {', '.join(frozen)}")
         tied = tied_parameters(chunks)
         limit = max(1, int(bucket_mb * 2 ** 20 / torch.tensor([], dtype=grad_dtype).element_size()))
         # padding to a multiple of dp is part of the bucket too: a bucket holds at most bucket_mb
         limit = max(1, limit - (dp - 1))
-        groups = _by_unit(chunks) if policy.shard_params else _by_size(chunks, limit, tied)
+        keep = select if select is not None else (lambda p: True)
+        groups = _by_unit(chunks, keep) if policy.shard_params else _by_size(chunks, limit, tied, keep)
         self.buckets: list[Bucket] = []
         for params, unit, deferred, chunk in groups:
             offsets, total = [], 0
@@ -183,7 +188,7 @@ def _counted_here(p: nn.Parameter, tp_rank: int) -> bool:
     return tp_rank % getattr(p, "tp_replicas", 1) == 0
 
 
-def _by_unit(chunks: list[nn.Module]) -> list[tuple[list, Optional[nn.Module], bool, int]]:
+def _by_unit(chunks: list[nn.Module], keep: Callable) -> list[tuple[list, Optional[nn.Module], bool, int]]:
     """One bucket per declared sharding unit, in backward order, and a deferred root bucket per chunk."""
     groups = []
     for c in reversed(range(len(chunks))):
@@ -193,18 +198,20 @@ def _by_unit(chunks: list[nn.Module]) -> list[tuple[list, Optional[nn.Module], b
             # the unit's parameters under their global names, in backward order
             named = [(f"{prefix}.{n}", p) for n, p in unit.named_parameters()]
             inside.update(id(p) for _, p in named)
-            groups.append((named[::-1], unit, False, c))
-        root = [(n, p) for n, p in chunk.named_parameters() if id(p) not in inside]
+            named = [(n, p) for n, p in named if keep(p)]
+            if named:
+                groups.append((named[::-1], unit, False, c))
+        root = [(n, p) for n, p in chunk.named_parameters() if id(p) not in inside and keep(p)]
         if root:
             groups.append((root[::-1], None, True, c))
     return groups
 
 
-def _by_size(chunks: list[nn.Module], limit: int,
-             tied: dict[int, bool]) -> list[tuple[list, Optional[nn.Module], bool, int]]:
+def _by_size(chunks: list[nn.Module], limit: int, tied: dict[int, bool],
+             keep: Callable) -> list[tuple[list, Optional[nn.Module], bool, int]]:
     """Backward order (last registered first), cut before a bucket would exceed ``limit`` elements (a single
     parameter larger than that is a bucket of its own); the tied copies in a deferred bucket of their own."""
-    named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()][::-1]
+    named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters() if keep(p)][::-1]
     tied_params = [(n, p) for n, p in named if id(p) in tied]
     rest = [(n, p) for n, p in named if id(p) not in tied]
     groups, current, size = [], [], 0

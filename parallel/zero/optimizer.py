@@ -7,6 +7,7 @@
 - ``ParamGatherer``: stage 3's gather/free/prefetch; stages 1-2's overlapped all-gather after the step.
 - ``ShardedAdamW``: fp32 masters, moments, the norm and the update, on the device or offloaded.
 - ``ZeroCheckpoint``: layout-free export and import of every parameter's state.
+- ``Partition``: the parts above for the parameters of one reduction group (dense over dp, experts over edp).
 
 Communication per step and rank in elements on the wire, m = 1 microbatch: 2Ψ(dp−1)/dp for stages
 0–2 (all-reduce = reduce-scatter + all-gather), and 3Ψ(dp−1)/dp for stage 3 (two gathers and a
@@ -23,12 +24,10 @@ from torch import Tensor, nn
 from parallel.comm import Comm
 from parallel.host import host_values
 from parallel.topology import Grid
-from parallel.zero.adamw import ShardedAdamW
-from parallel.zero.checkpoint import ZeroCheckpoint
-from parallel.zero.finalize import GradFinalizer
-from parallel.zero.gather import ParamGatherer
-from parallel.zero.grads import GradReducer, grad_precision
-from parallel.zero.layout import Bucket, BucketLayout
+from parallel.zero.declared import DENSE, EXPERT, reduce_group
+from parallel.zero.grads import grad_precision
+from parallel.zero.layout import Bucket
+from parallel.zero.partition import Partition
 from parallel.zero.policy import StagePolicy
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -59,33 +58,31 @@ class ZeroOptimizer:
         state_device = torch.device("cpu") if offload_optimizer == "cpu" else self.device
         param_device = torch.device("cpu") if offload_params == "cpu" else self.device
         self.world = Comm(dist.group.WORLD if dist.is_initialized() else None, "world", grid.counter)
-        self.layout = BucketLayout(chunks, self.policy, grid.dp_comm.size, grid.dp_comm.rank, self.dtype,
-                                   self.grad_dtype, bucket_mb, self.device, param_device)
-        # the Triton kernel runs where the states are; offloaded states step with the fused CPU kernel
-        impl = adam_impl if state_device == self.device else "fused"
-        self.optim = ShardedAdamW(self.layout, self.device, state_device, impl, weight_decay, betas, eps,
-                                  self.grad_dtype)
-        self.finalize = GradFinalizer(grid.embed_comm, grid.tp_comm, self.device)
+        # the experts' parameters reduce over edp: a partition of their own where that is not dp (ep > 1)
+        experts_apart = grid.ep > 1 and any(reduce_group(p) == EXPERT for c in chunks for p in c.parameters())
 
-        def add(b: Bucket, initial: Tensor) -> None:
-            decay, count, sp = self.layout.mask_runs(b, grid.tp_comm.rank)
-            self.optim.add_bucket(b, initial, decay, count)
-            self.finalize.add_bucket(b, sp)
+        def part(name: str, select, comm: Comm, tied: Comm) -> Partition:
+            return Partition(name, chunks, select, comm, tied, grid.tp_comm, self.policy, self.dtype,
+                             self.grad_dtype, bucket_mb, self.device, param_device, state_device, adam_impl,
+                             weight_decay, betas, eps, initial_value, reshard_after_forward, overlap_param_gather,
+                             max_in_flight)
 
-        self.layout.materialise(initial_value, add)
-        self.gatherer = ParamGatherer(chunks, self.layout, self.policy, grid.dp_comm, self.device,
-                                      reshard_after_forward, overlap_param_gather)
-        self.reducer = GradReducer(self.layout, self.policy, grid.dp_comm, self.grad_dtype, self.device,
-                                   max_in_flight, on_backward_done=self.gatherer.backward_done,
-                                   on_final=self.optim.grad_ready, before_deferred=self.finalize.sum_tied)
-        self.checkpoint = ZeroCheckpoint(self.layout, self.policy, self.optim, grid.dp_comm, self.device,
-                                         host_ok=grid.tp_comm.size == 1)
+        dense = part("dense", (lambda p: reduce_group(p) == DENSE) if experts_apart else (lambda p: True),
+                     grid.dp_comm, grid.embed_comm)
+        self.parts = [dense]
+        if experts_apart:
+            self.parts.append(part("experts", lambda p: reduce_group(p) == EXPERT, grid.edp_comm,
+                                   Comm(None, "embed", grid.counter)))
+        # the dense partition's parts, by the names the rest of the repository reads
+        self.layout, self.optim, self.finalize = dense.layout, dense.optim, dense.finalize
+        self.gatherer, self.reducer, self.checkpoint = dense.gatherer, dense.reducer, dense.checkpoint
         self.nonfinite_param: Optional[str] = None  # named by a step skipped for a non-finite gradient
         self._reduced = False
 
     @property
     def buckets(self) -> list[Bucket]:
-        return self.layout.buckets
+        """Every partition's buckets (each partition numbers its own from 0)."""
+        return [b for part in self.parts for b in part.buckets]
 
     @property
     def step_count(self) -> int:
@@ -94,16 +91,16 @@ class ZeroOptimizer:
     # ----- a step, in order (megazero.engine.step.train_step) -------------------------------------------------------
     def begin(self, microbatches: int) -> None:
         """Before the schedule: ``microbatches`` backward passes will follow."""
-        self.reducer.begin(microbatches)
-        self.gatherer.gather_root()
+        for part in self.parts:
+            part.reducer.begin(microbatches)
+            part.gatherer.gather_root()
         self._reduced = False
 
     def reduce(self) -> None:
         """After the schedule: complete this step's gradient reduction (waits for what backward started)."""
         assert not self._reduced, "reduce() once per step"
-        self.gatherer.settle()  # stage 3's unused prefetches, before the update writes what they read
-        self.reducer.finish()  # over dp, tied copies summed first (``before_deferred``)
-        self.finalize.sum_sequence_parallel([self.reducer.grad(b) for b in self.buckets])
+        for part in self.parts:  # over dp (experts: edp), tied copies summed first, then the tp sums
+            part.reduce()
         self._reduced = True
 
     def step(self, lr: float, max_norm: float, grad_scale: float = 1.0, loss: Optional[Tensor] = None,
@@ -118,110 +115,128 @@ class ZeroOptimizer:
         assert self._reduced, "reduce() before step()"
         self._reduced = False
         self.nonfinite_param = None
-        grads = [self.reducer.grad(b) for b in self.buckets]
-        sumsq = self.optim.sq_norm(grads)
-        bad = torch.isfinite(sumsq).logical_not()
+        grads = [part.grads() for part in self.parts]
+        sums = [part.optim.sq_norm(g) for part, g in zip(self.parts, grads)]
+        bad = torch.isfinite(torch.stack(sums).sum()).logical_not()
         if loss is not None:
             bad = bad | torch.isfinite(loss).logical_not()
         agreed = bad.float().reshape(1) if flags is None else torch.cat([bad.float().reshape(1), flags.float()])
         self.world.all_reduce(agreed, op=dist.ReduceOp.MAX, tag="overflow")
         if flags is not None:
             flags.copy_(agreed[1:])
-        if self.policy.shard_optimizer:
-            self.grid.dp_comm.all_reduce(sumsq, tag="grad_norm")
+        if self.policy.shard_optimizer:  # each partition's shards over its own group
+            for part, sq in zip(self.parts, sums):
+                part.comm.all_reduce(sq, tag="grad_norm")
+        if len(sums) > 1:  # the experts: each ep rank holds others, so they are summed over ep too
+            self.grid.ep_comm.all_reduce(sums[1], tag="grad_norm")
+        sumsq = torch.stack(sums).sum()
         self.grid.tp_comm.all_reduce(sumsq, tag="grad_norm")
         self.grid.pp_comm.all_reduce(sumsq, tag="grad_norm")
         flag, root = host_values(torch.stack([agreed[0], sumsq.sqrt()]))  # the step's one wait for the device
         norm = root * grad_scale
         if flag:
             if locate_nonfinite:  # rare path: say where
-                self.nonfinite_param = self.optim.first_nonfinite(grads)
+                found = [part.optim.first_nonfinite(g) for part, g in zip(self.parts, grads)]
+                self.nonfinite_param = next((n for n in found if n is not None), None)
             self.zero_grad()
-            self.gatherer.release()  # stage 3: the root stays gathered otherwise, until the next forward
+            for part in self.parts:
+                part.gatherer.release()  # stage 3: the root stays gathered otherwise, until the next forward
             return norm, True
         coef = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
-        self.optim.update(grads, lr, grad_scale * coef, self.finalize.rewritten())
-        self.gatherer.after_step()
+        for part, g in zip(self.parts, grads):
+            part.optim.update(g, lr, grad_scale * coef, part.finalize.rewritten())
+            part.gatherer.after_step()
         self.zero_grad()
         return norm, False
 
     def zero_grad(self) -> None:
         """Forget this step's gradients (after any early host copy of them has landed: it reads them)."""
-        self.optim.discard()
-        self.reducer.zero_grad()
+        for part in self.parts:
+            part.optim.discard()
+            part.reducer.zero_grad()
 
     # ----- outside a step -----------------------------------------------------------------------------------------
     def gather_root(self) -> None:
         """Stage 3: gather the root bucket(s) for forwards outside a step (evaluation)."""
-        self.gatherer.gather_root()
+        for part in self.parts:
+            part.gatherer.gather_root()
 
     def release(self) -> None:
         """Stage 3: free every gathered bucket (after evaluation)."""
-        self.gatherer.release()
+        for part in self.parts:
+            part.gatherer.release()
 
     def settle(self) -> None:
         """Complete parameter gathers in flight (before reading the parameters outside a forward)."""
-        self.gatherer.settle()
+        for part in self.parts:
+            part.gatherer.settle()
 
     def full_parameters(self) -> dict[str, Tensor]:
         self.settle()
-        return self.checkpoint.full_parameters()
+        return {n: t for part in self.parts for n, t in part.checkpoint.full_parameters().items()}
 
     def export_state(self) -> dict[str, dict[str, Tensor]]:
         self.settle()
-        return self.checkpoint.export_state()
+        return {n: t for part in self.parts for n, t in part.checkpoint.export_state().items()}
 
     def import_state(self, state: dict[str, dict[str, Tensor]], step: int) -> None:
         self.settle()
-        self.checkpoint.import_state(state, step)
+        for part in self.parts:
+            part.checkpoint.import_state(state, step)
 
     def full_gradients(self) -> dict[str, Tensor]:
         """Stage 0, after ``reduce``: every parameter's reduced gradient, by name (for inspection and tests)."""
         assert not self.policy.shard_optimizer, "only stage 0 keeps whole reduced gradients"
-        return {n: self.reducer.grad(b)[off:off + p.numel()].view(p.shape)
-                for b in self.buckets for (n, p), off in zip(b.params, b.offsets)}
+        return {n: part.reducer.grad(b)[off:off + p.numel()].view(p.shape)
+                for part in self.parts for b in part.buckets for (n, p), off in zip(b.params, b.offsets)}
 
     # ----- accounting ---------------------------------------------------------------------------------------------
     @property
     def gathered_bytes(self) -> int:
-        return self.gatherer.gathered_bytes
+        return sum(part.gatherer.gathered_bytes for part in self.parts)
 
     @property
     def peak_gathered_bytes(self) -> int:
-        return self.gatherer.peak_gathered_bytes
+        return sum(part.gatherer.peak_gathered_bytes for part in self.parts)
 
     def tensors_by_kind(self) -> dict[str, list[Tensor]]:
         """The tensors this rank keeps across steps, by kind ("params", "grads", "optimizer"), and under "host"
         those of them that live on the host when offloaded (on a CPU run too), for a memory tracker to name."""
-        o = self.optim
-        params = [b.full for b in self.buckets] + [b.shard_param for b in self.buckets if b.shard_param is not None]
-        grads = [t for t in self.reducer.full + self.reducer.shard if t is not None]
-        staging = [t for t in o.host_grad if t is not None]
-        states = [t for kind in (o.exp_avg, o.exp_avg_sq, o.decay_mask) for t in kind if t is not None]
-        states += [m for m, own in zip(o.master, o.master_is_param) if not own]
-        host = (states + staging if self.offload_optimizer else []) \
-            + ([b.shard_param for b in self.buckets if b.shard_param is not None] if self.offload_params else [])
-        return {"params": params, "grads": grads + staging, "optimizer": states, "host": host}
+        out: dict[str, list[Tensor]] = {"params": [], "grads": [], "optimizer": [], "host": []}
+        for part in self.parts:
+            o, buckets, r = part.optim, part.buckets, part.reducer
+            params = [b.full for b in buckets] + [b.shard_param for b in buckets if b.shard_param is not None]
+            grads = [t for t in r.full + r.shard if t is not None]
+            staging = [t for t in o.host_grad if t is not None]
+            states = [t for kind in (o.exp_avg, o.exp_avg_sq, o.decay_mask) for t in kind if t is not None]
+            states += [m for m, own in zip(o.master, o.master_is_param) if not own]
+            host = (states + staging if self.offload_optimizer else []) \
+                + ([b.shard_param for b in buckets if b.shard_param is not None] if self.offload_params else [])
+            for kind, ts in (("params", params), ("grads", grads + staging), ("optimizer", states), ("host", host)):
+                out[kind] += ts
+        return out
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds persistently, by kind and place (what the dry-run plans)."""
         dev = {"params": 0, "grads": 0, "optimizer": 0}
         cpu = 0
         on_gpu = self.device.type != "cpu"
-        for b in self.buckets:
-            if b.shard_param is not None:
-                n = b.shard_param.numel() * b.shard_param.element_size()
-                if self.layout.param_device.type == "cpu" and on_gpu:
-                    cpu += n
+        for part in self.parts:
+            for b in part.buckets:
+                if b.shard_param is not None:
+                    n = b.shard_param.numel() * b.shard_param.element_size()
+                    if part.layout.param_device.type == "cpu" and on_gpu:
+                        cpu += n
+                    else:
+                        dev["params"] += n
                 else:
-                    dev["params"] += n
+                    dev["params"] += b.full.numel() * b.full.element_size()
+                r = part.reducer
+                grads = r.full[b.index] if self.policy.keeps_full_grads else r.shard[b.index]
+                dev["grads"] += grads.numel() * grads.element_size()
+            opt = part.optim.state_bytes()
+            if part.optim.offloaded():
+                cpu += opt + part.optim.staging_bytes()  # and the gradients' pinned landing buffers
             else:
-                dev["params"] += b.full.numel() * b.full.element_size()
-            grads = self.reducer.full[b.index] if self.policy.keeps_full_grads else self.reducer.shard[b.index]
-            dev["grads"] += grads.numel() * grads.element_size()
-        opt = self.optim.state_bytes()
-        if self.optim.offloaded():
-            cpu += opt + self.optim.staging_bytes()  # and the gradients' pinned landing buffers
-        else:
-            dev["optimizer"] += opt
+                dev["optimizer"] += opt
         return {**dev, "cpu": cpu}

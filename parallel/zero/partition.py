@@ -1,0 +1,65 @@
+"""ZeRO's parts for the parameters that reduce over one group: the dense ones over dp, the experts' over edp.
+
+A parameter declares its group (``parallel.zero.declared.reduce_group``); each group gets its own flat
+buckets, reducer, gatherer, optimizer states and checkpoint owners, sharded over that group's ranks, so an
+expert's states are split over the edp ranks that hold it as a dense parameter's are over dp. The
+``ZeroOptimizer`` composes the partitions and owns what spans them: the one overflow all-reduce, the norm.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor, nn
+
+from parallel.comm import Comm
+from parallel.zero.adamw import ShardedAdamW
+from parallel.zero.checkpoint import ZeroCheckpoint
+from parallel.zero.finalize import GradFinalizer
+from parallel.zero.gather import ParamGatherer
+from parallel.zero.grads import GradReducer
+from parallel.zero.layout import Bucket, BucketLayout
+from parallel.zero.policy import StagePolicy
+
+
+class Partition:
+    def __init__(self, name: str, chunks: list[nn.Module], select: Callable[[nn.Parameter], bool], comm: Comm,
+                 tied: Comm, tp: Comm, policy: StagePolicy, dtype: torch.dtype, grad_dtype: torch.dtype,
+                 bucket_mb: float, device: torch.device, param_device: torch.device, state_device: torch.device,
+                 adam_impl: str, weight_decay: float, betas: tuple[float, float], eps: float,
+                 initial_value: Optional[Callable[[nn.Parameter], Tensor]], reshard_after_forward: bool,
+                 overlap_param_gather: bool, max_in_flight: int):
+        """``comm``: the group this partition's gradients are reduced and its states sharded over; ``tied``: the
+        group that sums tied copies (the embedding group); ``tp``: the tensor-parallel group."""
+        self.name, self.comm, self.policy = name, comm, policy
+        self.layout = BucketLayout(chunks, policy, comm.size, comm.rank, dtype, grad_dtype, bucket_mb, device,
+                                   param_device, select=select)
+        impl = adam_impl if state_device == device else "fused"
+        self.optim = ShardedAdamW(self.layout, device, state_device, impl, weight_decay, betas, eps, grad_dtype)
+        self.finalize = GradFinalizer(tied, tp, device)
+
+        def add(b: Bucket, initial: Tensor) -> None:
+            decay, count, sp = self.layout.mask_runs(b, tp.rank)
+            self.optim.add_bucket(b, initial, decay, count)
+            self.finalize.add_bucket(b, sp)
+
+        self.layout.materialise(initial_value, add)
+        self.gatherer = ParamGatherer(chunks, self.layout, policy, comm, device, reshard_after_forward,
+                                      overlap_param_gather)
+        self.reducer = GradReducer(self.layout, policy, comm, grad_dtype, device, max_in_flight,
+                                   on_backward_done=self.gatherer.backward_done, on_final=self.optim.grad_ready,
+                                   before_deferred=self.finalize.sum_tied)
+        self.checkpoint = ZeroCheckpoint(self.layout, policy, self.optim, comm, device, host_ok=tp.size == 1)
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        return self.layout.buckets
+
+    def grads(self) -> list[Tensor]:
+        return [self.reducer.grad(b) for b in self.buckets]
+
+    def reduce(self) -> None:
+        """Complete this partition's gradients: over its group (tied copies first), then the tp sums."""
+        self.gatherer.settle()  # stage 3's unused prefetches, before the update writes what they read
+        self.reducer.finish()
+        self.finalize.sum_sequence_parallel(self.grads())
