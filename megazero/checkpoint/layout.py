@@ -1,6 +1,7 @@
 """How a rank's tensors are stored under logical names: tp shards as DTensors over the tp mesh.
 
-A checkpoint holds every parameter whole (layout-free); DCP writes and reads each rank's piece of it
+A checkpoint holds every parameter whole (layout-free; a mixture of experts' stacked experts as one (E, ...)
+tensor, split over ep like a tp shard); DCP writes and reads each rank's piece of it
 from the DTensor's placement. A piece replicated on r tp ranks (k/v heads fewer than tp ranks) is stored as
 the even tp split of the whole tensor seen r times: tp rank t's even share is the (t mod r)-th r-th of its
 piece, a view, so a save needs no communication, and after a load :func:`complete_replicas` gathers the
@@ -15,10 +16,16 @@ from parallel.topology import Grid
 
 
 def logical(local: Tensor, param: nn.Parameter, grid: Grid) -> Tensor:
-    """This rank's ``local`` tensor of ``param`` (its value or an optimizer state), as DCP stores it."""
+    """This rank's ``local`` tensor of ``param`` (its value or an optimizer state), as DCP stores it. Stacked
+    experts split over ep are the (E, ...) tensor sharded along their ``ep_split_dim`` over the ep mesh."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    experts = getattr(param, "ep_split_dim", None)
+    if experts is not None:
+        return local if grid.ep == 1 else DTensor.from_local(local, grid.mesh["ep"], [Shard(experts)],
+                                                             run_check=False)
     if param.tp_split_dim is None or grid.tp == 1:
         return local
-    from torch.distributed.tensor import DTensor, Shard
 
     replicas, dim = getattr(param, "tp_replicas", 1), param.tp_split_dim
     if replicas > 1:

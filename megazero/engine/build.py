@@ -8,7 +8,7 @@ executor and optimizer in the repository is built the same way.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -39,6 +39,8 @@ class Engine:
     scaler: LossScaler
     named_params: list[tuple[str, nn.Parameter]]
     tokens_per_step: int  # the global batch's tokens: each microbatch's loss sum is divided by it
+    # state a resume needs that is not a parameter, under global names: the sigmoid routers' selection biases
+    named_buffers: list = field(default_factory=list)
 
 
 def initial_values(cfg: Config) -> int | InitialValues:
@@ -133,4 +135,6 @@ def build_engine(cfg: Config, grid: Grid, device: torch.device, overlap_param_ga
                              tokens, overlap_p2p=par.overlap_p2p)
     schedule, eval_schedule = make_schedules(par.schedule, grid, cfg.microbatches, par.virtual_stages,
                                              overlap_p2p=par.overlap_p2p)
-    return Engine(chunks, zero, executor, schedule, eval_schedule, make_scaler(t.precision), named, tokens)
+    buffers = [(f"layers.{i}.mlp.router.expert_bias", mlp.router.expert_bias) for c in chunks
+               for i, mlp in (c.moe_layers() if hasattr(c, "moe_layers") else []) if mlp.router.expert_bias is not None]
+    return Engine(chunks, zero, executor, schedule, eval_schedule, make_scaler(t.precision), named, tokens, buffers)

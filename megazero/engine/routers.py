@@ -24,6 +24,8 @@ class RouterStats:
 
     layers: list[int]
     table: Tensor  # (layers, E + len(STATS) + 3): counts, STATS, then holders, bias min, bias max (summed)
+    capacity: bool = False  # tokens may be dropped (model.moe.capacity_factor)
+    bias: bool = False  # the routers have a selection bias (the sigmoid router)
 
     def summary(self) -> dict[int, dict[str, float]]:
         """layer -> max/mean load, aux loss, z-loss, dropped share, bias min and max (a host read)."""
@@ -41,6 +43,26 @@ class RouterStats:
                           "bias_min": low / holders if holders else 0.0,
                           "bias_max": high / holders if holders else 0.0}
         return out
+
+
+def router_record(stats: Optional[RouterStats]) -> dict[str, float]:
+    """A log record's router figures: ``moe/<layer>/<figure>`` for each mixture-of-experts layer, and across
+    layers the largest max/mean load and the mean auxiliary loss (``moe/load_max_over_mean``, ``moe/aux_loss``).
+    Dropped tokens appear only with a capacity, the bias range only for the sigmoid router."""
+    if stats is None:
+        return {}
+    out: dict[str, float] = {}
+    summary = stats.summary()
+    for layer, figures in summary.items():
+        for key, value in figures.items():
+            if key == "dropped" and not stats.capacity:
+                continue
+            if key.startswith("bias_") and not stats.bias:
+                continue
+            out[f"moe/{layer}/{key}"] = value
+    out["moe/load_max_over_mean"] = max(f["load_max_over_mean"] for f in summary.values())
+    out["moe/aux_loss"] = sum(f["aux_loss"] for f in summary.values()) / len(summary)
+    return out
 
 
 def moe_layer_ids(model_cfg) -> list[int]:
@@ -66,4 +88,5 @@ def balance_routers(chunks: list[nn.Module], world: Comm, update: bool) -> Optio
     world.all_reduce(table, tag="router")
     for layer, mlp in held:
         mlp.after_step(table[row[layer]], update)
-    return RouterStats(ids, table)
+    moe = chunks[0].cfg.moe
+    return RouterStats(ids, table, capacity=moe.capacity_factor > 0, bias=moe.router == "sigmoid")

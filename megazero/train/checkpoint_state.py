@@ -23,12 +23,13 @@ from parallel.zero import ZeroOptimizer
 
 
 def state_tensors(zero: ZeroOptimizer, named_params: list[tuple[str, nn.Parameter]],
-                  grid: Grid) -> tuple[dict[str, torch.Tensor], dict]:
+                  grid: Grid, buffers: list[tuple[str, torch.Tensor]] = ()) -> tuple[dict[str, torch.Tensor], dict]:
     """Everything a resume needs that is a tensor, under logical names (layout-free), and the per-parameter
-    views it was made from (for loading back into the ZeRO buffers)."""
+    views it was made from (for loading back into the ZeRO buffers). ``buffers``: state that is not a
+    parameter (a router's selection bias), the same on every rank that holds it, loaded in place."""
     params = dict(named_params)
     exported = zero.export_state()
-    state = {}
+    state = {f"buffer/{n}": t for n, t in buffers}
     for n, kinds in exported.items():
         p = params[n]
         state[f"model/{n}"] = logical(kinds["param"], p, grid)
@@ -39,7 +40,8 @@ def state_tensors(zero: ZeroOptimizer, named_params: list[tuple[str, nn.Paramete
 
 def save_state(writer: CheckpointWriter, cfg: Config, zero: ZeroOptimizer,
                named_params: list[tuple[str, nn.Parameter]], grid: Grid, scaler: LossScaler, step: int,
-               consumed_samples: int, data: Any, run_id: str, device: torch.device) -> Path:
+               consumed_samples: int, data: Any, run_id: str, device: torch.device,
+               buffers: list[tuple[str, torch.Tensor]] = ()) -> Path:
     """Checkpoint this step (in the background with train.async_save). A state holding a non-finite value is
     never saved: keep_last would rotate the last good checkpoint away. ``data``: the run's ``GPTData``, whose
     tokenizer and files as built are recorded (no file is read here)."""
@@ -50,7 +52,7 @@ def save_state(writer: CheckpointWriter, cfg: Config, zero: ZeroOptimizer,
             "config": cfg.to_dict(),
             **resume_record(cfg, getattr(data, "tokenizer_fingerprint", None), getattr(data, "stamps", ())),
             "rng": "dropout streams are derived from (train.seed, step, grid coordinates)"}
-    state, _ = state_tensors(zero, named_params, grid)
+    state, _ = state_tensors(zero, named_params, grid, [(n, t.clone()) for n, t in buffers])
     bad = torch.zeros((), device=device)
     for t in state.values():
         local = t.to_local() if hasattr(t, "to_local") else t
@@ -73,14 +75,15 @@ def check_architecture(path: Path, model: ModelConfig) -> None:
 
 
 def load_state(path: Path, cfg: Config, zero: ZeroOptimizer, named_params: list[tuple[str, nn.Parameter]],
-               grid: Grid, scaler: LossScaler, data: Any = None) -> tuple[dict, Optional[str]]:
+               grid: Grid, scaler: LossScaler, data: Any = None,
+               buffers: list[tuple[str, torch.Tensor]] = ()) -> tuple[dict, Optional[str]]:
     """Load a checkpoint into the ZeRO buffers and the scaler; returns its meta (step, consumed_samples) and the
     line that names the data settings changed since it (None: none, or train.resume_changes=allow).
     ``data``: the run's ``GPTData``, whose tokenizer must be the checkpoint's."""
     check_architecture(path, cfg.model)
     changed = check_built_data(path, cfg, getattr(data, "tokenizer_fingerprint", None),
                                getattr(data, "stamps", None))
-    state, exported = state_tensors(zero, named_params, grid)
+    state, exported = state_tensors(zero, named_params, grid, buffers)
     meta = checkpoint.load(path, state)
     complete_replicas(exported, dict(named_params), grid)
     zero.import_state(exported, int(meta["optimizer_step"]))

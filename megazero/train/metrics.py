@@ -94,6 +94,8 @@ def _tb_tag(key: str) -> str:
     """A jsonl key's TensorBoard tag: val_loss/<source> goes beside val/loss, as val/loss/<source>."""
     if key.startswith("val_loss/"):
         return "val/loss/" + key[len("val_loss/"):]
+    if key.startswith("moe/"):  # a mixture of experts' router figures, per layer: their own section
+        return key
     return _TB_TAGS.get(key, f"train/{key}")
 
 
@@ -196,6 +198,8 @@ class MetricsLogger:
             parts.append(f"{v['tflops']:.3f} TFLOP/s")
         if "mfu" in v and math.isfinite(v["mfu"]):
             parts.append(f"mfu {100 * v['mfu']:.1f}%")
+        if "moe/load_max_over_mean" in v:  # the worst layer's expert load, the layers' mean balance loss
+            parts.append(f"moe load max/mean {v['moe/load_max_over_mean']:.2f} aux {v['moe/aux_loss']:.3f}")
         parts.append(f"eta {_fmt_time(eta)}")
         print(" | ".join(parts), flush=True)
 

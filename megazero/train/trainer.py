@@ -22,6 +22,7 @@ from megazero.config.schema import Config
 from megazero.costs import model_flops_per_token
 from megazero.data import GPTData
 from megazero.engine.build import build_engine
+from megazero.engine.routers import router_record
 from megazero.engine.step import train_step
 from megazero.errors import NonFiniteStop, Preempted
 from megazero.train.lr_schedule import lr_at
@@ -64,6 +65,7 @@ class Trainer:
         self.ckpt_root = Path(cfg.log.dir) / "checkpoints"
         self.flops_per_step = model_flops_per_token(cfg.model) * self.tokens_per_step
         self.peak = None  # measured lazily, only where it is reported
+        self.routers = None
 
     # ----- one step -------------------------------------------------------------------------
     def train_step(self) -> dict:
@@ -84,6 +86,7 @@ class Trainer:
         result = train_step(self.zero, self.executor, self.schedule, microbatches, lr, cfg.train.grad_clip,
                             self.scaler, flags=flags)
         self.train_trace = (self.executor.trace, self.executor.trace_origin)  # the last training run's timeline
+        self.routers = result.routers  # the last step's mixture-of-experts figures (None: a dense model)
         loss_sum, norm, skipped = result.loss_total, result.grad_norm, result.skipped
         self.stop_agreed = int(host_values(flags)[0])
         self.step += 1
@@ -107,12 +110,13 @@ class Trainer:
     def save(self, writer: CheckpointWriter) -> Path:
         """Checkpoint this step; a non-finite state is refused (``megazero.train.checkpoint_state``)."""
         return save_state(writer, self.cfg, self.zero, self.named_params, self.grid, self.scaler, self.step,
-                          self.consumed_samples, self.data, self.run_id, self.device)
+                          self.consumed_samples, self.data, self.run_id, self.device, self.engine.named_buffers)
 
     def load(self, path: Path) -> Optional[str]:
         """Resume from a checkpoint of the same architecture, in any layout; returns the line that names the data
         settings changed since it (None: none, or train.resume_changes=allow), for the writing rank to print."""
-        meta, changed = load_state(path, self.cfg, self.zero, self.named_params, self.grid, self.scaler, self.data)
+        meta, changed = load_state(path, self.cfg, self.zero, self.named_params, self.grid, self.scaler, self.data,
+                                   self.engine.named_buffers)
         self.step = int(meta["step"])
         self.consumed_samples = int(meta["consumed_samples"])
         return changed
@@ -177,6 +181,7 @@ class Trainer:
                     record.update({"tokens_per_s": self.tokens_per_step / dt, "tflops": tflops,
                                    "mfu": tflops / self.peak if self.peak else float("nan")})
                     record.update(memory_record(self.zero, self.device))
+                    record.update(router_record(self.routers))
                     logger.log(step, record)
                     window_time, window_steps = 0.0, 0
                 history.append({"step": step, **record})
