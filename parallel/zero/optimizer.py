@@ -71,8 +71,8 @@ class ZeroOptimizer:
                      grid.dp_comm, grid.embed_comm)
         self.parts = [dense]
         if experts_apart:
-            self.parts.append(part("experts", lambda p: reduce_group(p) == EXPERT, grid.edp_comm,
-                                   Comm(None, "embed", grid.counter)))
+            untied = Comm(None, "tied", grid.counter)  # no expert is held by two stages
+            self.parts.append(part("experts", lambda p: reduce_group(p) == EXPERT, grid.edp_comm, untied))
         # the dense partition's parts, by the names the rest of the repository reads
         self.layout, self.optim, self.finalize = dense.layout, dense.optim, dense.finalize
         self.gatherer, self.reducer, self.checkpoint = dense.gatherer, dense.reducer, dense.checkpoint
