@@ -38,7 +38,7 @@ from kernels.grouped import grouped_mm
 from models.arch import ffn_hidden
 from models.llama import SwiGLU
 from models.split import Split
-from parallel.experts import combine, dispatch, plan_dispatch
+from parallel.experts import combine, dispatch, is_fake, plan_dispatch
 from parallel.regions import gather_to_whole, split_to_sequence
 from parallel.tp_random import ShardedDropout
 
@@ -57,6 +57,13 @@ class _AttachLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         return grad, torch.full((), ctx.weight, dtype=torch.float32, device=grad.device), None
+
+
+def _count(chosen: Tensor, experts: int) -> Tensor:
+    """Copies per expert: a scatter of fixed size (``bincount``'s size depends on the values, which a simulated
+    run cannot read)."""
+    return torch.zeros(experts, dtype=torch.long, device=chosen.device).scatter_add_(0, chosen,
+                                                                                    torch.ones_like(chosen))
 
 
 class Router(nn.Module):
@@ -107,12 +114,21 @@ class GroupedExperts(nn.Module):
             p.reduce_group = "edp"  # summed over the ranks that hold the same experts, not over dp
 
     def forward(self, x: Tensor, sizes: list[int]) -> Tensor:
+        if is_fake(x) and len(set(sizes)) == 1:  # a simulated step: balanced groups as one batched matmul (the
+            return self._batched(x, len(sizes))  # fake grouped matmul takes bf16 only), the same shapes and bytes
         offsets = None
         if self.impl != "loop":
             offsets = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(x.device)
         gate = grouped_mm(x, self.gate, sizes, offsets, self.impl)
         up = grouped_mm(x, self.up, sizes, offsets, self.impl)
         return grouped_mm(F.silu(gate) * up, self.down, sizes, offsets, self.impl)
+
+
+    def _batched(self, x: Tensor, groups: int) -> Tensor:
+        def bmm(a: Tensor, w: Tensor) -> Tensor:
+            return torch.bmm(a.view(groups, -1, a.shape[-1]), w.to(a.dtype).transpose(1, 2)).reshape(-1, w.shape[1])
+
+        return bmm(F.silu(bmm(x, self.gate)) * bmm(x, self.up), self.down)
 
 
 class MoE(nn.Module):
@@ -157,7 +173,7 @@ class MoE(nn.Module):
         idx, gates, probs = route(logits, moe, self.router.expert_bias)
         chosen = idx.reshape(-1)
         order = chosen.argsort(stable=True)  # copies sorted by expert, tokens in order within one
-        counts = torch.bincount(chosen, minlength=E)
+        counts = _count(chosen, E)
         dropped = None
         if moe.capacity_factor > 0:
             order, counts, dropped = self._drop(chosen, order, counts, b * s)
@@ -206,7 +222,7 @@ class MoE(nn.Module):
             tail = torch.stack([balance.detach().double(), z.detach().double(),
                                 (dropped if dropped is not None else counts.new_zeros(())).double(),
                                 torch.tensor(float(b * s), dtype=torch.float64, device=idx.device)])
-            self.stats.add_(torch.cat([torch.bincount(idx.reshape(-1), minlength=E).double(), tail]))
+            self.stats.add_(torch.cat([_count(idx.reshape(-1), E).double(), tail]))
         if not need:
             return None
         return moe.aux_loss * balance + moe.z_loss * z

@@ -44,10 +44,11 @@ class DispatchPlan:
         return sum(self.recv)
 
 
-def _is_fake(t: Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
+def is_fake(t: Tensor) -> bool:
+    """A tensor of ``--simulate``'s fake mode: shapes without values."""
+    from torch._subclasses.fake_tensor import is_fake as fake
 
-    return is_fake(t)
+    return fake(t)
 
 
 def plan_dispatch(counts: Tensor, rows: int, ep: Comm, local_experts: int) -> DispatchPlan:
@@ -56,7 +57,7 @@ def plan_dispatch(counts: Tensor, rows: int, ep: Comm, local_experts: int) -> Di
     size = ep.size
     experts = counts.numel()
     assert experts == size * local_experts, (experts, size, local_experts)
-    if _is_fake(counts):  # --simulate: perfectly balanced routing (no value can be read)
+    if is_fake(counts):  # --simulate: perfectly balanced routing (no value can be read)
         return balanced_plan(rows, size, local_experts)
     if size == 1:
         per_expert = counts.tolist()
