@@ -52,10 +52,11 @@ def needed_bytes(cfg: Config, ranks: range, device_type: str) -> int:
 
 def stage_bytes(cfg: Config, stage, device_type: str) -> int:
     """One rank of a pipeline stage (a megazero.plan.stage_plan.StagePlan): its model states where they live (a CPU host
-    also holds the offloaded ones), ZeRO's gathered and gradient buffers, and its activations."""
+    also holds the offloaded ones), ZeRO's gathered and gradient buffers, its activations, and a mixture of
+    experts' dispatch buffers beyond what its layers keep."""
     act = stage.act_ckpt if cfg.model.activation_checkpointing else stage.act_full
     state = stage.model_state["device_total"] + (stage.model_state["cpu_total"] if device_type == "cpu" else 0)
-    return state + stage.gathered + stage.grad_buffers + act
+    return state + stage.gathered + stage.grad_buffers + act + stage.dispatch
 
 
 def _variants(cfg: Config) -> list[tuple[str, Config]]:
