@@ -58,8 +58,8 @@ def flops_per_token(layers: int, hidden: int, ffn_hidden: int, seq_len: int, voc
 def model_shape(model_cfg: Any) -> dict:
     """The keyword arguments of :func:`flops_per_token` that depend on the architecture."""
     m = model_cfg
-    return {"kv_hidden": m.kv_head_count * m.head_dim, "mlp_matrices": 3 if arch.is_llama(m) else 2,
-            "q_hidden": m.heads * m.head_dim}
+    d = arch.head_dim(m)
+    return {"kv_hidden": m.kv_head_count * d, "mlp_matrices": 3 if arch.is_llama(m) else 2, "q_hidden": m.heads * d}
 
 
 def moe_active_ffn(model_cfg: Any) -> int:

@@ -33,6 +33,11 @@ def ffn_hidden(cfg: Any) -> int:
     return -(-(8 * cfg.hidden // 3) // 256) * 256 if is_llama(cfg) else 4 * cfg.hidden
 
 
+def head_dim(cfg: Any) -> int:
+    """Each attention head's width: ``model.head_dim`` (llama), or hidden / heads when unset."""
+    return getattr(cfg, "head_dim", None) or cfg.hidden // cfg.heads
+
+
 def expert_hidden(cfg: Any) -> int:
     """A routed (or shared) expert's SwiGLU width: ``model.moe.expert_hidden``, or the model's ffn width."""
     return cfg.moe.expert_hidden or ffn_hidden(cfg)

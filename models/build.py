@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.arch import expert_hidden, ffn_hidden, has_bias, is_llama, moe_layer_count, tied
+from models.arch import expert_hidden, ffn_hidden, has_bias, head_dim, is_llama, moe_layer_count, tied
 from models.init import InitialValues, init_parameters
 from models.stage import GPT
 
@@ -65,7 +65,7 @@ def count_parameters(cfg: Any, active: bool = False) -> int:
     h, f, n_bias = cfg.hidden, ffn_hidden(cfg), int(has_bias(cfg))
     head = 0 if tied(cfg) else cfg.padded_vocab * h
     if is_llama(cfg):
-        d = cfg.head_dim
+        d = head_dim(cfg)
         q, kv = cfg.heads * d, cfg.kv_head_count * d
         norm = h
         qk_norm = 2 * d if getattr(cfg, "qk_norm", False) else 0

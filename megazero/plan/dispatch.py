@@ -96,7 +96,7 @@ def moe_layer_activation_bytes(cfg: Config, recompute: bool, flash: bool = True)
     dense = activation_bytes_per_layer(m.seq_len, t.micro_batch, m.hidden, m.heads, p.tp, sp, recompute,
                                        flash=flash, precision=t.precision,
                                        ffn=m.moe.shared_experts * expert_hidden(m), kv_heads=m.kv_head_count,
-                                       swiglu=True)
+                                       swiglu=True, head_dim=m.head_width)
     if recompute:
         return dense
     d = dispatch_bytes(cfg)

@@ -109,7 +109,7 @@ def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action], p
     def layer(recompute: bool) -> int:
         return memo.call(activation_bytes_per_layer, m.seq_len, t.micro_batch, m.hidden, m.heads, par.tp, sp,
                          recompute, flash=True, precision=t.precision, ffn=m.ffn_hidden, kv_heads=m.kv_head_count,
-                         swiglu=arch.is_llama(m))
+                         swiglu=arch.is_llama(m), head_dim=m.head_width)
 
     mixtures = {rec: moe_layer_activation_bytes(cfg, rec) if any(moe_in.values()) else 0 for rec in (False, True)}
 

@@ -208,7 +208,8 @@ def _layer_activation_bytes(cfg: Config, c: Constants) -> int:
     return activation_bytes_per_layer(m.seq_len, cfg.train.micro_batch, m.hidden, m.heads, par.tp,
                                       par.sequence_parallel and par.tp > 1, False,
                                       flash=not c.materialised_scores, precision=cfg.train.precision,
-                                      ffn=m.ffn_hidden, kv_heads=m.kv_head_count, swiglu=is_llama(m))
+                                      ffn=m.ffn_hidden, kv_heads=m.kv_head_count, swiglu=is_llama(m),
+                                      head_dim=m.head_width)
 
 
 def _moe_tp_collectives(cfg: Config) -> int:

@@ -3,6 +3,8 @@ total and active; the FLOPs formula on active parameters (megazero.costs); and t
 the --dry-run of the shipped configs."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from megazero.config.schema import ModelConfig, MoeConfig
@@ -55,13 +57,29 @@ def test_flops_count_the_active_matmul_parameters(moe):
     assert model_flops_per_token(cfg) == 6 * matmul + 12 * L * cfg.seq_len * h
 
 
-@pytest.mark.parametrize("name, total, active", [("mixtral-8x7b", 46.7, 12.9)])
-def test_dry_run_counts_the_published_totals(name, total, active, capsys):
+def _by_hand(layers, h, heads, kv, d, experts, k, f, vocab) -> tuple[int, int]:
+    """(total, active) from a model card's shapes: per layer two norms, q/o (h x heads*d), k/v (h x kv*d), a router
+    (E x h) and E SwiGLU experts of 3 x f x h (k active); two untied vocab x h embeddings and a final norm."""
+    attention = 2 * h + 2 * h * heads * d + 2 * h * kv * d + experts * h
+    ends = 2 * vocab * h + h
+    return ends + layers * (attention + experts * 3 * f * h), ends + layers * (attention + k * 3 * f * h)
+
+
+@pytest.mark.parametrize("name, total, active, shape", [
+    ("mixtral-8x7b", 46.7, 12.9, (32, 4096, 32, 8, 128, 8, 2, 14336, 32000)),
+    ("qwen3-30b-a3b", 30.5, 3.3, (48, 2048, 32, 4, 128, 128, 8, 768, 151936)),
+])
+def test_dry_run_counts_the_published_totals(name, total, active, shape, capsys):
     """Mixtral-8x7B: 46.7B parameters, 12.9B active (Jiang et al. 2024); Qwen3-30B-A3B: 30.5B, 3.3B (its model
-    card), to 0.1B as published, from the --dry-run at each config's own layout."""
+    card), from the --dry-run at each config's own layout: exactly the count by hand from the published shapes,
+    and the published figure to its 0.1B. Active counts every embedding and router: Qwen3's 3.353B is published
+    as 3.3B (cut to 0.1B, or without its 12.6M router weights: 3.340B), Mixtral's 12.88B as 12.9B."""
     from megazero.train.run import dry_run
 
     plan = dry_run(str(ROOT / "configs" / f"{name}.yaml"), [])
-    assert (round(plan.total_params / 1e9, 1), round(plan.active_params / 1e9, 1)) == (total, active)
+    assert (plan.total_params, plan.active_params) == _by_hand(*shape)
+    assert round(plan.total_params / 1e9, 1) == total
+    got = plan.active_params / 1e9
+    assert active in (round(got, 1), math.floor(got * 10) / 10), got
     out = capsys.readouterr().out
     assert f"({plan.total_params / 1e9:.2f}B)" in out and f"({plan.active_params / 1e9:.2f}B) per token" in out
