@@ -75,6 +75,9 @@ def _variants(cfg: Config) -> list[tuple[str, Config]]:
         variant("model.checkpoint_layers=0", lambda c: setattr(c.model, "checkpoint_layers", 0))
     if not StagePolicy.of(z.stage).shard_params:  # a higher stage shards more
         variant(f"zero.stage={z.stage + 1}", lambda c: setattr(c.zero, "stage", z.stage + 1))
+    experts = m.moe.experts
+    if experts and p.dp % (2 * p.ep) == 0 and experts % (2 * p.ep) == 0:  # half the experts' states per rank
+        variant(f"parallel.ep={p.ep * 2}", lambda c: setattr(c.parallel, "ep", p.ep * 2))
     if t.micro_batch > 1:
         variant(f"train.micro_batch={t.micro_batch // 2}",
                 lambda c: setattr(c.train, "micro_batch", t.micro_batch // 2))

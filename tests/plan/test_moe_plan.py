@@ -98,6 +98,27 @@ def test_all_to_all_calls_and_bytes_per_step_are_the_plans(dp4_ep2):
         assert abs(sent - planned) <= 0.2 * planned, (stage, sent, planned)
 
 
+def test_a_run_that_does_not_fit_names_more_ep():
+    """Mixtral at ep 1 on 8 ranks keeps every expert's states on each rank; ep 2 or more halves them: the
+    one-line refusal names it among the knobs that fit."""
+    import torch
+
+    from megazero.errors import UserError
+    from megazero.plan.fits import check_fits, needed_bytes
+
+    cfg = resolve(load_config(MIXTRAL, ["parallel.pp=1", "parallel.dp=8", "parallel.ep=1", "parallel.world_size=8",
+                                        "parallel.schedule=1f1b", "parallel.virtual_stages=1", "model.layers=2",
+                                        "zero.stage=3", "train.global_batch=8"]), 8, "cuda", planned=True)
+    need = needed_bytes(cfg, range(0, 1), "cuda")
+    ep2 = resolve(load_config(MIXTRAL, ["parallel.pp=1", "parallel.dp=8", "parallel.ep=2", "parallel.world_size=8",
+                                        "parallel.schedule=1f1b", "parallel.virtual_stages=1", "model.layers=2",
+                                        "zero.stage=3", "train.global_batch=8"]), 8, "cuda", planned=True)
+    assert needed_bytes(ep2, range(0, 1), "cuda") < need
+    with pytest.raises(UserError) as e:
+        check_fits(cfg, torch.device("cpu"), 0, 0, 1, available=needed_bytes(ep2, range(0, 1), "cpu"))
+    assert "parallel.ep=2" in str(e.value) and "\n" not in str(e.value)
+
+
 def _mixtral(*sets: str):
     return resolve(load_config(MIXTRAL, list(sets)), 64, "cuda", planned=True)
 
