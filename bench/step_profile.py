@@ -76,7 +76,7 @@ def launch_cost_us(impl: str, cfg, device: torch.device, calls: int = 50) -> flo
     """Host microseconds to enqueue one attention forward at the model's head shape, batch 1."""
     from kernels.attend import attention
 
-    h, d, s = cfg.model.heads, cfg.model.head_dim, cfg.model.seq_len
+    h, d, s = cfg.model.heads, cfg.model.head_width, cfg.model.seq_len
     q, k, v = (torch.randn(1, h, s, d, device=device, dtype=torch.bfloat16) for _ in range(3))
     for _ in range(3):
         attention(q, k, v, causal=True, impl=impl)

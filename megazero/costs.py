@@ -35,33 +35,66 @@ LAYER_PASSES_PER_MLP_INPUT = 5
 
 
 def flops_per_token(layers: int, hidden: int, ffn_hidden: int, seq_len: int, vocab: int,
-                    kv_hidden: int | None = None, mlp_matrices: int = 2) -> float:
+                    kv_hidden: int | None = None, mlp_matrices: int = 2, q_hidden: int | None = None,
+                    router: int = 0) -> float:
     """Training FLOPs per token (forward + backward, no recomputation).
 
     6 FLOPs per matmul parameter per token (2 forward, 4 backward) plus the
-    attention score and value products, 12·L·s·h (PaLM, Chowdhery et al. 2022,
-    App. B). Matmul parameters per layer: the q and output projections (2h²),
-    k and v (2·h·kv_hidden: h·h each for multi-head attention, kv_heads·head_dim
+    attention score and value products, 12·L·s·q (PaLM, Chowdhery et al. 2022,
+    App. B; q = heads·head_dim, h for the models here). Matmul parameters per layer: the q and output
+    projections (2·h·q), k and v (2·h·kv_hidden: h·h each for multi-head attention, kv_heads·head_dim
     columns under grouped-query attention), the MLP (mlp_matrices·h·ffn: 2 for
-    GPT-2's fc1/fc2, 3 for SwiGLU's gate/up/down); and the output head (V·h).
-    The layout does not change it.
+    GPT-2's fc1/fc2, 3 for SwiGLU's gate/up/down; a mixture of experts' ffn is the width one token passes
+    through, :func:`moe_active_ffn`) and a mixture of experts' router (h·router, its E experts);
+    and the output head (V·h). The layout does not change it.
     """
     kv = hidden if kv_hidden is None else kv_hidden
-    matmul_params = layers * (2 * hidden * hidden + 2 * hidden * kv + mlp_matrices * hidden * ffn_hidden) \
-        + vocab * hidden
-    return 6.0 * matmul_params + 12.0 * layers * seq_len * hidden
+    q = hidden if q_hidden is None else q_hidden
+    matmul_params = layers * (2 * hidden * q + 2 * hidden * kv + mlp_matrices * hidden * ffn_hidden
+                              + router * hidden) + vocab * hidden
+    return 6.0 * matmul_params + 12.0 * layers * seq_len * q
 
 
 def model_shape(model_cfg: Any) -> dict:
     """The keyword arguments of :func:`flops_per_token` that depend on the architecture."""
     m = model_cfg
-    return {"kv_hidden": m.kv_head_count * m.head_dim, "mlp_matrices": 3 if arch.is_llama(m) else 2}
+    d = arch.head_dim(m)
+    return {"kv_hidden": m.kv_head_count * d, "mlp_matrices": 3 if arch.is_llama(m) else 2, "q_hidden": m.heads * d}
+
+
+def moe_active_ffn(model_cfg: Any) -> int:
+    """The SwiGLU width one token passes through in a mixture-of-experts layer: its top_k routed experts and the
+    shared ones, (top_k + shared_experts) · expert_hidden. Only these count in FLOPs and MFU (active parameters),
+    not the E - top_k experts a token skips."""
+    m = model_cfg
+    return (m.moe.top_k + m.moe.shared_experts) * arch.expert_hidden(m)
+
+
+def layers_flops_per_token(model_cfg: Any, layer_ids: range, seq_len: int | None = None) -> float:
+    """Training FLOPs per token of these layers (no head): the dense ones at the model's ffn width, the
+    mixtures of experts at their active width plus their router (``seq_len``: the attention products' length,
+    0 for the weight matmuls alone)."""
+    m = model_cfg
+    s = m.seq_len if seq_len is None else seq_len
+    moe_layers = arch.moe_layer_count(m, layer_ids)
+    shape = model_shape(m)
+    out = flops_per_token(len(layer_ids) - moe_layers, m.hidden, arch.ffn_hidden(m), s, 0, **shape)
+    if moe_layers:
+        out += flops_per_token(moe_layers, m.hidden, moe_active_ffn(m), s, 0, router=m.moe.experts, **shape)
+    return out
+
+
+def head_flops_per_token(model_cfg: Any) -> float:
+    """Training FLOPs per token of the output head (V·h)."""
+    m = model_cfg
+    return flops_per_token(0, m.hidden, arch.ffn_hidden(m), m.seq_len, m.padded_vocab, **model_shape(m))
 
 
 def model_flops_per_token(model_cfg: Any) -> float:
-    """The whole model's training FLOPs per token (every layer and the head), as throughput and MFU count."""
+    """The whole model's training FLOPs per token (every layer and the head), as throughput and MFU count: active
+    parameters only under a mixture of experts."""
     m = model_cfg
-    return flops_per_token(m.layers, m.hidden, arch.ffn_hidden(m), m.seq_len, m.padded_vocab, **model_shape(m))
+    return layers_flops_per_token(m, range(m.layers)) + head_flops_per_token(m)
 
 
 def pipeline_costs(m: Any, tp: int = 1, precision: str = "fp32", device: str = "cuda") -> StageCosts:
@@ -69,18 +102,28 @@ def pipeline_costs(m: Any, tp: int = 1, precision: str = "fp32", device: str = "
     FLOPs formula, plus as FLOPs-equivalents of their memory traffic the layer's elementwise work, the cross
     entropy over this rank's V/tp logits and the embedding lookup. ``m``: a model config (auto keys resolved
     or not); ``device``: cuda or cpu, whose matmuls outpace memory differently. Recomputation
-    (model.activation_checkpointing) is not counted, as in the plan's FLOPs."""
-    ffn, shape = arch.ffn_hidden(m), model_shape(m)
-    matmuls = flops_per_token(1, m.hidden, ffn, m.seq_len, 0, **shape) / tp
-    head = flops_per_token(0, m.hidden, ffn, m.seq_len, m.padded_vocab, **shape) / tp
+    (model.activation_checkpointing) is not counted, as in the plan's FLOPs. With mixtures of experts among
+    dense layers the layer is their mean (the balance weighs every layer alike); a mixture's routed tokens are
+    split over tp as its attention's columns are, so both divide by tp."""
     if device == "cpu":
         per_byte = FLOPS_PER_BYTE_CPU
     else:
         per_byte = FLOPS_PER_BYTE_FP32 if precision == "fp32" else FLOPS_PER_BYTE_16BIT
     value_bytes = 4 if precision == "fp32" else 2
     mlp_inputs = 2 if arch.is_llama(m) else 1
-    elementwise = (LAYER_PASSES_PER_HIDDEN * m.hidden + LAYER_PASSES_PER_MLP_INPUT * mlp_inputs * ffn / tp)
-    layer = matmuls + elementwise * value_bytes * per_byte
+
+    def layer_cost(ffn: int, router: int) -> float:
+        matmuls = flops_per_token(1, m.hidden, ffn, m.seq_len, 0, router=router, **model_shape(m)) / tp
+        elementwise = (LAYER_PASSES_PER_HIDDEN * m.hidden + LAYER_PASSES_PER_MLP_INPUT * mlp_inputs * ffn / tp)
+        return matmuls + elementwise * value_bytes * per_byte
+
+    layer = layer_cost(arch.ffn_hidden(m), 0)
+    moe_layers = arch.moe_layer_count(m, range(m.layers))
+    if moe_layers:
+        mixture = layer_cost(moe_active_ffn(m), m.moe.experts)
+        layer = mixture if moe_layers == m.layers else ((m.layers - moe_layers) * layer + moe_layers * mixture) \
+            / m.layers
+    head = head_flops_per_token(m) / tp
     loss = CROSS_ENTROPY_BYTES_PER_LOGIT * per_byte * m.padded_vocab / tp
     return StageCosts(layer, EMBEDDING_BYTES_PER_VALUE * per_byte * m.hidden, head + loss)
 

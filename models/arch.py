@@ -31,3 +31,28 @@ def ffn_hidden(cfg: Any) -> int:
     if cfg.ffn_hidden:
         return cfg.ffn_hidden
     return -(-(8 * cfg.hidden // 3) // 256) * 256 if is_llama(cfg) else 4 * cfg.hidden
+
+
+def head_dim(cfg: Any) -> int:
+    """Each attention head's width: ``model.head_dim`` (llama), or hidden / heads when unset."""
+    return getattr(cfg, "head_dim", None) or cfg.hidden // cfg.heads
+
+
+def expert_hidden(cfg: Any) -> int:
+    """A routed (or shared) expert's SwiGLU width: ``model.moe.expert_hidden``, or the model's ffn width."""
+    return cfg.moe.expert_hidden or ffn_hidden(cfg)
+
+
+def moe_layer_count(cfg: Any, layer_ids: range) -> int:
+    """How many of ``layer_ids`` (a step-1 range) are mixtures of experts (``MoeConfig.is_moe_layer``): layer i is
+    one when i >= dense_layers and (i - dense_layers) % every == 0. Counted, not listed: a plan asks it of
+    ranges of a billion layers."""
+    moe = getattr(cfg, "moe", None)
+    if moe is None or not moe.experts or not len(layer_ids):
+        return 0
+    assert layer_ids.step == 1, layer_ids
+    d, n = moe.dense_layers, moe.every
+    start, stop = max(layer_ids.start, d), layer_ids.stop
+    if start >= stop:
+        return 0
+    return -(-(stop - d) // n) - -(-(start - d) // n)  # multiples of n in [start - d, stop - d)

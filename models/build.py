@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.arch import ffn_hidden, has_bias, is_llama, tied
+from models.arch import expert_hidden, ffn_hidden, has_bias, head_dim, is_llama, moe_layer_count, tied
 from models.init import InitialValues, init_parameters
 from models.stage import GPT
 
@@ -51,20 +51,36 @@ def build_gpt(cfg: Any, seed: int | InitialValues, device: torch.device | str = 
     return model
 
 
-def count_parameters(cfg: Any) -> int:
-    """Parameters of the whole model (every stage and tp rank, a tied head counted once).
+def count_parameters(cfg: Any, active: bool = False) -> int:
+    """Parameters of the whole model (every stage and tp rank, a tied head counted once); ``active``: those one
+    token passes through, the routed experts of a mixture of experts counted top_k times instead of E times.
 
     The token embedding (and an untied head) count their padded rows because they are stored and
-    multiplied like any other. Llama: RMSNorms (no bias), q/o of h x h, k/v of h x kv_heads*head_dim, and
-    SwiGLU's three ffn x h matrices; no position table.
+    multiplied like any other. Llama: RMSNorms (no bias), q/o of h x heads*head_dim, k/v of h x
+    kv_heads*head_dim, and SwiGLU's three ffn x h matrices; no position table. A mixture-of-experts layer
+    (``model.moe``) has, in place of the SwiGLU, a router (E x h), E experts of 3 x expert_hidden x h (k of them
+    active) and its shared experts, one SwiGLU of shared_experts*expert_hidden. Active parameters count every
+    embedding, attention, norm, router and shared expert, and k routed experts per layer.
     """
     h, f, n_bias = cfg.hidden, ffn_hidden(cfg), int(has_bias(cfg))
     head = 0 if tied(cfg) else cfg.padded_vocab * h
     if is_llama(cfg):
-        kv = cfg.kv_head_count * (h // cfg.heads)
+        d = head_dim(cfg)
+        q, kv = cfg.heads * d, cfg.kv_head_count * d
         norm = h
-        block = 2 * norm + 2 * h * h + 2 * h * kv + n_bias * (2 * h + 2 * kv) + 3 * f * h + n_bias * (2 * f + h)
-        return cfg.padded_vocab * h + head + cfg.layers * block + norm
+        qk_norm = 2 * d if getattr(cfg, "qk_norm", False) else 0
+        attention = 2 * norm + 2 * h * q + 2 * h * kv + n_bias * (q + 2 * kv + h) + qk_norm
+
+        def swiglu(width: int) -> int:
+            return 3 * width * h + n_bias * (2 * width + h) if width else 0
+
+        moe_layers = moe_layer_count(cfg, range(cfg.layers))
+        total = cfg.layers * attention + (cfg.layers - moe_layers) * swiglu(f)
+        if moe_layers:
+            moe, fe = cfg.moe, expert_hidden(cfg)
+            routed = (moe.top_k if active else moe.experts) * 3 * fe * h
+            total += moe_layers * (moe.experts * h + routed + swiglu(moe.shared_experts * fe))
+        return cfg.padded_vocab * h + head + total + norm
     norm = h * (1 + n_bias)
     block = (
         2 * norm

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernels.attend import attention
-from models.arch import ffn_hidden, has_bias, is_llama
+from models.arch import ffn_hidden, has_bias, head_dim, is_llama
 from models.split import Split
 from parallel.tp_overlap import Entry
 from parallel.tp_random import ShardedDropout
@@ -125,7 +125,7 @@ class LlamaAttention(nn.Module):
         super().__init__()
         tp, kv = par.size, cfg.kv_head_count
         assert cfg.heads % tp == 0 and cfg.heads % kv == 0 and (kv % tp == 0 or tp % kv == 0), (cfg.heads, kv, tp)
-        self.head_dim = cfg.hidden // cfg.heads
+        self.head_dim = head_dim(cfg)
         self.local_heads = cfg.heads // tp
         self.local_kv = max(kv // tp, 1)
         self.theta, self.scaling = cfg.rope_theta, rope_scaling(cfg)

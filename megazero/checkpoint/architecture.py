@@ -11,10 +11,12 @@ ROPE_SCALING_KEYS = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_fact
 
 
 def _value(m: Any, key: str) -> Any:
-    """A key's resolved meaning: the number of k/v heads, not whether it was set; of ``moe``, the keys that
-    shape the network (a dense model's: none), not its training settings."""
+    """A key's resolved meaning: the number of k/v heads and the head width, not whether they were set; of
+    ``moe``, the keys that shape the network (a dense model's: none), not its training settings."""
     if key == "moe":
         return moe_architecture(m.moe)
+    if key == "head_dim":
+        return getattr(m, "head_dim", None) or m.hidden // m.heads
     return m.kv_head_count if key == "kv_heads" else getattr(m, key)
 
 

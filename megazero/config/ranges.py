@@ -33,7 +33,7 @@ _CHOICES = {
 _MIN = {
     ("model", "layers"): 1, ("model", "hidden"): 1, ("model", "heads"): 1, ("model", "seq_len"): 1,
     ("model", "vocab_size"): 2, ("model", "ffn_hidden"): 1, ("model", "vocab_pad_multiple"): 1,
-    ("model", "checkpoint_layers"): 0, ("model", "kv_heads"): 1, ("model", "norm_eps"): 1e-12,
+    ("model", "checkpoint_layers"): 0, ("model", "kv_heads"): 1, ("model", "head_dim"): 1, ("model", "norm_eps"): 1e-12,
     ("model", "rope_theta"): 1.0, ("model", "rope_factor"): 1.0, ("model", "rope_low_freq_factor"): 1e-6,
     ("model", "rope_high_freq_factor"): 1e-6, ("model", "rope_original_positions"): 1,
     ("parallel", "tp"): 1, ("parallel", "pp"): 1, ("parallel", "dp"): 1, ("parallel", "virtual_stages"): 1,
@@ -69,6 +69,7 @@ _MAX = {
     ("model", "checkpoint_layers"): 2 ** 31 - 1,  # as model.layers
     ("model", "init_std"): 10.0,
     ("model", "kv_heads"): 2 ** 18,  # as model.heads, which it divides
+    ("model", "head_dim"): 2 ** 16,  # 512 at most in published models; heads * head_dim * hidden stays < 2^52
     ("model", "norm_eps"): 1.0,  # added to a mean square; past 1 it outweighs unit-scale activations
     ("model", "rope_theta"): 1e12,  # Llama 3 uses 500,000; fp32 frequencies theta^(-2i/d) stay normal
     ("model", "rope_factor"): 1e6,  # Llama 3.1: 8; a context a million times the original is past any use

@@ -77,11 +77,11 @@ def _resolve_kernels(cfg: Config, device_type: str, planned: bool) -> None:
 
     k = cfg.kernels
     if not planned:
-        resolve_kernels(k, device_type, cfg.model.head_dim)
+        resolve_kernels(k, device_type, cfg.model.head_width)
         return
     names = [f.name for f in dataclasses.fields(KernelsConfig)]
     probe = KernelsConfig(**{n: AUTO if getattr(k, n) == AUTO else "torch" for n in names})
-    resolve_kernels(probe, device_type, cfg.model.head_dim)
+    resolve_kernels(probe, device_type, cfg.model.head_width)
     for n in names:
         if getattr(k, n) == AUTO:
             setattr(k, n, getattr(probe, n))

@@ -68,8 +68,11 @@ def validate(cfg: Config) -> None:
 def _check_model_rules(cfg: Config, src: str) -> None:
     """How the model's keys constrain each other (heads, k/v heads, rotary scaling, recomputation)."""
     m = cfg.model
-    if m.hidden % m.heads:
-        raise invalid(src, "model.heads", m.heads, f"must divide model.hidden={m.hidden}")
+    if m.head_dim is not None and m.arch != "llama" and m.head_dim * m.heads != m.hidden:
+        raise invalid(src, "model.head_dim", m.head_dim, f"sets a head width other than model.hidden / model.heads, "
+                      f"which only llama's attention has; unset it for {m.arch}")
+    if m.hidden % m.heads and m.head_dim is None:
+        raise invalid(src, "model.heads", m.heads, f"must divide model.hidden={m.hidden} (or set model.head_dim)")
     if m.heads % m.kv_head_count:
         raise invalid(src, "model.kv_heads", m.kv_heads, f"must divide model.heads={m.heads} (query heads per k/v "
                       f"head, grouped-query attention)")
@@ -81,9 +84,10 @@ def _check_model_rules(cfg: Config, src: str) -> None:
                       f"must be > model.rope_low_freq_factor={m.rope_low_freq_factor} (the band between is blended)")
     if m.rope_scaling != "none" and m.arch != "llama":
         raise invalid(src, "model.rope_scaling", m.rope_scaling, "scales rotary positions, which only llama has")
-    if m.arch == "llama" and m.head_dim % 2:
-        raise invalid(src, "model.heads", m.heads, f"makes an odd head dim {m.head_dim} (model.hidden / model.heads); "
-                      f"rotary embeddings rotate pairs of features")
+    if m.arch == "llama" and m.head_width % 2:
+        key, value = ("model.head_dim", m.head_dim) if m.head_dim else ("model.heads", m.heads)
+        raise invalid(src, key, value, f"makes an odd head dim {m.head_width}" + ("" if m.head_dim else
+                      " (model.hidden / model.heads)") + "; rotary embeddings rotate pairs of features")
     if m.checkpoint_layers and not m.activation_checkpointing:
         raise invalid(src, "model.checkpoint_layers", m.checkpoint_layers,
                       "recomputes layers only with model.activation_checkpointing=true; 0 without it")
@@ -164,9 +168,9 @@ def _check_tp(cfg: Config) -> None:
     if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
         raise invalid(src, "model.kv_heads", kv, f"must be a multiple or a divisor of parallel.tp={tp} (whole k/v "
                       f"heads per rank, or each k/v head on tp/kv_heads ranks)")
-    if kv < tp and m.head_dim % (tp // kv):  # a checkpoint stores each replica's even share of the head
+    if kv < tp and m.head_width % (tp // kv):  # a checkpoint stores each replica's even share of the head
         raise invalid(src, "model.kv_heads", kv, f"puts each k/v head on {tp // kv} ranks (parallel.tp={tp}), which "
-                      f"must divide the head dim {m.head_dim}")
+                      f"must divide the head dim {m.head_width}")
     ffn = arch.ffn_hidden(m)
     if ffn % tp:
         raise invalid(src, "model.ffn_hidden", ffn, f"must be divisible by parallel.tp={tp}")

@@ -54,6 +54,9 @@ class ModelConfig:
     vocab_size: int = 512
     ffn_hidden: Union[int, None] = None  # None -> 4 * hidden (gpt2); 8/3 * hidden rounded up to 256 (llama)
     kv_heads: Union[int, None] = None  # grouped-query attention: k/v heads, dividing heads; None -> heads
+    # llama: the width of each q/k/v head; None -> hidden / heads (Qwen3: 128 beside hidden 2048 and 32 heads, so
+    # q is 4096 wide and the output projection maps 4096 back to 2048)
+    head_dim: Union[int, None] = None
     bias: Union[bool, str] = AUTO  # auto: true for gpt2, false for llama
     tie_embeddings: Union[bool, str] = AUTO  # output head = token embedding; auto: true for gpt2, false for llama
     norm_eps: float = 1e-5  # the LayerNorm / RMSNorm epsilon
@@ -77,7 +80,7 @@ class ModelConfig:
 
     # The keys that define the network a checkpoint holds; the others (dropout, activation checkpointing,
     # init_std) may change between a save and a resume.
-    ARCHITECTURE = ("arch", "layers", "hidden", "heads", "kv_heads", "seq_len", "vocab_size", "ffn_hidden", "bias",
+    ARCHITECTURE = ("arch", "layers", "hidden", "heads", "kv_heads", "head_dim", "seq_len", "vocab_size", "ffn_hidden", "bias",
                     "tie_embeddings", "norm_eps", "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor",
                     "rope_high_freq_factor", "rope_original_positions", "vocab_pad_multiple", "moe")
 
@@ -93,8 +96,9 @@ class ModelConfig:
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    def head_width(self) -> int:
+        """Each attention head's width: ``head_dim``, or hidden / heads when unset."""
+        return self.head_dim or self.hidden // self.heads
 
     @property
     def kv_head_count(self) -> int:

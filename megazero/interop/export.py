@@ -88,7 +88,7 @@ def _llama_config(m: Any) -> dict:
                    "low_freq_factor": float(m.rope_low_freq_factor), "high_freq_factor": float(m.rope_high_freq_factor),
                    "original_max_position_embeddings": int(m.rope_original_positions)}
     return {"hidden_size": m.hidden, "intermediate_size": m.ffn_hidden, "num_hidden_layers": m.layers,
-            "num_attention_heads": m.heads, "num_key_value_heads": m.kv_head_count, "head_dim": m.head_dim,
+            "num_attention_heads": m.heads, "num_key_value_heads": m.kv_head_count, "head_dim": m.head_width,
             "hidden_act": "silu", "max_position_embeddings": m.seq_len, "rms_norm_eps": float(m.norm_eps),
             "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta, **(scaling or {})},
             "rope_scaling": scaling, "attention_bias": bool(m.bias), "mlp_bias": bool(m.bias),

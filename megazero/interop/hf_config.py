@@ -153,13 +153,11 @@ def folder_model(raw: Any, where: str) -> dict[str, Any]:
                 "tie_embeddings": f.get("tie_word_embeddings", bool, True), "bias": True,
                 "n_positions": f.get("n_positions", int, f.get("n_ctx", int, 1024))}
     hidden, heads = f.get("hidden_size", int), f.get("num_attention_heads", int)
-    head_dim = raw.get("head_dim")
-    if head_dim is not None and (hidden % heads or f.get("head_dim", int) != hidden // heads):
-        raise UserError(f"{where}: config.json head_dim={shown(head_dim)} is not hidden_size/num_attention_heads="
-                        f"{hidden}/{heads}; megazero's heads are hidden/heads wide")
+    head_dim = f.get("head_dim", int) if raw.get("head_dim") is not None else hidden // heads  # model.head_dim
     attn_bias, mlp_bias = f.get("attention_bias", bool, False), f.get("mlp_bias", bool, False)
     bias = attn_bias if attn_bias == mlp_bias else f"attention_bias={show(attn_bias)}, mlp_bias={show(mlp_bias)}"
     return {"arch": "llama", "layers": f.get("num_hidden_layers", int), "hidden": hidden, "heads": heads,
-            "kv_heads": f.get("num_key_value_heads", int, heads), "ffn_hidden": f.get("intermediate_size", int),
+            "kv_heads": f.get("num_key_value_heads", int, heads), "head_dim": head_dim,
+            "ffn_hidden": f.get("intermediate_size", int),
             "vocab_size": f.get("vocab_size", int), "norm_eps": f.get("rms_norm_eps", float, 1e-6),
             **_rope(raw, f), "tie_embeddings": f.get("tie_word_embeddings", bool, False), "bias": bias}

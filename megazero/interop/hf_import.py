@@ -37,8 +37,8 @@ _PREFIXES = ("transformer.", "model.")  # older GPT-2 folders store 'h.0...', a 
 UNUSED = ("refuse", "drop")  # train.init_unused: a tensor the model does not use is refused, or left unread
 
 
-_COMPARED = ("arch", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab_size", "norm_eps", "rope_theta",
-             "tie_embeddings", "bias", "rope_scaling")
+_COMPARED = ("arch", "layers", "hidden", "heads", "kv_heads", "head_dim", "ffn_hidden", "vocab_size", "norm_eps",
+             "rope_theta", "tie_embeddings", "bias", "rope_scaling")
 
 
 def _differences(there: dict[str, Any], m: Any) -> list[str]:

@@ -81,7 +81,7 @@ def model_config(model_cfg: Any) -> ModelConfig:
 def _block_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     h, f = m.hidden, m.ffn_hidden
     if m.arch == "llama":
-        q, kv = m.heads * m.head_dim, m.kv_head_count * m.head_dim
+        q, kv = m.heads * m.head_width, m.kv_head_count * m.head_width
         out = {"ln1.weight": (h,), "attn.q.weight": (q, h), "attn.k.weight": (kv, h), "attn.v.weight": (kv, h),
                "attn.proj.weight": (h, q), "ln2.weight": (h,), "mlp.gate.weight": (f, h),
                "mlp.up.weight": (f, h), "mlp.down.weight": (h, f)}

@@ -19,7 +19,7 @@ LOGIT_BYTES = 4  # the cross entropy keeps a float32 softmax of this rank's voca
 def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
                                sequence_parallel: bool = False, recompute: bool = False, flash: bool = True,
                                precision: str = "bf16", ffn: int | None = None, kv_heads: int | None = None,
-                               swiglu: bool = False) -> int:
+                               swiglu: bool = False, head_dim: int | None = None) -> int:
     """Activation bytes one transformer layer keeps for backward, per microbatch.
 
     Korthikanti et al. 2022, §4, Eq. (1)-(5), 16-bit activations:
@@ -35,16 +35,18 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
     2·sbf twice (16 at ffn = 4h). The same count for a Llama block: k and v are
     kv_heads/heads of q's size (each k/v head on tp/kv_heads ranks when fewer),
     and SwiGLU keeps four ffn-wide tensors (gate and up outputs, silu(gate), the
-    product), 8·sbf; norms, block inputs and dropout masks are as GPT-2's 10.
+    product), 8·sbf; norms, block inputs and dropout masks are as GPT-2's 10. A head width other than h/a
+    (``head_dim``, Qwen3's) scales q, k, v and the attention output by a·head_dim/h.
     """
     s, b, h, a, t = seq_len, micro_batch, hidden, heads, tp
     f = 4 * h if ffn is None else ffn
     kv = a if kv_heads is None else kv_heads
+    width = Fraction(a * head_dim, h) if head_dim else 1  # q's width over h
     sbh = s * b * h
     if recompute:
         per = Fraction(2 * sbh, t if sequence_parallel else 1)
     else:
-        split = 4 + Fraction(4 * kv, a * min(kv, t)) * t + Fraction((8 if swiglu else 4) * f, h)  # then / t
+        split = (4 + Fraction(4 * kv, a * min(kv, t)) * t) * width + Fraction((8 if swiglu else 4) * f, h)  # then / t
         core = (10 + split) / t if sequence_parallel else 10 + split / t
         scores = 0 if flash else Fraction(5 * a * s, h * t)
         per = sbh * (core + scores)

@@ -35,7 +35,7 @@ def own_layout(cfg: Config, gpus: int) -> Layout:
     """The layout a resolved config runs with, in the search's terms."""
     p, m = cfg.parallel, cfg.model
     rec = "none" if not m.activation_checkpointing else str(m.checkpoint_layers) if m.checkpoint_layers else "full"
-    return Layout(p.tp, p.pp, p.dp, p.virtual_stages, p.schedule, cfg.zero.stage, cfg.train.micro_batch, rec)
+    return Layout(p.tp, p.pp, p.dp, p.virtual_stages, p.schedule, cfg.zero.stage, cfg.train.micro_batch, rec, p.ep)
 
 
 def write_config(base: Config, layout: Layout, gpus: int, path: str) -> None:
@@ -98,19 +98,22 @@ def _reason(e: Exception) -> str:
     return e.strerror if isinstance(e, OSError) and e.strerror else str(e)
 
 
-def _row(rank: str, r: Ranked) -> str:
+def _row(rank: str, r: Ranked, experts: bool) -> str:
     lay = r.layout
-    return (f"{rank:>4} {lay.tp:>4} {lay.pp:>4} {lay.dp:>5} {lay.virtual_stages:>3} {lay.schedule:>11} "
+    return (f"{rank:>4} {lay.tp:>4} {lay.pp:>4} {lay.dp:>5} " + (f"{lay.ep:>4} " if experts else "")
+            + f"{lay.virtual_stages:>3} {lay.schedule:>11} "
             f"{lay.zero_stage:>4} {lay.micro_batch:>4} {lay.recompute:>9} {r.memory_gb:>9.3g} {r.step_s:>8.4g} "
             f"{r.tflops_per_gpu:>8.1f} {r.mfu * 100:>5.1f}%")
 
 
-def format_table(found: Search, own: "Ranked | str", top: int, header: str) -> str:
-    """The best ``top`` layouts, then the config's own (a row, or why it cannot run here)."""
-    lines = [header, f"{'':>4} {'tp':>4} {'pp':>4} {'dp':>5} {'v':>3} {'schedule':>11} {'zero':>4} {'mb':>4} "
-                     f"{'recompute':>9} {'memory GB':>9} {'step s':>8} {'TFLOP/s':>8} {'MFU':>6}"]
-    lines += [_row(f"{i + 1}", r) for i, r in enumerate(found.ranked[:top])]
-    lines.append(_row("own", own) if isinstance(own, Ranked) else f" own  {own}")
+def format_table(found: Search, own: "Ranked | str", top: int, header: str, experts: bool = False) -> str:
+    """The best ``top`` layouts, then the config's own (a row, or why it cannot run here); an ep column for a
+    mixture of experts."""
+    lines = [header, f"{'':>4} {'tp':>4} {'pp':>4} {'dp':>5} " + (f"{'ep':>4} " if experts else "")
+             + f"{'v':>3} {'schedule':>11} {'zero':>4} {'mb':>4} "
+               f"{'recompute':>9} {'memory GB':>9} {'step s':>8} {'TFLOP/s':>8} {'MFU':>6}"]
+    lines += [_row(f"{i + 1}", r, experts) for i, r in enumerate(found.ranked[:top])]
+    lines.append(_row("own", own, experts) if isinstance(own, Ranked) else f" own  {own}")
     return "\n".join(lines)
 
 
@@ -165,7 +168,7 @@ def run(args: argparse.Namespace) -> Search:
     except UserError:  # the config's own layout may be what is invalid (micro_batch against the batch, ...)
         base = load_config(args.config, sets + ["parallel.tp=1", "parallel.pp=1", "parallel.dp=auto",
                                                 "parallel.virtual_stages=1", "parallel.schedule=1f1b",
-                                                "parallel.pp_layers=auto", "train.micro_batch=1"])
+                                                "parallel.pp_layers=auto", "train.micro_batch=1", "parallel.ep=1"])
     found = search(base, cluster, args.gpus, fixed)
     if not found.ranked:
         raise UserError(_nothing_fits(found, cluster, args.gpus, fixed))
@@ -177,7 +180,8 @@ def run(args: argparse.Namespace) -> Search:
     header = (f"{base.name} on {args.gpus} x {cluster.name} ({cluster.memory_gb:g} GB, {MEMORY_MARGIN:.0%} "
               f"planned at most): {len(found.ranked)} of {found.costed} costed layouts fit "
               f"({time.perf_counter() - start:.1f} s)")
-    print(format_table(found, _own(args.config, sets, cluster, args.gpus), args.top, header))
+    print(format_table(found, _own(args.config, sets, cluster, args.gpus), args.top, header,
+                       experts=base.model.moe.experts > 0))
     if args.write:
         print(f"wrote {args.write} ({found.ranked[0].layout.label()})")
     return found
@@ -192,7 +196,7 @@ def _nothing_fits(found: Search, cluster: Cluster, gpus: int, fixed: dict) -> st
     if found.least is None:
         why = f" (e.g. {found.first_refusal})" if found.first_refusal else ""
         return f"no layout of {gpus} GPUs{pinned} passes the config rules{why}"
-    helps = [h for knob, h in (("micro_batch", "a smaller micro-batch"), ("recompute", "recompute"),
+    helps = [h for knob, h in (("micro_batch", "a smaller micro-batch"), ("recompute", "recompute"), ("ep", "more ep"),
                                ("zero_stage", "ZeRO-3"), ("tp", "more tp"), ("pp", "more pp")) if knob in fixed]
     need, layout = found.least
     return (f"no layout fits {gpus} x {cluster.name}{pinned}: the least memory a valid one plans is "

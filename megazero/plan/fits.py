@@ -52,10 +52,11 @@ def needed_bytes(cfg: Config, ranks: range, device_type: str) -> int:
 
 def stage_bytes(cfg: Config, stage, device_type: str) -> int:
     """One rank of a pipeline stage (a megazero.plan.stage_plan.StagePlan): its model states where they live (a CPU host
-    also holds the offloaded ones), ZeRO's gathered and gradient buffers, and its activations."""
+    also holds the offloaded ones), ZeRO's gathered and gradient buffers, its activations, and a mixture of
+    experts' dispatch buffers beyond what its layers keep."""
     act = stage.act_ckpt if cfg.model.activation_checkpointing else stage.act_full
     state = stage.model_state["device_total"] + (stage.model_state["cpu_total"] if device_type == "cpu" else 0)
-    return state + stage.gathered + stage.grad_buffers + act
+    return state + stage.gathered + stage.grad_buffers + act + stage.dispatch
 
 
 def _variants(cfg: Config) -> list[tuple[str, Config]]:
@@ -74,6 +75,9 @@ def _variants(cfg: Config) -> list[tuple[str, Config]]:
         variant("model.checkpoint_layers=0", lambda c: setattr(c.model, "checkpoint_layers", 0))
     if not StagePolicy.of(z.stage).shard_params:  # a higher stage shards more
         variant(f"zero.stage={z.stage + 1}", lambda c: setattr(c.zero, "stage", z.stage + 1))
+    experts = m.moe.experts
+    if experts and p.dp % (2 * p.ep) == 0 and experts % (2 * p.ep) == 0:  # half the experts' states per rank
+        variant(f"parallel.ep={p.ep * 2}", lambda c: setattr(c.parallel, "ep", p.ep * 2))
     if t.micro_batch > 1:
         variant(f"train.micro_batch={t.micro_batch // 2}",
                 lambda c: setattr(c.train, "micro_batch", t.micro_batch // 2))

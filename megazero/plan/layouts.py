@@ -1,5 +1,6 @@
 """The layouts a search considers: the knobs (tp, pp, dp, virtual stages, schedule, ZeRO stage, micro-batch,
-recompute), ``--layout``'s fixed ones, and every combination of a GPU count's, in the order the search walks.
+recompute, and for a mixture of experts ep, dividing dp and the expert count), ``--layout``'s fixed ones, and
+every combination of a GPU count's, in the order the search walks.
 
 Where it is narrowed to keep a search to seconds: tp stays within a node unless --layout fixes it; at most
 MAX_MICRO_BATCHES micro-batches per layout; interleaving at 2, 4, 8... chunks; gpipe only when fixed. A search
@@ -18,7 +19,7 @@ from megazero.errors import UserError, shown
 from megazero.plan.activations import peak_microbatches
 from megazero.plan.state_bytes import ZERO_STAGES
 
-KNOBS = ("tp", "pp", "dp", "virtual_stages", "schedule", "zero_stage", "micro_batch", "recompute")
+KNOBS = ("tp", "pp", "dp", "virtual_stages", "schedule", "zero_stage", "micro_batch", "recompute", "ep")
 # gpipe is not searched (it can be fixed with --layout): 1F1B's bubble, but every microbatch's activations held.
 SEARCHED_SCHEDULES = ("1f1b", "zb1p", "interleaved")
 MAX_MICRO_BATCHES = 8  # micro-batch values tried per layout: a geometric spread of the batch's divisors
@@ -49,9 +50,10 @@ class Layout:
     zero_stage: int
     micro_batch: int
     recompute: str
+    ep: int = 1  # expert parallelism, carved out of dp (a mixture of experts only)
 
     def label(self) -> str:
-        return " ".join(f"{k}={v}" for k, v in asdict(self).items())
+        return " ".join(f"{k}={v}" for k, v in asdict(self).items() if k != "ep" or v != 1)
 
 
 @dataclass(frozen=True)
@@ -118,23 +120,32 @@ def _spread(values: list[int], most: int) -> list[int]:
 def candidates(base: Config, gpus: int, fixed: dict, max_tp: int = 2 ** 20) -> Iterator[Layout]:
     """Every layout of ``gpus`` ranks the search considers, recompute none or full, before the rules (those
     that break one are filtered by :func:`configure`). Per pipeline shape, layouts come in order of falling
-    microbatch count, so each (tp, ZeRO stage) meets its micro-batches smallest first and layouts that share a
-    schedule come together. tp above ``max_tp`` only when --layout fixes it."""
+    microbatch count, so each (tp, ep, ZeRO stage) meets its micro-batches smallest first and layouts that share a
+    schedule come together. tp above ``max_tp`` only when --layout fixes it; ep over the divisors of dp that
+    divide model.moe.experts (1 for a dense model)."""
     layers, batch = base.model.layers, base.train.global_batch
+    experts = base.model.moe.experts
     want = lambda key, value: key not in fixed or fixed[key] == value  # noqa: E731
     for pp in divisors(gpus):
         shapes = [(tp, gpus // (tp * pp)) for tp in divisors(gpus // pp) if tp <= max_tp or "tp" in fixed]
         shapes = [(tp, dp) for tp, dp in shapes if want("tp", tp) and want("dp", dp) and batch % dp == 0]
         if pp > layers or not want("pp", pp) or not shapes:
             continue
-        rows = [(tp, dp, mb) for tp, dp in shapes for mb in ([fixed["micro_batch"]] if "micro_batch" in fixed
-                                                             else _spread(divisors(batch // dp), MAX_MICRO_BATCHES))]
-        rows.sort(key=lambda row: -(batch // (row[1] * row[2])))  # stable: ties keep tp order
+        shapes = [(tp, dp, ep) for tp, dp in shapes for ep in _expert_parallel(dp, experts) if want("ep", ep)]
+        rows = [(tp, dp, ep, mb) for tp, dp, ep in shapes
+                for mb in ([fixed["micro_batch"]] if "micro_batch" in fixed
+                           else _spread(divisors(batch // dp), MAX_MICRO_BATCHES))]
+        rows.sort(key=lambda row: -(batch // (row[1] * row[3])))  # stable: ties keep tp order
         for schedule, v in _pipelines(pp, layers, fixed):
-            for tp, dp, mb in rows:
+            for tp, dp, ep, mb in rows:
                 for zero in (z for z in ZERO_ORDER if want("zero_stage", z)):
                     for rec in ([fixed["recompute"]] if "recompute" in fixed else ["none", "full"]):
-                        yield Layout(tp, pp, dp, v, schedule, zero, mb, rec)
+                        yield Layout(tp, pp, dp, v, schedule, zero, mb, rec, ep)
+
+
+def _expert_parallel(dp: int, experts: int) -> list[int]:
+    """The ep sizes of a dp: those dividing both dp and the expert count; 1 without experts."""
+    return [ep for ep in divisors(dp) if experts and experts % ep == 0] if experts else [1]
 
 
 def _pipelines(pp: int, layers: int, fixed: dict) -> list[tuple[str, int]]:

@@ -53,7 +53,7 @@ def configure(base: Config, layout: Layout, gpus: int, memo: Optional[PlanMemo] 
     p, m = cfg.parallel, cfg.model
     p.tp, p.pp, p.dp, p.virtual_stages, p.schedule = layout.tp, layout.pp, layout.dp, layout.virtual_stages, \
         layout.schedule
-    p.sequence_parallel, p.pp_layers = layout.tp > 1, AUTO
+    p.sequence_parallel, p.pp_layers, p.ep = layout.tp > 1, AUTO, layout.ep
     if p.world_size:
         p.world_size = gpus
     cfg.zero.stage, cfg.train.micro_batch = layout.zero_stage, layout.micro_batch
@@ -126,7 +126,7 @@ def _walk(layouts: Iterator[Layout], fixed: dict, layers: int, cost: Callable, k
     floors: dict = {}  # per layout less its micro-batch, and (for ZeRO-0, from ZeRO-1) less its ZeRO stage
     never = 2 ** 31  # no level fits
     for layout in layouts:
-        shape = (layout.tp, layout.pp, layout.virtual_stages, layout.schedule, layout.recompute)
+        shape = (layout.tp, layout.pp, layout.virtual_stages, layout.schedule, layout.recompute, layout.ep)
         group, beside = ("zero", layout.zero_stage, *shape), ("micro_batch", layout.micro_batch, *shape)
         policy = StagePolicy.of(layout.zero_stage)
         replicated = not policy.shard_optimizer  # ZeRO-0: reads the floor ZeRO-1 left at its micro-batch

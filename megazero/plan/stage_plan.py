@@ -7,7 +7,9 @@ whole grid. This module assembles each stage's row from its parts:
 - parameters: the real model class built on meta (megazero.plan.params);
 - model state and ZeRO's buffers: Rajbhandari et al. SC'20 (megazero.plan.state_bytes);
 - activations: Korthikanti et al. 2022, §4, over the schedule's peak (megazero.plan.activations);
-- FLOPs and stage costs: ``megazero.costs``, the one formula behind throughput and MFU.
+- a mixture of experts' dispatch buffers, kept rows and all-to-all bytes (megazero.plan.dispatch); its
+  routed experts' states sharded over edp = dp / ep (megazero.plan.state_bytes);
+- FLOPs and stage costs: ``megazero.costs``, the one formula behind throughput and MFU (active parameters).
 
 It reads a resolved config (megazero.config.resolve) and resolves nothing.
 """
@@ -17,14 +19,15 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megazero.config.schema import Config
-from megazero.costs import compute_device, flops_per_token, model_flops_per_token, model_shape, pipeline_costs
+from megazero.costs import (compute_device, head_flops_per_token, layers_flops_per_token, model_flops_per_token,
+                            pipeline_costs)
 from megazero.plan.activations import (LOGIT_BYTES, activation_bytes_per_layer, activation_peak, peak_microbatches,
                                       pipeline_bubble)
+from megazero.plan.dispatch import DispatchBytes, all_to_all_bytes, dispatch_bytes, moe_layer_activation_bytes
 from megazero.plan.memo import PlanMemo
-from megazero.plan.params import ParamCounts
-from megazero.plan.state_bytes import gathered_bytes, grad_buffer_bytes, model_state_bytes
+from megazero.plan.params import ModelCounts, ParamCounts
+from megazero.plan.state_bytes import gathered_bytes, grad_buffer_bytes, rank_state_bytes
 from models import arch
-from models.build import count_parameters
 from parallel.balance import balance_layers, rank_costs
 from parallel.pipeline import partition_layers
 from parallel.schedules import Action, virtual_stage
@@ -50,6 +53,11 @@ class StagePlan:
     flops: float  # model FLOPs per step of one rank of this stage
     gathered: int = 0  # ZeRO-3: peak bytes of whole parameters gathered during the step
     grad_buffers: int = 0  # ZeRO-2/3: bucket gradient buffers alive beside the shard (filling and in flight)
+    experts: int = 0  # of ``params``, the routed experts' (E/ep per mixture-of-experts layer), sharded over edp
+    expert_state: dict = None  # their part of ``model_state``
+    moe_layers: int = 0  # mixture-of-experts layers on the stage
+    dispatch: int = 0  # bytes: one such layer's dispatch buffers beyond what it keeps (its forward's working set)
+    all_to_all: int = 0  # bytes sent to other ep ranks per step
 
 
 @dataclass(frozen=True)
@@ -78,11 +86,13 @@ class Plan:
     world_size: int
     stages: list[StagePlan]
     total_params: int
-    flops_per_step: float  # whole model, whole global batch
+    flops_per_step: float  # whole model, whole global batch (active parameters)
     tokens_per_step: int
     microbatches: int
     bubble: float
     balance: StageBalance
+    active_params: int = 0  # a token's: top_k routed experts per mixture-of-experts layer, not E
+    dispatch: DispatchBytes = DispatchBytes(0, 0, 0, 0, 0)  # one mixture-of-experts layer and microbatch, per rank
 
 
 def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action], params: ParamCounts,
@@ -90,40 +100,58 @@ def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action], p
     m, par, t, z = cfg.model, cfg.parallel, cfg.train, cfg.zero
     v, last_vs = par.virtual_stages, par.pp * par.virtual_stages - 1
     chunks = [virtual_stage(r, c, par.pp) for c in range(v)]
-    counts = [params.chunk(len(ranges[vs]), vs == 0, vs == last_vs) for vs in chunks]
-    psi, replicated = sum(c[0] for c in counts), sum(c[1] for c in counts)
-    state = model_state_bytes(psi, z.stage, par.dp, t.precision, z.offload_optimizer, z.offload_params,
-                              z.grad_dtype)
+    counts = [params.chunk_counts(ranges[vs], vs == 0, vs == last_vs) for vs in chunks]
+    psi, replicated, experts = (sum(c[i] for c in counts) for i in range(3))
+    state, expert_state = rank_state_bytes(cfg, psi, experts)
     sp = par.sequence_parallel and par.tp > 1
+    moe_in = {vs: arch.moe_layer_count(m, ranges[vs]) for vs in chunks}
 
     def layer(recompute: bool) -> int:
         return memo.call(activation_bytes_per_layer, m.seq_len, t.micro_batch, m.hidden, m.heads, par.tp, sp,
                          recompute, flash=True, precision=t.precision, ffn=m.ffn_hidden, kv_heads=m.kv_head_count,
-                         swiglu=arch.is_llama(m))
+                         swiglu=arch.is_llama(m), head_dim=m.head_width)
+
+    mixtures = {rec: moe_layer_activation_bytes(cfg, rec) if any(moe_in.values()) else 0 for rec in (False, True)}
+
+    def mixture(recompute: bool) -> int:
+        return mixtures[recompute]
+
+    def layers(vs: int, n: int, recompute: bool) -> int:
+        """The first n layers of chunk vs (recomputed or not): its dense layers and mixtures of experts."""
+        moe = arch.moe_layer_count(m, range(ranges[vs].start, ranges[vs].start + n))
+        return (n - moe) * layer(recompute) + moe * mixture(recompute)
+
+    def largest(vs: int) -> int:  # the layer being recomputed holds its full set meanwhile: the larger kind
+        return max(layer(False) if len(ranges[vs]) > moe_in[vs] else 0, mixture(False) if moe_in[vs] else 0)
 
     logits = t.micro_batch * m.seq_len * (m.padded_vocab // par.tp) * LOGIT_BYTES
     head = [logits if vs == last_vs else 0 for vs in chunks]
     def recomputed(vs: int) -> int:  # model.checkpoint_layers: the first k layers of each chunk (0: all)
         return min(m.checkpoint_layers, len(ranges[vs])) if m.checkpoint_layers else len(ranges[vs])
 
-    ckpt, count = memo.peak(activation_peak, sched, [recomputed(vs) * layer(True) + (len(ranges[vs]) - recomputed(vs))
-                                          * layer(False) + h for vs, h in zip(chunks, head)])
-    full, _ = memo.peak(activation_peak, sched, [len(ranges[vs]) * layer(False) + h for vs, h in zip(chunks, head)])
+    ckpt, count = memo.peak(activation_peak, sched, [
+        layers(vs, recomputed(vs), True) + (layers(vs, len(ranges[vs]), False) - layers(vs, recomputed(vs), False)) + h
+        for vs, h in zip(chunks, head)])
+    full, _ = memo.peak(activation_peak, sched, [layers(vs, len(ranges[vs]), False) + h for vs, h in zip(chunks, head)])
     # the one layer being recomputed in backward holds its full set meanwhile; when a chunk keeps some layers'
     # full activations (checkpoint_layers), those are freed by the time its first layers are recomputed
     if any(recomputed(vs) == len(ranges[vs]) for vs in chunks):
-        ckpt += layer(False)
-    n_layers = sum(len(ranges[vs]) for vs in chunks)
+        ckpt += max(largest(vs) for vs in chunks if recomputed(vs) == len(ranges[vs]))
+    moe_layers = sum(moe_in[vs] for vs in chunks)
     tokens = t.global_batch * m.seq_len // par.dp  # this dp replica's share
-    vocab = m.padded_vocab if last_vs in chunks else 0
-    per_token = flops_per_token(n_layers, m.hidden, m.ffn_hidden, m.seq_len, vocab, **model_shape(m))
+    per_token = sum(layers_flops_per_token(m, ranges[vs]) for vs in chunks)
+    per_token += head_flops_per_token(m) if last_vs in chunks else 0
     flops = per_token * tokens / par.tp
+    moe_recomputed = sum(arch.moe_layer_count(m, range(ranges[vs].start, ranges[vs].start + recomputed(vs)))
+                         for vs in chunks) if m.activation_checkpointing else 0
     # a range, not a list: a search plans hundreds of layouts of up to a million ranks each
     first, last = coords_to_rank(r, 0, 0, par.tp, par.dp), coords_to_rank(r, par.dp - 1, par.tp - 1, par.tp, par.dp)
     assert last - first + 1 == par.tp * par.dp, (first, last, par.tp, par.dp)  # the stage's ranks are contiguous
     return StagePlan(r, range(first, last + 1), [ranges[vs] for vs in chunks], psi, replicated, state, ckpt, full,
                      count, max(head), flops, gathered_bytes(cfg, chunks, ranges, psi, params),
-                     grad_buffer_bytes(cfg, chunks, psi, params))
+                     grad_buffer_bytes(cfg, chunks, ranges, psi, params, experts), experts, expert_state,
+                     moe_layers, dispatch_bytes(cfg).transient if moe_layers else 0,
+                     all_to_all_bytes(cfg, moe_layers, moe_recomputed))
 
 
 def make_plan(cfg: Config, memo: Optional[PlanMemo] = None) -> Plan:
@@ -139,6 +167,7 @@ def make_plan(cfg: Config, memo: Optional[PlanMemo] = None) -> Plan:
     params = ParamCounts.of(cfg, memo)
     stages = [_stage_plan(cfg, r, ranges, schedule[r], params, memo) for r in range(par.pp)]
     tokens = t.global_batch * m.seq_len
-    return Plan(cfg, par.tp * par.pp * par.dp, stages, count_parameters(m), model_flops_per_token(m) * tokens,
+    counts = ModelCounts.of(cfg)
+    return Plan(cfg, par.tp * par.pp * par.dp, stages, counts.total, model_flops_per_token(m) * tokens,
                 tokens, mb, pipeline_bubble(par.schedule, par.pp, mb, par.virtual_stages),
-                StageBalance.of(cfg, ranges, memo))
+                StageBalance.of(cfg, ranges, memo), counts.active, dispatch_bytes(cfg))

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from megazero.config.schema import Config
 from parallel.zero.grads import grad_precision
+from models.arch import expert_hidden, moe_layer_count
 from parallel.zero.policy import StagePolicy
 
 if TYPE_CHECKING:
@@ -64,37 +65,81 @@ def model_state_bytes(psi: int, stage: int, dp: int, precision: str, offload_opt
             "device_total": params + grads + optimizer - (cpu - staging), "cpu_total": cpu}
 
 
+def rank_state_bytes(cfg: Config, psi: int, experts: int) -> tuple[dict[str, int], dict[str, int]]:
+    """(the model state one rank keeps, the routed experts' part of it): :func:`model_state_bytes` of the dense
+    parameters over dp and of the experts' over their expert-data-parallel group, edp = dp / ep, as ZeRO
+    partitions them (parallel.zero: one partition per reduction group). At ep = 1 edp is dp and one partition
+    holds both."""
+    p, z, t = cfg.parallel, cfg.zero, cfg.train
+
+    def state(n: int, group: int) -> dict[str, int]:
+        return model_state_bytes(n, z.stage, group, t.precision, z.offload_optimizer, z.offload_params,
+                                 z.grad_dtype)
+
+    whole = state(psi, p.dp)
+    if p.ep == 1 or not experts:
+        return whole, (state(experts, p.dp) if experts else dict.fromkeys(whole, 0))
+    dense, expert = state(psi - experts, p.dp), state(experts, p.dp // p.ep)
+    return {k: dense[k] + expert[k] for k in dense}, expert
+
+
 GRAD_BUFFERS = 3  # ZeroOptimizer's default: two reductions in flight and the bucket filling
 
 
-def grad_buffer_bytes(cfg: Config, chunks: list[int], psi: int, params: ParamCounts) -> int:
+def grad_buffer_bytes(cfg: Config, chunks: list[int], ranges: list[range], psi: int, params: ParamCounts,
+                      experts: int = 0) -> int:
     """ZeRO-2/3's whole-bucket gradient buffers beside the shard: at most three alive (two reductions in flight
     and one filling, parallel.zero.grads), each a bucket — ``zero.bucket_mb``, or one parameter larger than
     that (stage 2), or a layer or a chunk's root (stage 3, which buckets by layer). Stages 0-1 keep whole
-    buffers, counted in the model state."""
+    buffers, counted in the model state. With ep > 1 the routed experts' ``experts`` parameters are a partition
+    of their own (reduced over edp), with its own buffers: a stacked expert weight (E/ep x expert_hidden x h)
+    is one parameter, a layer's experts one stage-3 bucket."""
     z, m, p = cfg.zero, cfg.model, cfg.parallel
     policy = StagePolicy.of(z.stage)
     if not policy.shard_grads:
         return 0
     g = grad_bytes_per_param(cfg.train.precision, z.grad_dtype)
     last_vs = p.pp * p.virtual_stages - 1
-    if policy.shard_params:
-        largest = max([params.layer[0]] + [params.ends[(vs == 0, vs == last_vs)][0] for vs in chunks])
-    else:
-        h, f, t = m.hidden, m.ffn_hidden, p.tp
-        largest = max(f * h, (h if m.arch == "llama" else 3 * h) * h) // t  # MLP, or fused qkv / q
+    apart = experts if p.ep > 1 else 0  # the experts' own partition
+    moe_layers = sum(moe_layer_count(m, ranges[vs]) for vs in chunks)
+    dense_layers = sum(len(ranges[vs]) for vs in chunks) - moe_layers
+    if policy.shard_params:  # a bucket per layer and partition
+        mixture = params.moe_layer[0] - (params.moe_layer[2] if apart else 0) if moe_layers else 0
+        largest = max([params.layer[0] if dense_layers else 0, mixture]
+                      + [params.ends[(vs == 0, vs == last_vs)][0] for vs in chunks])
+        largest_expert = params.moe_layer[2]
+    else:  # bucket_mb, or a larger parameter
+        h, t = m.hidden, p.tp
+        mlp = m.ffn_hidden * h if dense_layers else 0
+        if moe_layers:
+            fe = expert_hidden(m)
+            mlp = max(mlp, m.moe.shared_experts * fe * h)
+            if not apart:  # the stacked experts (not split over tp) share the dense buckets
+                mlp = max(mlp, m.moe.experts * fe * h * t)
+        largest = max(mlp, (h if m.arch == "llama" else 3 * h) * h) // t  # MLP, or fused qkv / q
         if any(vs in (0, last_vs) for vs in chunks):
             largest = max(largest, m.padded_vocab // t * h)
         largest = max(largest, int(z.bucket_mb * 2 ** 20) // g)
-    largest = min(largest, psi)  # no bucket holds more than the stage
-    buffers = min(GRAD_BUFFERS, -(-psi // largest)) if largest else 0
-    return buffers * -(-largest // p.dp) * p.dp * g
+        largest_expert = max(m.moe.experts // p.ep * expert_hidden(m) * h, int(z.bucket_mb * 2 ** 20) // g) \
+            if apart else 0
+    dense = psi - apart
+
+    def buffers(n: int, biggest: int, group: int) -> int:
+        biggest = min(biggest, n)  # no bucket holds more than the partition
+        count = min(GRAD_BUFFERS, -(-n // biggest)) if biggest else 0
+        return count * -(-biggest // group) * group * g
+
+    out = buffers(dense, largest, p.dp)
+    if apart:
+        out += buffers(apart, largest_expert, p.dp // p.ep)
+    return out
 
 
 def gathered_bytes(cfg: Config, chunks: list[int], ranges: list[range], psi: int, params: ParamCounts) -> int:
     """ZeRO-3's whole parameters held during a step: the root buckets (embeddings, final norm) and two layers
-    (one in use, one prefetched) when layers are freed after forward; every layer of the stage when
-    ``zero.reshard_after_forward`` is false (the default under a pipeline)."""
+    (one in use, one prefetched; the larger kind, where dense and mixture-of-experts layers mix) when layers are
+    freed after forward; every layer of the stage when ``zero.reshard_after_forward`` is false (the default
+    under a pipeline). A layer's routed experts are gathered over edp as its dense parameters are over dp."""
     if not StagePolicy.of(cfg.zero.stage).shard_params:
         return 0
     last_vs = cfg.parallel.pp * cfg.parallel.virtual_stages - 1
@@ -103,4 +148,5 @@ def gathered_bytes(cfg: Config, chunks: list[int], ranges: list[range], psi: int
     b = BYTES_PER_VALUE[cfg.train.precision]
     if not cfg.zero.reshard_after_forward or layers <= 2:
         return psi * b
-    return (root + 2 * -(-(psi - root) // layers)) * b
+    largest = max(params.largest_layer(ranges[vs]) for vs in chunks)
+    return (root + 2 * largest) * b

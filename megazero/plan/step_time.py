@@ -9,7 +9,8 @@ bubble), never from copies of them; the model adds only time. Per step, on the s
   ``e_max * x / (x + x_half)``, where ``x`` is a matmul's arithmetic intensity (``MKN / (MK + KN + MN)``,
   FLOPs per byte of its bf16 operands, with M = micro_batch * seq_len tokens) over the GPU's ridge point
   (peak / HBM bandwidth): thin matmuls (small hidden / tp, a narrow head dimension) run further from peak;
-  weighted over the layer's matmuls, the attention products and the output head by their FLOPs;
+  weighted over the layer's matmuls, the attention products and the output head by their FLOPs. A routed
+  expert's matmuls have the rows that reach one expert, tokens/tp * top_k * ep / E under balanced routing;
 * ``elementwise``: the memory-bound work between the matmuls (norms, GELU, dropout, residuals, softmax;
   the cross entropy over the logits): ``hbm_passes`` times the bytes of activations a layer keeps for
   backward (the plan's Korthikanti et al. count, with the s x s scores only when the modelled software
@@ -17,12 +18,19 @@ bubble), never from copies of them; the model adds only time. Per step, on the s
 * ``recompute``: the recomputed layers' forward again, a third of their compute and elementwise time;
 * ``tp_comm``: per layer and microbatch, 2 collectives forward and 2 backward (2 more for a recomputed
   forward) of ``b*s*h`` bf16 values, a ring all-reduce (all-gather + reduce-scatter with sequence
-  parallelism: the same bytes) on the tp group's links; ``parallel.tp_overlap`` hides ``tp_hidden`` of it;
+  parallelism: the same bytes) on the tp group's links; ``parallel.tp_overlap`` hides ``tp_hidden`` of it.
+  A mixture-of-experts layer has its attention's, and its MLP's only for shared experts or, without sequence
+  parallelism, for the routed output gathered back (each tp rank routes its own part of the sequence);
+* ``ep_comm``: a mixture of experts' all-to-alls, per layer and microbatch 2 forward and 2 backward (2 more
+  recomputed) of the tokens x top_k rows of h bf16 values a rank routes, (ep - 1)/ep of them leaving it, on the
+  ep group's links (ep ranks are adjacent within dp: ``tp`` apart): the share for peers on the rank's node over
+  NVLink, the rest through its adapter, the slower setting the time; on the critical path, not hidden;
 * ``bubble``: the bottleneck stage's work stretched by the schedule's idle share (megazero.plan.stage_plan);
 * ``p2p``: with ``parallel.overlap_p2p`` only the fill and drain transfers (2 (p-1)), else every one;
 * ``dp_comm``: the gradients' reduction (all-reduce; reduce-scatter under ZeRO >= 1) behind the last
   microbatch's backward, the ZeRO-1/2 parameter all-gather behind the next step's first forward, ZeRO-3's
-  per-layer gathers behind the compute they prefetch for; only what cannot hide is counted;
+  per-layer gathers behind the compute they prefetch for; only what cannot hide is counted. A mixture of
+  experts' routed experts reduce (and gather) over edp = dp / ep, ``tp * ep`` apart, the rest over dp;
 * ``optimizer``: memory-bound, ~32 bytes moved per parameter of the shard.
 
 Placement (megazero.topology: tp fastest, then dp, then pp): a group of ``size`` ranks ``stride`` apart
@@ -36,13 +44,14 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megazero.config.schema import Config
-from megazero.costs import flops_per_token, model_shape
+from megazero.costs import head_flops_per_token, layers_flops_per_token, model_shape
 from megazero.plan.activations import activation_bytes_per_layer
 from megazero.plan.cluster import Cluster
+from megazero.plan.dispatch import moe_layer_activation_bytes
 from megazero.plan.fits import stage_bytes
 from megazero.plan.stage_plan import Plan, make_plan
 from megazero.plan.state_bytes import grad_bytes_per_param
-from models.arch import ffn_hidden, is_llama
+from models.arch import expert_hidden, ffn_hidden, is_llama, moe_layer_count
 from parallel.zero.policy import StagePolicy
 
 ACT_BYTES = 2  # bf16 activations and parameters cross the links
@@ -79,6 +88,7 @@ class StepTime:
     memory_bytes: int  # the largest rank's planned bytes (megazero.plan.fits.stage_bytes of the plan)
     terms: dict = field(default_factory=dict)
     elementwise: float = 0.0  # memory-bound kernels of the bottleneck stage, forward + backward
+    ep_comm: float = 0.0  # a mixture of experts' all-to-alls on the bottleneck stage
 
 
 def _efficiency(c: Constants, intensity: float, ridge: float) -> float:
@@ -105,6 +115,22 @@ def group_link(cluster: Cluster, size: int, stride: int) -> tuple[float, float]:
     return min(per_node * bandwidth, cluster.intra_node_gbps * 1e9), latency
 
 
+def all_to_all(cluster: Cluster, sent: float, calls: float, size: int, stride: int, c: Constants) -> float:
+    """``calls`` all-to-alls over ``size`` ranks ``stride`` apart that send ``sent`` bytes to the other ranks in
+    all: each rank sends an equal share to every peer, those on its node over NVLink and the rest through its
+    own adapter at the same time, so the slower of the two paths sets the time; plus each call's hops."""
+    if size <= 1 or not sent:
+        return 0.0
+    node = cluster.gpus_per_node
+    local = max(1, min(size, node // stride)) if stride < node else 1  # ranks of the group on one node
+    intra_bw, intra_lat = cluster.link(False)
+    inter_bw, inter_lat = cluster.link(True)
+    on_node = sent * (local - 1) / (size - 1)
+    off_node = sent - on_node
+    seconds = max(on_node / intra_bw, off_node / inter_bw) / c.comm_eff
+    return seconds + calls * (size - 1) * (inter_lat if off_node else intra_lat)
+
+
 def ring(nbytes: float, n: int, link: tuple[float, float], c: Constants, passes: float = 2.0) -> float:
     """A ring collective over n ranks: passes*(n-1)/n of the bytes at the link's achieved bandwidth, plus its
     hops' latency (all-reduce: 2 passes; all-gather or reduce-scatter: 1)."""
@@ -121,35 +147,57 @@ def _recomputed_share(cfg: Config, layers_per_chunk: int) -> float:
     return min(m.checkpoint_layers, layers_per_chunk) / layers_per_chunk if m.checkpoint_layers else 1.0
 
 
-def _flops_split(cfg: Config, layers: int, head: bool) -> dict[str, float]:
-    """Shares of a chunk's FLOPs (the one formula, megazero.costs) in its weight matmuls, the attention
+def _flops_split(cfg: Config, chunks: list[range], head: bool) -> dict[str, float]:
+    """Shares of a stage's FLOPs (the one formula, megazero.costs) in its weight matmuls, the attention
     score and value products, and the output head."""
     m = cfg.model
-    shape, f = model_shape(m), ffn_hidden(m)
-    weights = flops_per_token(layers, m.hidden, f, 0, 0, **shape)
-    attention = flops_per_token(layers, m.hidden, f, m.seq_len, 0, **shape) - weights
-    out = flops_per_token(0, m.hidden, f, 0, m.padded_vocab, **shape) if head else 0.0
+    weights = sum(layers_flops_per_token(m, r, seq_len=0) for r in chunks)
+    attention = sum(layers_flops_per_token(m, r) for r in chunks) - weights
+    out = head_flops_per_token(m) if head else 0.0
     total = weights + attention + out
     return {"weights": weights / total, "attention": attention / total, "head": out / total}
 
 
-def _matmul_slowdown(cfg: Config, cluster: Cluster, c: Constants, layers: int, head: bool) -> float:
-    """Mean of 1/efficiency over a chunk's FLOPs: its matmul time is flops * this / peak."""
+def _layer_matmuls(cfg: Config, tokens: float, moe: bool) -> list[tuple[float, float, float, float]]:
+    """One layer's weight matmuls on a rank, (M, K, N, weight): an (M x K) @ (K x N) product, weighted by its
+    FLOPs per token of the sequence. A dense layer's run on every token with their columns split over tp; a
+    mixture of experts' router and routed experts on the 1/tp of the tokens a tp rank routes, each expert on the
+    rows that reach it."""
+    m, tp = cfg.model, cfg.parallel.tp
+    h, f, kv = m.hidden, ffn_hidden(m), model_shape(m)["kv_hidden"]
+    q, mlp = model_shape(m)["q_hidden"], model_shape(m)["mlp_matrices"]
+
+    def swiglu(rows: float, width: float, split: float, weight: float) -> list:
+        return [(rows, h, width / split, weight)] * (mlp - 1) + [(rows, width / split, h, weight)]
+
+    attention = [(tokens, h, (q + 2 * kv) / tp, 1.0), (tokens, q / tp, h, 1.0)]
+    if not moe:
+        return attention + swiglu(tokens, f, tp, 1.0)
+    e = m.moe
+    fe = expert_hidden(m)
+    per_expert = max(1.0, tokens / tp * e.top_k * cfg.parallel.ep / e.experts)
+    out = attention + [(tokens / tp, h, e.experts, 1.0 / tp)] + swiglu(per_expert, fe, 1, e.top_k / tp)
+    return out + (swiglu(tokens, e.shared_experts * fe, tp, 1.0) if e.shared_experts else [])
+
+
+def _matmul_slowdown(cfg: Config, cluster: Cluster, c: Constants, chunks: list[range], head: bool) -> float:
+    """Mean of 1/efficiency over a stage's FLOPs: its matmul time is flops * this / peak."""
     m, tp = cfg.model, cfg.parallel.tp
     ridge = cluster.peak_tflops * 1e12 / (cluster.hbm_gbps * 1e9)
     # tp_overlap (Domino) runs each microbatch as two halves: each half's matmuls have half the rows
     tokens = cfg.train.micro_batch * m.seq_len // (2 if cfg.parallel.tp_overlap and tp > 1 else 1)
-    h, f, kv = m.hidden, ffn_hidden(m), model_shape(m)["kv_hidden"]
-    mlp = model_shape(m)["mlp_matrices"]
-    # this rank's weight matmuls of a layer, (K, N, weight): FLOPs are proportional to K * N
-    mats = [(h, (h + 2 * kv) / tp), (h / tp, h)] + [(h, f / tp)] * (mlp - 1) + [(f / tp, h)]
-    weights = sum(k * n for k, n in mats)
-    slow_w = sum(k * n / weights / _efficiency(c, _intensity(tokens, k, n), ridge) for k, n in mats)
+    moe = sum(moe_layer_count(m, r) for r in chunks)
+    kinds = [(n, mats) for n, mats in ((sum(len(r) for r in chunks) - moe, _layer_matmuls(cfg, tokens, False)),
+                                       (moe, _layer_matmuls(cfg, tokens, True) if moe else [])) if n]
+    # the mean over the stage's weight matmuls, each weighted by its FLOPs
+    total = sum(n * k * nn * w for n, mats in kinds for _, k, nn, w in mats)
+    slow_w = sum(n * k * nn * w / total / _efficiency(c, _intensity(rows, k, nn), ridge)
+                 for n, mats in kinds for rows, k, nn, w in mats)
     # the attention products run as the layer's matmuls do; when the scores are materialised their HBM traffic
     # is in the elementwise term (the plan's 5as/h bytes), not here
     slow_a = slow_w
-    slow_h = 1 / _efficiency(c, _intensity(tokens, h, m.padded_vocab / tp), ridge)
-    share = _flops_split(cfg, layers, head)
+    slow_h = 1 / _efficiency(c, _intensity(tokens, m.hidden, m.padded_vocab / tp), ridge)
+    share = _flops_split(cfg, chunks, head)
     return share["weights"] * slow_w + share["attention"] * slow_a + share["head"] * slow_h
 
 
@@ -160,7 +208,15 @@ def _layer_activation_bytes(cfg: Config, c: Constants) -> int:
     return activation_bytes_per_layer(m.seq_len, cfg.train.micro_batch, m.hidden, m.heads, par.tp,
                                       par.sequence_parallel and par.tp > 1, False,
                                       flash=not c.materialised_scores, precision=cfg.train.precision,
-                                      ffn=m.ffn_hidden, kv_heads=m.kv_head_count, swiglu=is_llama(m))
+                                      ffn=m.ffn_hidden, kv_heads=m.kv_head_count, swiglu=is_llama(m),
+                                      head_dim=m.head_width)
+
+
+def _moe_tp_collectives(cfg: Config) -> int:
+    """A mixture-of-experts layer's tp collectives per pass, where a dense layer has 2 (attention, MLP): its
+    attention's; its shared experts'; without sequence parallelism its routed output gathered back."""
+    p = cfg.parallel
+    return 1 + (cfg.model.moe.shared_experts > 0) + (p.tp > 1 and not p.sequence_parallel)
 
 
 def step_time(cfg: Config, cluster: Cluster, c: Constants = Constants(), plan: Optional[Plan] = None) -> StepTime:
@@ -174,24 +230,31 @@ def step_time(cfg: Config, cluster: Cluster, c: Constants = Constants(), plan: O
     mb = plan.microbatches  # per dp replica
     act = t.micro_batch * m.seq_len * m.hidden * ACT_BYTES
     layer_bytes = _layer_activation_bytes(cfg, c)
+    moe_bytes = moe_layer_activation_bytes(cfg, False, flash=not c.materialised_scores) if m.moe.experts else 0
     tp_link = group_link(cluster, tp, 1)
 
     worst = None
     for s in plan.stages:
         layers = sum(len(r) for r in s.layers)
+        dense = layers - s.moe_layers
         share = sum(_recomputed_share(cfg, len(r)) * len(r) for r in s.layers) / max(1, layers)
-        compute = s.flops * _matmul_slowdown(cfg, cluster, c, layers, s.logits > 0) / peak
-        elementwise = c.hbm_passes * (layers * layer_bytes + s.logits) * mb / hbm
-        head_share = _flops_split(cfg, layers, s.logits > 0)["head"]
-        layer_time = compute * (1 - head_share) + c.hbm_passes * layers * layer_bytes * mb / hbm
+        compute = s.flops * _matmul_slowdown(cfg, cluster, c, s.layers, s.logits > 0) / peak
+        kept = dense * layer_bytes + s.moe_layers * moe_bytes
+        elementwise = c.hbm_passes * (kept + s.logits) * mb / hbm
+        head_share = _flops_split(cfg, s.layers, s.logits > 0)["head"]
+        layer_time = compute * (1 - head_share) + c.hbm_passes * kept * mb / hbm
         recompute = share * layer_time / 3  # the forward again: a third of forward + backward
-        tp_comm = ring(layers * mb * (4 + 2 * share) * act, tp, tp_link, c, passes=2.0)
+        collectives = layers * (4 + 2 * share) if not s.moe_layers else \
+            (2 * dense + _moe_tp_collectives(cfg) * s.moe_layers) * (2 + share)
+        tp_comm = ring(collectives * mb * act, tp, tp_link, c, passes=2.0)
         if par.tp_overlap:
             tp_comm *= 1 - c.tp_hidden
-        work = compute + elementwise + recompute + tp_comm
+        # the plan's bytes leaving this rank per step; ep ranks are adjacent within dp, tp apart
+        ep_comm = all_to_all(cluster, s.all_to_all, s.moe_layers * mb * (4 + 2 * share), par.ep, tp, c)
+        work = compute + elementwise + recompute + tp_comm + ep_comm
         if worst is None or work > worst["work"]:
             worst = dict(work=work, compute=compute, elementwise=elementwise, recompute=recompute,
-                         tp_comm=tp_comm, stage=s)
+                         tp_comm=tp_comm, ep_comm=ep_comm, stage=s)
     work, s = worst["work"], worst["stage"]
     stretched = work / (1 - plan.bubble) if plan.bubble < 1 else float("inf")
     bubble = stretched - work
@@ -204,23 +267,29 @@ def step_time(cfg: Config, cluster: Cluster, c: Constants = Constants(), plan: O
     hops = 2 * (pp - 1) if par.overlap_p2p else 2 * mb * par.virtual_stages
     p2p = 0.0 if pp == 1 else hops * one
 
-    # data parallelism: this rank's gradients and ZeRO's gathers against what hides them
+    # data parallelism: this rank's gradients and ZeRO's gathers against what hides them; the routed experts'
+    # over their edp group (tp * ep apart), the rest over dp
     dp_link = group_link(cluster, dp, tp)
-    params = s.params
-    grads = params * _grad_bytes(cfg)
+    edp, experts = dp // par.ep, (s.experts if par.ep > 1 else 0)
+    edp_link = group_link(cluster, edp, tp * par.ep)
+    params = s.params - experts
     forward = (worst["compute"] + worst["elementwise"]) / 3 / mb  # one microbatch's forward
     backward = work / mb - forward  # one microbatch's backward (its recompute and tp collectives included)
     policy = StagePolicy.of(z.stage)
     # ZeRO-0 all-reduces whole gradients; a sharded optimizer reduce-scatters them and gathers the parameters
-    reduce = ring(grads, dp, dp_link, c, passes=1.0 if policy.shard_optimizer else 2.0)
+    passes = 1.0 if policy.shard_optimizer else 2.0
+    reduce = ring(params * _grad_bytes(cfg), dp, dp_link, c, passes=passes)
     gather = ring(params * ACT_BYTES, dp, dp_link, c, passes=1.0) if policy.shard_optimizer else 0.0
+    if experts:
+        reduce += ring(experts * _grad_bytes(cfg), edp, edp_link, c, passes=passes)
+        gather += ring(experts * ACT_BYTES, edp, edp_link, c, passes=1.0) if policy.shard_optimizer else 0.0
     gather_hide = forward  # ZeRO-1/2: the updated parameters gathered behind the next first forward
     if policy.shard_params:  # each layer gathered before its forward and its backward, prefetched behind the previous
         gathers = 2 * mb if z.reshard_after_forward else 1
         gather *= gathers
         gather_hide = work if z.reshard_after_forward else forward
     dp_comm = max(0.0, reduce - backward) + max(0.0, gather - gather_hide)
-    shard = -(-params // dp) if policy.shard_optimizer else params
+    shard = -(-params // dp) + -(-experts // edp) if policy.shard_optimizer else params + experts
     optimizer = shard * OPTIMIZER_BYTES / hbm
     total = stretched + p2p + dp_comm + optimizer
     memory = max(stage_bytes(cfg, st, "cuda") for st in plan.stages)
@@ -228,8 +297,8 @@ def step_time(cfg: Config, cluster: Cluster, c: Constants = Constants(), plan: O
                     total, memory,
                     {"dp_reduce": reduce, "dp_gather": gather, "dp_hideable": backward, "p2p_one": one,
                      "efficiency": s.flops / peak / worst["compute"] if worst["compute"] else 0.0,
-                     "bubble_share": plan.bubble, "stage": s.pp_rank},
-                    worst["elementwise"])
+                     "bubble_share": plan.bubble, "stage": s.pp_rank, "ep_comm": worst["ep_comm"]},
+                    worst["elementwise"], worst["ep_comm"])
 
 
 def _grad_bytes(cfg: Config) -> int:

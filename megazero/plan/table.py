@@ -3,8 +3,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from megazero.plan.fits import stage_bytes
 from megazero.plan.stage_plan import GB, Plan, StageBalance
 from megazero.plan.state_bytes import BYTES_PER_VALUE, grad_bytes_per_param, optimizer_bytes_per_param
+from models.arch import expert_hidden, moe_layer_count
 from parallel.zero.policy import StagePolicy
 
 
@@ -86,34 +88,42 @@ def format_plan(plan: Plan) -> str:
     where = {"params": z.offload_params, "optimizer": z.offload_optimizer}
     policy = StagePolicy.of(z.stage)
     gathers, grad_bufs = policy.shard_params, policy.shard_grads  # ZeRO-3's gathered layers, ZeRO-2/3's buffers
+    moe = m.moe.experts > 0
+    ep = f" (ep {par.ep} x edp {par.dp // par.ep})" if moe else ""
     lines = [
-        f"dry run of {cfg.source}: world {plan.world_size} = tp {par.tp} x pp {par.pp} x dp {par.dp} | "
+        f"dry run of {cfg.source}: world {plan.world_size} = tp {par.tp} x pp {par.pp} x dp {par.dp}{ep} | "
         f"zero stage {z.stage} | precision {t.precision} | schedule {sched} | sequence parallel "
         f"{'on' if sp else 'off'} | activation checkpointing {'on' if ckpt else 'off'}",
         f"model: {m.arch}, {m.layers} layers, hidden {m.hidden:,}, {m.heads} heads"
         f"{f' ({m.kv_head_count} k/v)' if m.kv_head_count != m.heads else ''}, ffn {m.ffn_hidden:,}, "
         f"seq {m.seq_len:,}, vocab {m.vocab_size:,} (padded {m.padded_vocab:,}"
         f"{', untied head' if not m.tie_embeddings else ''})",
+    ] + ([_moe_line(plan)] if moe else []) + [
         "",
         "per rank, one row per pipeline stage (its tp and dp ranks hold and do the same); memory in GB (1e9 bytes)",
     ]
-    header = ["stage", "layers", "global ranks", "params/rank"]
+    header = ["stage", "layers", "global ranks", "params/rank"] + (["experts/rank"] if moe else [])
     header += [k + (" (cpu)" if where.get(k) == "cpu" else "") for k in ("params", "grads", "optimizer")]
-    header += ["device", "cpu", "act ckpt" + ("*" if ckpt else ""), "act full" + ("" if ckpt else "*"),
-               "mb held"] + (["gathered"] if gathers else []) + (["grad bufs"] if grad_bufs else []) \
-        + ["total*", "TFLOP/step"]
+    header += ["device"] + (["experts"] if moe else []) + ["cpu", "act ckpt" + ("*" if ckpt else ""),
+                                                           "act full" + ("" if ckpt else "*"), "mb held"] \
+        + (["gathered"] if gathers else []) + (["grad bufs"] if grad_bufs else []) \
+        + (["dispatch", "a2a/step"] if moe else []) + ["total*", "TFLOP/step"]
     rows = []
     for s in plan.stages:
         ms = s.model_state
         act = s.act_ckpt if ckpt else s.act_full
+        state = [f"{ms[k] / GB:.2f}" for k in ("params", "grads", "optimizer", "device_total")]
         rows.append([str(s.pp_rank), ",".join(f"{r.start}-{r.stop - 1}" if len(r) > 1 else str(r.start)
                                               for r in s.layers),
                      f"{fmt_ranges(s.ranks)} ({par.dp} dp x {par.tp} tp)", f"{s.params:,}"]
-                    + [f"{ms[k] / GB:.2f}" for k in ("params", "grads", "optimizer", "device_total", "cpu_total")]
-                    + [f"{s.act_ckpt / GB:.2f}", f"{s.act_full / GB:.2f}", str(s.in_flight)]
+                    + ([f"{s.experts:,}"] if moe else []) + state
+                    + ([f"{s.expert_state['device_total'] / GB:.2f}"] if moe else [])
+                    + [f"{ms['cpu_total'] / GB:.2f}", f"{s.act_ckpt / GB:.2f}", f"{s.act_full / GB:.2f}",
+                       str(s.in_flight)]
                     + ([f"{s.gathered / GB:.2f}"] if gathers else [])
                     + ([f"{s.grad_buffers / GB:.2f}"] if grad_bufs else [])
-                    + [f"{(ms['device_total'] + act + s.gathered + s.grad_buffers) / GB:.2f}",
+                    + ([f"{s.dispatch / GB:.2f}", f"{s.all_to_all / GB:.2f}"] if moe else [])
+                    + [f"{stage_bytes(cfg, s, 'cuda') / GB:.2f}",
                        f"{s.flops / 1e12:,.{1 if s.flops >= 1e13 else 4}f}"])
     lines += _table(header, rows, left=3)
     b, k = BYTES_PER_VALUE[t.precision], optimizer_bytes_per_param(t.precision)
@@ -129,15 +139,17 @@ def format_plan(plan: Plan) -> str:
         + (f" where a chunk has no more than {m.checkpoint_layers} layers (one that keeps some layers' full "
            f"activations frees them before it recomputes)" if m.checkpoint_layers else "") + "; the last stage adds fp32 logits "
         f"({last.logits / GB:.2f} GB per microbatch)",
+    ] + (_moe_notes(plan) if moe else []) + [
         "  * = what this config uses; total* = device model state + activations"
         + (" + gathered (ZeRO-3: the root and two layers whole, or the whole stage with "
            "zero.reshard_after_forward=false)" if gathers else "")
         + (" + grad bufs (up to three whole-bucket gradient buffers beside the shard: two reductions in flight "
            "and the bucket filling; a bucket is zero.bucket_mb, or a larger parameter" + (", or a layer"
            if gathers else "") + ")" if grad_bufs else "")
+        + (" + dispatch" if moe else "")
         + " (no comm buckets, temporaries, CUDA context or fragmentation)",
         "  TFLOP/step: model FLOPs of one rank of the stage (megazero.costs formula on its layers and head; "
-        "recomputation not counted)",
+        "recomputation not counted" + ("; active parameters: top_k routed experts, not E" if moe else "") + ")",
         "  pp stages: each pipeline rank's share of the work per token: those FLOPs, plus each layer's elementwise "
         "work, the cross entropy and the embedding lookup as FLOPs-equivalents of their memory traffic on "
         "launch.device (megazero.costs.pipeline_costs); "
@@ -149,6 +161,9 @@ def format_plan(plan: Plan) -> str:
     bubble_formula = "(p-1)/(v*m+p-1)" if par.schedule == "interleaved" else "(p-1)/(m+p-1)"
     lines += ["  " + ln for ln in _table(["", ""], [
         ["parameters (whole model)", fmt_count(plan.total_params)],
+    ] + ([["active parameters", f"{fmt_count(plan.active_params)} per token (top_k {m.moe.top_k} of "
+                                f"{m.moe.experts} routed experts{' + shared' if m.moe.shared_experts else ''})"]]
+         if moe else []) + [
         ["model FLOPs per step", f"{fmt_flops(plan.flops_per_step)}; even share per rank (/ world "
                                  f"{plan.world_size}) {fmt_flops(per_rank)}"],
         ["tokens per step", f"{plan.tokens_per_step:,} ({t.global_batch:,} sequences x {m.seq_len:,})"],
@@ -159,3 +174,36 @@ def format_plan(plan: Plan) -> str:
         ["pp stages", fmt_balance(plan.balance)],
     ], left=2)[1:]]
     return "\n".join(lines)
+
+
+def _moe_line(plan: Plan) -> str:
+    """The model line of a mixture of experts."""
+    m = plan.cfg.model
+    moe = m.moe
+    n = moe_layer_count(m, range(m.layers))
+    where = f"layers {moe.dense_layers}+" + (f" every {moe.every}" if moe.every > 1 else "")
+    shared = f" + {moe.shared_experts} shared" if moe.shared_experts else ""
+    return (f"mixture of experts: {n} of {m.layers} layers ({where}), {moe.experts} experts{shared} of width "
+            f"{expert_hidden(m):,}, top {moe.top_k}, {moe.router} router"
+            + (f" (x{moe.routed_scaling_factor:g})" if moe.routed_scaling_factor != 1 else "")
+            + (f", capacity {moe.capacity_factor:g}" if moe.capacity_factor else ", dropless"))
+
+
+def _moe_notes(plan: Plan) -> list[str]:
+    """What the mixture-of-experts columns assume: the experts' sharding, the dispatch, the all-to-alls."""
+    cfg = plan.cfg
+    m, par, z = cfg.model, cfg.parallel, cfg.zero
+    d = plan.dispatch
+    edp = par.dp // par.ep
+    return [
+        f"  experts: {m.moe.experts // par.ep} of {m.moe.experts} routed experts per layer on a rank (ep "
+        f"{par.ep}); experts/rank their parameters, experts their device model state (in device), ZeRO stage "
+        f"{z.stage} over edp = dp / ep = {edp} (the dense parameters' over dp {par.dp})",
+        f"  dispatch: one mixture-of-experts layer, per microbatch on a rank, R = tokens x top_k = {d.rows:,} rows "
+        f"(balanced routing, no padding to E x capacity): buffers peak {d.peak / GB:.3f} GB, of which "
+        f"{d.saved / GB:.3f} GB kept for backward (in act; with the router's {d.router / GB:.3f} GB); the rest "
+        f"is the dispatch column (megazero.plan.dispatch)",
+        f"  a2a/step: GB a rank sends to other ep ranks per step: per mixture-of-experts layer and microbatch "
+        f"2 all-to-alls forward and 2 backward (2 more when recomputed) of R x h x (ep-1)/ep values, "
+        f"{d.all_to_all / GB:.3f} GB each",
+    ]

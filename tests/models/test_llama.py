@@ -123,7 +123,7 @@ def test_published_sizes_and_flops():
         cfg = load_config(ROOT / "configs" / f"{name}.yaml")
         m = cfg.model
         assert count_parameters(m) == params
-        h, f, kv = m.hidden, m.ffn_hidden, m.kv_head_count * m.head_dim
+        h, f, kv = m.hidden, m.ffn_hidden, m.kv_head_count * m.head_width
         per_layer = 2 * h * h + 2 * h * kv + 3 * h * f
         want = 6 * (m.layers * per_layer + m.padded_vocab * h) + 12 * m.layers * m.seq_len * h
         assert model_flops_per_token(m) == want

@@ -292,13 +292,34 @@ def test_dry_run_of_a_billion_layers_answers_in_seconds():
 
 @pytest.mark.parametrize("tp,sp", [(1, False), (2, True), (6, False)])
 def test_chunk_parameters_multiply_one_layer_exactly(tp, sp):
-    from megazero.plan.params import _built_parameters, chunk_parameters
+    from megazero.plan.params import ParamCounts, _built_parameters, chunk_parameters
 
     cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"parallel.tp={tp}", f"parallel.sequence_parallel={sp}", "model.vocab_pad_multiple=384",
                                                        "model.layers=6"])
     for layers, first, last in ((range(0, 3), True, False), (range(3, 6), False, True), (range(0, 6), True, True),
                                 (range(2, 4), False, False)):
-        assert chunk_parameters(cfg, layers, first, last) == _built_parameters(cfg, layers, first, last)
+        assert chunk_parameters(cfg, layers, first, last) == _built_parameters(cfg, layers, first, last)[:2]
+        assert ParamCounts.of(cfg).chunk_counts(layers, first, last) == _built_parameters(cfg, layers, first, last)
+
+
+@pytest.mark.parametrize("moe", [["model.moe.experts=4"], ["model.moe.experts=8", "model.moe.dense_layers=2"],
+                                 ["model.moe.experts=4", "model.moe.every=2", "model.moe.shared_experts=1"],
+                                 ["model.moe.experts=4", "model.moe.dense_layers=1", "model.moe.every=3"]])
+@pytest.mark.parametrize("tp,ep", [(1, 1), (2, 2), (1, 4)])
+def test_mixture_of_experts_chunks_count_each_layer_kind_exactly(moe, tp, ep):
+    """Dense and mixture-of-experts layers mixed in any pattern: a chunk is its ends plus each kind's layers
+    times one of that kind, on one tp and ep rank (E/ep experts), the experts' parameters apart."""
+    from megazero.plan.params import ParamCounts, _built_parameters
+
+    cfg = load_config(ROOT / "configs" / "tiny-llama.yaml", moe + [f"parallel.tp={tp}", f"parallel.ep={ep}",
+                                                                    "parallel.pp=1", "model.layers=7",
+                                                                    "model.moe.expert_hidden=64"])
+    counts = ParamCounts.of(cfg)
+    for layers, first, last in ((range(0, 3), True, False), (range(3, 7), False, True), (range(0, 7), True, True),
+                                (range(1, 6), False, False), (range(2, 3), False, False)):
+        assert counts.chunk_counts(layers, first, last) == _built_parameters(cfg, layers, first, last), layers
+    experts = _built_parameters(cfg, range(0, 7), True, True)[2]  # E/ep experts of three 64 x 192 matrices a layer
+    assert experts == cfg.model.moe.experts // ep * 3 * 64 * 192 * sum(cfg.model.moe.is_moe_layer(i) for i in range(7))
 
 
 def test_partial_checkpointing_plans_between_none_and_all():
