@@ -64,6 +64,7 @@ def count_parameters(cfg: Any) -> int:
         kv = cfg.kv_head_count * (h // cfg.heads)
         norm = h
         block = 2 * norm + 2 * h * h + 2 * h * kv + n_bias * (2 * h + 2 * kv) + 3 * f * h + n_bias * (2 * f + h)
+        block += 2 * (h // cfg.heads) if getattr(cfg, "qk_norm", False) else 0  # q_norm, k_norm: head_dim each
         return cfg.padded_vocab * h + head + cfg.layers * block + norm
     norm = h * (1 + n_bias)
     block = (
