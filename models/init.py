@@ -16,7 +16,7 @@ from torch import Tensor
 from models.stage import GPT
 
 RESIDUAL_PROJECTIONS = ("attn.proj.weight", "mlp.fc2.weight", "mlp.down.weight")
-NORMS = ("ln1", "ln2", "final_norm")
+NORMS = ("ln1", "ln2", "final_norm", "q_norm", "k_norm")
 
 InitialValues = Callable[[str, tuple[int, ...]], Tensor]  # (name, full shape) -> the full float32 value
 

@@ -10,6 +10,10 @@ Grouped-query attention (Ainslie et al. 2023): ``kv_heads`` k/v heads, each read
 heads. With kv_heads >= tp every rank holds kv_heads/tp whole k/v heads beside the query heads that read
 them; with fewer, each k/v head is replicated on tp/kv_heads consecutive ranks and its gradient summed over
 them (``ColumnParallelLinear(replicas=...)``).
+
+``model.qk_norm`` (Qwen3, Yang et al. 2025): an RMSNorm over each head's features of q and of k (``attn.q_norm``,
+``attn.k_norm``, one weight of head_dim shared by every head) before the rotation. Each tp rank normalises its
+own heads, so the weights' gradients are partial over tp and summed over it, as a sequence-parallel norm's.
 """
 
 from __future__ import annotations
@@ -138,6 +142,12 @@ class LlamaAttention(nn.Module):
         self.proj = RowParallelLinear(cfg.heads * d, h, bias, par.tp, sequence_parallel=sp)
         self.dropout = ShardedDropout(cfg.dropout, par.rng, split=sp)
         self.impl = par.attention_impl
+        self.q_norm = self.k_norm = None
+        if getattr(cfg, "qk_norm", False):
+            self.q_norm, self.k_norm = RMSNorm(d, cfg.norm_eps), RMSNorm(d, cfg.norm_eps)
+            if tp > 1:  # this rank's heads only: partial gradients, summed over tp
+                mark_sequence_parallel(self.q_norm)
+                mark_sequence_parallel(self.k_norm)
 
     @property
     def output(self) -> RowParallelLinear:
@@ -147,8 +157,11 @@ class LlamaAttention(nn.Module):
         """With ``entry`` (one half under ``parallel.tp_overlap``): proj's partial sums, reduced by the caller."""
         q, k, v = column_parallel_linears(x, [self.q, self.k, self.v], entry)
         b, s, _ = q.shape
-        q = q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)  # (b, heads, s, d)
-        k = k.view(b, s, self.local_kv, self.head_dim).transpose(1, 2)
+        q = q.view(b, s, self.local_heads, self.head_dim)
+        k = k.view(b, s, self.local_kv, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (b, heads, s, d)
         v = v.view(b, s, self.local_kv, self.head_dim).transpose(1, 2)
         cos, sin = rotary_tables(s, self.head_dim, self.theta, x.device, self.scaling)
         y = attention(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, causal=True, impl=self.impl)

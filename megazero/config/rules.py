@@ -84,6 +84,8 @@ def _check_model_rules(cfg: Config, src: str) -> None:
                       f"must be > model.rope_low_freq_factor={m.rope_low_freq_factor} (the band between is blended)")
     if m.rope_scaling != "none" and m.arch != "llama":
         raise invalid(src, "model.rope_scaling", m.rope_scaling, "scales rotary positions, which only llama has")
+    if m.qk_norm and m.arch != "llama":
+        raise invalid(src, "model.qk_norm", m.qk_norm, "normalises the heads of llama's q and k; false for gpt2")
     if m.arch == "llama" and m.head_width % 2:
         key, value = ("model.head_dim", m.head_dim) if m.head_dim else ("model.heads", m.heads)
         raise invalid(src, key, value, f"makes an odd head dim {m.head_width}" + ("" if m.head_dim else

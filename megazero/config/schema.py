@@ -69,6 +69,8 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_positions: int = 8192
+    # llama: an RMSNorm over each head's features of q and of k, before the rotation (Qwen3's q_norm, k_norm)
+    qk_norm: bool = False
     dropout: float = 0.0
     activation_checkpointing: bool = False
     # with activation_checkpointing: recompute only the first k layers of each model chunk (Megatron's
@@ -82,7 +84,7 @@ class ModelConfig:
     # init_std) may change between a save and a resume.
     ARCHITECTURE = ("arch", "layers", "hidden", "heads", "kv_heads", "head_dim", "seq_len", "vocab_size", "ffn_hidden", "bias",
                     "tie_embeddings", "norm_eps", "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor",
-                    "rope_high_freq_factor", "rope_original_positions", "vocab_pad_multiple", "moe")
+                    "rope_high_freq_factor", "rope_original_positions", "vocab_pad_multiple", "qk_norm", "moe")
 
     @property
     def padded_vocab(self) -> int:

@@ -23,9 +23,10 @@ _LAYER = re.compile(r"layers\.([0-9]+)\.")
 
 
 def _summary(m: Any) -> str:
+    moe = f", moe.experts={m.moe.experts}" if m.moe.experts else ""
     return (f"its model config (arch={m.arch}, layers={m.layers}, hidden={m.hidden}, heads={m.heads}, "
             f"kv_heads={m.kv_head_count}, ffn_hidden={m.ffn_hidden}, seq_len={m.seq_len}, vocab_size={m.vocab_size}, "
-            f"bias={str(bool(m.bias)).lower()}, tie_embeddings={str(bool(m.tie_embeddings)).lower()})")
+            f"bias={str(bool(m.bias)).lower()}, tie_embeddings={str(bool(m.tie_embeddings)).lower()}{moe})")
 
 
 def _unused_reason(name: str, m: Any) -> str:
@@ -37,6 +38,12 @@ def _unused_reason(name: str, m: Any) -> str:
         return "model.tie_embeddings=true (the output head is the token embedding there)"
     if name.endswith(".bias") and not m.bias:
         return "model.bias=false"
+    if layer and ".mlp." in name and m.moe.experts:
+        i = int(layer.group(1))
+        what = "a mixture of experts" if m.moe.is_moe_layer(i) else "dense"
+        return f"model.moe (layer {i} is {what} there)"
+    if ".attn.q_norm." in name or ".attn.k_norm." in name:
+        return "model.qk_norm=false"
     if name == "embed.positions.weight" and m.arch == "llama":
         return "model.arch=llama (rotary positions, no position table)"
     return f"model.arch={m.arch}"

@@ -1,4 +1,4 @@
-"""Start a run from a Hugging Face GPT-2 or Llama folder (``train.init_from``).
+"""Start a run from a Hugging Face GPT-2, Llama, Qwen3, Mixtral or Qwen3-MoE folder (``train.init_from``).
 
 The folder's config.json (read by ``megazero.interop.hf_config``) must describe the model the run's config
 does: a run never silently reshapes a model, so every key that differs is named in one line and the user sets
@@ -11,48 +11,41 @@ embeddings), refused unless ``train.init_unused: drop``.
 :class:`HFWeights` then reads one tensor at a time, on demand, in megazero's layout (``megazero.interop.hf_layout``):
 each rank takes what it needs of each parameter, and a model larger than host memory is never whole in it.
 Each tensor is checked to be finite as it is read, so a damaged weight is named with its file rather than
-found by step 1 as a non-finite gradient.
+found by step 1 as a non-finite gradient. A mixture of experts' stack is read expert by expert, under the name
+an initialisation asks for (``layers.3.mlp.experts.5.gate``), so each ep rank reads only its own experts.
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, Optional
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
-from megazero.checkpoint.architecture import architecture_differences
 from megazero.errors import UserError, shown, shown_name
-from megazero.interop.hf_config import LLAMA3_KEYS, MAX_CONFIG_BYTES, folder_model, read_json, show
+from megazero.interop.hf_compare import differences
+from megazero.interop.hf_config import MAX_CONFIG_BYTES, folder_model, read_json, show
 from megazero.interop.hf_config import where as folder_where
-from megazero.interop.hf_layout import HF_ARCHITECTURES, Link, from_hf, hf_shape, links, model_config
+from megazero.interop.hf_layout import (
+    HF_ARCHITECTURES,
+    Link,
+    expert_keys,
+    from_hf,
+    hf_shape,
+    links,
+    model_config,
+    stacked_shape,
+)
+from models.init import expert_name, initial_tp_value
 
 MAX_INDEX_BYTES = 64 << 20  # a sharded index names each tensor once: ~10 MB for the largest models
 MAX_SHARDS = 10_000
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 _PREFIXES = ("transformer.", "model.")  # older GPT-2 folders store 'h.0...', a bare LlamaModel 'layers.0...'
 UNUSED = ("refuse", "drop")  # train.init_unused: a tensor the model does not use is refused, or left unread
-
-
-_COMPARED = ("arch", "layers", "hidden", "heads", "kv_heads", "head_dim", "ffn_hidden", "vocab_size", "norm_eps",
-             "rope_theta", "tie_embeddings", "bias", "rope_scaling")
-
-
-def _differences(there: dict[str, Any], m: Any) -> list[str]:
-    """'model.KEY is A there and B here' for every key where the folder's model and the config differ."""
-    out = []
-    order = (*_COMPARED, *(ours for _, ours, _ in LLAMA3_KEYS))  # a mismatch's keys in the order users know
-    shared = {k: there[k] for k in sorted(there, key=lambda k: order.index(k) if k in order else len(order))
-              if k != "n_positions"}
-    for key, theirs, ours in architecture_differences(shared, m):
-        split = " (megazero's one model.bias sets both)" if key == "bias" and isinstance(theirs, str) else ""
-        out.append(f"model.{key} is {show(theirs)} there{split} and {show(ours)} here")
-    if "n_positions" in there and m.seq_len > there["n_positions"]:
-        out.append(f"model.seq_len is at most {there['n_positions']} there (n_positions) and {m.seq_len} here")
-    return out
 
 
 def _weight_files(folder: Path, where: str) -> list[Path]:
@@ -136,10 +129,11 @@ def _refuse_unused(headers: dict[str, tuple[Path, tuple[int, ...], str]], used: 
     if not unused:
         return
     more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
+    experts = f", {m.moe.experts} experts" if m.moe.experts else ""
     raise UserError(f"{where}: the weights hold tensor '{shown_name(unused[0])}' in {headers[unused[0]][0].name}"
-                    f"{more}, which the model ({m.layers} layers, tie_embeddings={show(bool(m.tie_embeddings))}) "
-                    f"does not use; set train.init_unused=drop to start without it, or choose a folder whose "
-                    f"weights match its config.json")
+                    f"{more}, which the model ({m.layers} layers{experts}, tie_embeddings="
+                    f"{show(bool(m.tie_embeddings))}) does not use; set train.init_unused=drop to start without it, "
+                    f"or choose a folder whose weights match its config.json")
 
 
 def _check_finite(t: Tensor, raw: Tensor, key: str, path: Path, where: str) -> None:
@@ -162,36 +156,85 @@ def _check_finite(t: Tensor, raw: Tensor, key: str, path: Path, where: str) -> N
                     f"folder")
 
 
+class Source(NamedTuple):
+    """Where one megazero tensor is read: a file, a tensor in it, and the piece of that tensor (None: all of it;
+    else an index, an expert's matrix of a stack)."""
+
+    path: Path
+    key: str
+    index: Optional[tuple] = None
+
+
 class HFWeights:
     """A checked Hugging Face folder whose tensors are read one at a time, in megazero's layout.
 
-    Made by :func:`open_hf_model`. ``names`` are the megazero parameters it can give (the whole model);
+    Made by :func:`open_hf_model`. ``names`` are the megazero tensors it can give (the whole model; an expert
+    stack as each expert's matrix, by ``models.init.expert_name``, which is what an initialisation asks for);
     :meth:`value` reads one of them from its file when asked, so only that tensor is ever in memory.
     """
 
-    def __init__(self, folder: Path, model: Any, table: dict[str, Link], sources: dict[str, tuple[Path, str]]):
+    def __init__(self, folder: Path, model: Any, table: dict[str, Link], sources: dict[str, Source]):
         self.folder, self.model = folder, model
         self.arch: str = model.arch
-        self._links, self._sources = table, sources
+        self._sources = sources
+        self._links = {name: table[_stack_name(name) if name not in table else name] for name in sources}
 
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(self._links)
+        return tuple(self._sources)
 
     def value(self, name: str) -> Tensor:
-        """The full float32 value of megazero parameter ``name`` (padded vocabulary rows zero)."""
-        if name not in self._links:
+        """The full float32 value of megazero tensor ``name`` (padded vocabulary rows zero)."""
+        if name not in self._sources:
             raise KeyError(f"'{name}' is not a parameter of the {self.arch} model in {self.folder}")
-        link, (path, key) = self._links[name], self._sources[name]
+        link, (path, key, index) = self._links[name], self._sources[name]
         where = folder_where(self.folder)
         try:
             with safe_open(str(path), framework="pt") as f:
-                raw = f.get_slice(key)[: self.model.seq_len] if link.kind == "positions" else f.get_tensor(key)
+                if link.kind == "positions":
+                    raw = f.get_slice(key)[: self.model.seq_len]
+                else:
+                    raw = f.get_tensor(key) if index is None else f.get_slice(key)[index]
         except (OSError, SafetensorError) as e:
             raise _read_error(where, path, e) from None
         t = raw.float()  # the one conversion (from_hf's is then none)
         _check_finite(t, raw, key, path, where)
         return from_hf(t, link, self.model)
+
+
+def _stack_name(name: str) -> str:
+    """``layers.3.mlp.experts.5.gate`` -> ``layers.3.mlp.experts.gate`` (the stack expert 5's matrix is of)."""
+    prefix, _, kind = name.rpartition(".")
+    return f"{prefix.rpartition('.')[0]}.{kind}"
+
+
+def _find(headers: dict[str, tuple[Path, tuple[int, ...], str]], link: Link, key: str, name: str, want: tuple,
+          expert: int, m: Any, kind: str, where: str) -> Source:
+    """The checked source of ``key`` (megazero's ``name``): the tensor itself (also without the 'model.' prefix
+    of a bare base model), or else ``link.alt`` (transformers 5's stack of the experts) and its piece."""
+    def lookup(k: str) -> Optional[str]:
+        bare = k.split(".", 1)[-1]
+        return k if k in headers else bare if k.startswith(_PREFIXES) and bare in headers else None
+
+    found, index = lookup(key), None
+    if found is None and link.alt and lookup(link.alt) is not None:
+        found, want = lookup(link.alt), stacked_shape(link)
+        if link.kind == "experts":
+            rows = link.shape[1]
+            index = (expert,) if link.part < 0 else (expert, slice(link.part * rows, (link.part + 1) * rows))
+    if found is None:
+        count = f" (config.json gives {m.moe.experts} experts)" if link.kind == "experts" else ""
+        raise UserError(f"{where}: the weights have no tensor '{key}' (megazero's {name}){count}; the folder does "
+                        f"not hold a complete {HF_ARCHITECTURES[kind]}")
+    path, shape, dtype = headers[found]
+    if shape != want:
+        count = f" ({m.moe.experts} experts)" if link.kind == "experts" or name.endswith("mlp.router.weight") else ""
+        raise UserError(f"{where}: tensor '{found}' in {path.name} has shape {shape}; config.json gives {want}"
+                        f"{count}")
+    if dtype not in FLOAT_DTYPES:
+        raise UserError(f"{where}: tensor '{found}' in {path.name} has dtype {dtype}; expected one of "
+                        f"{', '.join(FLOAT_DTYPES)}")
+    return Source(path, found, index)
 
 
 def open_hf_model(folder: str | Path, model_cfg: Any, unused: str = "refuse") -> HFWeights:
@@ -205,43 +248,36 @@ def open_hf_model(folder: str | Path, model_cfg: Any, unused: str = "refuse") ->
     folder = Path(folder)
     where = folder_where(folder)
     there = folder_model(read_json(folder / "config.json", MAX_CONFIG_BYTES, where), where)
-    arch = there["arch"]
+    kind = there.get("hf_type", there["arch"])
     m = model_config(model_cfg)
-    diffs = _differences(there, m)
+    diffs = differences(there, m)
     if diffs:
         raise UserError(f"{where}: the folder's model differs from the config: {'; '.join(diffs)}; set these in "
                         f"the config's model section or choose a matching folder")
-    table = links(m)
+    table = links(m, kind)
     headers = _headers(_weight_files(folder, where), where)
-    sources: dict[str, tuple[Path, str]] = {}
+    sources: dict[str, Source] = {}
     for name, link in table.items():
-        key, bare = link.hf, link.hf.split(".", 1)[-1]
-        if key not in headers and key.startswith(_PREFIXES) and bare in headers:
-            key = bare
-        if key not in headers:
-            raise UserError(f"{where}: the weights have no tensor '{link.hf}' (megazero's {name}); the folder does "
-                            f"not hold a complete {HF_ARCHITECTURES[arch]}")
-        path, shape, dtype = headers[key]
         want = hf_shape(link, m, there.get("n_positions", 0))
-        if shape != want:
-            raise UserError(f"{where}: tensor '{key}' in {path.name} has shape {shape}; config.json gives {want}")
-        if dtype not in FLOAT_DTYPES:
-            raise UserError(f"{where}: tensor '{key}' in {path.name} has dtype {dtype}; expected one of "
-                            f"{', '.join(FLOAT_DTYPES)}")
-        sources[name] = (path, key)
+        if link.kind == "experts":
+            for e, key in enumerate(expert_keys(link)):
+                one = expert_name(name, e)
+                sources[one] = _find(headers, link, key, one, want, e, m, kind, where)
+        else:
+            sources[name] = _find(headers, link, link.hf, name, want, -1, m, kind, where)
     if unused == "refuse":
-        _refuse_unused(headers, {key for _, key in sources.values()}, m, where)
+        _refuse_unused(headers, {source.key for source in sources.values()}, m, where)
     return HFWeights(folder, m, table, sources)
 
 
 @torch.no_grad()
 def load_into(model: nn.Module, weights: HFWeights) -> None:
-    """Set every parameter of a single-process (tp=1) model, or stage, to its value in ``weights``.
+    """Set every parameter of a single-process (tp=1, ep=1) model, or stage, to its value in ``weights``.
 
-    A tensor-parallel rank needs its slice of each value instead: the trainer cuts those itself.
-    """
+    A tensor-parallel rank needs its slice of each value instead: the trainer cuts those itself
+    (``models.init.initial_tp_value``, which gives an expert stack its experts' matrices by name)."""
     for name, p in model.named_parameters():
-        value = weights.value(name)
+        value = initial_tp_value(model, name, lambda n, shape: weights.value(n))
         if value.shape != p.shape:
             raise ValueError(f"load_into fills whole (tp=1) parameters; {name} is {tuple(p.shape)}, the folder's "
                              f"value {tuple(value.shape)}")
