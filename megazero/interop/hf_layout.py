@@ -157,7 +157,7 @@ def _block_shapes(m: ModelConfig, layer: int = 0) -> dict[str, tuple[int, ...]]:
                "attn.proj.weight": (h, q), "ln2.weight": (h,), "mlp.gate.weight": (f, h),
                "mlp.up.weight": (f, h), "mlp.down.weight": (h, f)}
         if m.qk_norm:
-            out.update({"attn.q_norm.weight": (m.head_dim,), "attn.k_norm.weight": (m.head_dim,)})
+            out.update({"attn.q_norm.weight": (m.head_width,), "attn.k_norm.weight": (m.head_width,)})
         biases = {"attn.q.bias": (q,), "attn.k.bias": (kv,), "attn.v.bias": (kv,), "attn.proj.bias": (h,),
                   "mlp.gate.bias": (f,), "mlp.up.bias": (f,), "mlp.down.bias": (h,)}
         if m.moe.is_moe_layer(layer):

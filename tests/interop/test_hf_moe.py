@@ -327,7 +327,7 @@ def test_config_json_that_disagrees_with_its_weights(folders, tmp_path):
     ({"num_experts_per_tok": 1, "norm_topk_prob": True}, {"model.moe.top_k": 1},
      ["num_experts_per_tok=1 with renormalised gates", "gate 1"]),
     ({"use_sliding_window": True, "sliding_window": 16}, {}, ["model.seq_len is at most 16 there (sliding_window"]),
-    ({"head_dim": 32}, {}, ["head_dim=32"]),
+    ({"head_dim": 32}, {}, ["model.head_dim is 32 there and 16 here"]),
 ])
 def test_qwen3_moe_keys_are_checked_one_by_one(folders, tmp_path, edits, sets, fragments):
     with pytest.raises(UserError) as e:
