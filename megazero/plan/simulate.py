@@ -59,6 +59,7 @@ class RankResult:
     seconds: float
     build_peak_bytes: int = 0  # while building (stages 0-2 materialise the model in fp32 before ZeRO takes it)
     fits: Optional[bool] = None
+    extrapolated: str = ""  # how the figures were extrapolated from smaller steps (megazero.plan.extrapolate)
 
 
 def measure(cfg: Config, grid, device: torch.device, tracker: MemoryTracker, steps: int = STEPS) -> dict:
@@ -159,7 +160,7 @@ def format_result(r: RankResult, limit: float) -> list[str]:
 
     head = (f"rank {r.rank} (pipeline stage {r.pp_rank}): peak {r.peak_bytes / GB:.2f} GB of "
             f"{limit / GB:.2f} GB: {'fits' if r.fits else 'DOES NOT FIT'} (simulated in {r.seconds:.1f} s)")
-    lines = [head, f"  peak at {r.moment}"]
+    lines = [head, f"  peak at {r.moment}"] + ([f"  {r.extrapolated}"] if r.extrapolated else [])
     rows = [f"    {'':<12} {'simulated GB':>12} {'plan GB':>8} {'sim/plan':>8}"]
     for k in CATEGORIES + ("total",):
         got = r.peak_bytes if k == "total" else r.bytes[k]
@@ -176,10 +177,12 @@ def format_result(r: RankResult, limit: float) -> list[str]:
                            f"count here)"]
 
 
-def run_simulation(cfg: Config) -> int:
+def run_simulation(cfg: Config, full: bool = False) -> int:
     """``pretrain.py --simulate`` of a config resolved for the CPU (megazero.train.run.simulate_run): every rank
     class's figures printed and written to log.dir/simulate.json; 0 when all fit in launch.memory_gb,
-    ``DOES_NOT_FIT`` otherwise."""
+    ``DOES_NOT_FIT`` otherwise. Extrapolated from smaller steps where that is exact (megazero.plan.extrapolate)
+    unless ``full`` (``--simulate full``): every layer and microbatch simulated."""
+    from megazero.plan.extrapolate import simulate_class
     from megazero.plan.stage_plan import make_plan
 
     plan = make_plan(cfg)
@@ -191,11 +194,14 @@ def run_simulation(cfg: Config) -> int:
     p = cfg.parallel
     print(f"simulating {cfg.source}: world {p.tp * p.pp * p.dp} = tp {p.tp} x pp {p.pp} x dp {p.dp}, ZeRO stage "
           f"{cfg.zero.stage}, {p.schedule}, {cfg.microbatches} microbatches, {STEPS} steps per rank, on fake "
-          f"tensors and the fake process group", flush=True)
+          f"tensors and the fake process group" + ("" if full else "; extrapolated from fewer layers and "
+                                                    "microbatches where exact (--simulate full: every one)"),
+          flush=True)
     start = time.perf_counter()
     results = []
     for rank in rank_classes(cfg):
-        r = simulate_rank(cfg, rank, plan)
+        r = simulate_rank(cfg, rank, plan) if full else simulate_class(cfg, rank, plan,
+                                                                         lambda text: print(text, flush=True))
         r.fits = r.peak_bytes <= limit
         results.append(r)
         print("\n".join(format_result(r, limit)), flush=True)

@@ -93,6 +93,8 @@ class MemoryTracker(TorchDispatchMode):
         st = t.untyped_storage()
         if st in self.storages:
             return
+        if getattr(t, "fake_device", t.device).type == "meta":  # no memory (ZeRO-3's parameters before gathering)
+            return
         entry = _Storage(st.nbytes(), self.role, False)
         self.storages[st] = entry
         self.refs[id(entry)] = weakref.ref(st, functools.partial(self._freed, entry))

@@ -110,15 +110,16 @@ def _as_run_error(e: RuntimeError, cfg, grid, rank: int) -> Exception:
     return e
 
 
-def cli(config_path: str, overrides: list[str], dry: bool, simulate: bool = False) -> int:
+def cli(config_path: str, overrides: list[str], dry: bool, simulate: bool | str = False) -> int:
     """pretrain.py's body: run (or plan, or simulate) and turn every way a run ends into one line and an exit
-    code (megazero.errors lists them; a simulation exits 3 when a rank does not fit)."""
+    code (megazero.errors lists them; a simulation exits 3 when a rank does not fit). ``simulate``: True (or
+    "auto") extrapolates from smaller steps where exact, "full" simulates every layer and microbatch."""
     from megazero.errors import CollectiveTimeout, RunStopped
     from megazero.train.signals import Interrupted, exit_code
 
     try:
         if simulate:
-            return simulate_run(config_path, overrides)
+            return simulate_run(config_path, overrides, full=simulate == "full")
         (dry_run if dry else run)(config_path, overrides)
     except UserError as e:
         _report(f"error: {e}", every_node=True)
@@ -202,7 +203,7 @@ def dry_run(config_path: str, overrides: list[str]) -> Plan:
     return plan
 
 
-def simulate_run(config_path: str, overrides: list[str]) -> int:
+def simulate_run(config_path: str, overrides: list[str], full: bool = False) -> int:
     """``pretrain.py --simulate``: the config resolved for this CPU (a simulation runs the CPU code path, Triton
     kernels replaced by their CPU counterparts) and the world it plans, then megazero.plan.simulate."""
     cfg = load_config(config_path, overrides)
@@ -210,4 +211,4 @@ def simulate_run(config_path: str, overrides: list[str]) -> int:
 
     cpu_kernels(cfg)
     resolve(cfg, planned_world_size(cfg, 1), "cpu")
-    return run_simulation(cfg)
+    return run_simulation(cfg, full)

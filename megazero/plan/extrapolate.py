@@ -1,0 +1,258 @@
+"""A rank class simulated at a few small counts and extrapolated to its own (``pretrain.py --simulate``).
+
+A full-size step costs about 80 µs per op on fake tensors, and a step is microbatches x layers x ~300 ops:
+GPT-3 13B's stage of 20 layers at 128 microbatches takes minutes. Its figures are, however, affine in both
+counts, so a few small steps give them exactly:
+
+- **Microbatches.** Once a 1F1B, zb1p or interleaved schedule's warm-up is whole and its steady state has
+  repeated (``activations.peak_microbatches``, the count the plan walks), more microbatches repeat held
+  amounts: the peak grows only by the step's token ids (the data loader hands over the whole step's), the
+  bytes sent grow by one microbatch's sends each, the model states do not change. GPipe holds every
+  microbatch at once: it is simulated at its own count.
+- **Layers of one kind.** Each middle layer of a chunk adds its parameters, gradients and optimizer states,
+  its saved activations in every microbatch alive at the peak and its sends; what a layer holds only while
+  it runs (ZeRO-3's gathered layer, the layer being recomputed, the bucket reductions in flight) is the
+  same at every count, and the embeddings, head and logits are fixed. A chunk keeps its first and last
+  layer (the first saves the received input, the last's output is sent); the ones between are removed,
+  each kind (``layer_kind``) on its own axis, the same number from each of the rank's chunks, so uneven
+  stages and virtual stages stay as uneven. The smallest count keeps two middle layers of each kind: below
+  that the increments still change (ZeRO-3's at 2 and 3 layers per stage, the build's transients).
+- The bytes sent have a microbatches x layers term (every layer's tp collectives run once per
+  microbatch), measured at one point with both counts raised.
+
+So each axis is simulated at three counts, plus one point per pair of axes, and every figure (the peak,
+its split by category, the model states, the host bytes, the build's peak, the bytes sent per group) is
+carried on the line through the two larger counts to the real one. Checked: the increment from the
+first count to the second equals the one from the second to the third, to ``TOLERANCE`` of the peak once
+carried to the real count, and the peak happens at the same moment of the step in every simulation; an
+axis that fails is simulated at its real count instead (every layer, or every microbatch), and says so.
+
+What the check cannot see: the peak is the largest of the step's moments, each affine in the counts, and
+the line is that of the moment seen. Another moment whose memory grows faster per layer (one where more
+microbatches hold their activations, as at the start of a backward beside its end) could overtake it past
+the counts simulated; the extrapolated peak is then low, by at most the layers added times the
+activations of a layer in the microbatches not alive at the moment seen (2·sbh/t a microbatch with
+checkpointing: 5 MB at GPT-3 13B's tp 4). ``--simulate full`` simulates every layer and microbatch.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import time
+from collections import Counter
+from dataclasses import dataclass, replace
+from typing import Callable, Optional
+
+from megazero.config.schema import Config
+from megazero.plan.activations import peak_microbatches
+from megazero.plan.simulate import RankResult, planned, simulate_rank
+
+TOLERANCE = 1e-3  # of the peak: how far the two increments of an axis may disagree, times the counts added
+MIDDLE = 2  # the middle layers of each kind a chunk keeps at the smallest count (4 layers: first, 2, last)
+REACH = 3  # an axis is worth it when the real count is at least this many steps past the smallest
+
+
+def layer_kind(cfg: Config, chunk: range, position: int) -> str:
+    """The kind of the layer at ``position`` of a chunk (the global layer ids it holds): layers of one kind
+    add the same bytes each. The block's MLP class (one per model today), and whether the layer is
+    recomputed in backward where ``model.checkpoint_layers`` recomputes only the chunk's first layers. A
+    model with blocks of several kinds (dense and mixture-of-experts) names them here, and ``variant``
+    learns which config keys build fewer of each (it asserts the smaller chunks hold the kinds asked for)."""
+    from models.parts import parts_of
+
+    m = cfg.model
+    kind = parts_of(m).mlp.__name__
+    if m.activation_checkpointing and 0 < m.checkpoint_layers < len(chunk):
+        kind += " recomputed" if position < m.checkpoint_layers else " kept"
+    return kind
+
+
+def _ranges(cfg: Config) -> list[range]:
+    from parallel.pipeline import partition_layers
+
+    p = cfg.parallel
+    return partition_layers(cfg.model.layers, p.pp * p.virtual_stages, p.pp_layers)
+
+
+def _middle(cfg: Config, chunk: range) -> Counter:
+    """The kinds of a chunk's middle layers (all but its first and last)."""
+    return Counter(layer_kind(cfg, chunk, i) for i in range(1, len(chunk) - 1))
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One count extrapolated in: x = 0, 1, 2 are simulated, ``real`` is the run's x. ``kind`` is a layer
+    kind (x adds that many of its layers to each of the rank's chunks) or None for the microbatches."""
+
+    kind: Optional[str]
+    low: int  # the count at x = 0: microbatches, or the layers of this kind in the rank's chunk with fewest
+    step: int  # what x = 1 adds
+    real: int
+
+    def count(self, x: int) -> int:
+        return self.low + x * self.step
+
+    def label(self, cfg: Config, chunks: list[int]) -> str:
+        """What is counted: the kind is named where a chunk holds several."""
+        if self.kind is None:
+            return "microbatches"
+        ranges = _ranges(cfg)
+        several = any(len({layer_kind(cfg, ranges[vs], i) for i in range(len(ranges[vs]))}) > 1 for vs in chunks)
+        return (f"{self.kind} " if several else "") + ("layers per model chunk" if len(chunks) > 1 else
+                                                       "layers per stage")
+
+
+def choose_axes(cfg: Config, rank: int) -> list[Axis]:
+    """The axes worth extrapolating for this rank: each at least ``REACH`` steps from its real count."""
+    p, axes = cfg.parallel, []
+    m = cfg.microbatches
+    low = peak_microbatches(p.schedule, p.pp, m, p.virtual_stages)
+    step = p.pp if p.schedule == "interleaved" else 1
+    if (m - low) % step == 0 and (m - low) // step >= REACH:
+        axes.append(Axis(None, low, step, (m - low) // step))
+    chunks = [_ranges(cfg)[vs] for vs in rank_chunks(cfg, rank)]
+    middles = [_middle(cfg, r) for r in chunks]
+    for kind in sorted(set().union(*middles)):
+        fewest = min(mid[kind] for mid in middles)
+        if fewest - MIDDLE >= REACH:
+            r = next(r for r, mid in zip(chunks, middles) if mid[kind] == fewest)
+            held = sum(layer_kind(cfg, r, i) == kind for i in range(len(r)))  # its first or last may be one too
+            axes.append(Axis(kind, held - fewest + MIDDLE, 1, fewest - MIDDLE))
+    return axes
+
+
+def rank_chunks(cfg: Config, rank: int) -> list[int]:
+    """The virtual stages the rank's chunks run."""
+    from parallel.schedules import virtual_stage
+    from parallel.topology import rank_to_coords
+
+    p = cfg.parallel
+    pp_rank = rank_to_coords(rank, p.tp, p.pp, p.dp)[0]
+    return [virtual_stage(pp_rank, c, p.pp) for c in range(p.virtual_stages)]
+
+
+def variant(cfg: Config, chunks: list[int], axes: list[Axis], x: tuple[int, ...]) -> Config:
+    """The config whose rank (running virtual stages ``chunks``) is at ``x`` on each axis: fewer microbatches
+    (train.global_batch), and ``real - x`` fewer middle layers of each kind on an axis in every chunk
+    (parallel.pp_layers and model.layers; model.checkpoint_layers when the recomputed ones are cut). The
+    other ranks' chunks are cut alike, kept at their first and last layer: they do not reach this rank."""
+    out = copy.deepcopy(cfg)
+    less = {}
+    for a, xi in zip(axes, x):
+        if a.kind is None:
+            out.train.global_batch = a.count(xi) * cfg.train.micro_batch * cfg.parallel.dp
+        else:
+            less[a.kind] = a.real - xi
+    if not less:
+        return out
+    ranges = _ranges(cfg)
+    counts, wants, recomputed = [], [], set()
+    for vs, r in enumerate(ranges):
+        mid = _middle(cfg, r)
+        want = +Counter({k: n - less.get(k, 0) for k, n in mid.items()})
+        counts.append(len(r) - sum(mid.values()) + sum(want.values()))
+        wants.append(want)
+        if vs in chunks and layer_kind(cfg, r, len(r) - 1).endswith(" kept"):  # recomputes its first k
+            recomputed.add(1 + sum(n for k, n in want.items() if k.endswith(" recomputed")))
+    assert len(recomputed) <= 1, recomputed  # each chunk keeps model.checkpoint_layers' first layers and loses alike
+    if recomputed:
+        out.model.checkpoint_layers = recomputed.pop()
+    out.model.layers, out.parallel.pp_layers = sum(counts), counts
+    for vs in chunks:  # the rank's chunks hold the same kinds, fewer of them
+        r, was = _ranges(out)[vs], ranges[vs]
+        assert (layer_kind(out, r, 0), layer_kind(out, r, len(r) - 1), _middle(out, r)) == (
+            layer_kind(cfg, was, 0), layer_kind(cfg, was, len(was) - 1), wants[vs]), (vs, r, was)
+    return out
+
+
+def design(axes: list[Axis]) -> list[tuple[int, ...]]:
+    """The points simulated: the smallest, two more counts along each axis, one more along each pair."""
+    k = len(axes)
+    unit = [tuple(int(i == j) for j in range(k)) for i in range(k)]
+    points = [(0,) * k] + [tuple(2 * u for u in e) for e in unit] + unit
+    points += [tuple(a + b for a, b in zip(unit[i], unit[j])) for i, j in itertools.combinations(range(k), 2)]
+    return sorted(set(points))
+
+
+def figures(r: RankResult) -> dict[str, float]:
+    """A result's figures, flat: the ones extrapolated."""
+    out = {"peak_bytes": r.peak_bytes, "host_bytes": r.host_bytes, "build_peak_bytes": r.build_peak_bytes}
+    for group in ("bytes", "state_bytes", "comm_bytes"):
+        out.update({f"{group}.{k}": v for k, v in getattr(r, group).items()})
+    return out
+
+
+@dataclass
+class Fit:
+    values: dict[str, float]  # each figure at the real counts
+    deviation: list[float]  # per axis: its two increments' difference times the steps added, over the peak
+    worst: list[str]  # per axis: the figure whose increments differ most
+
+
+def fit(points: dict[tuple[int, ...], dict[str, float]], axes: list[Axis]) -> Fit:
+    """Each figure at the real counts: on each axis the line through its two larger counts (x = 1 and 2),
+    plus each pair's cross term (x = 1 on both less each alone) times both steps; and how far each axis' two
+    increments (0 to 1, 1 to 2) disagree, carried to the real count, as a fraction of the peak there (of the
+    figure itself for the bytes sent)."""
+    k = len(axes)
+    zero = (0,) * k
+    unit = [tuple(int(i == j) for j in range(k)) for i in range(k)]
+    names = sorted(set().union(*points.values()))
+    values, increments = {}, {}
+    for name in names:
+        f = {x: figs.get(name, 0) for x, figs in points.items()}
+        v = f[zero]
+        for i, (a, e) in enumerate(zip(axes, unit)):
+            d1, d2 = f[e] - f[zero], f[tuple(2 * u for u in e)] - f[e]
+            increments[name, i] = (d1, d2)
+            v += d1 + (a.real - 1) * d2
+        for i, j in itertools.combinations(range(k), 2):
+            both = tuple(a + b for a, b in zip(unit[i], unit[j]))
+            v += axes[i].real * axes[j].real * (f[both] - f[unit[i]] - f[unit[j]] + f[zero])
+        values[name] = type(points[zero].get(name, 0))(v)
+    deviation, worst = [0.0] * k, ["peak_bytes"] * k
+    for (name, i), (d1, d2) in increments.items():
+        scale = max(abs(values[name]) if name.startswith("comm_bytes.") else values["peak_bytes"], 1)
+        if axes[i].real * abs(d2 - d1) / scale > deviation[i]:
+            deviation[i], worst[i] = axes[i].real * abs(d2 - d1) / scale, name
+    return Fit(values, deviation, worst)
+
+
+def simulate_class(cfg: Config, rank: int, plan, say: Callable[[str], None] = print) -> RankResult:
+    """One rank class's figures, extrapolated on each axis worth it that passes its check, the others at their
+    real counts (all of it, when no axis is left). ``say`` hears why an axis was not extrapolated."""
+    start = time.perf_counter()
+    axes, chunks = choose_axes(cfg, rank), rank_chunks(cfg, rank)
+    while axes:
+        runs = {x: simulate_rank(variant(cfg, chunks, axes, x), rank, plan) for x in design(axes)}
+        f = fit({x: figures(r) for x, r in runs.items()}, axes)
+        base = runs[(0,) * len(axes)]
+        moved = {i for x, r in runs.items() if r.moment != base.moment for i, xi in enumerate(x) if xi}
+        failed = [i for i in range(len(axes)) if f.deviation[i] > TOLERANCE or i in moved]
+        if not failed:
+            return _result(cfg, plan, runs, axes, chunks, f, time.perf_counter() - start)
+        for i in failed:
+            a = axes[i]
+            why = (f"its two increments differ by {f.deviation[i]:.3%} of the peak at that count ({f.worst[i]}; "
+                   f"tolerance {TOLERANCE:.1%})" if f.deviation[i] > TOLERANCE else
+                   "the peak moves to another moment of the step")
+            say(f"extrapolation, rank {rank}: {a.label(cfg, chunks)} simulated at the run's {a.count(a.real)}: {why}")
+        axes = [a for i, a in enumerate(axes) if i not in failed]
+    return replace(simulate_rank(cfg, rank, plan), seconds=time.perf_counter() - start)
+
+
+def _result(cfg: Config, plan, runs: dict, axes: list[Axis], chunks: list[int], f: Fit,
+            seconds: float) -> RankResult:
+    base = runs[(0,) * len(axes)]
+    v = f.values
+
+    def group(name: str) -> dict:
+        return {k.split(".", 1)[1]: x for k, x in v.items() if k.startswith(name + ".")}
+
+    parts = [f"{a.count(0)}, {a.count(1)} and {a.count(2)} {a.label(cfg, chunks)} to {a.count(a.real)}"
+             for a in axes]
+    note = (f"extrapolated linearly from {' and from '.join(parts)} ({len(runs)} simulations); each increment "
+            f"constant to {max(f.deviation):.3%} of the peak")
+    return RankResult(base.rank, base.pp_rank, int(v["peak_bytes"]), group("bytes"), base.moment, int(v["host_bytes"]),
+                      group("state_bytes"), group("comm_bytes"), planned(cfg, plan.stages[base.pp_rank]), seconds,
+                      int(v["build_peak_bytes"]), extrapolated=note)
