@@ -61,7 +61,9 @@ def layer_kind(cfg: Config, chunk: range, position: int) -> str:
     from models.parts import parts_of
 
     m = cfg.model
-    kind = parts_of(m).mlp.__name__
+    moe = getattr(m, "moe", None)
+    mixture = moe is not None and moe.is_moe_layer(chunk[position])
+    kind = parts_of(m).experts.__name__ if mixture else parts_of(m).mlp.__name__
     if m.activation_checkpointing and 0 < m.checkpoint_layers < len(chunk):
         kind += " recomputed" if position < m.checkpoint_layers else " kept"
     return kind

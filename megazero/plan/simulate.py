@@ -92,7 +92,7 @@ def simulate_rank(cfg: Config, rank: int, plan) -> RankResult:
     start = time.perf_counter()
     dist.init_process_group("fake", rank=rank, world_size=p.tp * p.pp * p.dp, store=FakeStore())
     try:
-        grid = Grid.build(p.tp, p.pp, p.dp, "cpu")  # outside the fake mode: the mesh reads its own ranks
+        grid = Grid.build(p.tp, p.pp, p.dp, "cpu", ep=p.ep)  # outside the fake mode: the mesh reads its ranks
         tracker = MemoryTracker()
         with FakeTensorMode(allow_non_fake_inputs=True):
             comm = measure(cfg, grid, torch.device("cpu"), tracker)

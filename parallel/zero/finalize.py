@@ -5,9 +5,10 @@
   last stage; ``tied_parameters()``, ``parallel.zero.declared``) has its gradient summed with the other
   copy's over the group that joins them (Megatron's embedding group), in its deferred bucket's buffer just
   before that bucket is reduced over dp, so both copies take the same update.
-- Sequence parallelism: a parameter marked ``sequence_parallel`` (the norms, the position table) saw 1/tp of
-  the tokens on each tp rank, so its reduced gradient is summed over tp, once every bucket is reduced: one
-  all-reduce of those elements of every bucket.
+- Sequence parallelism: a parameter marked ``sequence_parallel`` (the norms, the position table, a mixture of
+  experts' router and experts) saw 1/tp of the tokens on each tp rank, so its reduced gradient is summed over
+  tp, once every bucket is reduced: one all-reduce of the short runs of every bucket gathered together, and
+  one in place per long run.
 
 ``ZeroOptimizer.reduce`` orders them: the reducer's deferred buckets (``sum_tied`` first), then
 ``sum_sequence_parallel``.
@@ -23,19 +24,27 @@ from kernels.adam_cpu import Run
 from parallel.comm import Comm
 from parallel.zero.layout import Bucket
 
+# sequence-parallel runs at least this long are summed over tp in place, one all-reduce each: the scattered
+# short ones (norm scales) are gathered into one buffer, which for a bucket of experts' gradients (all of
+# them summed over tp) would be a second copy of the bucket
+LONG_RUN = 2 ** 16
+
 
 class GradFinalizer:
     def __init__(self, tied: Comm, tp: Comm, device: torch.device):
         """tied: the group that sums tied copies (the embedding group); tp: the tensor-parallel group."""
         self.tied, self.tp, self.device = tied, tp, device
-        self.sp_index: list[Optional[Tensor]] = []  # per bucket: where sequence-parallel gradients are in the range
+        self.sp_index: list[Optional[Tensor]] = []  # per bucket: where the short sequence-parallel runs are
+        self.sp_long: list[list[tuple[int, int]]] = []  # per bucket: the long runs, summed in place
 
     def add_bucket(self, b: Bucket, sequence_parallel: list[Run]) -> None:
         """A bucket's runs of (sequence-parallel) over the optimizer's range (``BucketLayout.mask_runs``), in
         bucket order; kept as an index on the device, so the step needs no host sync."""
         assert b.index == len(self.sp_index), (b.index, len(self.sp_index))
-        parts = [torch.arange(a, z, device=self.device) for a, z, on in sequence_parallel if on]
+        runs = [(a, z) for a, z, on in sequence_parallel if on]
+        parts = [torch.arange(a, z, device=self.device) for a, z in runs if z - a < LONG_RUN]
         self.sp_index.append(torch.cat(parts) if parts else None)
+        self.sp_long.append([(a, z) for a, z in runs if z - a >= LONG_RUN])
 
     def sum_tied(self, b: Bucket, full: Tensor) -> None:
         """Sum the tied copies' gradients in a deferred bucket's whole buffer, before its dp reduction."""
@@ -47,6 +56,9 @@ class GradFinalizer:
         """Sum the sequence-parallel parameters' reduced gradients over tp (``grads``: every bucket's range)."""
         if self.tp.size == 1:
             return
+        for g, long in zip(grads, self.sp_long):  # a mixture of experts' experts: whole buckets, in place
+            for a, z in long:
+                self.tp.all_reduce(g[a:z], tag="grad")
         parts = [(g, idx) for g, idx in zip(grads, self.sp_index) if idx is not None]
         if not parts:
             return
@@ -62,4 +74,4 @@ class GradFinalizer:
         copy of them must be sent again)."""
         if self.tp.size == 1:
             return set()
-        return {i for i, idx in enumerate(self.sp_index) if idx is not None}
+        return {i for i, (idx, long) in enumerate(zip(self.sp_index, self.sp_long)) if idx is not None or long}
