@@ -32,10 +32,11 @@ files, as it goes: a run stopped from
 outside keeps what it measured. Each command gets what is left of ``--budget`` (default 540 s, to
 fit a 10-minute slot with room to copy results); a check with no time left is reported as not run.
 ``--smoke`` runs the same sequence on the CPU at toy sizes (the Triton kernels under the
-interpreter) to check the script; ``--lean`` (with ``--smoke``, the test suite's run) trains the offloaded and
-ZeRO-3 runs with the torch kernels, against the torch run: the same commands and verdicts, without two more
-trainings under the interpreter (tests/engine/test_kernels_training.py trains with the Triton kernels, and
-tests/parallel/test_zero.py checks offloading against the on-device runs).
+interpreter) to check the script; ``--lean`` (with ``--smoke``, the test suite's run) leaves out what the suite
+checks in-process: the offloaded and ZeRO-3 runs train with the torch kernels, against the torch run (the same
+commands and verdicts, without two more trainings under the interpreter: tests/engine/test_kernels_training.py
+trains with the Triton kernels, tests/parallel/test_zero.py checks offloading against the on-device runs), and of
+the long-run checks only the refusal of a model too big runs (see bench/gpu_long_run.py).
 Exits 1 when a check fails or did not run, 0 otherwise; numbers are for people, the verdicts for the exit code.
 """
 from __future__ import annotations
@@ -211,7 +212,8 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=540.0, help="seconds for everything")
     ap.add_argument("--seqs", default=None, help="attention sequence lengths for bench/kernels.py")
     ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU: checks the script")
-    ap.add_argument("--lean", action="store_true", help="with --smoke: the offloaded runs with the torch kernels")
+    ap.add_argument("--lean", action="store_true", help="with --smoke: leave out what the test suite checks "
+                    "in-process (the offloaded runs with the torch kernels, 3 of the 4 long-run checks)")
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"sections to run, of {','.join(SECTIONS)}")
     args = ap.parse_args()
     only = set(args.only.split(","))
@@ -266,7 +268,7 @@ def main() -> int:
             from gpu_long_run import long_run_checks
 
             long_run_checks(checks, TINY_1GPU + [f"launch.device={device}", "log.every=1"]
-                            + (body if args.smoke else []), env, runs)
+                            + (body if args.smoke else []), env, runs, lean=args.lean)
     if "profile" in only:  # 4. where a step's time goes
         profile_cmd = [sys.executable, "bench/step_profile.py"] + (["--smoke", "--sets", "torch/torch,triton/triton"]
                                                                    if args.smoke else [])

@@ -18,8 +18,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from gpu_checks import SECTIONS  # noqa: E402
 
-# about equal halves of the smoke's CPU time, in seconds: ~15 + 27 + 14 + 13 and ~40 + 6 + 12 + 13
-HALVES = (("kernels", "train", "throughput", "profile"), ("longrun", "offload", "pipeline", "tp_overlap"))
+# about equal halves of the lean smoke's CPU time, in seconds: ~16 + 27 + 14 and ~13 + 5 + 6 + 12 + 13
+HALVES = (("kernels", "train", "throughput"), ("profile", "longrun", "offload", "pipeline", "tp_overlap"))
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -31,19 +31,21 @@ def run(*args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def gpu_checks_smoke(tmp_path_factory) -> list[tuple[int, str, Path]]:
     """(exit code, stderr, --out folder) of ``bench/gpu_checks.py --smoke --lean --only HALF`` for each half,
-    both started at once. gpu_checks.py runs bench/kernels.py without TRITON_INTERPRET: its --smoke must set it."""
+    both started at once, with 900 s of budget rather than a GPU slot's 540 (the halves share the cores, and maybe
+    a busy machine's; the budget test below checks the budget itself). gpu_checks.py runs bench/kernels.py without
+    TRITON_INTERPRET: its --smoke must set it."""
     assert sorted(s for half in HALVES for s in half) == sorted(SECTIONS)  # every section runs, once
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "OUT")}
     procs = []
     for i, half in enumerate(HALVES):
         out = tmp_path_factory.mktemp(f"gpu-checks-{i}")
         procs.append((subprocess.Popen([sys.executable, str(ROOT / "bench" / "gpu_checks.py"), "--smoke", "--lean",
-                                        "--only", ",".join(half), "--out", str(out)], cwd=ROOT, env=env,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), out))
+                                        "--only", ",".join(half), "--budget", "900", "--out", str(out)], cwd=ROOT,
+                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), out))
     done = []
     for proc, out in procs:
         try:
-            _, err = proc.communicate(timeout=600)
+            _, err = proc.communicate(timeout=1000)
         finally:
             proc.kill()
         done.append((proc.returncode, err, out))
@@ -97,19 +99,20 @@ def test_gpu_checks_smoke(gpu_checks_smoke):
     step runs, the loss comparisons are made, and only its four files are written."""
     summaries = [_passed(half) for half in gpu_checks_smoke]
     folders = [sorted(p.name for p in out.iterdir()) for _, _, out in gpu_checks_smoke]
-    assert folders == [["kernels.md", "log.txt", "profile.md", "summary.md"], ["log.txt", "summary.md"]], folders
+    assert folders == [["kernels.md", "log.txt", "summary.md"], ["log.txt", "profile.md", "summary.md"]], folders
     assert all(s.startswith("# GPU checks (smoke, CPU): all checks passed") for s in summaries)
     summary = "\n".join(summaries)
-    tmp_path = gpu_checks_smoke[0][2]
+    kernels_md, profile_md = (gpu_checks_smoke[i][2] / name for i, name in ((0, "kernels.md"), (1, "profile.md")))
     assert len(re.findall(r"^- ok triton kernels follow torch kernels over 4 steps", summary, re.M)) == 1
     assert len(re.findall(r"^- ok (offloaded optimizer|ZeRO-3 offloaded) follows the on-device run", summary, re.M)) == 2
     assert len(re.findall(r"^- ok pipeline trace: [1-9][0-9]* spans", summary, re.M)) == 1
     assert len(re.findall(r"^- (torch|triton) kernels: [0-9,]+ tokens/s", summary, re.M)) == 2
-    assert "### Targets" in (tmp_path / "kernels.md").read_text()
-    # long-run safety: divergence stops, SIGTERM saves, async saves equal sync ones, a model too big is refused
-    for check in ("diverging bf16 run: exit 3", "SIGTERM mid-run: exit 143", "async saves equal sync saves",
-                  "model too big: exit 2"):
-        assert len(re.findall(rf"^- ok {check}", summary, re.M)) == 1, check
+    assert "### Targets" in kernels_md.read_text()
+    # long-run safety, --lean: a model too big is refused; divergence, SIGTERM and async saves are made in-process
+    # by tests/train/test_hostile_run.py and tests/train/test_train.py
+    assert len(re.findall(r"^- ok model too big: exit 2", summary, re.M)) == 1
+    assert re.findall(r"^- (?:ok|FAILED|skipped).*(?:diverging|SIGTERM|async).*$", summary, re.M) == [
+        "- skipped (--lean): diverging bf16 run, SIGTERM mid-run, async saves equal sync saves"]
     # the offloaded optimizer's copies: the script runs (on the CPU it has no copies to time)
     assert "Offloaded gradient copies (bench/offload_overlap.py):" in summary
     # the CPU-rank benchmarks: pipeline schedules and tensor-parallel overlap run and report
@@ -118,7 +121,7 @@ def test_gpu_checks_smoke(gpu_checks_smoke):
     # the step profile: a wall time per kernel set, in profile.md and summarised in summary.md
     assert len(re.findall(r"^- wall: [0-9.]+ ms/step", summary, re.M)) == 2
     assert len(re.findall(r"^- enqueueing one attention forward \(batch 1\): \d+ us",
-                          (tmp_path / "profile.md").read_text(), re.M)) == 2
+                          profile_md.read_text(), re.M)) == 2
 
 
 def test_gpu_checks_report_what_the_budget_left_out(tmp_path):
