@@ -23,7 +23,8 @@
    stages, on gloo CPU ranks (one GPU cannot hold a pipeline; the machine's cores give each rank its own).
 8. ``bench/tp_overlap.py``: Domino-style tensor-parallel overlap on and off at tp = 2, on gloo CPU ranks.
 
-    python bench/gpu_checks.py [--out DIR] [--budget SECONDS] [--seqs 1024,...] [--only kernels,train,...] [--smoke]
+    python bench/gpu_checks.py [--out DIR] [--budget SECONDS] [--seqs 1024,...] [--only kernels,train,...]
+                               [--smoke [--lean]]
 
 Writes DIR/summary.md (the verdicts and figures), DIR/kernels.md (bench/kernels.py's tables),
 DIR/profile.md (bench/step_profile.py's) and DIR/log.txt (every command's output), at most those four
@@ -31,8 +32,12 @@ files, as it goes: a run stopped from
 outside keeps what it measured. Each command gets what is left of ``--budget`` (default 540 s, to
 fit a 10-minute slot with room to copy results); a check with no time left is reported as not run.
 ``--smoke`` runs the same sequence on the CPU at toy sizes (the Triton kernels under the
-interpreter) to check the script. Exits 1 when a check fails or did not run, 0 otherwise; numbers
-are for people, the verdicts for the exit code.
+interpreter) to check the script; ``--lean`` (with ``--smoke``, the test suite's run) leaves out what the suite
+checks in-process: the offloaded and ZeRO-3 runs train with the torch kernels, against the torch run (the same
+commands and verdicts, without two more trainings under the interpreter: tests/engine/test_kernels_training.py
+trains with the Triton kernels, tests/parallel/test_zero.py checks offloading against the on-device runs), and of
+the long-run checks only the refusal of a model too big runs (see bench/gpu_long_run.py).
+Exits 1 when a check fails or did not run, 0 otherwise; numbers are for people, the verdicts for the exit code.
 """
 from __future__ import annotations
 
@@ -145,10 +150,12 @@ def _pretrain(checks: Checks, name: str, run_dir: Path, sets: list[str], env: di
     return _losses(run_dir)
 
 
-def _training(checks: Checks, runs: Path, base: list[str], env: dict, steps: int) -> None:
-    """2. Training on one device: the Triton kernels, the offloaded optimizer and ZeRO-3 against the reference."""
+def _training(checks: Checks, runs: Path, base: list[str], env: dict, steps: int, lean: bool = False) -> None:
+    """2. Training on one device: the Triton kernels, the offloaded optimizer and ZeRO-3 against the reference
+    (``lean``: the offloaded runs with the torch kernels, against the torch run)."""
     torch_k = ["kernels.attention=torch", "kernels.adam=torch"]
     triton_k = ["kernels.attention=triton", "kernels.adam=triton"]
+    offload_k = torch_k if lean else triton_k
     ref = _pretrain(checks, "train torch kernels", runs / "torch", base + torch_k, env)
     fused = _pretrain(checks, "train triton kernels", runs / "triton", base + triton_k, env)
     if ref and fused:
@@ -156,14 +163,16 @@ def _training(checks: Checks, runs: Path, base: list[str], env: dict, steps: int
         checks.verdict(worst <= BF16_LOSS_RTOL, f"triton kernels follow torch kernels over {steps} steps: worst "
                        f"relative loss difference {worst:.2e} (bound {BF16_LOSS_RTOL:g}); final loss "
                        f"{fused[max(fused)]['loss']:.4f} vs {ref[max(ref)]['loss']:.4f}")
-    offload = _pretrain(checks, "train triton kernels, optimizer offloaded", runs / "offload",
-                        base + triton_k + ["zero.stage=1", "zero.offload_optimizer=cpu"], env)
-    zero3 = _pretrain(checks, "train triton kernels, ZeRO-3, everything offloaded, traced", runs / "zero3",
-                      base + triton_k + ["zero.stage=3", "zero.offload_optimizer=cpu", "zero.offload_params=cpu",
-                                         "log.pipeline_trace=true"], env)
+    kset = "torch" if lean else "triton"
+    offload = _pretrain(checks, f"train {kset} kernels, optimizer offloaded", runs / "offload",
+                        base + offload_k + ["zero.stage=1", "zero.offload_optimizer=cpu"], env)
+    zero3 = _pretrain(checks, f"train {kset} kernels, ZeRO-3, everything offloaded, traced", runs / "zero3",
+                      base + offload_k + ["zero.stage=3", "zero.offload_optimizer=cpu", "zero.offload_params=cpu",
+                                          "log.pipeline_trace=true"], env)
+    on_device = ref if lean else fused
     for name, got in (("offloaded optimizer", offload), ("ZeRO-3 offloaded", zero3)):
-        if fused and got:
-            worst = _worst_rel(got, fused)
+        if on_device and got:
+            worst = _worst_rel(got, on_device)
             checks.verdict(worst <= OFFLOAD_LOSS_RTOL, f"{name} follows the on-device run: worst relative loss "
                            f"difference {worst:.2e} (bound {OFFLOAD_LOSS_RTOL:g}); offloaded "
                            f"{got[max(got)].get('offloaded_gb', float('nan')):.3f} GB")
@@ -203,11 +212,15 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=540.0, help="seconds for everything")
     ap.add_argument("--seqs", default=None, help="attention sequence lengths for bench/kernels.py")
     ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU: checks the script")
+    ap.add_argument("--lean", action="store_true", help="with --smoke: leave out what the test suite checks "
+                    "in-process (the offloaded runs with the torch kernels, 3 of the 4 long-run checks)")
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"sections to run, of {','.join(SECTIONS)}")
     args = ap.parse_args()
     only = set(args.only.split(","))
     if not only <= set(SECTIONS):
         ap.error(f"--only {args.only!r}: valid sections are {','.join(SECTIONS)}")
+    if args.lean and not args.smoke:
+        ap.error("--lean: only with --smoke (a GPU run trains every run with the Triton kernels)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -234,7 +247,9 @@ def main() -> int:
     if "kernels" in only:  # 1. kernels: tables straight into kernels.md as they are measured
         kernels_cmd = [sys.executable, "bench/kernels.py"] + (["--smoke"] if args.smoke else []) \
             + (["--seqs", args.seqs] if args.seqs else [])
-        kernels_md = checks.run("bench/kernels.py", kernels_cmd, env, stdout=out / "kernels.md")
+        # --smoke chooses the interpreter itself (tests/bench/test_bench_kernels.py checks kernels.md)
+        kernels_env = {k: v for k, v in env.items() if k != "TRITON_INTERPRET"}
+        kernels_md = checks.run("bench/kernels.py", kernels_cmd, kernels_env, stdout=out / "kernels.md")
         if kernels_md is not None:
             targets = kernels_md.split("### Targets")[-1].strip().splitlines()
             checks.note("Kernel targets (bench/kernels.py):", *targets, "")
@@ -246,14 +261,14 @@ def main() -> int:
         if args.smoke:
             base += body
         if "train" in only:
-            _training(checks, runs, base, env, steps)
+            _training(checks, runs, base, env, steps, args.lean)
         if "throughput" in only:
             _throughput(checks, runs, device, body, tput_steps, env)
         if "longrun" in only:
             from gpu_long_run import long_run_checks
 
             long_run_checks(checks, TINY_1GPU + [f"launch.device={device}", "log.every=1"]
-                            + (body if args.smoke else []), env, runs)
+                            + (body if args.smoke else []), env, runs, lean=args.lean)
     if "profile" in only:  # 4. where a step's time goes
         profile_cmd = [sys.executable, "bench/step_profile.py"] + (["--smoke", "--sets", "torch/torch,triton/triton"]
                                                                    if args.smoke else [])

@@ -35,28 +35,46 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue) -
         queue.put((rank, False, traceback.format_exc()))
 
 
-def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0) -> list[Any]:
-    """Run fn(rank, world, *args) on `world` gloo ranks; return the results ordered by rank.
+class Ranks:
+    """Ranks started by ``start_ranks``, running while the caller does other work."""
 
-    fn must be importable (module level) and its results picklable. A failure on
-    any rank raises with that rank's traceback.
-    """
+    def __init__(self, world: int, procs: list, queue, timeout: float):
+        self.world, self.procs, self.queue, self.timeout = world, procs, queue, timeout
+
+    def results(self) -> list[Any]:
+        """Wait for every rank; its fn's results ordered by rank. A failure on any rank raises with that rank's
+        traceback."""
+        results: dict[int, Any] = {}
+        try:
+            for _ in range(self.world):
+                rank, ok, value = self.queue.get(timeout=self.timeout)
+                if not ok:
+                    raise RuntimeError(f"rank {rank} failed:\n{value}")
+                results[rank] = value
+        finally:
+            for p in self.procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+        return [results[r] for r in range(self.world)]
+
+
+def start_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0) -> Ranks:
+    """Start fn(rank, world, *args) on `world` gloo ranks and return at once: a one-process run (world 1) beside
+    a spawn of several uses the core that process would leave idle. Call ``results()`` to wait for them."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
-    results: dict[int, Any] = {}
-    try:
-        for _ in range(world):
-            rank, ok, value = queue.get(timeout=timeout)
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return [results[r] for r in range(world)]
+    return Ranks(world, procs, queue, timeout)
+
+
+def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0) -> list[Any]:
+    """Run fn(rank, world, *args) on `world` gloo ranks; return the results ordered by rank.
+
+    fn must be importable (module level) and its results picklable. A failure on
+    any rank raises with that rank's traceback.
+    """
+    return start_ranks(world, fn, *args, timeout=timeout).results()

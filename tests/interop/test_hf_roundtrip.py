@@ -29,36 +29,19 @@ from megazero.checkpoint.store import read_model_state  # noqa: E402
 from megazero.config.load import load_config  # noqa: E402
 from megazero.data import build_data  # noqa: E402
 from megazero.interop.export import export  # noqa: E402
-from megazero.train.run import run  # noqa: E402
 from models.build import build_gpt  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
-from tests.runs import ROOT, read_metrics, small_overrides, write_corpus  # noqa: E402
+from tests.interop.roundtrip_runs import CONFIG, KEYS, SEQ, STEPS, VOCAB, overrides, train  # noqa: E402
+from tests.runs import read_metrics, write_corpus  # noqa: E402
 
-CONFIG = str(ROOT / "configs" / "tiny.yaml")
-VOCAB, SEQ, STEPS = 512, 32, 5
-LAYOUT = {"parallel.tp": 2, "parallel.pp": 2, "parallel.sequence_parallel": "true", "zero.stage": 1}
-MODELS = {
-    "llama": (transformers.LlamaConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-                                       num_key_value_heads=2, intermediate_size=128, vocab_size=VOCAB,
-                                       rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.2),
-              {"model.arch": "llama", "model.kv_heads": 2, "model.ffn_hidden": 128, "model.norm_eps": 1e-5}),
-    "gpt2": (transformers.GPT2Config(n_layer=4, n_embd=64, n_head=4, n_positions=SEQ, vocab_size=VOCAB,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=0.2),
-             {"model.arch": "gpt2"}),
+MODELS = {  # what transformers builds; megazero's keys for each are roundtrip_runs.KEYS
+    "llama": transformers.LlamaConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=128, vocab_size=VOCAB,
+                                      rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.2),
+    "gpt2": transformers.GPT2Config(n_layer=4, n_embd=64, n_head=4, n_positions=SEQ, vocab_size=VOCAB,
+                                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=0.2),
 }
-
-
-def _overrides(text, cache, base, name):
-    _, keys = MODELS[name]
-    return small_overrides(text, cache, base / name, steps=STEPS, **LAYOUT, **keys, **{
-        "model.layers": 4, "model.hidden": 64, "model.heads": 4, "model.seq_len": SEQ, "model.vocab_size": VOCAB,
-        "train.init_from": str(base / f"hf_{name}"), "data.tokenizer": str(base / "tokenizer.json")})
-
-
-def _train(rank, world, text, cache, base):
-    for name in MODELS:
-        run(CONFIG, _overrides(text, cache, base / "", name))
-    return True
+assert set(MODELS) == set(KEYS)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +49,7 @@ def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("hf")
     text, cache = write_corpus(base / "text"), base / "cache"
     _tokenizer_json(text, base / "tokenizer.json")
-    for name, (hf_config, _) in MODELS.items():
+    for name, hf_config in MODELS.items():
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
         with torch.no_grad():  # norm weights 1 and biases 0 would hide a dropped or swapped mapping
@@ -74,7 +57,7 @@ def runs(tmp_path_factory):
                 if p.dim() == 1:
                     p.add_(0.1 * torch.randn_like(p))
         model.save_pretrained(base / f"hf_{name}")
-    run_ranks(8, _train, text, cache, base)
+    run_ranks(8, train, text, cache, base)
     return base, text, cache
 
 
@@ -97,7 +80,7 @@ def _hf(folder) -> torch.nn.Module:
 @pytest.mark.parametrize("name", list(MODELS))
 def test_imported_model_trains_and_exports(runs, name, tmp_path):
     base, text, cache = runs
-    cfg = load_config(CONFIG, _overrides(text, cache, base, name))
+    cfg = load_config(CONFIG, overrides(text, cache, base, name))
     data = build_data(cfg.data, VOCAB, SEQ, cfg.train.seed, is_builder=False, barrier=lambda: None)
     batch = torch.cat(data.train_microbatches(0, 0, 1, cfg.train.micro_batch, cfg.train.global_batch))
     with torch.no_grad():

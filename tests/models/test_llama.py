@@ -23,7 +23,7 @@ from megazero.costs import flops_per_token, model_flops_per_token
 from megazero.plan.activations import activation_bytes_per_layer
 from megazero.train.run import run
 from models.build import count_parameters
-from tests.dist import run_ranks
+from tests.dist import run_ranks, start_ranks
 from tests.hostile import assert_one_line, call, pretrain_main
 from tests.runs import ROOT, read_metrics, small_overrides, write_corpus
 
@@ -80,10 +80,12 @@ def trained(tmp_path_factory):
     """(the runs' folder, each rank's _gathers_waited result)."""
     base = tmp_path_factory.mktemp("llama")
     text, cache = write_corpus(base / "text"), base / "cache"
-    run(CONFIG, _overrides(text, cache, base / "one"))
-    run(CONFIG, _overrides(text, cache, base / "one_8_layers", EIGHT_LAYERS))
-    run(CONFIG, _overrides(text, cache, base / "one_m16", M16))
+    run(CONFIG, _overrides(text, cache, base / "one"))  # builds the data every other run reads
+    # the other one-process references in a process of their own, beside the four ranks
+    references = start_ranks(1, _train_layouts, text, cache, base, [("one_8_layers", EIGHT_LAYERS),
+                                                                    ("one_m16", M16)])
     gathers = run_ranks(4, _four_ranks, text, cache, base)  # the tp 2 layouts too, at dp 2 (one spawn fewer)
+    references.results()
     return base, gathers
 
 

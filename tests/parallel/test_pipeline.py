@@ -20,11 +20,11 @@ from megazero.engine.step import forward_backward
 from models.build import build_gpt
 from parallel.schedules import batches
 from parallel.topology import Grid
-from tests.dist import run_ranks
+from tests.dist import run_ranks, start_ranks
 from tests.runs import ROOT, engine_for, read_metrics, small_overrides, write_corpus
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
-STEPS = 10
+STEPS = 6
 EIGHT_LAYERS = {"model.layers": 8}  # pp=4 with two chunks per rank needs 8 (virtual) stages
 SCHEDULES = {"gpipe": ["parallel.schedule=gpipe"], "1f1b": ["parallel.schedule=1f1b"],
              "zb1p": ["parallel.schedule=zb1p"], "interleaved": ["parallel.schedule=interleaved", "parallel.virtual_stages=2"]}
@@ -94,6 +94,13 @@ def _train_layouts(rank, world, text, cache, base, layouts):
     return True
 
 
+def _four_ranks(rank, world, text, cache, base):
+    """The gradient checks, then the 4-rank layouts: one spawn (each process costs ~2 s of imports)."""
+    grads = _gradient_checks(rank, world, text, cache, base)
+    _train_layouts(rank, world, text, cache, base, FOUR)
+    return grads
+
+
 FOUR = [(f"pp4_{s}", SCHEDULES[s] + ["parallel.pp=4"]) for s in SCHEDULES] + \
        [(f"pp2_dp2_{s}", SCHEDULES[s] + ["parallel.pp=2"]) for s in SCHEDULES] + \
        [(f"pp2_dp2_interleaved_z{z}", SCHEDULES["interleaved"] + ["parallel.pp=2", f"zero.stage={z}"])
@@ -112,14 +119,16 @@ EIGHT = [("tp2_pp2_dp2_interleaved", SCHEDULES["interleaved"] + TP2_PP2)] + [
 
 
 def _blend(base: Path) -> list[str]:
-    """A weighted blend of two sources (the corpus's first 30 files and the rest), evaluated every 5 steps."""
+    """A weighted blend of two sources (the corpus's first 30 files and the rest), evaluated every 3 steps. Its
+    data (a tokenizer trained on the blend, each source's tokens) in a cache of its own: the one-process run
+    builds it while the 4-rank spawn reads the corpus's."""
     files = sorted((base / "text").iterdir())
     for name, part in (("a", files[:30]), ("b", files[30:])):
         (base / name).mkdir()
         for f in part:
             (base / name / f.name).write_bytes(f.read_bytes())
     return [f"data.paths=[{{path: {base / 'a'}, weight: 0.3, name: few}}, {{path: {base / 'b'}, weight: 0.7}}]",
-            "train.eval_every=5", "train.eval_batches=2"]
+            "train.eval_every=3", "train.eval_batches=2", f"data.cache_dir={base / 'blend_cache'}"]
 
 
 @pytest.fixture(scope="module")
@@ -127,10 +136,11 @@ def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("pp")
     text, cache = write_corpus(base / "text"), base / "cache"
     blend = _blend(base)
-    run(TINY, _overrides(text, cache, base / "pp1"))
-    run(TINY, _overrides(text, cache, base / "pp1_blend", blend))
-    grads = run_ranks(4, _gradient_checks, text, cache, base)
-    run_ranks(4, _train_layouts, text, cache, base, FOUR)
+    run(TINY, _overrides(text, cache, base / "pp1"))  # builds the corpus's data, which every other run reads
+    # the blend's one-process run (its data built on the way) in a process of its own, beside the 4 ranks
+    blended = start_ranks(1, _train_layouts, text, cache, base, [("pp1_blend", blend)])
+    grads = run_ranks(4, _four_ranks, text, cache, base)
+    blended.results()
     run_ranks(8, _train_layouts, text, cache, base, EIGHT + [("tp2_pp2_dp2_blend", SCHEDULES["gpipe"] + TP2_PP2 + blend)])
     return base, grads
 

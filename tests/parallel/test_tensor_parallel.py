@@ -198,8 +198,8 @@ def _all_model_checks(rank, world):
 
 
 @pytest.fixture(scope="module")
-def model_results():
-    return run_ranks(4, _all_model_checks)
+def model_results(trained):
+    return trained[1]
 
 
 @pytest.mark.parametrize("tp,sp", [(4, False), (4, True), (2, False), (2, True)])
@@ -264,34 +264,47 @@ def test_per_rank_logits_memory_shrinks_as_one_over_tp(model_results, tp):
 
 # --- training curves -------------------------------------------------------------------------------
 
+STEPS = 10  # a wrong tp sum shows from step 2 on, at 1e-5
 LAYOUTS = [("tp4", ["parallel.tp=4"]), ("tp4_sp", ["parallel.tp=4", "parallel.sequence_parallel=true"]),
            ("tp2_dp2", ["parallel.tp=2"]), ("tp2_dp2_sp", ["parallel.tp=2", "parallel.sequence_parallel=true"])]
 
 
+def _four_ranks(rank, world, text, cache, base):
+    """The model checks, then the training layouts: one spawn of four ranks (each costs ~2 s of imports)."""
+    results = _all_model_checks(rank, world)
+    _train_layouts(rank, world, text, cache, base)
+    return results
+
+
 def _train_layouts(rank, world, text, cache, base):
     for name, extra in LAYOUTS:
-        run(str(ROOT / "configs" / "tiny.yaml"), small_overrides(text, cache, base / name, steps=20) + extra)
-    # resume a tp=1 checkpoint (step 10) at tp=2 x dp=2: checkpoints are layout-free
+        run(str(ROOT / "configs" / "tiny.yaml"), small_overrides(text, cache, base / name, steps=STEPS) + extra)
+    # resume a tp=1 checkpoint (step STEPS // 2) at tp=2 x dp=2: checkpoints are layout-free
     run(str(ROOT / "configs" / "tiny.yaml"),
-        small_overrides(text, cache, base / "tp1_half", steps=20) + ["parallel.tp=2", "train.resume=auto"])
+        small_overrides(text, cache, base / "tp1_half", steps=STEPS) + ["parallel.tp=2", "train.resume=auto"])
     return True
 
 
 @pytest.fixture(scope="module")
-def curves(tmp_path_factory):
+def trained(tmp_path_factory):
+    """(the runs' folder, each rank's _all_model_checks results)."""
     base = tmp_path_factory.mktemp("tp_runs")
     text, cache = write_corpus(base / "text"), base / "cache"
-    run(str(ROOT / "configs" / "tiny.yaml"), small_overrides(text, cache, base / "tp1", steps=20))
+    run(str(ROOT / "configs" / "tiny.yaml"), small_overrides(text, cache, base / "tp1", steps=STEPS))
     run(str(ROOT / "configs" / "tiny.yaml"),
-        small_overrides(text, cache, base / "tp1_half", steps=20) + ["train.exit_after=10"])
-    run_ranks(4, _train_layouts, text, cache, base)
-    return base
+        small_overrides(text, cache, base / "tp1_half", steps=STEPS) + [f"train.exit_after={STEPS // 2}"])
+    return base, run_ranks(4, _four_ranks, text, cache, base)
+
+
+@pytest.fixture(scope="module")
+def curves(trained):
+    return trained[0]
 
 
 @pytest.mark.parametrize("name", [n for n, _ in LAYOUTS] + ["tp1_half"])
-def test_twenty_step_loss_curve_matches_tp1(curves, name):
+def test_loss_curve_matches_tp1(curves, name):
     ref, got = read_metrics(curves / "tp1"), read_metrics(curves / name)
-    assert [r["step"] for r in got] == list(range(1, 21))
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     for a, b in zip(ref, got):
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a["step"], a["loss"], b["loss"])
         assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4), (a["step"], a["grad_norm"], b["grad_norm"])
@@ -301,9 +314,9 @@ def test_tp_checkpoint_holds_whole_parameters(curves):
     """DCP stores each tp-sharded parameter whole: the tp=4 checkpoint reads like the tp=1 one.
 
     Adam turns summation-order noise in near-zero gradient elements into updates of
-    up to lr (1e-3) per step: after 20 steps a few such elements differ by ~1e-5
+    up to lr (1e-3) per step: over 20 steps a few such elements drift apart by ~1e-5
     (one of the 135k here reached 1.2e-5, at tp=2 without sequence parallelism as
-    well). atol 5e-5 (5% of one step's largest update) allows that and still
+    well), over these 10 at most as far. atol 5e-5 (5% of one step's largest update) allows that and still
     catches a misplaced shard or a lost gradient (>= lr per step, 1e-3).
     """
     ref = checkpoint.read_model_state(checkpoint.latest_checkpoint(curves / "tp1" / "checkpoints"))

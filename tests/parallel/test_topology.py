@@ -4,7 +4,6 @@ import itertools
 import pytest
 
 from parallel.topology import Grid, coords_to_rank, group_ranks, rank_to_coords
-from tests.dist import run_ranks
 
 
 def factorisations(n):
@@ -62,6 +61,9 @@ def test_neighbours_and_stage_flags(tp, pp, dp):
 
 
 def _mesh_groups(rank, world, tp, pp, dp):
+    """This rank's coordinates and, per tp, dp and pp group of the device mesh, its members (an all-gather) and
+    the sum of their ranks (an all-reduce): test_zero.py's test_device_mesh_groups_match_rank_math runs it in
+    that file's 8-rank spawn, checking it against the rank math here."""
     import torch
     import torch.distributed as dist
 
@@ -76,14 +78,3 @@ def _mesh_groups(rank, world, tp, pp, dp):
         dist.all_reduce(t, group=group)
         out[dim + "_sum"] = t.item()
     return out
-
-
-def test_device_mesh_groups_match_rank_math():
-    tp, pp, dp = 2, 2, 2
-    results = run_ranks(8, _mesh_groups, tp, pp, dp)
-    for rank, res in enumerate(results):
-        assert res["coords"] == rank_to_coords(rank, tp, pp, dp)
-        for dim in ("tp", "dp", "pp"):
-            expected = next(g for g in group_ranks(dim, tp, pp, dp) if rank in g)
-            assert res[dim] == expected
-            assert res[dim + "_sum"] == sum(expected)

@@ -20,14 +20,17 @@ from megazero.config.resolve import resolve
 from megazero.train.run import run
 from megazero.engine.build import make_scaler
 from megazero.engine.step import forward_backward, train_step
-from parallel.topology import Grid
-from tests.dist import run_ranks
+from parallel.topology import Grid, group_ranks, rank_to_coords
+from tests.dist import run_ranks, start_ranks
+from tests.parallel.test_topology import _mesh_groups
 from tests.runs import ROOT, engine_for, executor_for, read_metrics, small_overrides, write_corpus
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
-STEPS = 10
+STEPS = 6  # fp32: a wrong sum shows from step 2 on, at 1e-5
+BF16_STEPS = 10  # bf16 must also learn (test_bf16_curve_follows_dp1): 10 steps fall by over 0.3
 HALF = STEPS // 2  # the resumed runs continue from this step's checkpoint
 SAVE_HALF = [f"train.save_every={HALF}"]  # keep_last 2 keeps it next to the final one
+BF16 = ["train.precision=bf16", f"train.steps={BF16_STEPS}"]
 
 
 def _over(text, cache, log_dir, extra=(), steps=STEPS, **values):
@@ -40,8 +43,8 @@ DP2 = [(f"dp2_z{s}", [f"zero.stage={s}"] + (SAVE_HALF if s == 2 else [])) for s 
        ("dp2_z3_keep", ["zero.stage=3", "zero.reshard_after_forward=false"]),
        ("dp2_z3_ckpt", ["zero.stage=3", "model.activation_checkpointing=true"]),
        ("dp2_z3_ckpt1", ["zero.stage=3", "model.activation_checkpointing=true", "model.checkpoint_layers=1"]),
-       ("dp2_z1_bf16", ["zero.stage=1", "train.precision=bf16"]),
-       ("dp2_z3_bf16", ["zero.stage=3", "train.precision=bf16"])]
+       ("dp2_z1_bf16", ["zero.stage=1", *BF16]),
+       ("dp2_z3_bf16", ["zero.stage=3", *BF16])]
 DP4 = [(f"dp4_z{s}", [f"zero.stage={s}", "train.micro_batch=1"]) for s in range(4)]
 # stage 0 at tp2 x pp2 x dp2 (1f1b, sequence parallel) is test_pipeline.py's tp2_pp2_dp2_1f1b_sp
 EIGHT = [(f"tp2_pp2_dp2_z{s}", [f"zero.stage={s}", "parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"]
@@ -72,6 +75,14 @@ def _train_dp2(rank, world, text, cache, base, layouts):
     """The dp=2 layouts, then the fp16 overflow check: one spawn of two ranks (each costs ~2 s of imports)."""
     _train(rank, world, text, cache, base, layouts)
     return _overflow(rank, world, text, cache, base)
+
+
+def _train_eight(rank, world, text, cache, base, layouts):
+    """The tp2 x pp2 x dp2 layouts, after the device mesh's groups are checked (test_topology.py's
+    _mesh_groups): one spawn of eight ranks."""
+    groups = _mesh_groups(rank, world, 2, 2, 2)
+    _train(rank, world, text, cache, base, layouts)
+    return groups
 
 
 def _train_dp4(rank, world, text, cache, base, layouts):
@@ -146,21 +157,23 @@ def _overflow(rank, world, text, cache, base):
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("zero")
     text, cache = write_corpus(base / "text"), base / "cache"
-    run(TINY, _over(text, cache, base / "dp1", SAVE_HALF))
-    run(TINY, _over(text, cache, base / "dp1_mb1", ["train.micro_batch=1"]))
-    run(TINY, _over(text, cache, base / "dp1_bf16", ["train.precision=bf16"]))
+    run(TINY, _over(text, cache, base / "dp1", SAVE_HALF))  # builds the data every other run reads
+    # the other one-process references in a process of their own, beside the two dp ranks
+    references = start_ranks(1, _train, text, cache, base, [("dp1_mb1", ["train.micro_batch=1"]),
+                                                            ("dp1_bf16", BF16)])
     overflow = run_ranks(2, _train_dp2, text, cache, base, DP2 + [_resumed(base, "dp1_then_dp2_z3")])
+    references.results()
     measured = run_ranks(4, _train_dp4, text, cache, base, DP4)
-    run_ranks(8, _train, text, cache, base, EIGHT)
+    groups = run_ranks(8, _train_eight, text, cache, base, EIGHT)
     for name in ("dp2_z2_then_dp1", "tp2_pp2_dp2_z3_then_dp1"):
         run(TINY, _over(text, cache, base / name, _resumed(base, name)[1]))
-    return base, overflow, measured
+    return base, overflow, measured, groups
 
 
 def _curve(base, name):
     got = read_metrics(base / name)
     first = HALF + 1 if name in RESUMED else 1  # a resumed run logs the steps it ran
-    assert [r["step"] for r in got] == list(range(first, STEPS + 1))
+    assert [r["step"] for r in got] == list(range(first, (BF16_STEPS if "bf16" in name else STEPS) + 1))
     return got
 
 
@@ -245,6 +258,18 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(runs):
     assert first["scale_after"] == first["scale_before"] == 2.0 ** 16  # hysteresis 2: the first one is forgiven
     assert second["skipped"] and not second["changed"] and second["scale_after"] == 2.0 ** 15
     assert not after["skipped"] and after["changed"] and after["scale_after"] == 2.0 ** 15
+
+
+def test_device_mesh_groups_match_rank_math(runs):
+    """Each rank's tp, dp and pp groups of the mesh at tp2 x pp2 x dp2 hold the ranks the rank math says (an
+    all-gather of the members and an all-reduce in each group), in the fixture's 8-rank spawn."""
+    tp, pp, dp = 2, 2, 2
+    for rank, res in enumerate(runs[3]):
+        assert res["coords"] == rank_to_coords(rank, tp, pp, dp)
+        for dim in ("tp", "dp", "pp"):
+            expected = next(g for g in group_ranks(dim, tp, pp, dp) if rank in g)
+            assert res[dim] == expected
+            assert res[dim + "_sum"] == sum(expected)
 
 
 def test_offloaded_runs_equal_the_others(runs):
