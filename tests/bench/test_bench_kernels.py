@@ -18,8 +18,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from gpu_checks import SECTIONS  # noqa: E402
 
-# about equal halves of the lean smoke's CPU time, in seconds: ~16 + 27 + 14 and ~13 + 5 + 6 + 12 + 13
-HALVES = (("kernels", "train", "throughput"), ("profile", "longrun", "offload", "pipeline", "tp_overlap"))
+# about equal halves of the lean smoke's CPU time, in seconds: ~16 + 27 + 14 and ~13 + 5 + 6 + 4 + 12 + 13
+HALVES = (("kernels", "train", "throughput"), ("profile", "longrun", "offload", "grouped_mm", "pipeline", "tp_overlap"))
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -115,6 +115,9 @@ def test_gpu_checks_smoke(gpu_checks_smoke):
         "- skipped (--lean): diverging bf16 run, SIGTERM mid-run, async saves equal sync saves"]
     # the offloaded optimizer's copies: the script runs (on the CPU it has no copies to time)
     assert "Offloaded gradient copies (bench/offload_overlap.py):" in summary
+    # the experts' grouped matmul against the per-expert loop: a table, and the results agree
+    assert "Grouped matmul (bench/grouped_mm.py):" in summary
+    assert len(re.findall(r"^- ok grouped matmul agrees with the per-expert loop", summary, re.M)) == 1
     # the CPU-rank benchmarks: pipeline schedules and tensor-parallel overlap run and report
     assert re.search(r"^\| zb1p even, overlap \| [0-9.]+ \|", summary, re.M)
     assert "Tensor-parallel overlap (bench/tp_overlap.py):" in summary
@@ -132,7 +135,7 @@ def test_gpu_checks_report_what_the_budget_left_out(tmp_path):
     assert proc.returncode == 1
     summary = (tmp_path / "summary.md").read_text()
     assert summary.startswith("# GPU checks (smoke, CPU): FAILED: environment: not run, the time budget is spent")
-    assert len(re.findall(r"^- FAILED .*: not run, the time budget is spent$", summary, re.M)) == 17  # every command of every section, the CPU-rank benchmarks included
+    assert len(re.findall(r"^- FAILED .*: not run, the time budget is spent$", summary, re.M)) == 18  # every command of every section, the CPU-rank benchmarks included
 
 
 def test_gpu_checks_lean_needs_smoke():
