@@ -14,10 +14,8 @@ simulated, each a "memory class" (``launch.rank=r`` picks one rank instead).
 """
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -175,47 +173,6 @@ def format_result(r: RankResult, limit: float) -> list[str]:
                            f"  while building: peak {r.build_peak_bytes / GB:.2f} GB (before training; stages 0-2 "
                            f"materialise the model in fp32 before ZeRO takes it; on a CPU run offloaded states "
                            f"count here)"]
-
-
-def run_simulation(cfg: Config, full: bool = False) -> int:
-    """``pretrain.py --simulate`` of a config resolved for the CPU (megazero.train.run.simulate_run): every rank
-    class's figures printed and written to log.dir/simulate.json; 0 when all fit in launch.memory_gb,
-    ``DOES_NOT_FIT`` otherwise. Extrapolated from smaller steps where that is exact (megazero.plan.extrapolate)
-    unless ``full`` (``--simulate full``): every layer and microbatch simulated."""
-    from megazero.plan.extrapolate import simulate_class
-    from megazero.plan.stage_plan import make_plan
-
-    plan = make_plan(cfg)
-    limit = memory_limit(cfg)
-    out = Path(cfg.log.dir) / "simulate.json"
-    if out.is_symlink() or (out.exists() and not out.is_file()):  # written in place: never through a link
-        raise UserError(f"{cfg.source}: log.dir={cfg.log.dir!r} holds simulate.json, which is not a plain file; "
-                        f"move it away or choose another log.dir")
-    p = cfg.parallel
-    print(f"simulating {cfg.source}: world {p.tp * p.pp * p.dp} = tp {p.tp} x pp {p.pp} x dp {p.dp}, ZeRO stage "
-          f"{cfg.zero.stage}, {p.schedule}, {cfg.microbatches} microbatches, {STEPS} steps per rank, on fake "
-          f"tensors and the fake process group" + ("" if full else "; extrapolated from fewer layers and "
-                                                    "microbatches where exact (--simulate full: every one)"),
-          flush=True)
-    start = time.perf_counter()
-    results = []
-    for rank in rank_classes(cfg):
-        r = simulate_rank(cfg, rank, plan) if full else simulate_class(cfg, rank, plan,
-                                                                         lambda text: print(text, flush=True))
-        r.fits = r.peak_bytes <= limit
-        results.append(r)
-        print("\n".join(format_result(r, limit)), flush=True)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"config": cfg.source, "memory_bytes": limit,
-                                   "ranks": [asdict(r) for r in results]}, indent=1))
-    except OSError as e:
-        raise UserError(f"{cfg.source}: log.dir={cfg.log.dir!r} is invalid; cannot write simulate.json "
-                        f"({e.strerror})") from None
-    fits = all(r.fits for r in results)
-    print(f"simulated {len(results)} rank class(es) in {time.perf_counter() - start:.1f} s; "
-          f"{'every one fits' if fits else 'some do not fit'} in {limit / GB:.2f} GB; figures in {out}", flush=True)
-    return 0 if fits else DOES_NOT_FIT
 
 
 def layer_activation_bytes(cfg: Config, tp_rank: int = 0) -> int:

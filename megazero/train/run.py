@@ -207,7 +207,8 @@ def simulate_run(config_path: str, overrides: list[str], full: bool = False) -> 
     """``pretrain.py --simulate``: the config resolved for this CPU (a simulation runs the CPU code path, Triton
     kernels replaced by their CPU counterparts) and the world it plans, then megazero.plan.simulate."""
     cfg = load_config(config_path, overrides)
-    from megazero.plan.simulate import cpu_kernels, run_simulation
+    from megazero.plan.simulate import cpu_kernels
+    from megazero.plan.simulate_run import run_simulation
 
     cpu_kernels(cfg)
     resolve(cfg, planned_world_size(cfg, 1), "cpu")
