@@ -57,17 +57,18 @@ def test_flops_count_the_active_matmul_parameters(moe):
     assert model_flops_per_token(cfg) == 6 * matmul + 12 * L * cfg.seq_len * h
 
 
-def _by_hand(layers, h, heads, kv, d, experts, k, f, vocab) -> tuple[int, int]:
-    """(total, active) from a model card's shapes: per layer two norms, q/o (h x heads*d), k/v (h x kv*d), a router
-    (E x h) and E SwiGLU experts of 3 x f x h (k active); two untied vocab x h embeddings and a final norm."""
-    attention = 2 * h + 2 * h * heads * d + 2 * h * kv * d + experts * h
+def _by_hand(layers, h, heads, kv, d, experts, k, f, vocab, qk_norm) -> tuple[int, int]:
+    """(total, active) from a model card's shapes: per layer two norms, q/o (h x heads*d), k/v (h x kv*d), Qwen3's
+    q/k norms (d each), a router (E x h) and E SwiGLU experts of 3 x f x h (k active); two untied vocab x h
+    embeddings and a final norm."""
+    attention = 2 * h + 2 * h * heads * d + 2 * h * kv * d + experts * h + (2 * d if qk_norm else 0)
     ends = 2 * vocab * h + h
     return ends + layers * (attention + experts * 3 * f * h), ends + layers * (attention + k * 3 * f * h)
 
 
 @pytest.mark.parametrize("name, total, active, shape", [
-    ("mixtral-8x7b", 46.7, 12.9, (32, 4096, 32, 8, 128, 8, 2, 14336, 32000)),
-    ("qwen3-30b-a3b", 30.5, 3.3, (48, 2048, 32, 4, 128, 128, 8, 768, 151936)),
+    ("mixtral-8x7b", 46.7, 12.9, (32, 4096, 32, 8, 128, 8, 2, 14336, 32000, False)),
+    ("qwen3-30b-a3b", 30.5, 3.3, (48, 2048, 32, 4, 128, 128, 8, 768, 151936, True)),
 ])
 def test_dry_run_counts_the_published_totals(name, total, active, shape, capsys):
     """Mixtral-8x7B: 46.7B parameters, 12.9B active (Jiang et al. 2024); Qwen3-30B-A3B: 30.5B, 3.3B (its model

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from megazero.plan import stage_plan as plan
+from megazero.plan.state_bytes import model_state_bytes
 from megazero.config.load import load_config
 from megazero.config.resolve import resolve
 from megazero.train.run import run
@@ -115,7 +116,7 @@ def _measurements(rank, world, text, cache, base):
                                  **bigger)
         psi = sum(p.numel() for _, p in tr.named_params)
         measured = tr.zero.model_state_bytes()
-        formula = plan.model_state_bytes(psi, stage, grid.dp, "bf16")
+        formula = model_state_bytes(psi, stage, grid.dp, "bf16")
         planned = plan.make_plan(cfg).stages[0].model_state
         grid.counter.reset()
         _one_step(tr, data, cfg, grid)  # m = 1 microbatch per rank
