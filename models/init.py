@@ -15,7 +15,7 @@ from torch import Tensor
 
 from models.stage import GPT
 
-RESIDUAL_PROJECTIONS = ("attn.proj.weight", "mlp.fc2.weight", "mlp.down.weight")
+RESIDUAL_PROJECTIONS = ("attn.proj.weight", "mlp.fc2.weight", "mlp.down.weight", "mlp.shared.down.weight")
 NORMS = ("ln1", "ln2", "final_norm", "q_norm", "k_norm")
 
 InitialValues = Callable[[str, tuple[int, ...]], Tensor]  # (name, full shape) -> the full float32 value

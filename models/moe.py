@@ -161,9 +161,10 @@ class MoE(nn.Module):
         y = self._routed(routed)
         if not self.sp:
             y = gather_to_whole(y, self.tp)
-        if self.shared is not None:
+        y = self.dropout(y)
+        if self.shared is not None:  # a SwiGLU, with its own dropout
             y = y + self.shared(x)
-        return self.dropout(y)
+        return y
 
     def _routed(self, x: Tensor) -> Tensor:
         moe, E, k = self.moe, self.moe.experts, self.moe.top_k
@@ -216,8 +217,11 @@ class MoE(nn.Module):
         if self.tp is not None:  # each tp rank holds a part of every sequence
             self.tp.all_reduce(per_seq, tag="router")
         share = per_seq * (E / (self.seq_len * k))  # f_e·E: 1 for every expert under balanced routing
-        balance = (share.unsqueeze(1) * probs.view(b, s, E)).sum()  # Σ_t Σ_e f_e P_{t,e}: sums to s·E·Σ f P
-        z = logits.logsumexp(-1).square().sum()
+        # Without the losses, the statistics keep nothing for backward: a recomputation (which skips them)
+        # must save what the first forward saved.
+        with torch.set_grad_enabled(need):
+            balance = (share.unsqueeze(1) * probs.view(b, s, E)).sum()  # Σ_t Σ_e f_e P_{t,e}: s·E·Σ f P
+            z = logits.logsumexp(-1).square().sum()
         if counting:
             tail = torch.stack([balance.detach().double(), z.detach().double(),
                                 (dropped if dropped is not None else counts.new_zeros(())).double(),
@@ -233,8 +237,8 @@ class MoE(nn.Module):
         (sigmoid) toward balanced load, bias_e += rate·sign(mean load - load_e); forget the step's counts."""
         bias = self.router.expert_bias
         if update and bias is not None and self.moe.bias_update_rate > 0:
-            load = totals[:self.moe.experts].to(bias.dtype)
-            bias.add_(torch.sign(load.mean() - load) * self.moe.bias_update_rate)
+            load = totals[:self.moe.experts]  # float64: loads past 2^24 copies compared exactly
+            bias.add_((torch.sign(load.mean() - load) * self.moe.bias_update_rate).to(bias.dtype))
         self.stats.zero_()
 
 

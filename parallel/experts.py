@@ -62,8 +62,8 @@ def plan_dispatch(counts: Tensor, rows: int, ep: Comm, local_experts: int) -> Di
     if size == 1:
         per_expert = counts.tolist()
         return DispatchPlan([sum(per_expert)], [sum(per_expert)], per_expert, None, None)
-    received = torch.empty_like(counts)
-    torch.distributed.all_to_all_single(received, counts, group=ep.group)  # E integers: not counted as traffic
+    split = [local_experts] * size  # each rank's counts for the experts another holds
+    received = ep.all_to_all(counts, split, split, tag="expert_counts")  # E integers, apart from the rows' "experts"
     host = torch.cat([counts, received]).tolist()  # the one host read
     mine, theirs = host[:experts], host[experts:]
     send = [sum(mine[r * local_experts:(r + 1) * local_experts]) for r in range(size)]

@@ -206,6 +206,12 @@ def _check_experts(cfg: Config) -> None:
     if p.tp > 1 and m.seq_len % p.tp:
         raise invalid(src, "model.seq_len", m.seq_len, f"must be divisible by parallel.tp={p.tp}: each tp rank "
                       "routes its own part of the sequence to the experts")
+    width = arch.expert_hidden(m)
+    shared = moe.shared_experts * width
+    if moe.shared_experts and shared % p.tp:
+        raise invalid(src, "model.moe.expert_hidden", width, f"times shared_experts="
+                      f"{moe.shared_experts} ({shared}) must be divisible by parallel.tp={p.tp}: the shared experts "
+                      "are one SwiGLU split over tp")
     if p.tp_overlap:
         raise invalid(src, "parallel.tp_overlap", True, "does not apply to mixture-of-experts layers (their "
                       "expert computation is not split over tp); use false")

@@ -25,7 +25,7 @@ class MoeConfig:
     experts: int = 0  # routed experts E; 0 = a dense model
     top_k: int = 2  # experts each token is sent to
     expert_hidden: Union[int, None] = None  # each expert's SwiGLU width; None -> the model's ffn_hidden
-    shared_experts: int = 0  # always-on experts (DeepSeek, Qwen2-MoE), one SwiGLU of shared_experts*expert_hidden
+    shared_experts: int = 0  # always-on, ungated experts (DeepSeek's), one SwiGLU of shared_experts*expert_hidden
     dense_layers: int = 0  # the first k layers keep a dense MLP (DeepSeek-V3: 3)
     every: int = 1  # a mixture of experts every n layers after the dense ones
     router: str = "softmax"  # softmax (Mixtral, Qwen3-MoE) | sigmoid (DeepSeek-V3: bias-selected top-k)

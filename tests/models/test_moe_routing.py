@@ -151,7 +151,74 @@ def test_the_bias_balances_a_router_that_favours_two_experts(tmp_path):
     (["model.moe.experts=8", "model.moe.top_k=9"], ("model.moe.top_k=9", "<= model.moe.experts=8")),
     (["model.arch=gpt2", "model.kv_heads=null", "model.moe.experts=8"], ("model.moe.experts=8", "model.arch=llama")),
     (["parallel.ep=2"], ("parallel.ep=2", "model.moe.experts is 0")),  # expert parallelism without experts
+    (["model.moe.experts=8", "model.moe.expert_hidden=15", "model.moe.shared_experts=1", "parallel.tp=2",
+      "parallel.dp=1"],
+     ("model.moe.expert_hidden=15", "divisible by parallel.tp=2")),  # the shared SwiGLU is split over tp
 ])
 def test_bad_moe_settings_are_one_line(sets, fragments, capsys):
     code = pretrain_main(["--config", LLAMA, "--dry-run"] + [a for s in sets for a in ("--set", s)])
     assert_one_line(code, capsys.readouterr().err, *fragments)
+
+
+def _engine_losses(sets: list[str], steps: int = 2) -> list[float]:
+    from megazero.config.resolve import resolve
+    from megazero.engine.build import build_engine
+    from megazero.engine.step import train_step
+    from parallel.topology import Grid
+
+    cfg = load_config(LLAMA, BASE + ["train.precision=fp32", "train.global_batch=4", "train.micro_batch=2",
+                                     "zero.stage=0"] + sets)
+    resolve(cfg, 1, "cpu")
+    engine = build_engine(cfg, Grid.single(), torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(steps):
+        batch = torch.randint(0, 256, (4, 17), generator=gen)
+        result = train_step(engine.zero, engine.executor, engine.schedule, list(batch.split(2)), 1e-3, 1.0,
+                            engine.scaler)
+        losses.append(float(result.loss_total))
+    return losses
+
+
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_recomputed_layers_without_auxiliary_losses_train_as_kept_ones(router):
+    """Activation checkpointing recomputes a layer that counts no statistics then: with both auxiliary losses
+    off, the first forward must save nothing for them either (it saved 51 tensors against the recomputation's
+    47, and torch refused). The recomputed run's losses equal the kept one's (the same arithmetic, replayed)."""
+    sets = [f"model.moe.router={router}", "model.moe.aux_loss=0", "model.moe.z_loss=0", "model.moe.top_k=2"]
+    kept = _engine_losses(sets)
+    recomputed = _engine_losses(sets + ["model.activation_checkpointing=true"])
+    assert recomputed == pytest.approx(kept, rel=1e-6, abs=0), (kept, recomputed)
+
+
+def test_the_shared_experts_are_dropped_out_once_and_their_down_projection_is_scaled():
+    """The shared SwiGLU drops its own output; the layer's dropout is the routed part's. With the routed experts
+    zeroed, each element of the output in training is 0 or 1/(1-p) times its value without dropout (twice
+    dropped, it was 0 or 1/(1-p)^2). The shared down projection is a residual projection: std/sqrt(2L), as the
+    routed and the dense ones."""
+    from models.init import initial_value
+    from models.moe import MoE
+    from models.split import Split
+    from parallel.tp_random import TPRandom
+
+    cfg = load_config(LLAMA, BASE + ["model.moe.shared_experts=1", "model.dropout=0.5", "model.moe.top_k=2"]).model
+    layer = MoE(cfg, Split(None, False, TPRandom()))
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.3)
+        for p in (layer.experts.gate, layer.experts.up, layer.experts.down):
+            p.zero_()
+    x = torch.randn(4, 16, cfg.hidden, generator=torch.Generator().manual_seed(1))
+    layer.eval()
+    with torch.no_grad():
+        whole = layer(x)
+    layer.train()
+    with torch.no_grad():
+        dropped = layer(x)
+    ratio = (dropped / whole)[whole.abs() > 1e-6]
+    assert set(torch.round(ratio, decimals=4).unique().tolist()) <= {0.0, 2.0}, ratio.unique()
+    assert 0.3 < float((ratio == 0).float().mean()) < 0.7  # p = 0.5 of them dropped, once
+
+    std = {name: float(initial_value(name, (4096, 64), 7, cfg).std())
+           for name in ("layers.1.mlp.shared.down.weight", "layers.1.mlp.down.weight")}
+    assert std["layers.1.mlp.shared.down.weight"] == pytest.approx(std["layers.1.mlp.down.weight"], rel=0.05), std
