@@ -102,6 +102,20 @@ def test_lr_schedule_is_layout_free_function_of_step():
     assert lr_at(55, 1.0, 0.1, 10, 100) == pytest.approx(0.55)          # half way: mean of lr and min_lr
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_measured_cpu_peak_takes_a_fraction_of_a_second(dtype):
+    """MFU on a CPU divides by a measured matmul. A CPU without bf16 units emulates bf16 ~60x slower than fp32:
+    a fixed 1024^3 product, 13 times, made every bf16 run's start wait ~35 s on a 2-core EPYC. The 2 s bound is
+    ~6x the 0.3 s budget (a busy machine's slack), and far under the 35 s."""
+    from megazero.train.metrics import measure_cpu_tflops
+
+    t0 = time.perf_counter()
+    tflops = measure_cpu_tflops(dtype)
+    seconds = time.perf_counter() - t0
+    assert seconds < 2.0, seconds
+    assert 1e-5 < tflops < 1e3, tflops  # a real figure: above 10 MFLOP/s, below any CPU's peak
+
+
 _SLOW_SAVE = """
 import sys, torch
 sys.path.insert(0, {root!r})
