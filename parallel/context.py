@@ -1,0 +1,199 @@
+"""Context parallelism: each sample's sequence split over the cp ranks, and causal attention across the split.
+
+**Head-tail split.** The sequence is cut into 2·cp equal chunks and cp rank i holds chunks i and 2·cp−1−i.
+Under a causal mask a chunk's work grows with its position, so pairing an early chunk with a late one gives
+every rank the same attention work (the load balance of Megatron-core's context parallelism).
+
+**Ring** (Liu et al. 2023, "Ring Attention with Blockwise Transformers"). The K/V of each rank travel around
+the cp ring, at their own (grouped-query) width; each step's transfer is posted before the step's attention
+runs, so it proceeds underneath. Partial results merge by the log-sum-exp rule of FlashAttention (Dao et al.
+2022 §3.1): out = Σ_b exp(lse_b − lse)·out_b with lse = log Σ_b exp(lse_b). With the head-tail split every
+step after the first is half a block of unmasked work: from an earlier rank's K/V, all local queries read its
+first chunk; from a later rank's, the local second chunk reads both of its chunks.
+
+The backward recomputes each block's probabilities from the merged out and lse, which makes every block's
+dQ, dK, dV a plain sum of contributions. K/V go around the ring again, each carrying the fp32 dK/dV
+accumulated for it so far; after the last step one more hop brings each rank its own gradients.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from parallel.comm import Comm
+
+
+def head_tail_chunks(cp: int, rank: int) -> tuple[int, int]:
+    """The two chunks (of 2·cp) that cp rank ``rank`` holds."""
+    assert 0 <= rank < cp, (rank, cp)
+    return rank, 2 * cp - 1 - rank
+
+
+def head_tail_positions(seq: int, cp: int, rank: int) -> Tensor:
+    """The positions in the whole sequence of this rank's tokens, in the order it holds them."""
+    assert seq % (2 * cp) == 0, (seq, cp)
+    c = seq // (2 * cp)
+    return torch.cat([torch.arange(i * c, (i + 1) * c) for i in head_tail_chunks(cp, rank)])
+
+
+def head_tail_split(x: Tensor, dim: int, cp: int, rank: int) -> Tensor:
+    """This rank's two chunks of a whole sequence along ``dim``, concatenated (a copy)."""
+    if cp == 1:
+        return x
+    assert x.shape[dim] % (2 * cp) == 0, (x.shape, dim, cp)
+    chunks = x.chunk(2 * cp, dim=dim)
+    a, b = head_tail_chunks(cp, rank)
+    return torch.cat([chunks[a], chunks[b]], dim=dim)
+
+
+def head_tail_join(parts: list[Tensor], dim: int) -> Tensor:
+    """The whole sequence from every rank's ``head_tail_split`` (rank order): the inverse, for tests and export."""
+    cp = len(parts)
+    if cp == 1:
+        return parts[0]
+    chunks: list[Optional[Tensor]] = [None] * (2 * cp)
+    for rank, part in enumerate(parts):
+        first, second = part.chunk(2, dim=dim)
+        a, b = head_tail_chunks(cp, rank)
+        chunks[a], chunks[b] = first, second
+    return torch.cat(chunks, dim=dim)
+
+
+def _expand(k: Tensor, group: int) -> Tensor:
+    """Grouped-query k/v to the query heads, for the block ops that take equal heads (a local copy only)."""
+    return k if group == 1 else k.repeat_interleave(group, dim=1)
+
+
+def _fold(dk: Tensor, group: int) -> Tensor:
+    """The inverse of ``_expand`` for a gradient: each k/v head sums its group's query heads."""
+    if group == 1:
+        return dk
+    b, h, s, d = dk.shape
+    return dk.view(b, h // group, group, s, d).sum(2)
+
+
+def block_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
+    """(softmax(q kᵀ/√d) v, its log-sum-exp per query row) for one block; k/v may be grouped-query.
+
+    torch's CPU flash-attention op, which returns the log-sum-exp and takes it back in its backward; the CUDA
+    ops and the Triton kernel (which computes the same log-sum-exp) are still to plug in here."""
+    assert q.device.type == "cpu", f"ring attention blocks run on the CPU so far, got {q.device}"
+    group = q.shape[1] // k.shape[1]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, _expand(k, group), _expand(v, group), 0.0, causal)[:2]
+    return out, lse
+
+
+def block_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                             causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """One block's (dq, dk, dv) given the *merged* out and lse of q's rows, so contributions add up."""
+    group = q.shape[1] // k.shape[1]
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, _expand(k, group), _expand(v, group), out, lse, 0.0, causal)
+    return dq, _fold(dk, group), _fold(dv, group)
+
+
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Partial outputs, log-sum-exps and gradients add up in fp32 (fp64 for fp64 inputs)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> tuple[Tensor, Tensor]:
+    """Two partial attentions over disjoint keys, as one (in the accumulators' dtype)."""
+    block_out, block_lse = block_out.to(out.dtype), block_lse.to(lse.dtype)
+    new = torch.logaddexp(lse, block_lse)
+    return out * torch.exp(lse - new).unsqueeze(-1) + block_out * torch.exp(block_lse - new).unsqueeze(-1), new
+
+
+def _ring_steps(comm: Comm, k: Tensor, v: Tensor):
+    """Yield (step, source rank, k, v) around the ring, each next transfer posted before the step is used."""
+    cp, rank = comm.size, comm.rank
+    cur_k, cur_v = k, v
+    for step in range(cp):
+        works, nxt = [], None
+        if step < cp - 1:
+            nxt = (torch.empty_like(cur_k), torch.empty_like(cur_v))
+            works = comm.exchange([("send", cur_k, (rank + 1) % cp, "context_kv"),
+                                   ("send", cur_v, (rank + 1) % cp, "context_kv"),
+                                   ("recv", nxt[0], (rank - 1) % cp, "context_kv"),
+                                   ("recv", nxt[1], (rank - 1) % cp, "context_kv")])
+        yield step, (rank - step) % cp, cur_k, cur_v
+        for w in works:
+            w.wait()
+        if nxt is not None:
+            cur_k, cur_v = nxt
+
+
+def _block_plan(step: int, source: int, rank: int, half: int) -> tuple[slice, slice, bool]:
+    """(query rows, key rows, causal) this rank computes against the source rank's K/V (head-tail split)."""
+    everything = slice(None)
+    if step == 0:
+        return everything, everything, True  # its own two chunks: in order, so causal is the plain mask
+    if source < rank:
+        return everything, slice(0, half), False  # the source's first chunk precedes both local chunks
+    return slice(half, None), everything, False  # both source chunks precede only the local second chunk
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention of this rank's head-tail queries over the whole sequence's keys (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, comm: Comm) -> Tensor:
+        half = q.shape[2] // 2
+        out = lse = None
+        for step, source, ck, cv in _ring_steps(comm, k, v):
+            rows, keys, causal = _block_plan(step, source, comm.rank, half)
+            block_out, block_lse = block_attention(q[:, :, rows].contiguous(), ck[:, :, keys].contiguous(),
+                                                   cv[:, :, keys].contiguous(), causal)
+            if out is None:
+                acc = accumulator_dtype(q.dtype)
+                out, lse = block_out.to(acc), block_lse.to(acc)
+            else:
+                out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.comm = comm
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        comm = ctx.comm
+        cp, rank, half = comm.size, comm.rank, q.shape[2] // 2
+        dout = dout.contiguous()
+        dtype = accumulator_dtype(q.dtype)
+        dq = torch.zeros_like(q, dtype=dtype)
+        acc = None  # the (dk, dv) carried with the K/V this rank holds, or in flight to it
+        pending: list = []
+        for step, source, ck, cv in _ring_steps(comm, k, v):
+            rows, keys, causal = _block_plan(step, source, rank, half)
+            bq, bk, bv = block_attention_backward(dout[:, :, rows].contiguous(), q[:, :, rows].contiguous(),
+                                                  ck[:, :, keys].contiguous(), cv[:, :, keys].contiguous(),
+                                                  out[:, :, rows].contiguous(), lse[:, :, rows].contiguous(),
+                                                  causal)
+            dq[:, :, rows] += bq
+            for w in pending:  # the accumulator for these K/V, sent by the previous rank during this block
+                w.wait()
+            if acc is None:
+                acc = (torch.zeros_like(ck, dtype=dtype), torch.zeros_like(cv, dtype=dtype))
+            acc[0][:, :, keys] += bk
+            acc[1][:, :, keys] += bv
+            incoming = (torch.empty_like(acc[0]), torch.empty_like(acc[1]))
+            pending = comm.exchange([("send", acc[0], (rank + 1) % cp, "context_grad"),
+                                     ("send", acc[1], (rank + 1) % cp, "context_grad"),
+                                     ("recv", incoming[0], (rank - 1) % cp, "context_grad"),
+                                     ("recv", incoming[1], (rank - 1) % cp, "context_grad")])
+            acc = incoming
+        for w in pending:  # the last hop: each rank's own K/V gradients come home
+            w.wait()
+        return dq.to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype), None
+
+
+def context_attention(q: Tensor, k: Tensor, v: Tensor, comm: Comm) -> Tensor:
+    """Causal attention over a sequence split head-tail over ``comm`` (cp): q (batch, heads, s/cp, d), k and v
+    (batch, kv_heads, s/cp, d), each rank's two chunks concatenated. At cp 1, the plain causal block."""
+    if comm.size == 1:
+        return block_attention(q, k, v, True)[0]
+    return RingAttention.apply(q, k, v, comm)

@@ -1,0 +1,68 @@
+"""Ring attention over a head-tail split sequence (parallel.context) against whole-sequence causal attention.
+
+float64 on gloo: the ring only regroups the same sums (block log-sum-exps merged, gradients added per block),
+so values agree to ~1e-15; 1e-10 leaves room for the merge's exp/log round trips and no more."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parallel.context import context_attention, head_tail_join, head_tail_positions, head_tail_split
+from tests.dist import run_ranks
+
+# (batch, heads, kv heads, sequence, head dim): grouped-query with fewer k/v heads than cp ranks, and plain
+CASES = {"gqa": (2, 4, 1, 32, 8), "mha": (1, 2, 2, 16, 4)}
+
+
+def _inputs(case: str):
+    b, h, hkv, s, d = CASES[case]
+    g = torch.Generator().manual_seed(list(CASES).index(case))
+    q, k, v, dout = (torch.randn(b, n, s, d, generator=g, dtype=torch.float64) for n in (h, hkv, hkv, h))
+    return q, k, v, dout
+
+
+def _ring(rank, world):
+    """Each case's output and input gradients, this rank's head-tail parts (numpy for the queue)."""
+    import torch.distributed as dist
+
+    from parallel.comm import Comm, CommCounter
+
+    counter = CommCounter()
+    comm = Comm(dist.group.WORLD, "cp", counter)
+    out = {}
+    for case in CASES:
+        q, k, v, dout = (head_tail_split(t, 2, world, rank) for t in _inputs(case))
+        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+        o = context_attention(q, k, v, comm)
+        o.backward(dout)
+        out[case] = [t.detach().numpy() for t in (o, q.grad, k.grad, v.grad)]
+    # per step one k and one v each way: cp - 1 hops forward, cp - 1 + cp backward (K/V again, gradients home)
+    out["sends"] = (counter.count("send", "cp", "context_kv"), counter.count("send", "cp", "context_grad"))
+    return out
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_attention_equals_whole_sequence_causal_attention(cp):
+    results = run_ranks(cp, _ring)
+    for case in CASES:
+        q, k, v, dout = _inputs(case)
+        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                enable_gqa=k.shape[1] != q.shape[1])
+        want.backward(dout)
+        for i, ref in enumerate((want, q.grad, k.grad, v.grad)):
+            got = head_tail_join([torch.from_numpy(r[case][i]) for r in results], dim=2)
+            assert torch.allclose(got, ref.detach(), rtol=0, atol=1e-10), (case, i, (got - ref).abs().max())
+    kv_steps = cp - 1
+    assert all(r["sends"] == (2 * len(CASES) * 2 * kv_steps, 2 * len(CASES) * cp) for r in results), results
+
+
+def test_head_tail_split_balances_causal_work_and_round_trips():
+    """Rank i holds chunks i and 2cp-1-i: every rank's causal (query, key) pairs are equal, and join inverts."""
+    seq, cp = 64, 4
+    x = torch.arange(seq)
+    parts = [head_tail_split(x, 0, cp, r) for r in range(cp)]
+    assert torch.equal(head_tail_join(parts, 0), x)
+    work = [int((head_tail_positions(seq, cp, r) + 1).sum()) for r in range(cp)]  # keys each query sees
+    assert len(set(work)) == 1, work
+    assert all(torch.equal(head_tail_positions(seq, cp, r), parts[r]) for r in range(cp))
