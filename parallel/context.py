@@ -74,12 +74,17 @@ def _fold(dk: Tensor, group: int) -> Tensor:
     return dk.view(b, h // group, group, s, d).sum(2)
 
 
-def block_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
+def block_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, impl: str) -> tuple[Tensor, Tensor]:
     """(softmax(q kᵀ/√d) v, its log-sum-exp per query row) for one block; k/v may be grouped-query.
 
-    torch's CPU flash-attention op, which returns the log-sum-exp and takes it back in its backward; the CUDA
-    ops and the Triton kernel (which computes the same log-sum-exp) are still to plug in here."""
-    assert q.device.type == "cpu", f"ring attention blocks run on the CPU so far, got {q.device}"
+    ``impl`` as ``kernels.attention``: "torch" is torch's CPU flash-attention op, which returns the
+    log-sum-exp and takes it back in its backward (torch's CUDA ops are still to plug in); "triton" is
+    ``kernels.flash_attention``'s forward, which computes the same log-sum-exp."""
+    if impl == "triton":
+        from kernels.flash_attention import flash_forward
+
+        return flash_forward(q, k, v, causal)[:2]
+    assert impl == "torch" and q.device.type == "cpu", f"ring attention blocks: impl {impl!r} on {q.device}"
     group = q.shape[1] // k.shape[1]
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, _expand(k, group), _expand(v, group), 0.0, causal)[:2]
@@ -87,8 +92,12 @@ def block_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tens
 
 
 def block_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                             causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+                             causal: bool, impl: str) -> tuple[Tensor, Tensor, Tensor]:
     """One block's (dq, dk, dv) given the *merged* out and lse of q's rows, so contributions add up."""
+    if impl == "triton":
+        from kernels.flash_attention import flash_backward
+
+        return flash_backward(q, k, v, out, lse.float(), dout, causal)[:3]
     group = q.shape[1] // k.shape[1]
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout, q, _expand(k, group), _expand(v, group), out, lse, 0.0, causal)
@@ -126,60 +135,64 @@ def _ring_steps(comm: Comm, k: Tensor, v: Tensor):
             cur_k, cur_v = nxt
 
 
-def _block_plan(step: int, source: int, rank: int, half: int) -> tuple[slice, slice, bool]:
-    """(query rows, key rows, causal) this rank computes against the source rank's K/V (head-tail split)."""
-    everything = slice(None)
+def _block_plan(step: int, source: int, rank: int, chunk: int) -> list[tuple[slice, slice, bool]]:
+    """(query rows, key rows, causal) this rank computes against the source rank's K/V (head-tail split), as
+    blocks of equal query and key length (what the Triton kernel takes)."""
+    first, second = slice(0, chunk), slice(chunk, 2 * chunk)
     if step == 0:
-        return everything, everything, True  # its own two chunks: in order, so causal is the plain mask
-    if source < rank:
-        return everything, slice(0, half), False  # the source's first chunk precedes both local chunks
-    return slice(half, None), everything, False  # both source chunks precede only the local second chunk
+        return [(slice(0, 2 * chunk), slice(0, 2 * chunk), True)]  # its own chunks, in order: the plain mask
+    if source < rank:  # the source's first chunk precedes both local chunks, its second follows them
+        return [(first, first, False), (second, first, False)]
+    return [(second, first, False), (second, second, False)]  # both precede only the local second chunk
 
 
 class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's head-tail queries over the whole sequence's keys (module docstring)."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, comm: Comm) -> Tensor:
-        half = q.shape[2] // 2
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, comm: Comm, impl: str) -> Tensor:
+        chunk = q.shape[2] // 2
         out = lse = None
         for step, source, ck, cv in _ring_steps(comm, k, v):
-            rows, keys, causal = _block_plan(step, source, comm.rank, half)
-            block_out, block_lse = block_attention(q[:, :, rows].contiguous(), ck[:, :, keys].contiguous(),
-                                                   cv[:, :, keys].contiguous(), causal)
-            if out is None:
-                acc = accumulator_dtype(q.dtype)
-                out, lse = block_out.to(acc), block_lse.to(acc)
-            else:
-                out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+            for rows, keys, causal in _block_plan(step, source, comm.rank, chunk):
+                block_out, block_lse = block_attention(q[:, :, rows].contiguous(), ck[:, :, keys].contiguous(),
+                                                       cv[:, :, keys].contiguous(), causal, impl)
+                if out is None:
+                    acc = accumulator_dtype(q.dtype)
+                    out, lse = block_out.to(acc), block_lse.to(acc)
+                else:
+                    out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], block_out,
+                                                             block_lse)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm = comm
+        ctx.comm, ctx.impl = comm, impl
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor):
         q, k, v, out, lse = ctx.saved_tensors
         comm = ctx.comm
-        cp, rank, half = comm.size, comm.rank, q.shape[2] // 2
+        cp, rank, chunk = comm.size, comm.rank, q.shape[2] // 2
         dout = dout.contiguous()
         dtype = accumulator_dtype(q.dtype)
         dq = torch.zeros_like(q, dtype=dtype)
         acc = None  # the (dk, dv) carried with the K/V this rank holds, or in flight to it
         pending: list = []
         for step, source, ck, cv in _ring_steps(comm, k, v):
-            rows, keys, causal = _block_plan(step, source, rank, half)
-            bq, bk, bv = block_attention_backward(dout[:, :, rows].contiguous(), q[:, :, rows].contiguous(),
-                                                  ck[:, :, keys].contiguous(), cv[:, :, keys].contiguous(),
-                                                  out[:, :, rows].contiguous(), lse[:, :, rows].contiguous(),
-                                                  causal)
-            dq[:, :, rows] += bq
+            grads = []
+            for rows, keys, causal in _block_plan(step, source, rank, chunk):
+                grads.append((rows, keys, block_attention_backward(
+                    dout[:, :, rows].contiguous(), q[:, :, rows].contiguous(), ck[:, :, keys].contiguous(),
+                    cv[:, :, keys].contiguous(), out[:, :, rows].contiguous(), lse[:, :, rows].contiguous(), causal,
+                    ctx.impl)))
             for w in pending:  # the accumulator for these K/V, sent by the previous rank during this block
                 w.wait()
             if acc is None:
                 acc = (torch.zeros_like(ck, dtype=dtype), torch.zeros_like(cv, dtype=dtype))
-            acc[0][:, :, keys] += bk
-            acc[1][:, :, keys] += bv
+            for rows, keys, (bq, bk, bv) in grads:
+                dq[:, :, rows] += bq
+                acc[0][:, :, keys] += bk
+                acc[1][:, :, keys] += bv
             incoming = (torch.empty_like(acc[0]), torch.empty_like(acc[1]))
             pending = comm.exchange([("send", acc[0], (rank + 1) % cp, "context_grad"),
                                      ("send", acc[1], (rank + 1) % cp, "context_grad"),
@@ -188,12 +201,11 @@ class RingAttention(torch.autograd.Function):
             acc = incoming
         for w in pending:  # the last hop: each rank's own K/V gradients come home
             w.wait()
-        return dq.to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype), None
+        return dq.to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype), None, None
 
 
-def context_attention(q: Tensor, k: Tensor, v: Tensor, comm: Comm) -> Tensor:
+def context_attention(q: Tensor, k: Tensor, v: Tensor, comm: Comm, impl: str = "torch") -> Tensor:
     """Causal attention over a sequence split head-tail over ``comm`` (cp): q (batch, heads, s/cp, d), k and v
-    (batch, kv_heads, s/cp, d), each rank's two chunks concatenated. At cp 1, the plain causal block."""
-    if comm.size == 1:
-        return block_attention(q, k, v, True)[0]
-    return RingAttention.apply(q, k, v, comm)
+    (batch, kv_heads, s/cp, d), each rank's two chunks concatenated. ``impl``: "torch" | "triton"."""
+    assert comm.size > 1, "at cp 1 the model calls kernels.attention"
+    return RingAttention.apply(q, k, v, comm, impl)
