@@ -151,6 +151,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, comm: Comm, impl: str) -> Tensor:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # gloo sends contiguous tensors only
         chunk = q.shape[2] // 2
         out = lse = None
         for step, source, ck, cv in _ring_steps(comm, k, v):

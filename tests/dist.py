@@ -3,14 +3,18 @@
 Ranks are forked from a forkserver that has imported torch and the project once (``PRELOAD``), so a rank
 starts in ~40 ms instead of the ~3 s a spawned interpreter pays to import torch on a 2-core machine. The
 forkserver itself never runs an op or starts a process group: each rank's gloo, threads and RNG are its
-own. A rank takes the caller's environment and working directory as they are when it starts (the
-forkserver's are from when it began), so a test that sets either before ``run_ranks`` still sees it.
+own, and each reseeds torch's and numpy's generators. A rank takes the caller's environment and working
+directory as they are when it starts (the forkserver's are from when it began), so a test that sets either
+before ``run_ranks`` still sees it; what the preloaded modules read at import (TRITON_INTERPRET, set by
+tests/conftest.py before anything imports triton) is the forkserver's.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.forkserver
 import os
 import socket
+import sys
 import traceback
 from typing import Any, Callable
 
@@ -25,6 +29,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _context():
+    """The forkserver context, its server running with this process's sys.path (Python 3.11's forkserver does not
+    apply the path it is handed, so the preloaded project would come from wherever its working directory is)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # read only when the server starts
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    try:
+        multiprocessing.forkserver.ensure_running()  # a no-op while it runs
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+    return ctx
+
+
 def _entry(rank: int, world: int, port: int, env: dict, cwd: str, fn: Callable, args: tuple, queue) -> None:
     os.environ.clear()
     os.environ.update(env)
@@ -35,6 +56,9 @@ def _entry(rank: int, world: int, port: int, env: dict, cwd: str, fn: Callable, 
         import torch
         import torch.distributed as dist
 
+        torch.seed()  # a fork shares the server's generator state: unseeded draws differ per rank, as spawned ones did
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         result = fn(rank, world, *args)
@@ -72,8 +96,7 @@ class Ranks:
 def start_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0) -> Ranks:
     """Start fn(rank, world, *args) on `world` gloo ranks and return at once: a one-process run (world 1) beside
     a spawn of several uses the core that process would leave idle. Call ``results()`` to wait for them."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # read only when the forkserver starts, on the first call
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
     env, cwd = dict(os.environ), os.getcwd()
