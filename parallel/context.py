@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from kernels.flash_attention import flash_backward, flash_forward
 from parallel.comm import Comm
 
 
@@ -81,8 +82,6 @@ def block_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, impl: str) ->
     log-sum-exp and takes it back in its backward (torch's CUDA ops are still to plug in); "triton" is
     ``kernels.flash_attention``'s forward, which computes the same log-sum-exp."""
     if impl == "triton":
-        from kernels.flash_attention import flash_forward
-
         return flash_forward(q, k, v, causal)[:2]
     assert impl == "torch" and q.device.type == "cpu", f"ring attention blocks: impl {impl!r} on {q.device}"
     group = q.shape[1] // k.shape[1]
@@ -95,8 +94,6 @@ def block_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out:
                              causal: bool, impl: str) -> tuple[Tensor, Tensor, Tensor]:
     """One block's (dq, dk, dv) given the *merged* out and lse of q's rows, so contributions add up."""
     if impl == "triton":
-        from kernels.flash_attention import flash_backward
-
         return flash_backward(q, k, v, out, lse.float(), dout, causal)[:3]
     group = q.shape[1] // k.shape[1]
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
