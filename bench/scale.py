@@ -46,7 +46,7 @@ def binding_ranks(cfg, every: bool) -> list[int]:
 
     p = cfg.parallel
     stages = range(p.pp) if every else sorted({0, min(1, p.pp - 1), p.pp - 1})
-    return [coords_to_rank(s, 0, 0, p.tp, p.dp) for s in stages]
+    return [coords_to_rank(s, 0, 0, p.tp, p.dp, 0, p.cp) for s in stages]
 
 
 def run_case(name: str, path, overrides: list[str], every: bool) -> list[dict]:

@@ -9,8 +9,12 @@ the Hugging Face tables and the initialisation read.
 """
 from __future__ import annotations
 
+from functools import partial
+from typing import Optional
+
 from torch import Tensor, nn
 
+from parallel.sequence import SequenceInfo
 from parallel.tp_overlap import Sublayer, overlapped_block
 
 
@@ -24,9 +28,12 @@ class Block(nn.Module):
         self.mlp = mlp
         self.overlap = overlap
 
-    def forward(self, x: Tensor) -> Tensor:
-        if self.overlap:
-            return overlapped_block(x, (Sublayer(self.ln1, self.attn, self.attn.output, self.attn.dropout),
+    def forward(self, x: Tensor, info: Optional[SequenceInfo] = None) -> Tensor:
+        """``info``: the tokens' positions and documents (``parallel.sequence``), read by the attention."""
+        attn = partial(self.attn, info=info)
+        if self.overlap:  # the halves split the batch: the rules keep per-sample documents out of this path
+            assert info is None or info.documents is None, "tp_overlap with document masks"
+            return overlapped_block(x, (Sublayer(self.ln1, attn, self.attn.output, self.attn.dropout),
                                         Sublayer(self.ln2, self.mlp, self.mlp.output, self.mlp.dropout)))
-        x = x + self.attn(self.ln1(x))
+        x = x + attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels.attend import attention
 from models.arch import ffn_hidden, has_bias
 from models.split import Split
+from parallel.sequence import SequenceInfo
 from parallel.tp_overlap import Entry
 from parallel.tp_random import ShardedDropout
 from parallel.tensor import ColumnParallelLinear, RowParallelLinear, mark_sequence_parallel
@@ -57,19 +57,20 @@ class Attention(nn.Module):
         self.qkv = ColumnParallelLinear(cfg.hidden, 3 * cfg.hidden, has_bias(cfg), par.tp, sequence_parallel=par.sp)
         self.proj = RowParallelLinear(cfg.hidden, cfg.hidden, has_bias(cfg), par.tp, sequence_parallel=par.sp)
         self.dropout = ShardedDropout(cfg.dropout, par.rng, split=par.sp)
-        self.impl = par.attention_impl
+        self.impl, self.par = par.attention_impl, par
 
     @property
     def output(self) -> RowParallelLinear:
         return self.proj
 
-    def forward(self, x: Tensor, entry: Optional[Entry] = None) -> Tensor:
-        """With ``entry`` (one half under ``parallel.tp_overlap``): proj's partial sums, reduced by the caller."""
+    def forward(self, x: Tensor, entry: Optional[Entry] = None, info: Optional[SequenceInfo] = None) -> Tensor:
+        """With ``entry`` (one half under ``parallel.tp_overlap``): proj's partial sums, reduced by the caller.
+        ``info``: the tokens' documents (``parallel.sequence``); the positions were added by the embedding."""
         qkv = self.qkv(x, entry)
         b, s, _ = qkv.shape
         qkv = qkv.view(b, s, self.local_heads, 3, self.head_dim)
         q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))  # (b, heads, s, d)
-        y = attention(q, k, v, causal=True, impl=self.impl)
+        y = self.par.attend(q, k, v, info)
         y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
         return self.proj.partial(y) if entry is not None else self.dropout(self.proj(y))
 

@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels.attend import attention
 from models.arch import ffn_hidden, has_bias, head_dim, is_llama
 from models.split import Split
+from parallel.sequence import SequenceInfo
 from parallel.tp_overlap import Entry
 from parallel.tp_random import ShardedDropout
 from parallel.tensor import (
@@ -87,8 +87,10 @@ def rms_norm(cfg: Any, par: Split) -> RMSNorm:
 
 
 def rotary_tables(seq: int, head_dim: int, theta: float, device: torch.device,
-                  scaling: tuple[float, float, float, int] | None = None) -> tuple[Tensor, Tensor]:
-    """cos and sin (seq, head_dim) of RoFormer's rotation (Su et al. 2021), for positions 0..seq-1.
+                  scaling: tuple[float, float, float, int] | None = None,
+                  positions: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """cos and sin (seq, head_dim) of RoFormer's rotation (Su et al. 2021), for positions 0..seq-1, or
+    (..., head_dim) for the given ``positions`` (a context-parallel rank's chunks, positions per document).
 
     The frequencies theta^(-2i/d) are computed in float32 exactly as Hugging Face's Llama does, and the
     halves layout (``rotate_half``) is theirs, so imported weights need no permutation. ``scaling`` =
@@ -102,7 +104,8 @@ def rotary_tables(seq: int, head_dim: int, theta: float, device: torch.device,
         ratio = original * inv_freq / (2 * math.pi)  # original context / wavelength
         blend = ((ratio - low) / (high - low)).clamp(0.0, 1.0)  # 0: long wavelengths, 1: short ones
         inv_freq = (1 - blend) * inv_freq / factor + blend * inv_freq
-    freqs = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv_freq)
+    at = torch.arange(seq, device=device) if positions is None else positions
+    freqs = at.to(torch.float32).unsqueeze(-1) * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
 
@@ -142,6 +145,7 @@ class LlamaAttention(nn.Module):
         self.proj = RowParallelLinear(cfg.heads * d, h, bias, par.tp, sequence_parallel=sp)
         self.dropout = ShardedDropout(cfg.dropout, par.rng, split=sp)
         self.impl = par.attention_impl
+        self.par = par
         self.q_norm = self.k_norm = None
         if getattr(cfg, "qk_norm", False):
             self.q_norm, self.k_norm = RMSNorm(d, cfg.norm_eps), RMSNorm(d, cfg.norm_eps)
@@ -153,8 +157,9 @@ class LlamaAttention(nn.Module):
     def output(self) -> RowParallelLinear:
         return self.proj
 
-    def forward(self, x: Tensor, entry: Optional[Entry] = None) -> Tensor:
-        """With ``entry`` (one half under ``parallel.tp_overlap``): proj's partial sums, reduced by the caller."""
+    def forward(self, x: Tensor, entry: Optional[Entry] = None, info: Optional[SequenceInfo] = None) -> Tensor:
+        """With ``entry`` (one half under ``parallel.tp_overlap``): proj's partial sums, reduced by the caller.
+        ``info``: the tokens' positions (rotary) and documents (default: one sequence from position 0)."""
         q, k, v = column_parallel_linears(x, [self.q, self.k, self.v], entry)
         b, s, _ = q.shape
         q = q.view(b, s, self.local_heads, self.head_dim)
@@ -163,8 +168,12 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (b, heads, s, d)
         v = v.view(b, s, self.local_kv, self.head_dim).transpose(1, 2)
-        cos, sin = rotary_tables(s, self.head_dim, self.theta, x.device, self.scaling)
-        y = attention(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, causal=True, impl=self.impl)
+        # this rank's tokens' positions: its cp chunks, or positions restarting at each document
+        positions = None if info is None else info.positions
+        cos, sin = rotary_tables(s, self.head_dim, self.theta, x.device, self.scaling, positions)
+        if cos.dim() == 3:  # (b, s, d): positions per sample, broadcast over heads
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        y = self.par.attend(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, info)
         y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
         return self.proj.partial(y) if entry is not None else self.dropout(self.proj(y))
 

@@ -8,9 +8,15 @@ from __future__ import annotations
 
 from typing import Optional
 
+from torch import Tensor
+
+from kernels.attend import attention
 from parallel.comm import Comm
+from parallel.context import context_attention
+from parallel.sequence import SequenceInfo
 from parallel.tensor import tp_rank_and_size
 from parallel.tp_random import TPRandom
+from parallel.ulysses import ulysses_attention
 
 
 class AuxLossWeight:
@@ -25,11 +31,15 @@ class Split:
     """The tp group, sequence parallelism, the per-rank random stream, the groups of tp ranks that share a
     replicated k/v head (grouped-query attention with kv_heads < tp), whether blocks run their microbatch
     as two halves that hide each other's tp collectives (``parallel.tp_overlap``), the expert-parallel group,
-    and the weight of auxiliary losses in backward."""
+    the context-parallel group and its mode, and the weight of auxiliary losses in backward."""
 
     def __init__(self, tp: Optional[Comm], sequence_parallel: bool, rng: TPRandom, attention_impl: str = "torch",
-                 kv_replicas: Optional[Comm] = None, overlap: bool = False, ep: Optional[Comm] = None):
+                 kv_replicas: Optional[Comm] = None, overlap: bool = False, ep: Optional[Comm] = None,
+                 cp: Optional[Comm] = None, cp_mode: str = "ring"):
         self.tp = tp
+        self.cp = cp if cp is not None else Comm(None, "cp")  # the ranks one sample's sequence is split over
+        assert cp_mode in ("ring", "all_to_all"), cp_mode
+        self.cp_mode = cp_mode
         self.ep = ep if ep is not None else Comm(None, "ep")  # the ranks a mixture of experts' experts split over
         self.aux_weight = AuxLossWeight()
         self.attention_impl = attention_impl
@@ -38,3 +48,12 @@ class Split:
         self.overlap = overlap and self.size > 1
         self.rng = rng
         self.kv_replicas = kv_replicas
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, info: Optional[SequenceInfo] = None) -> Tensor:
+        """Causal attention of this rank's queries over the whole sequence: ``kernels.attention`` at cp 1, else
+        ring attention (``parallel.context``) or Ulysses (``parallel.ulysses``) over the cp group."""
+        if self.cp.size == 1:
+            return attention(q, k, v, causal=True, impl=self.attention_impl)
+        if self.cp_mode == "ring":
+            return context_attention(q, k, v, self.cp, self.attention_impl)
+        return ulysses_attention(q, k, v, self.cp, self.attention_impl)

@@ -35,6 +35,7 @@ from models.split import Split
 from parallel.comm import Comm
 from parallel.cross_entropy import mask_padded_vocab, vocab_parallel_cross_entropy
 from parallel.regions import copy_to_region
+from parallel.sequence import SequenceInfo
 from parallel.tp_random import ShardedDropout, TPRandom
 from parallel.tensor import (
     ColumnParallelLinear,
@@ -86,11 +87,13 @@ class GPT(nn.Module):
         kv_replicas: Optional[Comm] = None,
         tp_overlap: bool = False,
         ep: Optional[Comm] = None,
+        cp: Optional[Comm] = None,
+        cp_mode: str = "ring",
     ):
         super().__init__()
         self.cfg = cfg
         self.rng = TPRandom()
-        self.par = Split(tp, sequence_parallel, self.rng, attention_impl, kv_replicas, tp_overlap, ep)
+        self.par = Split(tp, sequence_parallel, self.rng, attention_impl, kv_replicas, tp_overlap, ep, cp, cp_mode)
         self.tp, self.tp_rank, self.tp_size = tp, self.par.rank, self.par.size
         self.sequence_parallel = self.par.sp
         self.layer_ids = range(cfg.layers) if layer_ids is None else layer_ids
@@ -153,24 +156,31 @@ class GPT(nn.Module):
         return [p for layer in layers for p in layer.parameters() if p.requires_grad]
 
     # ----- forward -----------------------------------------------------------------------------------------------
-    def _embed(self, ids: Tensor) -> Tensor:
-        s = ids.shape[1]
+    def _embed(self, ids: Tensor, info: SequenceInfo) -> Tensor:
+        s = ids.shape[1] * self.par.cp.size
         assert s <= self.cfg.seq_len, f"sequence length {s} exceeds model.seq_len={self.cfg.seq_len}"
-        x = self.embed.tokens(ids)  # (b, s/tp, h) under sequence parallelism
+        x = self.embed.tokens(ids)  # (b, s/cp/tp, h) under sequence parallelism
         if self.embed.positions is not None:
-            local = x.shape[1]
-            start = self.tp_rank * local if self.sequence_parallel else 0
-            x = x + self.embed.positions(torch.arange(start, start + local, device=ids.device))
+            positions = info.positions
+            if self.sequence_parallel:  # this tp rank's part of the rank's sequence
+                local = x.shape[1]
+                positions = positions[..., self.tp_rank * local:(self.tp_rank + 1) * local]
+            x = x + self.embed.positions(positions)
         return self.embed_dropout(x)
 
-    def forward(self, x: Tensor, targets: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, targets: Tensor | None = None, info: Optional[SequenceInfo] = None) -> Tensor:
+        """``info``: this rank's positions (and documents) of the microbatch; default whole sequences from 0."""
+        if info is None:
+            assert self.par.cp.size == 1, "under context parallelism the caller says which tokens these are"
+            s = x.shape[1] * (self.tp_size if self.sequence_parallel and not self.first_stage else 1)
+            info = SequenceInfo(torch.arange(s, device=x.device))
         if self.first_stage:
-            x = self._embed(x)
+            x = self._embed(x, info)
         for i, layer in enumerate(self.layers.values()):
             if self.activation_checkpointing and torch.is_grad_enabled() and i < self.checkpointed:
-                x = checkpoint(layer, x, use_reentrant=False, context_fn=self.rng.checkpoint_contexts)
+                x = checkpoint(layer, x, info, use_reentrant=False, context_fn=self.rng.checkpoint_contexts)
             else:
-                x = layer(x)
+                x = layer(x, info)
         if not self.last_stage:
             return x
         h = self.final_norm(x)

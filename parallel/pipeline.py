@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from parallel.schedules import Action, events, peer, virtual_stage
+from parallel.sequence import SequenceSplit
 from parallel.topology import Grid
 from parallel.weight_grad import DeferredWeightGrad, backward_input
 
@@ -66,8 +67,11 @@ class PipelineExecutor:
     """
 
     def __init__(self, chunks: list[nn.Module], grid: Grid, act_shape: tuple[int, ...], act_dtype: torch.dtype,
-                 device: torch.device, tokens_per_step: int, autocast: Callable, overlap_p2p: bool = False):
+                 device: torch.device, tokens_per_step: int, autocast: Callable, overlap_p2p: bool = False,
+                 sequence: Optional[SequenceSplit] = None):
         self.chunks, self.grid = chunks, grid
+        # each microbatch's tokens, targets, positions and documents as this rank sees them (its cp chunks)
+        self.sequence = sequence if sequence is not None else SequenceSplit(grid.cp_comm)
         self.overlap_p2p = overlap_p2p  # post transfers ahead, wait at first use (schedules.events)
         self.comm = grid.pp_comm  # counted p2p; a peer's pp rank is its rank in the pp group
         assert self.comm.size == grid.pp and (grid.pp == 1 or self.comm.rank == grid.pp_rank), (self.comm, grid)
@@ -125,16 +129,16 @@ class PipelineExecutor:
     def _forward(self, a: Action, microbatches, inputs, outputs, forward_only: bool) -> Tensor:
         key = (a.mb, a.chunk)
         vs = virtual_stage(self.rank, a.chunk, self.pp)
-        mb = microbatches[a.mb]
-        x = mb[:, :-1].to(self.device, non_blocking=True) if vs == 0 else inputs[key]
+        ids, targets, info = self.sequence(microbatches[a.mb], self.device)
+        x = ids if vs == 0 else inputs[key]
         model = self.chunks[a.chunk]
         if hasattr(model, "set_loss_weight"):  # auxiliary losses (a router's) are weighted as the main loss
             model.set_loss_weight(0.0 if forward_only else self.loss_scale / self.tokens_per_step)
         with self.autocast():
             if vs == self.last_vs:
-                token_loss = model(x, mb[:, 1:].to(self.device, non_blocking=True))
+                token_loss = model(x, targets, info)
             else:
-                out = model(x)
+                out = model(x, info=info)
         if forward_only:
             inputs.pop(key, None)
         if vs != self.last_vs:

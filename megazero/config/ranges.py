@@ -29,6 +29,7 @@ _CHOICES = {
     ("train", "init_unused"): ("refuse", "drop"),
     ("train", "resume_changes"): ("warn", "allow"),
     ("model.moe", "router"): ("softmax", "sigmoid"),
+    ("parallel", "cp_mode"): ("ring", "all_to_all"),
 }
 _MIN = {
     ("model", "layers"): 1, ("model", "hidden"): 1, ("model", "heads"): 1, ("model", "seq_len"): 1,
@@ -49,7 +50,7 @@ _MIN = {
     ("model.moe", "shared_experts"): 0, ("model.moe", "dense_layers"): 0, ("model.moe", "every"): 1,
     ("model.moe", "routed_scaling_factor"): 1e-6, ("model.moe", "bias_update_rate"): 0.0,
     ("model.moe", "aux_loss"): 0.0, ("model.moe", "z_loss"): 0.0, ("model.moe", "capacity_factor"): 0.0,
-    ("parallel", "ep"): 1,
+    ("parallel", "ep"): 1, ("parallel", "cp"): 1,
     ("launch", "timeout_minutes"): 0.01,  # > 0: torch counts in milliseconds, so less would round to no wait
 }
 
@@ -106,7 +107,7 @@ _MAX = {
     ("model.moe", "bias_update_rate"): 1.0,  # DeepSeek-V3: 0.001; the router's sigmoid scores are in (0, 1)
     ("model.moe", "aux_loss"): 1e6, ("model.moe", "z_loss"): 1e6,  # coefficients (~1e-2, ~1e-3 in use)
     ("model.moe", "capacity_factor"): 2 ** 16,  # past experts/top_k every expert takes every token anyway
-    ("parallel", "ep"): MAX_WORLD,
+    ("parallel", "ep"): MAX_WORLD, ("parallel", "cp"): MAX_WORLD,
 }
 _PROBABILITY = {("model", "dropout")}
 

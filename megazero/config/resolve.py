@@ -90,10 +90,10 @@ def _resolve_kernels(cfg: Config, device_type: str, planned: bool) -> None:
 def planned_world_size(cfg: Config, launcher_world: int) -> int:
     """The world a dry run or a simulation resolves for: parallel.world_size when set; else the launcher's when
     launched (a dry run under torchrun or srun checks the config against the world it would get); else
-    tp*pp*dp when dp is explicit; else 1."""
+    tp*pp*dp*cp when dp is explicit; else 1."""
     p = cfg.parallel
     if p.world_size > 0:
         return p.world_size
     if p.dp != AUTO and launcher_world == 1:
-        return p.tp * p.pp * p.dp
+        return p.tp * p.pp * p.dp * p.cp
     return launcher_world

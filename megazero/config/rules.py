@@ -19,6 +19,7 @@ from typing import Optional
 
 from megazero.config.data_paths import entry_path
 from megazero.config.ranges import MAX_WORLD, check_ranges
+from megazero.config.context_rules import check_context
 from megazero.config.schema import AUTO, Config
 from megazero.data.samples import parse_split
 from megazero.errors import UserError, invalid
@@ -42,9 +43,9 @@ def validate(cfg: Config) -> None:
     src = cfg.source
     check_ranges(cfg)
     t, par = cfg.train, cfg.parallel
-    if isinstance(par.dp, int) and par.tp * par.pp * par.dp > MAX_WORLD:
-        raise invalid(src, "parallel.tp*pp*dp", par.tp * par.pp * par.dp,
-                      f"must be <= {MAX_WORLD} ranks (tp={par.tp}, pp={par.pp}, dp={par.dp})")
+    if isinstance(par.dp, int) and par.tp * par.pp * par.dp * par.cp > MAX_WORLD:
+        raise invalid(src, "parallel.tp*pp*dp*cp", par.tp * par.pp * par.dp * par.cp,
+                      f"must be <= {MAX_WORLD} ranks (tp={par.tp}, pp={par.pp}, dp={par.dp}, cp={par.cp})")
     _check_model_rules(cfg, src)
     _check_tp(cfg)
     _check_pp(cfg)
@@ -180,13 +181,15 @@ def _check_tp(cfg: Config) -> None:
         raise invalid(src, "model.vocab_pad_multiple", m.vocab_pad_multiple,
                       f"pads model.vocab_size={m.vocab_size} to {m.padded_vocab}, which parallel.tp={tp} does not "
                       f"divide; use a multiple of {tp}, e.g. {128 * tp}")
-    if cfg.parallel.sequence_parallel and m.seq_len % tp:
+    if cfg.parallel.sequence_parallel and (m.seq_len // cfg.parallel.cp) % tp:
         raise invalid(src, "model.seq_len", m.seq_len,
-                      f"must be divisible by parallel.tp={tp} with parallel.sequence_parallel=true")
+                      f"must be divisible by parallel.tp={tp}" + (f" times parallel.cp={cfg.parallel.cp}" if cfg.parallel.cp > 1
+                                                                   else "") + " with parallel.sequence_parallel=true")
     if cfg.parallel.tp_overlap and cfg.train.micro_batch % 2:
         raise invalid(src, "train.micro_batch", cfg.train.micro_batch,
                       "must be even with parallel.tp_overlap=true (each microbatch runs as two halves)")
     _check_experts(cfg)
+    check_context(cfg)
 
 
 def _check_experts(cfg: Config) -> None:
@@ -203,7 +206,7 @@ def _check_experts(cfg: Config) -> None:
                       "experts per rank)")
     if isinstance(p.dp, int) and p.dp % p.ep:
         raise invalid(src, "parallel.ep", p.ep, f"must divide parallel.dp={p.dp} (ep is carved out of dp)")
-    if p.tp > 1 and m.seq_len % p.tp:
+    if p.tp > 1 and (m.seq_len // p.cp) % p.tp:
         raise invalid(src, "model.seq_len", m.seq_len, f"must be divisible by parallel.tp={p.tp}: each tp rank "
                       "routes its own part of the sequence to the experts")
     width = arch.expert_hidden(m)
@@ -274,23 +277,27 @@ def _check_batch(cfg: Config, dp: int) -> None:
 
 
 def world_dp(cfg: Config, world_size: int) -> int:
-    """parallel.dp for this world size (auto: world / (tp*pp)), checked: tp*pp*dp covers the world exactly and
-    the global batch splits into whole microbatches a schedule can run."""
+    """parallel.dp for this world size (auto: world / (tp*pp*cp)), checked: tp*pp*dp*cp covers the world exactly
+    and the global batch splits into whole microbatches a schedule can run."""
     p = cfg.parallel
     src = cfg.source
-    dp = p.dp
+    dp, inner = p.dp, p.tp * p.pp * p.cp
+    names = "tp*pp*cp" if p.cp > 1 else "tp*pp"
     if dp == AUTO:
-        if world_size % (p.tp * p.pp):
-            raise invalid(src, "parallel.tp*pp", p.tp * p.pp,
+        if world_size % inner:
+            if p.cp > 1 and world_size % p.cp:
+                raise invalid(src, "parallel.cp", p.cp, f"must divide the world size {world_size}")
+            raise invalid(src, f"parallel.{names}", inner,
                           f"must divide the world size {world_size} (parallel.dp=auto)")
-        dp = world_size // (p.tp * p.pp)
-    if p.tp * p.pp * dp != world_size:
-        raise UserError(f"{src}: parallel.tp*pp*dp = {p.tp}*{p.pp}*{dp} = {p.tp * p.pp * dp} "
+        dp = world_size // inner
+    if inner * dp != world_size:
+        cp = f"*{p.cp}" if p.cp > 1 else ""
+        raise UserError(f"{src}: parallel.{names}*dp = {p.tp}*{p.pp}{cp}*{dp} = {inner * dp} "
                         f"does not match the world size {world_size}; set parallel.dp=auto or launch "
-                        f"{p.tp * p.pp * dp} processes")
+                        f"{inner * dp} processes")
     if dp % p.ep:
         raise invalid(src, "parallel.ep", p.ep, f"must divide parallel.dp={dp} (ep is carved out of dp; world "
-                      f"{world_size} = tp {p.tp} x pp {p.pp} x dp {dp})")
+                      f"{world_size} = tp {p.tp} x pp {p.pp} x dp {dp}" + (f" x cp {p.cp})" if p.cp > 1 else ")"))
     _check_batch(cfg, dp)
     _check_microbatches(cfg, dp)
     return dp

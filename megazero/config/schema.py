@@ -112,8 +112,10 @@ class ModelConfig:
 class ParallelConfig:
     tp: int = 1
     pp: int = 1
-    dp: Union[int, str] = AUTO  # "auto" = world_size / (tp * pp), resolved at launch
+    dp: Union[int, str] = AUTO  # "auto" = world_size / (tp * pp * cp), resolved at launch
     ep: int = 1  # expert parallelism: model.moe's experts split over ep ranks carved out of dp (docs/moe.md)
+    cp: int = 1  # context parallelism: each sample's sequence split over cp ranks (docs/context.md)
+    cp_mode: str = "ring"  # ring: K/V passed around the cp ranks | all_to_all: Ulysses, heads split around attention
     sequence_parallel: bool = False  # split norms/dropout along the sequence over tp (Korthikanti et al. 2022)
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb1p
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved)

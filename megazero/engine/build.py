@@ -20,6 +20,7 @@ from models.init import InitialValues, initial_tp_value
 from models.llama import kv_replicas_needed
 from parallel.loss_scale import LossScaler
 from parallel.pipeline import PipelineExecutor, partition_layers
+from parallel.sequence import SequenceSplit
 from parallel.schedules import Action, build_schedule, virtual_stage
 from parallel.topology import Grid
 from parallel.zero import DTYPES, ZeroOptimizer
@@ -62,12 +63,14 @@ def autocast_for(precision: str, device_type: str) -> Callable[[], contextlib.Ab
 
 
 def make_executor(chunks: list[nn.Module], grid: Grid, device: torch.device, micro_batch: int, seq_len: int,
-                  hidden: int, precision: str, tokens_per_step: int, overlap_p2p: bool = False) -> PipelineExecutor:
+                  hidden: int, precision: str, tokens_per_step: int, overlap_p2p: bool = False,
+                  sequence: Optional[SequenceSplit] = None) -> PipelineExecutor:
     """The pipeline executor over this rank's chunks; the activations between stages are (micro_batch, seq,
-    hidden), seq split over tp under sequence parallelism."""
-    seq = seq_len // (grid.tp if chunks[0].sequence_parallel else 1)
+    hidden), seq split over cp (its chunks) and over tp under sequence parallelism. ``sequence``: how a
+    microbatch's rows become this rank's tokens (default: its cp chunks, no document mask)."""
+    seq = seq_len // grid.cp // (grid.tp if chunks[0].sequence_parallel else 1)
     return PipelineExecutor(chunks, grid, (micro_batch, seq, hidden), DTYPES[precision], device, tokens_per_step,
-                            autocast_for(precision, device.type), overlap_p2p=overlap_p2p)
+                            autocast_for(precision, device.type), overlap_p2p=overlap_p2p, sequence=sequence)
 
 
 def make_schedules(kind: str, grid: Grid, microbatches: int, virtual_stages: int = 1,
@@ -114,7 +117,7 @@ def build_chunks(cfg: Config, grid: Grid, device: torch.device,
                                 first_stage=vs == 0, last_stage=vs == last_vs,
                                 sequence_parallel=par.sequence_parallel, attention_impl=cfg.kernels.attention,
                                 materialise=not lazy, kv_replicas=kv_replicas, tp_overlap=par.tp_overlap,
-                                ep=grid.ep_comm))
+                                ep=grid.ep_comm, cp=grid.cp_comm, cp_mode=par.cp_mode))
     return chunks
 
 

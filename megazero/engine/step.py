@@ -48,10 +48,10 @@ def train_step(zero: ZeroOptimizer, executor: PipelineExecutor, schedule: list[A
     """One optimizer step over ``microbatches``. ``flags``: per-rank values agreed (MAX) over every rank in the
     step's own all-reduce (see ``ZeroOptimizer.step``)."""
     loss_sum = forward_backward(zero, executor, schedule, microbatches, scaler)
-    # summed over dp now, in flight during the update: after it, the dp group's queue holds the parameter
+    # summed over dp x cp now, in flight during the update: after it, the dp group's queue holds the parameter
     # all-gathers that overlap the next forward, and nothing may wait behind them
     loss_total = loss_sum.clone()
-    loss_work = zero.grid.dp_comm.all_reduce(loss_total, tag="loss", async_op=True)
+    loss_work = zero.grid.grad_comm.all_reduce(loss_total, tag="loss", async_op=True)
     fp16 = scaler is not None and scaler.enabled
     agreed = torch.isfinite(loss_sum).logical_not().float().reshape(1)  # and the caller's flags after it
     if flags is not None:

@@ -129,7 +129,7 @@ def rank_chunks(cfg: Config, rank: int) -> list[int]:
     from parallel.topology import rank_to_coords
 
     p = cfg.parallel
-    pp_rank = rank_to_coords(rank, p.tp, p.pp, p.dp)[0]
+    pp_rank = rank_to_coords(rank, p.tp, p.pp, p.dp, p.cp)[0]
     return [virtual_stage(pp_rank, c, p.pp) for c in range(p.virtual_stages)]
 
 

@@ -46,7 +46,7 @@ def needed_bytes(cfg: Config, ranks: range, device_type: str) -> int:
     """Planned bytes of these ranks on one device (a GPU holds one rank; a CPU host all of its node's ranks,
     their offloaded states included)."""
     plan = make_plan(cfg)
-    per_stage = cfg.parallel.dp * cfg.parallel.tp
+    per_stage = cfg.parallel.dp * cfg.parallel.cp * cfg.parallel.tp
     return sum(stage_bytes(cfg, plan.stages[r // per_stage], device_type) for r in ranks)
 
 

@@ -88,15 +88,15 @@ def simulate_rank(cfg: Config, rank: int, plan) -> RankResult:
 
     p = cfg.parallel
     start = time.perf_counter()
-    dist.init_process_group("fake", rank=rank, world_size=p.tp * p.pp * p.dp, store=FakeStore())
+    dist.init_process_group("fake", rank=rank, world_size=p.tp * p.pp * p.dp * p.cp, store=FakeStore())
     try:
-        grid = Grid.build(p.tp, p.pp, p.dp, "cpu", ep=p.ep)  # outside the fake mode: the mesh reads its ranks
+        grid = Grid.build(p.tp, p.pp, p.dp, "cpu", ep=p.ep, cp=p.cp)  # outside the fake mode: the mesh reads its ranks
         tracker = MemoryTracker()
         with FakeTensorMode(allow_non_fake_inputs=True):
             comm = measure(cfg, grid, torch.device("cpu"), tracker)
     finally:
         dist.destroy_process_group()
-    pp_rank = rank_to_coords(rank, p.tp, p.pp, p.dp)[0]
+    pp_rank = rank_to_coords(rank, p.tp, p.pp, p.dp, p.cp)[0]
     r = tracker.report()
     return RankResult(rank, pp_rank, r.peak_bytes, r.bytes, r.moment, r.host_peak_bytes, r.state_bytes,
                       comm, planned(cfg, plan.stages[pp_rank]), time.perf_counter() - start, r.build_peak_bytes)
@@ -132,13 +132,13 @@ def rank_classes(cfg: Config) -> list[int]:
     from parallel.topology import coords_to_rank
 
     p = cfg.parallel
-    world = p.tp * p.pp * p.dp
+    world = p.tp * p.pp * p.dp * p.cp
     if cfg.launch.rank >= 0:
         if cfg.launch.rank >= world:
             raise UserError(f"{cfg.source}: launch.rank={cfg.launch.rank} is invalid; the world has ranks 0 to "
                             f"{world - 1}")
         return [cfg.launch.rank]
-    return [coords_to_rank(s, 0, 0, p.tp, p.dp) for s in range(p.pp)]
+    return [coords_to_rank(s, 0, 0, p.tp, p.dp, 0, p.cp) for s in range(p.pp)]
 
 
 def memory_limit(cfg: Config) -> float:

@@ -138,15 +138,16 @@ def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action], p
     if any(recomputed(vs) == len(ranges[vs]) for vs in chunks):
         ckpt += max(largest(vs) for vs in chunks if recomputed(vs) == len(ranges[vs]))
     moe_layers = sum(moe_in[vs] for vs in chunks)
-    tokens = t.global_batch * m.seq_len // par.dp  # this dp replica's share
+    tokens = t.global_batch * m.seq_len // (par.dp * par.cp)  # this (dp, cp) rank's share
     per_token = sum(layers_flops_per_token(m, ranges[vs]) for vs in chunks)
     per_token += head_flops_per_token(m) if last_vs in chunks else 0
     flops = per_token * tokens / par.tp
     moe_recomputed = sum(arch.moe_layer_count(m, range(ranges[vs].start, ranges[vs].start + recomputed(vs)))
                          for vs in chunks) if m.activation_checkpointing else 0
     # a range, not a list: a search plans hundreds of layouts of up to a million ranks each
-    first, last = coords_to_rank(r, 0, 0, par.tp, par.dp), coords_to_rank(r, par.dp - 1, par.tp - 1, par.tp, par.dp)
-    assert last - first + 1 == par.tp * par.dp, (first, last, par.tp, par.dp)  # the stage's ranks are contiguous
+    first = coords_to_rank(r, 0, 0, par.tp, par.dp, 0, par.cp)
+    last = coords_to_rank(r, par.dp - 1, par.tp - 1, par.tp, par.dp, par.cp - 1, par.cp)
+    assert last - first + 1 == par.tp * par.dp * par.cp, (first, last, par.tp, par.dp, par.cp)  # contiguous
     return StagePlan(r, range(first, last + 1), [ranges[vs] for vs in chunks], psi, replicated, state, ckpt, full,
                      count, max(head), flops, gathered_bytes(cfg, chunks, ranges, psi, params),
                      grad_buffer_bytes(cfg, chunks, ranges, psi, params, experts), experts, expert_state,
@@ -168,6 +169,6 @@ def make_plan(cfg: Config, memo: Optional[PlanMemo] = None) -> Plan:
     stages = [_stage_plan(cfg, r, ranges, schedule[r], params, memo) for r in range(par.pp)]
     tokens = t.global_batch * m.seq_len
     counts = ModelCounts.of(cfg)
-    return Plan(cfg, par.tp * par.pp * par.dp, stages, counts.total, model_flops_per_token(m) * tokens,
+    return Plan(cfg, par.tp * par.pp * par.dp * par.cp, stages, counts.total, model_flops_per_token(m) * tokens,
                 tokens, mb, pipeline_bubble(par.schedule, par.pp, mb, par.virtual_stages),
                 StageBalance.of(cfg, ranges, memo), counts.active, dispatch_bytes(cfg))

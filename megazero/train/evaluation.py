@@ -28,7 +28,7 @@ def evaluate(engine: Engine, data, cfg: Config, grid: Grid, device: torch.device
                                                  cfg.train.global_batch, source)
             totals[i] += engine.executor.run(engine.eval_schedule, microbatches, forward_only=True)
     engine.zero.release()
-    grid.dp_comm.all_reduce(totals, tag="loss")
+    grid.grad_comm.all_reduce(totals, tag="loss")
     if not grid.is_last_stage:
         return {}
     tokens = engine.tokens_per_step * cfg.train.eval_batches  # per source

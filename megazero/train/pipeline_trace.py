@@ -24,7 +24,7 @@ def write_pipeline_trace(executor: PipelineExecutor, grid: Grid, log_dir: str, t
         path = Path(log_dir) / "pipeline_trace.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         names = [{"name": "process_name", "ph": "M", "pid": r,
-                  "args": {"name": f"rank {r} (pp {r // (grid.dp * grid.tp)})"}}
+                  "args": {"name": f"rank {r} (pp {r // (grid.dp * grid.cp * grid.tp)})"}}
                  for r in range(grid.world_size)]
         text = json.dumps({"traceEvents": names + events, "displayTimeUnit": "ms"})
         try:

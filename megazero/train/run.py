@@ -58,7 +58,8 @@ def run(config_path: str, overrides: list[str]) -> list[dict]:
         try:
             created = launch.init_distributed(info, device, cfg.launch.timeout_minutes)
             grid = Grid.build(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, device.type,
-                              timedelta(minutes=cfg.launch.timeout_minutes), ep=cfg.parallel.ep)
+                              timedelta(minutes=cfg.launch.timeout_minutes), ep=cfg.parallel.ep,
+                              cp=cfg.parallel.cp)
             lock = lock_run(cfg, grid)  # one run per log.dir: refused on every rank before the folder is used
             start = plan_start(cfg)  # continue, start afresh or refuse: decided from the folder, before any build
             launch.seed_everything(cfg.train.seed)

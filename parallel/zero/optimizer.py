@@ -58,7 +58,7 @@ class ZeroOptimizer:
         state_device = torch.device("cpu") if offload_optimizer == "cpu" else self.device
         param_device = torch.device("cpu") if offload_params == "cpu" else self.device
         self.world = Comm(dist.group.WORLD if dist.is_initialized() else None, "world", grid.counter)
-        # the experts' parameters reduce over edp: a partition of their own where that is not dp (ep > 1)
+        # dense gradients reduce (and shard) over dp x cp, the experts' over edp x cp: a partition of their own (ep > 1)
         experts_apart = grid.ep > 1 and any(reduce_group(p) == EXPERT for c in chunks for p in c.parameters())
 
         def part(name: str, select, comm: Comm, tied: Comm) -> Partition:
@@ -68,11 +68,11 @@ class ZeroOptimizer:
                              max_in_flight)
 
         dense = part("dense", (lambda p: reduce_group(p) == DENSE) if experts_apart else (lambda p: True),
-                     grid.dp_comm, grid.embed_comm)
+                     grid.grad_comm, grid.embed_comm)
         self.parts = [dense]
         if experts_apart:
             untied = Comm(None, "tied", grid.counter)  # no expert is held by two stages
-            self.parts.append(part("experts", lambda p: reduce_group(p) == EXPERT, grid.edp_comm, untied))
+            self.parts.append(part("experts", lambda p: reduce_group(p) == EXPERT, grid.expert_grad_comm, untied))
         # the dense partition's parts, by the names the rest of the repository reads
         self.layout, self.optim, self.finalize = dense.layout, dense.optim, dense.finalize
         self.gatherer, self.reducer, self.checkpoint = dense.gatherer, dense.reducer, dense.checkpoint
