@@ -52,8 +52,11 @@ class Split:
     def attend(self, q: Tensor, k: Tensor, v: Tensor, info: Optional[SequenceInfo] = None) -> Tensor:
         """Causal attention of this rank's queries over the whole sequence: ``kernels.attention`` at cp 1, else
         ring attention (``parallel.context``) or Ulysses (``parallel.ulysses``) over the cp group."""
+        docs = None if info is None else info.documents
+        masked = {} if docs is None else {"documents": docs}
         if self.cp.size == 1:
-            return attention(q, k, v, causal=True, impl=self.attention_impl)
+            return attention(q, k, v, causal=True, impl=self.attention_impl, **masked)
         if self.cp_mode == "ring":
-            return context_attention(q, k, v, self.cp, self.attention_impl)
-        return ulysses_attention(q, k, v, self.cp, self.attention_impl)
+            return context_attention(q, k, v, self.cp, self.attention_impl, docs,
+                                     None if docs is None else info.host_documents)
+        return ulysses_attention(q, k, v, self.cp, self.attention_impl, **masked)

@@ -17,13 +17,13 @@ accumulated for it so far; after the last step one more hop brings each rank its
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-from kernels.flash_attention import flash_backward, flash_forward
 from parallel.comm import Comm
+from parallel.context_blocks import accumulator_dtype, block_attention, block_attention_backward, merge
 
 
 def head_tail_chunks(cp: int, rank: int) -> tuple[int, int]:
@@ -62,57 +62,6 @@ def head_tail_join(parts: list[Tensor], dim: int) -> Tensor:
     return torch.cat(chunks, dim=dim)
 
 
-def _expand(k: Tensor, group: int) -> Tensor:
-    """Grouped-query k/v to the query heads, for the block ops that take equal heads (a local copy only)."""
-    return k if group == 1 else k.repeat_interleave(group, dim=1)
-
-
-def _fold(dk: Tensor, group: int) -> Tensor:
-    """The inverse of ``_expand`` for a gradient: each k/v head sums its group's query heads."""
-    if group == 1:
-        return dk
-    b, h, s, d = dk.shape
-    return dk.view(b, h // group, group, s, d).sum(2)
-
-
-def block_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, impl: str) -> tuple[Tensor, Tensor]:
-    """(softmax(q kᵀ/√d) v, its log-sum-exp per query row) for one block; k/v may be grouped-query.
-
-    ``impl`` as ``kernels.attention``: "torch" is torch's CPU flash-attention op, which returns the
-    log-sum-exp and takes it back in its backward (torch's CUDA ops are still to plug in); "triton" is
-    ``kernels.flash_attention``'s forward, which computes the same log-sum-exp."""
-    if impl == "triton":
-        return flash_forward(q, k, v, causal)[:2]
-    assert impl == "torch" and q.device.type == "cpu", f"ring attention blocks: impl {impl!r} on {q.device}"
-    group = q.shape[1] // k.shape[1]
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, _expand(k, group), _expand(v, group), 0.0, causal)[:2]
-    return out, lse
-
-
-def block_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                             causal: bool, impl: str) -> tuple[Tensor, Tensor, Tensor]:
-    """One block's (dq, dk, dv) given the *merged* out and lse of q's rows, so contributions add up."""
-    if impl == "triton":
-        return flash_backward(q, k, v, out, lse.float(), dout, causal)[:3]
-    group = q.shape[1] // k.shape[1]
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, _expand(k, group), _expand(v, group), out, lse, 0.0, causal)
-    return dq, _fold(dk, group), _fold(dv, group)
-
-
-def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Partial outputs, log-sum-exps and gradients add up in fp32 (fp64 for fp64 inputs)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> tuple[Tensor, Tensor]:
-    """Two partial attentions over disjoint keys, as one (in the accumulators' dtype)."""
-    block_out, block_lse = block_out.to(out.dtype), block_lse.to(lse.dtype)
-    new = torch.logaddexp(lse, block_lse)
-    return out * torch.exp(lse - new).unsqueeze(-1) + block_out * torch.exp(block_lse - new).unsqueeze(-1), new
-
-
 def _ring_steps(comm: Comm, k: Tensor, v: Tensor):
     """Yield (step, source rank, k, v) around the ring, each next transfer posted before the step is used."""
     cp, rank = comm.size, comm.rank
@@ -147,14 +96,16 @@ class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's head-tail queries over the whole sequence's keys (module docstring)."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, comm: Comm, impl: str) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, comm: Comm, impl: str,
+                documents: Optional[Documents]) -> Tensor:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # gloo sends contiguous tensors only
         chunk = q.shape[2] // 2
         out = lse = None
         for step, source, ck, cv in _ring_steps(comm, k, v):
-            for rows, keys, causal in _block_plan(step, source, comm.rank, chunk):
+            for rows, keys, causal in _blocks(documents, step, source, comm.rank, chunk):
                 block_out, block_lse = block_attention(q[:, :, rows].contiguous(), ck[:, :, keys].contiguous(),
-                                                       cv[:, :, keys].contiguous(), causal, impl)
+                                                       cv[:, :, keys].contiguous(), causal, impl,
+                                                       *_block_documents(documents, comm, source, rows, keys))
                 if out is None:
                     acc = accumulator_dtype(q.dtype)
                     out, lse = block_out.to(acc), block_lse.to(acc)
@@ -163,7 +114,7 @@ class RingAttention(torch.autograd.Function):
                                                              block_lse)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm, ctx.impl = comm, impl
+        ctx.comm, ctx.impl, ctx.documents = comm, impl, documents
         return out
 
     @staticmethod
@@ -178,11 +129,11 @@ class RingAttention(torch.autograd.Function):
         pending: list = []
         for step, source, ck, cv in _ring_steps(comm, k, v):
             grads = []
-            for rows, keys, causal in _block_plan(step, source, rank, chunk):
+            for rows, keys, causal in _blocks(ctx.documents, step, source, rank, chunk):
                 grads.append((rows, keys, block_attention_backward(
                     dout[:, :, rows].contiguous(), q[:, :, rows].contiguous(), ck[:, :, keys].contiguous(),
                     cv[:, :, keys].contiguous(), out[:, :, rows].contiguous(), lse[:, :, rows].contiguous(), causal,
-                    ctx.impl)))
+                    ctx.impl, *_block_documents(ctx.documents, comm, source, rows, keys))))
             for w in pending:  # the accumulator for these K/V, sent by the previous rank during this block
                 w.wait()
             if acc is None:
@@ -199,11 +150,48 @@ class RingAttention(torch.autograd.Function):
             acc = incoming
         for w in pending:  # the last hop: each rank's own K/V gradients come home
             w.wait()
-        return dq.to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype), None, None
+        return dq.to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype), None, None, None
 
 
-def context_attention(q: Tensor, k: Tensor, v: Tensor, comm: Comm, impl: str = "torch") -> Tensor:
+def context_attention(q: Tensor, k: Tensor, v: Tensor, comm: Comm, impl: str = "torch",
+                      documents: Optional[Tensor] = None, host_documents: Optional[Tensor] = None) -> Tensor:
     """Causal attention over a sequence split head-tail over ``comm`` (cp): q (batch, heads, s/cp, d), k and v
-    (batch, kv_heads, s/cp, d), each rank's two chunks concatenated. ``impl``: "torch" | "triton"."""
+    (batch, kv_heads, s/cp, d), each rank's two chunks concatenated. ``impl``: "torch" | "triton".
+    ``documents`` (batch, s): every token's document in the whole sample, on q's device, and
+    ``host_documents`` the same on the host (which blocks to skip is decided there, with no device sync)."""
     assert comm.size > 1, "at cp 1 the model calls kernels.attention"
-    return RingAttention.apply(q, k, v, comm, impl)
+    docs = None if documents is None else Documents(documents, host_documents)
+    return RingAttention.apply(q, k, v, comm, impl, docs)
+
+
+class Documents(NamedTuple):
+    device: Tensor  # (b, s) int: the document of every token of the whole sample
+    host: Tensor  # the same on the host
+
+
+def _blocks(documents: Optional[Documents], step: int, source: int, rank: int, chunk: int):
+    """``_block_plan``'s blocks less those where no query shares a document with any key (skipped whole,
+    forward and backward). The first block (every token sees itself) is never skipped."""
+    plan = _block_plan(step, source, rank, chunk)
+    if documents is None or step == 0:
+        return plan
+    cp = documents.host.shape[1] // (2 * chunk)
+    mine, theirs = head_tail_split(documents.host, 1, cp, rank), head_tail_split(documents.host, 1, cp, source)
+    kept = []
+    for rows, keys, causal in plan:
+        q_doc, k_doc = mine[:, rows], theirs[:, keys]
+        # ids rise along the sequence: the ranges overlap iff neither ends before the other begins
+        overlap = (k_doc[:, -1] >= q_doc[:, 0]) & (k_doc[:, 0] <= q_doc[:, -1])
+        if bool(overlap.any()):
+            kept.append((rows, keys, causal))
+    return kept
+
+
+def _block_documents(documents: Optional[Documents], comm: Comm, source: int, rows: slice,
+                     keys: slice) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """The block's query and key documents (None, None without a document mask)."""
+    if documents is None:
+        return None, None
+    mine = head_tail_split(documents.device, 1, comm.size, comm.rank)
+    theirs = head_tail_split(documents.device, 1, comm.size, source)
+    return mine[:, rows].contiguous(), theirs[:, keys].contiguous()

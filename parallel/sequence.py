@@ -25,11 +25,11 @@ class SequenceInfo:
 
     positions: (s_local,) shared by the batch, or (b, s_local) when positions restart at documents.
     documents: (b, s) the document index of every token of the whole sample (None: one causal mask), in
-    sequence order; ``local_documents`` this rank's tokens' (b, s_local), in the order it holds them."""
+    sequence order, on the device."""
 
     positions: Tensor
     documents: Optional[Tensor] = None
-    local_documents: Optional[Tensor] = None
+    host_documents: Optional[Tensor] = None  # the same on the host: which ring blocks to skip, without a sync
 
 
 def document_ids(tokens: Tensor, eos: int) -> Tensor:
@@ -71,7 +71,6 @@ class SequenceSplit:
             positions = self.local(torch.arange(s).view(1, s))[0].to(device)
         info = SequenceInfo(positions)
         if self.document_mask:
-            info.documents = documents.to(device)
-            info.local_documents = self.local(documents).to(device)
+            info.documents, info.host_documents = documents.to(device), documents
         return (self.local(tokens).to(device, non_blocking=True), self.local(targets).to(device, non_blocking=True),
                 info)

@@ -11,6 +11,7 @@ as DeepSpeed and Megatron-core do.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -80,14 +81,16 @@ def kv_heads_for(kv_heads: int, cp: int) -> int:
     return kv_heads * cp // math.gcd(kv_heads, cp)
 
 
-def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, comm: Comm, impl: str = "torch") -> Tensor:
+def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, comm: Comm, impl: str = "torch",
+                      documents: Optional[Tensor] = None) -> Tensor:
     """Causal attention over a sequence split head-tail over ``comm`` (cp): q (b, heads, s/cp, d), k and v
-    (b, kv_heads, s/cp, d); heads divisible by cp. Returns (b, heads, s/cp, d) in this rank's chunk order."""
+    (b, kv_heads, s/cp, d); heads divisible by cp. Returns (b, heads, s/cp, d) in this rank's chunk order.
+    ``documents`` (b, s): the whole sample's document ids in sequence order (what the attention sees)."""
     cp, heads, kv = comm.size, q.shape[1], k.shape[1]
     assert cp > 1 and heads % cp == 0, (cp, heads)
     wide = kv_heads_for(kv, cp)
     if wide != kv:  # each k/v head repeated in place: q head i still reads head i // (heads / kv)
         k, v = k.repeat_interleave(wide // kv, dim=1), v.repeat_interleave(wide // kv, dim=1)
     q, k, v = (_SequenceToHeads.apply(t, comm) for t in (q, k, v))
-    y = attention(q, k, v, causal=True, impl=impl)
+    y = attention(q, k, v, causal=True, impl=impl, **({} if documents is None else {"documents": documents}))
     return _HeadsToSequence.apply(y, comm)

@@ -177,6 +177,10 @@ class DataConfig:
     tokenizer: str = "train"
     split: str = "98,2"
     cache_dir: str = ".cache/megazero"
+    # inside a packed sample a token attends only to earlier tokens of its own document (the end-of-text token
+    # closes a document); reset_positions restarts positions at each document (Megatron's reset_position_ids)
+    document_mask: bool = False
+    reset_positions: bool = False
 
 
 @dataclass

@@ -24,6 +24,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from megazero.data.blend import IndexFiles
 from megazero.data.cache_plan import CachePlan, Source, files_fingerprint, plan_cache
 from megazero.data.corpus import DEFAULT_MAX_BYTES, write_corpus
@@ -65,7 +67,8 @@ def build_data(
             _build(plan, vocab_size)
     barrier()
     with _cache_errors(cache):
-        return _load(plan, vocab_size, seq_len, seed, cfg_data.split, cache, is_builder, train_samples)
+        documents = getattr(cfg_data, "document_mask", False) or getattr(cfg_data, "reset_positions", False)
+        return _load(plan, vocab_size, seq_len, seed, cfg_data.split, cache, is_builder, train_samples, documents)
 
 
 @contextmanager
@@ -151,7 +154,7 @@ def _dataset_ok(prefix: Path, vocab_size: int | None = None) -> bool:
 
 
 def _load(plan: CachePlan, vocab_size: int, seq_len: int, seed: int, split: str, cache: Path,
-          is_builder: bool, train_samples: int) -> GPTData:
+          is_builder: bool, train_samples: int, documents: bool = False) -> GPTData:
     built = [plan.tokenizer] if plan.train_tokenizer else []
     built += [index_path(s.prefix) for s in plan.sources if s.kind != "prefix"]
     for path in built:
@@ -174,6 +177,8 @@ def _load(plan: CachePlan, vocab_size: int, seq_len: int, seed: int, split: str,
         ids = cached_token_range(ds.tokens, bin_path(s.prefix), cache, write=is_builder) if ds.n_tokens else None
         ds.check_vocab(vocab_size, ids)
         datasets.append(ds)
+    if documents:
+        check_document_boundaries(plan, tokenizer.eos_id, datasets)
     weights = [s.weight for s in plan.sources]
     samples = GPTSamples([(ds.tokens, ds.doc_offsets) for ds in datasets], seq_len, seed, split,
                          names=[s.name for s in plan.sources], labels=[s.label for s in plan.sources],
@@ -181,7 +186,33 @@ def _load(plan: CachePlan, vocab_size: int, seq_len: int, seed: int, split: str,
     if is_builder:
         samples.order.prebuild(train_samples)
     return GPTData(plan.tokenizer, samples.n_train, samples.n_val, seq_len, samples,
-                   tokenizer_fingerprint=tokenizer.sha256[:16], stamps=_stamps(plan))
+                   tokenizer_fingerprint=tokenizer.sha256[:16], stamps=_stamps(plan), eos_id=tokenizer.eos_id)
+
+
+_BOUNDARY_CHECKS = 4096  # documents per source whose last token is read: enough to tell, cheap at any size
+
+
+def check_document_boundaries(plan: CachePlan, eos: int, datasets: list[IndexedDataset]) -> None:
+    """Document masking finds documents by their end-of-text token: every source's documents must end with it
+    (megazero's preprocessing appends it; a dataset built elsewhere may not have)."""
+    key = "data.document_mask"
+    if eos < 0:
+        raise UserError(f"{key}: data.tokenizer {plan.tokenizer} has no end-of-text token, so a packed sample has "
+                        "no document boundaries; give a tokenizer that has one or set data.document_mask=false")
+    for s, ds in zip(plan.sources, datasets):
+        ends = np.asarray(ds.doc_offsets[1:_BOUNDARY_CHECKS + 1], dtype=np.int64) - 1
+        ends = ends[ends >= 0]
+        if len(ends) == 0 or (np.asarray(ds.tokens[ends]) != eos).any():
+            raise UserError(f"{key}: data.paths source {s.label} has no document boundaries (its documents do not "
+                            f"end with the end-of-text token {eos}); preprocess it with megazero or set "
+                            "data.document_mask=false")
+    for s, (tokens, offsets) in zip(plan.sources, data.samples.sources):
+        ends = offsets[1:_BOUNDARY_CHECKS + 1] - 1
+        ends = ends[ends >= 0]
+        if len(ends) == 0 or (tokens[ends] != data.eos_id).any():
+            raise UserError(f"{key}: data.paths source {s.label} has no document boundaries (its documents do not "
+                            f"end with the end-of-text token {data.eos_id}); preprocess it with megazero or set "
+                            "data.document_mask=false")
 
 
 def _stamps(plan: CachePlan) -> tuple[SourceStamp, ...]:

@@ -33,6 +33,7 @@ class GPTData:
     samples: GPTSamples = field(repr=False, compare=False)
     tokenizer_fingerprint: str | None = None  # of the bytes the tokenizer was loaded from (``content_fingerprint``)
     stamps: tuple[SourceStamp, ...] = ()  # one per data.paths entry, in order
+    eos_id: int = -1  # the end-of-text token that closes every document (-1: the tokenizer has none)
 
     @property
     def source_names(self) -> list[str]:

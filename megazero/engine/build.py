@@ -121,9 +121,19 @@ def build_chunks(cfg: Config, grid: Grid, device: torch.device,
     return chunks
 
 
-def build_engine(cfg: Config, grid: Grid, device: torch.device, overlap_param_gather: bool = True) -> Engine:
+def sequence_split(cfg: Config, grid: Grid, eos_id: int = -1) -> SequenceSplit:
+    """How each microbatch becomes this rank's tokens: its cp chunks, and the documents when masked."""
+    d = cfg.data
+    documents = d.document_mask or d.reset_positions
+    assert eos_id >= 0 or not documents, "document masking needs the data's end-of-text token"
+    return SequenceSplit(grid.cp_comm, eos_id if documents else None, d.document_mask, d.reset_positions)
+
+
+def build_engine(cfg: Config, grid: Grid, device: torch.device, overlap_param_gather: bool = True,
+                 eos_id: int = -1) -> Engine:
     """This rank's engine for a resolved config (world, kernels): every rank of the grid calls it together
-    (building the model's communicators is collective)."""
+    (building the model's communicators is collective). ``eos_id``: the data's end-of-text token, which closes
+    a document under data.document_mask / reset_positions."""
     torch.manual_seed(cfg.train.seed)
     values = initial_values(cfg)
     chunks = build_chunks(cfg, grid, device, values)
@@ -135,7 +145,7 @@ def build_engine(cfg: Config, grid: Grid, device: torch.device, overlap_param_ga
     named = [(n, p) for m in chunks for n, p in m.named_parameters() if p.requires_grad]
     tokens = t.global_batch * cfg.model.seq_len
     executor = make_executor(chunks, grid, device, t.micro_batch, cfg.model.seq_len, cfg.model.hidden, t.precision,
-                             tokens, overlap_p2p=par.overlap_p2p)
+                             tokens, overlap_p2p=par.overlap_p2p, sequence=sequence_split(cfg, grid, eos_id))
     schedule, eval_schedule = make_schedules(par.schedule, grid, cfg.microbatches, par.virtual_stages,
                                              overlap_p2p=par.overlap_p2p)
     buffers = [(f"layers.{i}.mlp.router.expert_bias", mlp.router.expert_bias) for c in chunks

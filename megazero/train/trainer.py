@@ -52,7 +52,7 @@ class Trainer:
         ids of the right shape)."""
         self.cfg, self.grid, self.device, self.stop = cfg, grid, device, stop
         self.data = load_data_everywhere(cfg, grid, is_builder) if data is None else data
-        self.engine = build_engine(cfg, grid, device)
+        self.engine = build_engine(cfg, grid, device, eos_id=self.data.eos_id)
         e = self.engine
         self.chunks, self.zero, self.executor, self.scaler = e.chunks, e.zero, e.executor, e.scaler
         self.schedule, self.eval_schedule, self.named_params = e.schedule, e.eval_schedule, e.named_params
