@@ -11,6 +11,7 @@ def check_context(cfg: Config) -> None:
     2cp equal chunks. Ulysses (all_to_all) trades the sequence split for a head split: each tp rank's heads
     split evenly over cp."""
     m, p, src = cfg.model, cfg.parallel, cfg.source
+    _check_documents(cfg)
     if p.cp == 1:
         return
     if m.seq_len % (2 * p.cp):
@@ -20,3 +21,10 @@ def check_context(cfg: Config) -> None:
         raise invalid(src, "parallel.cp_mode", p.cp_mode, f"splits each tp rank's heads over cp: model.heads/"
                       f"parallel.tp = {m.heads}/{p.tp} = {m.heads // p.tp} is not divisible by parallel.cp={p.cp}; "
                       "use cp_mode=ring or a cp that divides it")
+
+
+def _check_documents(cfg: Config) -> None:
+    """Per-sample document masks do not split into tp_overlap's two half-batches."""
+    if cfg.data.document_mask and cfg.parallel.tp_overlap:
+        raise invalid(cfg.source, "data.document_mask", True, "does not combine with parallel.tp_overlap=true (its "
+                      "halves split the batch, the masks are per sample); use one of them")

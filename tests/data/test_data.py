@@ -574,3 +574,20 @@ def test_builtin_corpus(tmp_path: Path) -> None:
     assert tok.decode(stream[:eos_at].tolist()) == docs[0]
     write_corpus(tmp_path / "c2.jsonl", max_bytes)
     assert (tmp_path / "c2.jsonl").read_bytes() == jsonl[0].read_bytes()
+
+
+def test_document_masking_needs_document_boundaries(synthetic, tok_model: Path, tmp_path: Path) -> None:
+    """data.document_mask finds documents by their end-of-text token: a preprocessed source whose documents end
+    with it loads (its eos_id is the tokenizer's); one whose documents lack it is refused in one line."""
+    cfg = SimpleNamespace(**vars(_cfg(synthetic[0], tok_model, tmp_path / "cache")), document_mask=True)
+    data = build_data(cfg, VOCAB, SEQ, 7, True, lambda: None)
+    assert data.eos_id == Tokenizer.load(tok_model).eos_id >= 0
+    rng = np.random.default_rng(5)
+    bare = _write(tmp_path / "bare", [rng.integers(3, VOCAB, size=20) for _ in range(10)], VOCAB)
+    cfg = SimpleNamespace(**vars(_cfg([str(bare)], tok_model, tmp_path / "cache2")), document_mask=True)
+    with pytest.raises(UserError) as e:
+        build_data(cfg, VOCAB, SEQ, 7, True, lambda: None)
+    _one_line_error(e, "data.document_mask")
+    assert "no document boundaries" in str(e.value) and str(bare) in str(e.value)
+    cfg.document_mask = False  # the same source trains without the mask
+    build_data(cfg, VOCAB, SEQ, 7, True, lambda: None)
