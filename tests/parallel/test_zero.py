@@ -271,6 +271,18 @@ def test_device_mesh_groups_match_rank_math(runs):
             expected = next(g for g in group_ranks(dim, tp, pp, dp) if rank in g)
             assert res[dim] == expected
             assert res[dim + "_sum"] == sum(expected)
+        # tp 2 x dp 2 x cp 2: rank = (dp_rank * 2 + cp_rank) * 2 + tp_rank; gradients over dp x cp
+        cp = res["cp"]
+        assert cp["coords"] == (0, rank // 4, (rank // 2) % 2, rank % 2)
+        assert cp["cp_comm"] == [r for r in range(8) if r // 4 == rank // 4 and r % 2 == rank % 2]
+        assert cp["dp_comm"] == [r for r in range(8) if r % 4 == rank % 4]
+        assert cp["grad_comm"] == [r for r in range(8) if r % 2 == rank % 2]
+        assert cp["expert_grad_comm"] == cp["grad_comm"]  # no expert parallelism: the dense group
+        # dp 4 (edp 2 x ep 2) x cp 2: rank = dp_rank * 2 + cp_rank, dp_rank = edp_rank * 2 + ep_rank
+        ep = res["cp_ep"]
+        assert ep["grad_comm"] == list(range(8))
+        assert ep["expert_grad_comm"] == [r for r in range(8) if (r // 2) % 2 == (rank // 2) % 2]  # same ep rank
+        assert ep["cp_comm"] == [rank - rank % 2, rank - rank % 2 + 1]
 
 
 def test_offloaded_runs_equal_the_others(runs):
