@@ -112,7 +112,9 @@ class RingAttention(torch.autograd.Function):
                 else:
                     out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], block_out,
                                                              block_lse)
-        out = out.to(q.dtype)
+        # laid out (b, s, h, d) as torch's attention returns it: the model's (b, s, h*d) view of it is then the
+        # tensor the output projection keeps, not a second copy
+        out = out.to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.comm, ctx.impl, ctx.documents = comm, impl, documents
         return out
