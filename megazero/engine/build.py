@@ -122,11 +122,13 @@ def build_chunks(cfg: Config, grid: Grid, device: torch.device,
 
 
 def sequence_split(cfg: Config, grid: Grid, eos_id: int = -1) -> SequenceSplit:
-    """How each microbatch becomes this rank's tokens: its cp chunks, and the documents when masked."""
+    """How each microbatch becomes this rank's tokens: its cp chunks, and the documents when masked. The data
+    refuses a corpus without end-of-text tokens under the mask; ``eos_id`` -1 is a stand-in for data
+    (``--simulate``'s zero ids), which then runs unmasked."""
     d = cfg.data
-    documents = d.document_mask or d.reset_positions
-    assert eos_id >= 0 or not documents, "document masking needs the data's end-of-text token"
-    return SequenceSplit(grid.cp_comm, eos_id if documents else None, d.document_mask, d.reset_positions)
+    documents = (d.document_mask or d.reset_positions) and eos_id >= 0
+    return SequenceSplit(grid.cp_comm, eos_id if documents else None, d.document_mask and documents,
+                         d.reset_positions and documents)
 
 
 def build_engine(cfg: Config, grid: Grid, device: torch.device, overlap_param_gather: bool = True,

@@ -32,6 +32,8 @@ STEPS = 2  # the second step has what the first builds lazily (moments, the post
 class TokenIds:
     """The batches of a simulated (or measured) step: token ids of the right shape, all 0."""
 
+    eos_id = -1  # no end-of-text token: the simulated step runs its attention without document masks
+
     def __init__(self, seq_len: int):
         self.seq_len = seq_len
 
