@@ -116,11 +116,9 @@ def _fwd_kernel(Q, K, V, O, LSE, VISITS, QD, KD, qk_scale,
     acc, l_i, m_i, n2 = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, skd, svn, svd, offs_m, lo2, hi2, N_CTX,
                                    qk_scale, q_ids, kd_base, True, CAUSAL, HEAD_DIM, BLOCK_N, PRECISION, BLOCK_D,
                                    DOCS)
-    if DOCS:
-        acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # nothing visible: O = 0 (acc is 0), not 0 / 0
-    else:
-        acc = acc / l_i[:, None]  # §3.1.1: one rescale at the end, not per block
-    # nothing visible (DOCS): m = -inf, l = 0, so L = -inf
+    if DOCS:  # nothing visible: l = 0, so O = 0 (acc is 0) rather than 0 / 0, and L = -inf (m is -inf)
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    acc = acc / l_i[:, None]  # §3.1.1: one rescale at the end, not per block
     tl.store(LSE + hz.to(tl.int64) * N_CTX + offs_m, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=rows)
     o_ptrs = O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod
     tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=tile)
