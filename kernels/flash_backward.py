@@ -15,8 +15,9 @@ nor a per-query-head copy to reduce. dQ comes one of two ways:
   dQ) varies from run to run on a GPU.
 
 Document masks (DOCS): each program visits only the contiguous run of blocks of the other side that share a
-document with its own (``flash_blocks._doc_tiles``) and masks P by id equality inside it; a row with
-L = -inf (it saw no key in the forward) is read as L = +inf, so its P, and its gradients, are 0.
+document with its own (``flash_blocks._doc_tiles``) and masks P by id equality inside it (a select, so the
+exp2(s - L) = inf of a row with L = -inf, one that saw no key in the forward, never reaches a product: its P
+and its gradients are 0).
 """
 from __future__ import annotations
 
@@ -69,8 +70,6 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base
         do = tl.load(do_h + offs_m[:, None] * sdm + offs_d[None, :] * sdd, mask=rows[:, None] & lanes[None, :],
                      other=0.0)
         lse = tl.load(lse_h + offs_m, mask=rows, other=float("inf"))  # +inf: padded rows get P = 0
-        if DOCS:
-            lse = tl.where(lse == float("-inf"), float("inf"), lse)  # a row that saw nothing: P = 0 too
         delta = tl.load(delta_h + offs_m, mask=rows, other=0.0)
         pt = tl.math.exp2(tl.dot(k, qt, input_precision=PRECISION) * qk_scale - lse[None, :] * 1.4426950408889634)
         if MASKED:
@@ -180,8 +179,6 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, VISITS, QD, KD, qk_scale, sm_sca
     delta = tl.load(DELTA + hz.to(tl.int64) * N_CTX + offs_m, mask=rows, other=0.0)
     k_base, v_base = K + b * skb + hk * skh, V + b * svb + hk * svh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if DOCS:
-        lse = tl.where(lse == float("-inf"), float("inf"), lse)  # a row that saw nothing: P = 0
     split, end = _fwd_bounds(pid, N_CTX, CAUSAL, BLOCK_M, BLOCK_N)
     if DOCS:
         kd_base = KD + b * N_CTX
