@@ -25,6 +25,9 @@ forward+backward against SDPA flash at head dim 128 and seq >= 4096; AdamW again
 and against fused torch AdamW; bf16 errors against SDPA flash's own). Not a test: nothing here
 asserts. Exits with code 2 and one line when there is no CUDA GPU.
 
+Document masks (packed samples, documents of DOC_TOKENS tokens): megazero's kernel with ``documents=`` against
+itself causal-only and against torch SDPA with the same boolean mask (``kernels.attend``'s fallback), fwd+bwd ms.
+
 ``--smoke`` runs every code path at toy sizes on the CPU, the kernels under Triton's interpreter
 (TRITON_INTERPRET=1, set by this script before triton is imported), timed by wall clock: it checks
 the script, not the kernels' speed (tests/bench/test_bench_kernels.py runs it).
@@ -224,6 +227,39 @@ def targets(sz: Sizes, attn: dict, errors: dict, adam: dict, dtype_name: str) ->
     return lines
 
 
+DOC_SEQ, DOC_TOKENS = 4096, 1024  # the document-masked row: 4 documents of 1k tokens per 4k sample
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> Optional[float]:
+    """bench_ms on a GPU; --smoke: one wall-clock call (the interpreter's time says nothing; the path is checked)."""
+    if device.type == "cuda":
+        return bench_ms(fn, device)
+    t0 = datetime.datetime.now()
+    fn()
+    return (datetime.datetime.now() - t0).total_seconds() * 1e3
+
+
+def bench_documents(sz: Sizes, dtype: torch.dtype) -> None:
+    """Prints one row: fwd+bwd ms of causal attention over packed documents (head dim 128, or the smoke's first),
+    megazero with the document mask (skipping cross-document tiles) vs causal only vs SDPA with a boolean mask."""
+    from kernels.attend import attention
+
+    s = DOC_SEQ if sz.device.type == "cuda" else sz.seqs[0]
+    per = DOC_TOKENS if sz.device.type == "cuda" else max(1, s // 4)
+    d = TARGET_HEAD_DIM if TARGET_HEAD_DIM in sz.head_dims and sz.device.type == "cuda" else sz.head_dims[0]
+    b, h = (max(1, sz.tokens // s), sz.hidden // d) if sz.device.type == "cuda" else (1, 2)
+    q, k, v, dout = _qkv(b, s, h, d, dtype, sz.device)
+    docs = (torch.arange(s, device=sz.device) // per).to(torch.int32).expand(b, s)
+    runs = {"megazero triton, documents": lambda: attention(q, k, v, impl="triton", documents=docs),
+            "megazero triton, causal only": lambda: attention(q, k, v, impl="triton"),
+            "sdpa, boolean document mask": lambda: attention(q, k, v, impl="torch", documents=docs)}
+    emit("| seq | head_dim | batch x heads | document tokens | " + " | ".join(runs) + " |", "|---" * (4 + len(runs))
+         + "|")
+    ms = [timed(lambda fn=fn: torch.autograd.grad(fn(), (q, k, v), dout), sz.device) for fn in runs.values()]
+    emit(f"| {s} | {d} | {b} x {h} | {per} | " + " | ".join(fmt(x, ".2f") for x in ms) + " |")
+    release(sz.device)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", default=",".join(map(str, Sizes.seqs)))
@@ -270,6 +306,11 @@ def main() -> None:
           f"TFLOP/s and max |error| against SDPA math in fp32 (one k/v head and its group)\n")
     try:
         bench_gqa(sz, dtype)
+    except Exception as err:  # noqa: BLE001
+        emit(f"failed: {(str(err).splitlines() or [type(err).__name__])[0][:200]}")
+    emit(f"\n### Document-masked attention, {dt}, causal: fwd+bwd ms\n")
+    try:  # after the GQA section for the same reason: the document-mask kernel's first GPU runs
+        bench_documents(sz, dtype)
     except Exception as err:  # noqa: BLE001
         emit(f"failed: {(str(err).splitlines() or [type(err).__name__])[0][:200]}")
 

@@ -29,12 +29,13 @@ from kernels.attention_configs import configs_for
 # Shared memory one block may use (dynamic, opt-in) on sm_90: 227 KB (CUDA C Programming Guide, "Compute
 # Capabilities", technical specifications per compute capability).
 HOPPER_SHARED_BYTES = 227 * 1024
-_DKDV_POINTERS = ("Q", "K", "V", "DO", "DK", "DV", "DQ_ACC", "LSE", "DELTA", "VISITS")  # dkdv and dkdvq: one kernel
-_POINTERS = {"fwd": ("Q", "K", "V", "O", "LSE", "VISITS"), "dkdv": _DKDV_POINTERS, "dkdvq": _DKDV_POINTERS,
-             "dq": ("Q", "K", "V", "DO", "DQ", "LSE", "DELTA", "VISITS")}
+_DKDV_POINTERS = ("Q", "K", "V", "DO", "DK", "DV", "DQ_ACC", "LSE", "DELTA", "VISITS", "QD", "KD")  # dkdv, dkdvq
+_POINTERS = {"fwd": ("Q", "K", "V", "O", "LSE", "VISITS", "QD", "KD"), "dkdv": _DKDV_POINTERS,
+             "dkdvq": _DKDV_POINTERS, "dq": ("Q", "K", "V", "DO", "DQ", "LSE", "DELTA", "VISITS", "QD", "KD")}
 _SCALARS = {"fwd": ("qk_scale",), "dkdv": ("qk_scale", "sm_scale"), "dq": ("qk_scale", "sm_scale"),
             "dkdvq": ("qk_scale", "sm_scale")}
-_FLAGS = ("GROUP", "HEAD_DIM", "CAUSAL", "PRECISION", "COUNT_VISITS", "ATOMIC_DQ", "BLOCK_M", "BLOCK_N", "BLOCK_D")
+_FLAGS = ("GROUP", "HEAD_DIM", "CAUSAL", "PRECISION", "COUNT_VISITS", "ATOMIC_DQ", "DOCS", "BLOCK_M", "BLOCK_N",
+          "BLOCK_D")
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,8 @@ def _signature(kind: str, dtype: str) -> tuple[dict, dict, dict]:
     sig, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(FA._KERNELS[kind].arg_names):
         if name in _POINTERS[kind]:
-            sig[name] = "*fp32" if name in ("LSE", "DELTA", "DQ_ACC") else f"*{dtype}"
+            sig[name] = ("*fp32" if name in ("LSE", "DELTA", "DQ_ACC") else "*i32" if name in ("QD", "KD")
+                         else f"*{dtype}")
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in _SCALARS[kind]:
             sig[name] = "fp32"
@@ -83,10 +85,11 @@ def _cuobjdump() -> str:
 
 
 def compile_attention(kind: str, head_dim: int, config: tuple[int, int, int, int], causal: bool = True,
-                      dtype: str = "bf16", arch: int = 90, group: int = 1) -> Resources:
+                      dtype: str = "bf16", arch: int = 90, group: int = 1, docs: bool = False) -> Resources:
     """Compile one attention kernel ("fwd" | "dkdv" | "dq" | "dkdvq") for sm_<arch> and read its resource usage.
 
-    group: query heads per key/value head (GQA, a compile-time constant of the kernels; 1: multi-head)."""
+    group: query heads per key/value head (GQA, a compile-time constant of the kernels; 1: multi-head).
+    docs: with the document mask (the DOCS variant, compiled apart)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -95,7 +98,7 @@ def compile_attention(kind: str, head_dim: int, config: tuple[int, int, int, int
         raise RuntimeError("kernels.aot compiles real kernels: unset TRITON_INTERPRET")
     block_m, block_n, warps, stages = config
     sig, constexprs, attrs = _signature(kind, dtype)
-    constexprs.update(GROUP=group, HEAD_DIM=head_dim, CAUSAL=causal, PRECISION="ieee", COUNT_VISITS=False,
+    constexprs.update(GROUP=group, HEAD_DIM=head_dim, CAUSAL=causal, PRECISION="ieee", COUNT_VISITS=False, DOCS=docs,
                       BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=FA.block_d(head_dim))
     if "ATOMIC_DQ" in sig:
         constexprs["ATOMIC_DQ"] = kind == "dkdvq"

@@ -5,7 +5,8 @@
 torch`` in the config chooses, through :func:`resolve_impl`. The function is
 importable as ``kernels.attention``. Grouped-query attention (Ainslie et al.
 2023): k and v may have fewer heads than q, a divisor of them; q head i reads
-k/v head i // (q heads / kv heads), with no repeated copy of k or v.
+k/v head i // (q heads / kv heads), with no repeated copy of k or v. Document masks (packed samples):
+``documents`` gives each token's document id, and a token attends only to its own document.
 """
 
 from __future__ import annotations
@@ -19,8 +20,22 @@ from kernels.flash_blocks import DTYPES, MAX_HEAD_DIM, _interpreting, supports_h
 from kernels.errors import UserError
 
 
+def document_mask(documents: Tensor, causal: bool) -> Tensor:
+    """(batch, 1, seq, seq) bool, True where query i may attend key j: same document (and j <= i when causal).
+
+    Boolean rather than an additive float mask (0 / -inf): on this 2-core CPU, SDPA forward+backward with the
+    mask built in the call measured ~137 ms (bool) vs ~160 ms (float) at (batch 2, 4 heads, seq 512, d 64), and
+    within noise of each other at (1, 8, 1024, 64) (medians 151 vs 139 ms, minima 117 vs 121 ms, 8 runs each);
+    bool also holds the mask in a quarter of the memory."""
+    s = documents.shape[-1]
+    keep = documents[:, :, None] == documents[:, None, :]
+    if causal:
+        keep = keep & torch.ones(s, s, dtype=torch.bool, device=documents.device).tril()
+    return keep[:, None]
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, impl: str = "torch",
-              dq_mode: str = "separate") -> Tensor:
+              dq_mode: str = "separate", documents: Tensor | None = None) -> Tensor:
     """softmax(q k^T / sqrt(head_dim)) v on (batch, heads, seq, head_dim) tensors.
 
     k and v: (batch, kv_heads, seq, head_dim) with kv_heads dividing q's heads (grouped-query attention).
@@ -29,9 +44,20 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, impl: str = 
     :func:`resolve_impl` turns a config value ("auto" | "torch" | "triton") into one.
     dq_mode (triton): how the backward gets dQ, "separate" (deterministic) or "atomic"
     (see ``kernels.flash_backward``).
+    documents: (batch, seq) integer document ids of a packed sample, non-decreasing along seq (self-attention:
+    q and k are the same tokens); a token attends only to tokens of its own document. None: one document.
+    "torch" builds a (batch, 1, seq, seq) boolean mask (:func:`document_mask`); "triton" skips the tiles of
+    no shared document (``kernels.flash_attention.flash_forward``).
     """
+    if documents is not None and tuple(documents.shape) != (q.shape[0], q.shape[2]):
+        raise ValueError(f"documents must be (batch, seq) = {(q.shape[0], q.shape[2])}, got "
+                         f"{tuple(documents.shape)}")
     if impl == "torch":
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
+        gqa = k.shape[1] != q.shape[1]
+        if documents is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(documents.to(q.device), causal),
+                                              enable_gqa=gqa)
     if impl != "triton":
         raise ValueError(f"attention impl must be 'torch' or 'triton', got {impl!r}")
     gqa_shapes = (q.dim() == k.dim() == 4 and k.shape == v.shape and k.shape[0] == q.shape[0]
@@ -45,7 +71,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, impl: str = 
                          f"{q.dtype}, {k.dtype}, {v.dtype} on {q.device}, {k.device}, {v.device}")
     if triton is None or (q.device.type != "cuda" and not _interpreting()):
         raise ValueError(f"triton attention needs triton and CUDA tensors (or TRITON_INTERPRET=1), got {q.device}")
-    return FlashAttention.apply(q, k, v, causal, dq_mode)
+    if documents is None:
+        return FlashAttention.apply(q, k, v, causal, dq_mode)
+    return FlashAttention.apply(q, k, v, causal, dq_mode, documents, documents)
 
 
 def triton_available() -> bool:

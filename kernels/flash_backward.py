@@ -13,10 +13,16 @@ nor a per-query-head copy to reduce. dQ comes one of two ways:
 - "atomic" (§3.2 as published): the key-block program also adds its share of dQ into an fp32
   buffer with atomic adds: 5 products per pair, but the summation order (and so the last bits of
   dQ) varies from run to run on a GPU.
+
+Document masks (DOCS): each program visits only the contiguous run of blocks of the other side that share a
+document with its own (``flash_blocks._doc_tiles``) and masks P by id equality inside it (a select, so the
+exp2(s - L) = inf of a row with L = -inf, one that saw no key in the forward, never reaches a product: its P
+and its gradients are 0).
 """
 from __future__ import annotations
 
-from kernels.flash_blocks import _block_tile, _fwd_bounds, _jit, _keep, _key_block, _lanes, tl
+from kernels.flash_blocks import (DOC_SCAN, _block_tile, _doc_edges, _doc_tiles, _fwd_bounds, _jit, _keep, _key_block,
+                                   _lanes, tl)
 
 @_jit
 def _bwd_delta_kernel(O, DO, DELTA, sob, soh, som, sod, sdb, sdh, sdm, sdd, H, N_CTX,
@@ -32,9 +38,9 @@ def _bwd_delta_kernel(O, DO, DELTA, sob, soh, som, sod, sdb, sdh, sdm, sdd, H, N
 
 @_jit
 def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqh, sqm, sqd, sdh, sdm, sdd, sah,
-                    sam, offs_n, lo, hi, N_CTX, qk_scale, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                    GROUP: tl.constexpr):
+                    sam, offs_n, lo, hi, N_CTX, qk_scale, qd_base, k_ids, MASKED: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
+                    ATOMIC_DQ: tl.constexpr, GROUP: tl.constexpr, DOCS: tl.constexpr):
     """The query blocks in [lo, hi) of each of the GROUP query heads from q_base (rows of LSE/DELTA N_CTX apart).
 
     GQA: one loop over (head, block) pairs, the head changing every ceil((hi - lo) / BLOCK_M) blocks, rather
@@ -68,6 +74,9 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base
         pt = tl.math.exp2(tl.dot(k, qt, input_precision=PRECISION) * qk_scale - lse[None, :] * 1.4426950408889634)
         if MASKED:
             pt = tl.where(offs_m[None, :] >= offs_n[:, None], pt, 0.0)
+        if DOCS:
+            q_ids = tl.load(qd_base + offs_m, mask=rows, other=-1)
+            pt = tl.where(k_ids[:, None] == q_ids[None, :], pt, 0.0)
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
         dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         dst = pt * (dpt - delta[None, :])
@@ -80,11 +89,12 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base
 
 
 @_jit
-def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, VISITS, qk_scale, sm_scale,
+def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, VISITS, QD, KD, qk_scale, sm_scale,
                      sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
                      sgb, sgh, sgm, sgd, sab, sah, sam, H, N_CTX, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                      CAUSAL: tl.constexpr, PRECISION: tl.constexpr, COUNT_VISITS: tl.constexpr,
-                     ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                     ATOMIC_DQ: tl.constexpr, DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
     """dK, dV of one key block, over its query blocks (Algorithm 2's outer loop; §3.2 parallel over keys).
 
     GQA: the program holds a block of key/value head hk, and its loops walk the query blocks of each query
@@ -92,7 +102,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, VISITS, qk_scale, 
     written once, in a fixed order, no atomics (GROUP = 1: multi-head attention, the code as without GQA).
     DK, DV (strides sgb..sgd) have the key/value heads.
     ATOMIC_DQ: also add the block's share of dQ into DQ_ACC (fp32, (b, h, s, head_dim) with strides
-    sab, sah, sam), so no dQ pass is needed; otherwise DQ_ACC and its strides are unused."""
+    sab, sah, sam), so no dQ pass is needed; otherwise DQ_ACC and its strides are unused.
+    DOCS: QD, KD (batch, N_CTX) int32 document ids; only the query blocks sharing a document are walked."""
     pid, hz = tl.program_id(0), tl.program_id(1)  # hz: (batch, kv head)
     b, hk = (hz // (H // GROUP)).to(tl.int64), (hz % (H // GROUP)).to(tl.int64)
     offs_n, offs_d, cols, tile = _block_tile(pid, N_CTX, BLOCK_N, HEAD_DIM, BLOCK_D)
@@ -105,12 +116,23 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, VISITS, qk_scale, 
     dk, dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32), tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     begin = (pid * BLOCK_N) // BLOCK_M * BLOCK_M if CAUSAL else 0
     split = tl.minimum(tl.cdiv(pid * BLOCK_N + BLOCK_N, BLOCK_M) * BLOCK_M, N_CTX) if CAUSAL else 0
+    if DOCS:
+        qd_base, kd_base = QD + b * N_CTX, KD + b * N_CTX
+        k_ids = tl.load(kd_base + offs_n, mask=cols, other=-2)
+        first, last = _doc_edges(kd_base, pid * BLOCK_N, N_CTX, BLOCK_N)
+        lo, hi = _doc_tiles(qd_base, first, last, begin, N_CTX, N_CTX, BLOCK_M, DOC_SCAN)
+        lo1, hi1 = lo, tl.maximum(tl.minimum(hi, split), lo)
+        lo2 = tl.maximum(lo, split)
+        hi2 = tl.maximum(hi, lo2)
+    else:
+        qd_base, k_ids = QD, offs_n  # unused
+        lo1, hi1, lo2, hi2 = begin, split, split, N_CTX
     dk, dv, n1 = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqh, sqm, sqd, sdh,
-                                 sdm, sdd, sah, sam, offs_n, begin, split, N_CTX, qk_scale, True, HEAD_DIM, BLOCK_M,
-                                 PRECISION, BLOCK_D, ATOMIC_DQ, GROUP)
+                                 sdm, sdd, sah, sam, offs_n, lo1, hi1, N_CTX, qk_scale, qd_base, k_ids, True, HEAD_DIM,
+                                 BLOCK_M, PRECISION, BLOCK_D, ATOMIC_DQ, GROUP, DOCS)
     dk, dv, n2 = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqh, sqm, sqd, sdh,
-                                 sdm, sdd, sah, sam, offs_n, split, N_CTX, N_CTX, qk_scale, False, HEAD_DIM, BLOCK_M,
-                                 PRECISION, BLOCK_D, ATOMIC_DQ, GROUP)
+                                 sdm, sdd, sah, sam, offs_n, lo2, hi2, N_CTX, qk_scale, qd_base, k_ids, False,
+                                 HEAD_DIM, BLOCK_M, PRECISION, BLOCK_D, ATOMIC_DQ, GROUP, DOCS)
     g = b * sgb + hk * sgh + offs_n[:, None] * sgm + offs_d[None, :] * sgd
     tl.store(DK + g, (dk * sm_scale).to(DK.dtype.element_ty), mask=tile)
     tl.store(DV + g, dv.to(DV.dtype.element_ty), mask=tile)
@@ -120,8 +142,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, VISITS, qk_scale, 
 
 @_jit
 def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, skd, svn, svd, offs_m, lo, hi, N_CTX, qk_scale,
-                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                  PRECISION: tl.constexpr, BLOCK_D: tl.constexpr):
+                  q_ids, kd_base, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr, DOCS: tl.constexpr):
     visits = 0
     for start_n in range(lo, hi, BLOCK_N):
         offs_n, kt, vt = _key_block(k_base, v_base, skn, skd, svn, svd, start_n, N_CTX, HEAD_DIM, BLOCK_N, BLOCK_D,
@@ -129,6 +151,9 @@ def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, skd, svn, svd, off
         p = tl.math.exp2(tl.dot(q, kt, input_precision=PRECISION) * qk_scale - lse[:, None])
         if MASKED:
             p = tl.where(_keep(offs_m, offs_n, N_CTX, CAUSAL), p, 0.0)
+        if DOCS:
+            k_ids = tl.load(kd_base + offs_n, mask=offs_n < N_CTX, other=-2)
+            p = tl.where(q_ids[:, None] == k_ids[None, :], p, 0.0)
         ds = p * (tl.dot(do, vt, input_precision=PRECISION) - delta[:, None])
         dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=PRECISION)
         visits += 1
@@ -136,14 +161,14 @@ def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, skd, svn, svd, off
 
 
 @_jit
-def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, VISITS, qk_scale, sm_scale,
+def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, VISITS, QD, KD, qk_scale, sm_scale,
                    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
                    sgb, sgh, sgm, sgd, H, N_CTX, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   CAUSAL: tl.constexpr, PRECISION: tl.constexpr, COUNT_VISITS: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                   CAUSAL: tl.constexpr, PRECISION: tl.constexpr, COUNT_VISITS: tl.constexpr, DOCS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """dQ of one query block: a second pass in place of Algorithm 2's atomic adds (§3.2), so deterministic.
 
-    GQA: query head h reads key/value head h // GROUP in place."""
+    GQA: query head h reads key/value head h // GROUP in place. DOCS: the forward's key-block run."""
     pid, hz = tl.program_id(0), tl.program_id(1)
     b, h = (hz // H).to(tl.int64), (hz % H).to(tl.int64)
     hk = h // GROUP
@@ -155,10 +180,21 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, VISITS, qk_scale, sm_scale,
     k_base, v_base = K + b * skb + hk * skh, V + b * svb + hk * svh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     split, end = _fwd_bounds(pid, N_CTX, CAUSAL, BLOCK_M, BLOCK_N)
-    dq, n1 = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, skd, svn, svd, offs_m, 0, split, N_CTX,
-                           qk_scale, False, CAUSAL, HEAD_DIM, BLOCK_N, PRECISION, BLOCK_D)
-    dq, n2 = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, skd, svn, svd, offs_m, split, end, N_CTX,
-                           qk_scale, True, CAUSAL, HEAD_DIM, BLOCK_N, PRECISION, BLOCK_D)
+    if DOCS:
+        kd_base = KD + b * N_CTX
+        q_ids = tl.load(QD + b * N_CTX + offs_m, mask=rows, other=-1)
+        first, last = _doc_edges(QD + b * N_CTX, pid * BLOCK_M, N_CTX, BLOCK_M)
+        lo, hi = _doc_tiles(kd_base, first, last, 0, end, N_CTX, BLOCK_N, DOC_SCAN)
+        lo1, hi1 = lo, tl.maximum(tl.minimum(hi, split), lo)
+        lo2 = tl.maximum(lo, split)
+        hi2 = tl.maximum(hi, lo2)
+    else:
+        kd_base, q_ids = KD, offs_m  # unused
+        lo1, hi1, lo2, hi2 = 0, split, split, end
+    dq, n1 = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, skd, svn, svd, offs_m, lo1, hi1, N_CTX,
+                           qk_scale, q_ids, kd_base, False, CAUSAL, HEAD_DIM, BLOCK_N, PRECISION, BLOCK_D, DOCS)
+    dq, n2 = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, skd, svn, svd, offs_m, lo2, hi2, N_CTX,
+                           qk_scale, q_ids, kd_base, True, CAUSAL, HEAD_DIM, BLOCK_N, PRECISION, BLOCK_D, DOCS)
     g = b * sgb + h * sgh + offs_m[:, None] * sgm + offs_d[None, :] * sgd
     tl.store(DQ + g, (dq * sm_scale).to(DQ.dtype.element_ty), mask=tile)
     if COUNT_VISITS:

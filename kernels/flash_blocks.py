@@ -1,9 +1,14 @@
 """What the FlashAttention-2 kernels (``kernels.flash_attention``, ``kernels.flash_backward``) share:
-the optional triton import, head-dim padding, and the causal loop bounds.
+the optional triton import, head-dim padding, the causal loop bounds and the document-mask tile range.
 
 Causal blocks entirely above the diagonal are skipped by the loop bounds (Dao 2023, §3.1.1,
 "Causal masking"); only diagonal (and ragged-end) blocks pay for a mask. :func:`forward_key_range`
 and :func:`backward_query_range` are those bounds in Python, for the tests.
+
+Document masks (packed samples): token ids are non-decreasing along q and along k, so the tiles of the
+other side that share a document with a tile form one contiguous run (:func:`_doc_tiles`, a vectorised
+scan of each tile's first and last id); the loops are narrowed to it and never load K/V (or Q, dO) of a
+fully masked tile. Inside the run, the equality of ids is the mask.
 """
 from __future__ import annotations
 
@@ -21,6 +26,11 @@ except ImportError:  # torch-only installs: impl="torch" still works; kernels.at
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 128  # any head dim up to this (larger ones: torch SDPA, see kernels.attend.resolve_impl)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Tiles whose first and last document ids one step of _doc_tiles loads at once (a vector); a constexpr, so the
+# @jit functions may read it as a global.
+DOC_SCAN = tl.constexpr(64) if tl is not None else 64
+
+
 def _jit(fn):  # without triton the kernels stay plain (never called) functions
     return triton.jit(fn) if triton is not None else fn
 
@@ -115,3 +125,27 @@ def _keep(offs_m, offs_n, N_CTX, CAUSAL: tl.constexpr):
     if CAUSAL:
         keep = keep & (offs_m[:, None] >= offs_n[None, :])
     return keep
+
+
+@_jit
+def _doc_tiles(IDS, first, last, lo, hi, N_CTX, BLOCK: tl.constexpr, SCAN: tl.constexpr):
+    """[a, z): the tiles starting at lo, lo + BLOCK, .. below hi (of length BLOCK, cut at N_CTX) whose document
+    ids (non-decreasing, from IDS) meet [first, last]; those tiles are contiguous, so this is the whole set.
+    Empty: (lo, lo). z is at most hi, so the callers' causal bounds still hold."""
+    a = hi + 0
+    z = hi * 0 + lo  # a tensor like hi from the start: a loop-carried value keeps its type
+    for c in range(lo, hi, BLOCK * SCAN):
+        starts = c + tl.arange(0, SCAN) * BLOCK
+        inside = starts < hi
+        head = tl.load(IDS + starts, mask=inside, other=0)
+        tail = tl.load(IDS + tl.minimum(starts + BLOCK, N_CTX) - 1, mask=inside, other=0)
+        seen = inside & (head <= last) & (tail >= first)
+        a = tl.minimum(a, tl.min(tl.where(seen, starts, hi), 0))
+        z = tl.maximum(z, tl.max(tl.where(seen, starts + BLOCK, lo), 0))
+    return tl.minimum(a, z), tl.minimum(z, hi)
+
+
+@_jit
+def _doc_edges(IDS, start, N_CTX, BLOCK: tl.constexpr):
+    """The first and last document id of the tile starting at ``start`` (ids non-decreasing: its min and max)."""
+    return tl.load(IDS + start), tl.load(IDS + tl.minimum(start + BLOCK, N_CTX) - 1)
