@@ -64,11 +64,12 @@ def _losses(arch: str, impl: str, cp_comm=None, cp_mode: str = "ring", masked: b
     return packed, head_tail_split(alone.view(1, -1), 1, cp.size, cp.rank)[0]
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_a_masked_sample_is_its_documents_alone(arch):
-    packed, alone = _losses(arch, "torch")
+@pytest.mark.parametrize("arch,impl", [("llama", "torch"), ("gpt2", "torch"), ("llama", "triton")])
+def test_a_masked_sample_is_its_documents_alone(arch, impl):
+    """impl triton: the FlashAttention kernel in the interpreter (tests/conftest.py sets TRITON_INTERPRET)."""
+    packed, alone = _losses(arch, impl)
     assert (packed - alone).abs().max() <= TOLERANCE, (packed - alone).abs().max()
-    unmasked, _ = _losses(arch, "torch", masked=False)
+    unmasked, _ = _losses(arch, impl, masked=False)
     later = slice(LENGTHS[0], None)  # the first document sees nothing before it: only the later ones differ
     assert (unmasked[later] - alone[later]).abs().max() > 1e-3
 
@@ -80,9 +81,10 @@ def _two_ranks(rank, world):
 
     comm = Comm(dist.group.WORLD, "cp")
     out = {}
-    for arch, mode in (("llama", "ring"), ("llama", "all_to_all"), ("gpt2", "ring")):
-        packed, alone = _losses(arch, "torch", comm, mode)
-        out[(arch, mode)] = float((packed - alone).abs().max())
+    for arch, mode, impl in (("llama", "ring", "torch"), ("llama", "all_to_all", "torch"), ("gpt2", "ring", "torch"),
+                             ("llama", "ring", "triton")):
+        packed, alone = _losses(arch, impl, comm, mode)
+        out[(arch, mode, impl)] = float((packed - alone).abs().max())
     unmasked, alone = _losses("llama", "torch", comm, "ring", masked=False)
     out["unmasked"] = float((unmasked - alone).abs().max())
     return out
