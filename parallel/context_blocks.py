@@ -7,7 +7,8 @@ query row that sees no key of the block gets out 0 and lse −inf, which the mer
 
 ``impl`` "torch" is torch's CPU flash-attention op (it returns the log-sum-exp and takes it back in its
 backward); with documents, the explicit masked softmax below (one block's scores at a time). "triton" is
-``kernels.flash_attention``, whose forward and backward take the documents and skip fully masked tiles.
+``kernels.flash_attention``, whose forward and backward take the documents and skip fully masked tiles; on
+CUDA the blocks always run it (torch's CUDA attention ops that return the log-sum-exp are not plugged in).
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def block_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, impl: str, q_
                     k_doc: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(softmax(q kᵀ/√d) v, its log-sum-exp per query row) for one block; k/v may be grouped-query.
     ``q_doc``/``k_doc`` (b, sq)/(b, sk): the tokens' documents (None: no document mask)."""
-    if impl == "triton":
+    if impl == "triton" or q.device.type == "cuda":  # on CUDA the Triton kernel is the op that returns the lse
         docs = {} if q_doc is None else {"q_doc": q_doc, "k_doc": k_doc}
         return flash_forward(q, k, v, causal, **docs)[:2]
     assert impl == "torch" and q.device.type == "cpu", f"ring attention blocks: impl {impl!r} on {q.device}"
@@ -77,7 +78,7 @@ def block_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out:
                              k_doc: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """One block's (dq, dk, dv) given the *merged* out and lse of q's rows, so contributions add up
     (FlashAttention-2's backward, Dao 2023 §3.1.2: dS = P ∘ (dP − rowsum(dO ∘ O)))."""
-    if impl == "triton":
+    if impl == "triton" or q.device.type == "cuda":
         docs = {} if q_doc is None else {"q_doc": q_doc, "k_doc": k_doc}
         return flash_backward(q, k, v, out, lse.float(), dout, causal, **docs)[:3]
     group = q.shape[1] // k.shape[1]
