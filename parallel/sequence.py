@@ -66,11 +66,11 @@ class SequenceSplit:
         s = tokens.shape[1]
         documents = document_ids(tokens, self.eos) if self.document_mask or self.reset_positions else None
         if self.reset_positions:
-            positions = self.local(document_positions(documents)).to(device)
-        else:
-            positions = self.local(torch.arange(s).view(1, s))[0].to(device)
+            positions = self.local(document_positions(documents)).to(device, non_blocking=True)
+        else:  # made on the device: no host-to-device copy per microbatch
+            positions = self.local(torch.arange(s, device=device).view(1, s))[0]
         info = SequenceInfo(positions)
         if self.document_mask:
-            info.documents, info.host_documents = documents.to(device), documents
+            info.documents, info.host_documents = documents.to(device, non_blocking=True), documents
         return (self.local(tokens).to(device, non_blocking=True), self.local(targets).to(device, non_blocking=True),
                 info)

@@ -24,7 +24,8 @@ def check_context(cfg: Config) -> None:
 
 
 def _check_documents(cfg: Config) -> None:
-    """Per-sample document masks do not split into tp_overlap's two half-batches."""
-    if cfg.data.document_mask and cfg.parallel.tp_overlap:
-        raise invalid(cfg.source, "data.document_mask", True, "does not combine with parallel.tp_overlap=true (its "
-                      "halves split the batch, the masks are per sample); use one of them")
+    """Per-sample document masks and positions do not split into tp_overlap's two half-batches."""
+    for key in ("document_mask", "reset_positions"):
+        if getattr(cfg.data, key) and cfg.parallel.tp_overlap:
+            raise invalid(cfg.source, f"data.{key}", True, "does not combine with parallel.tp_overlap=true (its "
+                          "halves split the batch, documents are per sample); use one of them")

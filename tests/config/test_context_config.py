@@ -18,6 +18,8 @@ ONE = ["parallel.tp=1", "parallel.pp=1", "parallel.sequence_parallel=false"]
      ("parallel.cp_mode", "all_to_all", "6 is not divisible by parallel.cp=4")),
     (["data.document_mask=true", "parallel.tp=2", "parallel.tp_overlap=true", "parallel.world_size=2"],
      ("data.document_mask", "tp_overlap")),
+    (["data.reset_positions=true", "parallel.tp=2", "parallel.tp_overlap=true", "parallel.world_size=2"],
+     ("data.reset_positions", "tp_overlap")),
     (["parallel.cp=0"], ("parallel.cp", "0")),
     (["parallel.cp_mode=zigzag"], ("parallel.cp_mode", "zigzag", "ring")),
 ])
