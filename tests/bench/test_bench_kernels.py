@@ -68,7 +68,8 @@ def test_smoke_prints_every_table_and_target(gpu_checks_smoke):
                     "### AdamW over 4099 elements", "### Targets"):
         assert heading in out, heading
     # every head dim timed for megazero (a number, not n/a) and checked against the fp32 reference
-    timed = re.findall(r"^\| 64 \| (64|128) \| \d+ x \d+ \| ([^|]+) \|", out, re.M)
+    causal = out.split("### Attention, float32, causal: TFLOP/s")[1].split("### ")[0]  # that table alone
+    timed = re.findall(r"^\| 64 \| (64|128) \| \d+ x \d+ \| ([^|]+) \|", causal, re.M)
     assert sorted(d for d, _ in timed) == ["128", "64"] and all(cell.strip() != "n/a" for _, cell in timed)
     errors = re.findall(r"^\| 64 \| (64|128) \| megazero triton \| (.+) \|$", out, re.M)
     assert len(errors) == 2
@@ -78,6 +79,10 @@ def test_smoke_prints_every_table_and_target(gpu_checks_smoke):
     # grouped-query attention: megazero's kernel on 2 query heads per k/v head, timed and within fp32 error
     gqa = re.findall(r"^\| 64 \| 2 x 2 \(1\) \| ([^|]+) \|[^|]+\|[^|]+\|[^|]+\| ([^|]+) \|", out, re.M)
     assert len(gqa) == 1 and gqa[0][0].strip() != "n/a" and float(gqa[0][1]) < 1e-4, gqa
+    # the document-masked row: the three runs each timed (the smoke's toy: seq 64, documents of 16 tokens)
+    masked = out.split("### Document-masked attention, float32, causal: fwd+bwd ms")[1]
+    rows = re.findall(r"^\| 64 \| 64 \| 1 x 2 \| 16 \| ([^|]+) \| ([^|]+) \| ([^|]+) \|$", masked, re.M)
+    assert len(rows) == 1 and all(c.strip() != "n/a" for c in rows[0]), masked
     adam = re.findall(r"^\| (megazero triton AdamW|megazero torch adamw_step|torch.optim.AdamW)[^|]*\| 28 \| "
                       r"([0-9.]+) \|", out, re.M)
     assert len(adam) == 3
