@@ -6,7 +6,7 @@ memory of the target, spills registers to local memory, and lowers ``tl.dot`` to
 asynchronous warpgroup MMA (``wgmma``) or to the older ``mma.sync``. That is how the autotune
 sets in ``kernels.attention_configs`` were chosen, and how the tests keep them valid.
 
-    python -m kernels.aot [--arch 90] [--head-dims 64,128] [--groups 1,4] [--all]
+    python -m kernels.aot [--arch 90] [--head-dims 64,128] [--groups 1,4] [--docs] [--all]
 
 prints one line per (group, kernel, head dim, configuration); ``--all`` adds the wider grid the sets were
 picked from; ``--groups``, grouped-query (GQA) group sizes: compile-time constants of the kernels. Needs
@@ -45,6 +45,7 @@ class Resources:
     head_dim: int
     config: tuple[int, int, int, int]  # BLOCK_M, BLOCK_N, num_warps, num_stages
     group: int  # query heads per key/value head (GQA)
+    docs: bool  # the document-masked variant (DOCS)
     shared_bytes: int  # dynamic shared memory
     registers: int  # per thread
     stack_bytes: int  # per thread; > 0 means spilled registers
@@ -113,24 +114,25 @@ def compile_attention(kind: str, head_dim: int, config: tuple[int, int, int, int
     found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
     assert found, f"unexpected cuobjdump output: {usage[-300:]}"
     ptx = compiled.asm["ptx"]
-    return Resources(kind, head_dim, tuple(config), group, compiled.metadata.shared, int(found.group(1)),
+    return Resources(kind, head_dim, tuple(config), group, docs, compiled.metadata.shared, int(found.group(1)),
                      int(found.group(2)), ptx.count("wgmma.mma_async"), ptx.count("mma.sync"))
 
 
-def candidates(kind: str, head_dim: int, wide: bool) -> list[tuple[int, int, int, int]]:
-    """The autotune set for (kind, head_dim), or with ``wide`` the grid it was chosen from."""
+def candidates(kind: str, head_dim: int, wide: bool, docs: bool = False) -> list[tuple[int, int, int, int]]:
+    """The autotune set for (kind, head_dim, docs), or with ``wide`` the grid it was chosen from."""
     if not wide:
-        return list(configs_for(kind, head_dim))
+        return list(configs_for(kind, head_dim, docs))
     return [(m, n, w, s) for m, n in itertools.product((32, 64, 128), repeat=2) if m * n >= 64 * 32
             for w in (4, 8) for s in (2, 3, 4)]
 
 
-def _describe(job: tuple[str, int, tuple[int, int, int, int], int, int]) -> dict:
-    kind, d, config, arch, group = job
+def describe(job: tuple[str, int, tuple[int, int, int, int], int, int, bool]) -> dict:
+    """One job (kind, head dim, config, arch, group, docs) compiled: its Resources as a dict, or its error."""
+    kind, d, config, arch, group, docs = job
     try:
-        return asdict(compile_attention(kind, d, config, arch=arch, group=group))
+        return asdict(compile_attention(kind, d, config, arch=arch, group=group, docs=docs))
     except Exception as err:  # noqa: BLE001 -- one configuration failing must not end the table
-        return {"kind": kind, "head_dim": d, "config": config, "group": group,
+        return {"kind": kind, "head_dim": d, "config": config, "group": group, "docs": docs,
                 "error": (str(err).splitlines() or [type(err).__name__])[0][:200]}
 
 
@@ -141,16 +143,17 @@ def main() -> None:
     parser.add_argument("--all", action="store_true", help="the wider grid, not only the autotune sets")
     parser.add_argument("--kinds", default="fwd,dkdv,dq,dkdvq")
     parser.add_argument("--groups", default="1", help="GQA group sizes (query heads per kv head), e.g. 1,4")
+    parser.add_argument("--docs", action="store_true", help="the document-masked variants instead")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiles in parallel")
     args = parser.parse_args()
     import json
     from concurrent.futures import ProcessPoolExecutor
 
-    jobs = [(kind, d, config, args.arch, g) for g in (int(x) for x in args.groups.split(","))
+    jobs = [(kind, d, config, args.arch, g, args.docs) for g in (int(x) for x in args.groups.split(","))
             for kind in args.kinds.split(",") for d in (int(x) for x in args.head_dims.split(","))
-            for config in candidates(kind, d, args.all)]
+            for config in candidates(kind, d, args.all, args.docs)]
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        for row in pool.map(_describe, jobs):  # in order
+        for row in pool.map(describe, jobs):  # in order
             print(json.dumps(row), flush=True)
 
 

@@ -34,6 +34,13 @@ HOPPER_CONFIGS = MappingProxyType({
 })
 # One small tile for GPUs with less shared memory than Hopper (the autotuner drops what does not fit).
 SMALL_CONFIG = (32, 32, 4, 2)
+# The document-masked variants (DOCS) hold the query block's ids and scan for its key run: a few more registers,
+# so these spill on sm_90 (8-40 bytes of stack per thread) and are left out of their sets; their small tile
+# runs 8 warps (4 spill at dQ, head dim 128).
+DOC_SPILLS = MappingProxyType({
+    ("fwd", 64): ((128, 64, 4, 3), (128, 64, 4, 4)), ("dkdv", 128): ((32, 64, 4, 3),),
+    ("dkdvq", 64): ((64, 64, 4, 3),), ("dkdvq", 128): ((128, 32, 8, 2),)})
+SMALL_DOC_CONFIG = (32, 32, 8, 2)
 
 
 def head_dim_class(head_dim: int) -> int:
@@ -41,6 +48,10 @@ def head_dim_class(head_dim: int) -> int:
     return 64 if head_dim <= 64 else 128
 
 
-def configs_for(kind: str, head_dim: int) -> tuple[tuple[int, int, int, int], ...]:
-    """The (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates the autotuner times for one kernel."""
-    return (*HOPPER_CONFIGS[kind, head_dim_class(head_dim)], SMALL_CONFIG)
+def configs_for(kind: str, head_dim: int, docs: bool = False) -> tuple[tuple[int, int, int, int], ...]:
+    """The (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates the autotuner times for one kernel (``docs``: its
+    document-masked variant)."""
+    key = kind, head_dim_class(head_dim)
+    if not docs:
+        return (*HOPPER_CONFIGS[key], SMALL_CONFIG)
+    return (*(c for c in HOPPER_CONFIGS[key] if c not in DOC_SPILLS.get(key, ())), SMALL_DOC_CONFIG)

@@ -35,8 +35,8 @@ from torch import Tensor
 
 from kernels.attention_configs import configs_for, head_dim_class
 from kernels.flash_backward import _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel
-from kernels.flash_blocks import (DOC_SCAN, LOG2E, _block_tile, _doc_edges, _doc_tiles, _fwd_bounds, _interpreting,
-                                   _jit, _keep, _key_block, block_d, tl, triton)
+from kernels.flash_blocks import (LOG2E, _block_tile, _fwd_bounds, _interpreting, _jit, _keep, _key_block,
+                                   _query_key_runs, block_d, tl, triton)
 
 # Fixed (BLOCK_M, BLOCK_N) per kernel under the interpreter; uneven on purpose so the
 # bound arithmetic for BLOCK_M != BLOCK_N is what the CPU tests exercise.
@@ -99,17 +99,8 @@ def _fwd_kernel(Q, K, V, O, LSE, VISITS, QD, KD, qk_scale,
     m_i, l_i = tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     split, end = _fwd_bounds(pid, N_CTX, CAUSAL, BLOCK_M, BLOCK_N)
-    if DOCS:
-        kd_base = KD + b * N_CTX
-        q_ids = tl.load(QD + b * N_CTX + offs_m, mask=rows, other=-1)
-        first, last = _doc_edges(QD + b * N_CTX, pid * BLOCK_M, N_CTX, BLOCK_M)
-        lo, hi = _doc_tiles(kd_base, first, last, 0, end, N_CTX, BLOCK_N, DOC_SCAN)
-        lo1, hi1 = lo, tl.maximum(tl.minimum(hi, split), lo)
-        lo2 = tl.maximum(lo, split)
-        hi2 = tl.maximum(hi, lo2)
-    else:
-        kd_base, q_ids = KD, offs_m  # unused
-        lo1, hi1, lo2, hi2 = 0, split, split, end
+    kd_base, q_ids, lo1, hi1, lo2, hi2 = _query_key_runs(QD, KD, b, pid, offs_m, rows, split, end, N_CTX, BLOCK_M,
+                                                         BLOCK_N, DOCS)
     acc, l_i, m_i, n1 = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, skd, svn, svd, offs_m, lo1, hi1, N_CTX,
                                    qk_scale, q_ids, kd_base, False, CAUSAL, HEAD_DIM, BLOCK_N, PRECISION, BLOCK_D,
                                    DOCS)
@@ -133,11 +124,11 @@ _KERNELS = MappingProxyType({"fwd": _fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq":
                              "dkdvq": _bwd_dkdv_kernel})
 if triton is not None:
     _KEY = ["N_CTX", "HEAD_DIM", "CAUSAL", "GROUP", "DOCS"]  # GROUP: a dK/dV program's work grows with it
-    _TUNED = MappingProxyType({
-        (kind, d): triton.autotune([triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
-                                    for m, n, w, s in configs_for(kind, d)], key=_KEY,
-                                   reset_to_zero=["DQ_ACC"] if kind == "dkdvq" else None)(fn)
-        for kind, fn in _KERNELS.items() for d in (64, 128)})
+    _TUNED = MappingProxyType({  # the document-masked variants have their own sets (attention_configs.DOC_SPILLS)
+        (kind, d, docs): triton.autotune([triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+                                          for m, n, w, s in configs_for(kind, d, docs)], key=_KEY,
+                                         reset_to_zero=["DQ_ACC"] if kind == "dkdvq" else None)(fn)
+        for kind, fn in _KERNELS.items() for d in (64, 128) for docs in (False, True)})
 
 
 def _launch(kind: str, s: int, bh: int, args: tuple, rest: tuple, flags: dict, blocks: tuple[int, int] | None,
@@ -161,7 +152,7 @@ def _launch(kind: str, s: int, bh: int, args: tuple, rest: tuple, flags: dict, b
         return visits
     if blocks is None:
         name = ("BLOCK_M", "BLOCK_N")[held]
-        tuned = _TUNED[kind, head_dim_class(flags["HEAD_DIM"])]
+        tuned = _TUNED[kind, head_dim_class(flags["HEAD_DIM"]), bool(flags["DOCS"])]
         tuned[lambda meta: (triton.cdiv(s, meta[name]), bh)](*args, **flags)
     else:
         grid = (triton.cdiv(s, blocks[held]), bh)

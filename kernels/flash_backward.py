@@ -22,7 +22,7 @@ and its gradients are 0).
 from __future__ import annotations
 
 from kernels.flash_blocks import (DOC_SCAN, _block_tile, _doc_edges, _doc_tiles, _fwd_bounds, _jit, _keep, _key_block,
-                                   _lanes, tl)
+                                   _lanes, _query_key_runs, tl)
 
 @_jit
 def _bwd_delta_kernel(O, DO, DELTA, sob, soh, som, sod, sdb, sdh, sdm, sdd, H, N_CTX,
@@ -180,17 +180,8 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, VISITS, QD, KD, qk_scale, sm_sca
     k_base, v_base = K + b * skb + hk * skh, V + b * svb + hk * svh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     split, end = _fwd_bounds(pid, N_CTX, CAUSAL, BLOCK_M, BLOCK_N)
-    if DOCS:
-        kd_base = KD + b * N_CTX
-        q_ids = tl.load(QD + b * N_CTX + offs_m, mask=rows, other=-1)
-        first, last = _doc_edges(QD + b * N_CTX, pid * BLOCK_M, N_CTX, BLOCK_M)
-        lo, hi = _doc_tiles(kd_base, first, last, 0, end, N_CTX, BLOCK_N, DOC_SCAN)
-        lo1, hi1 = lo, tl.maximum(tl.minimum(hi, split), lo)
-        lo2 = tl.maximum(lo, split)
-        hi2 = tl.maximum(hi, lo2)
-    else:
-        kd_base, q_ids = KD, offs_m  # unused
-        lo1, hi1, lo2, hi2 = 0, split, split, end
+    kd_base, q_ids, lo1, hi1, lo2, hi2 = _query_key_runs(QD, KD, b, pid, offs_m, rows, split, end, N_CTX, BLOCK_M,
+                                                         BLOCK_N, DOCS)
     dq, n1 = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, skd, svn, svd, offs_m, lo1, hi1, N_CTX,
                            qk_scale, q_ids, kd_base, False, CAUSAL, HEAD_DIM, BLOCK_N, PRECISION, BLOCK_D, DOCS)
     dq, n2 = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, skd, svn, svd, offs_m, lo2, hi2, N_CTX,

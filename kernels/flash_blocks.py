@@ -149,3 +149,21 @@ def _doc_tiles(IDS, first, last, lo, hi, N_CTX, BLOCK: tl.constexpr, SCAN: tl.co
 def _doc_edges(IDS, start, N_CTX, BLOCK: tl.constexpr):
     """The first and last document id of the tile starting at ``start`` (ids non-decreasing: its min and max)."""
     return tl.load(IDS + start), tl.load(IDS + tl.minimum(start + BLOCK, N_CTX) - 1)
+
+
+@_jit
+def _query_key_runs(QD, KD, b, pid, offs_m, rows, split, end, N_CTX, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    DOCS: tl.constexpr):
+    """A query block's key tiles, as two runs [lo1, hi1) below the causal diagonal's first tile ``split`` and
+    [lo2, hi2) from it to ``end`` (``_fwd_bounds``); with DOCS cut to the tiles that share a document with the
+    block (``_doc_tiles``). Also the block's query document ids and the batch row's key ids (DOCS; else
+    placeholders the callers do not read). The forward and the dQ kernel visit the same tiles."""
+    if DOCS:
+        kd_base = KD + b * N_CTX
+        q_ids = tl.load(QD + b * N_CTX + offs_m, mask=rows, other=-1)
+        first, last = _doc_edges(QD + b * N_CTX, pid * BLOCK_M, N_CTX, BLOCK_M)
+        lo, hi = _doc_tiles(kd_base, first, last, 0, end, N_CTX, BLOCK_N, DOC_SCAN)
+        lo2 = tl.maximum(lo, split)
+        return kd_base, q_ids, lo, tl.maximum(tl.minimum(hi, split), lo), lo2, tl.maximum(hi, lo2)
+    else:
+        return KD, offs_m, 0, split, split, end
