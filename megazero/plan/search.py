@@ -53,7 +53,8 @@ def configure(base: Config, layout: Layout, gpus: int, memo: Optional[PlanMemo] 
     p, m = cfg.parallel, cfg.model
     p.tp, p.pp, p.dp, p.virtual_stages, p.schedule = layout.tp, layout.pp, layout.dp, layout.virtual_stages, \
         layout.schedule
-    p.sequence_parallel, p.pp_layers, p.ep = layout.tp > 1, AUTO, layout.ep
+    p.sequence_parallel, p.pp_layers, p.ep, p.cp, p.cp_mode = layout.tp > 1, AUTO, layout.ep, layout.cp, \
+        layout.cp_mode
     if p.world_size:
         p.world_size = gpus
     cfg.zero.stage, cfg.train.micro_batch = layout.zero_stage, layout.micro_batch
@@ -126,7 +127,8 @@ def _walk(layouts: Iterator[Layout], fixed: dict, layers: int, cost: Callable, k
     floors: dict = {}  # per layout less its micro-batch, and (for ZeRO-0, from ZeRO-1) less its ZeRO stage
     never = 2 ** 31  # no level fits
     for layout in layouts:
-        shape = (layout.tp, layout.pp, layout.virtual_stages, layout.schedule, layout.recompute, layout.ep)
+        shape = (layout.tp, layout.pp, layout.virtual_stages, layout.schedule, layout.recompute, layout.ep,
+                 layout.cp, layout.cp_mode)
         group, beside = ("zero", layout.zero_stage, *shape), ("micro_batch", layout.micro_batch, *shape)
         policy = StagePolicy.of(layout.zero_stage)
         replicated = not policy.shard_optimizer  # ZeRO-0: reads the floor ZeRO-1 left at its micro-batch
