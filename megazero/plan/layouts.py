@@ -163,9 +163,9 @@ def candidates(base: Config, gpus: int, fixed: dict, max_tp: int = 2 ** 20) -> I
 
 def _context(base: Config, tp: int, ranks: int, fixed: dict) -> list[tuple[int, str]]:
     """(cp, cp_mode) pairs for ``ranks`` = dp x cp ranks at this tp: cp 1, and powers of two dividing them
-    that leave a rank MIN_CP_TOKENS of a sequence (or the cp --layout fixes), each in the modes the runtime's
-    rules accept there (megazero.config.context_rules: seq_len / 2cp chunks; Ulysses splits each tp rank's
-    heads over cp)."""
+    that leave a rank MIN_CP_TOKENS of a sequence, each in the modes the runtime's rules accept there
+    (megazero.config.context_rules: seq_len in 2cp chunks; Ulysses splits each tp rank's heads over cp). A cp
+    that --layout fixes is offered in every mode and meets the rules in configure, which say why they refuse it."""
     seq = base.model.seq_len
     if "cp" in fixed:
         sizes = [fixed["cp"]] if ranks % fixed["cp"] == 0 else []
@@ -177,7 +177,7 @@ def _context(base: Config, tp: int, ranks: int, fixed: dict) -> list[tuple[int, 
         for mode in (choices("parallel", "cp_mode") if cp > 1 else ("ring",)):
             if "cp_mode" in fixed and fixed["cp_mode"] != mode:
                 continue
-            if cp > 1:  # the runtime's rules, on a copy of the parallel section
+            if cp > 1 and "cp" not in fixed:  # the runtime's rules, on a copy (a fixed cp meets them in full)
                 probe = copy.copy(base)
                 probe.parallel = copy.copy(base.parallel)
                 probe.parallel.tp, probe.parallel.cp, probe.parallel.cp_mode = tp, cp, mode
