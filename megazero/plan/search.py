@@ -127,8 +127,8 @@ def _walk(layouts: Iterator[Layout], fixed: dict, layers: int, cost: Callable, k
     floors: dict = {}  # per layout less its micro-batch, and (for ZeRO-0, from ZeRO-1) less its ZeRO stage
     never = 2 ** 31  # no level fits
     for layout in layouts:
-        shape = (layout.tp, layout.pp, layout.virtual_stages, layout.schedule, layout.recompute, layout.ep,
-                 layout.cp, layout.cp_mode)
+        # not cp_mode: ring and Ulysses hold the same memory, so either's floor holds for the other
+        shape = (layout.tp, layout.pp, layout.virtual_stages, layout.schedule, layout.recompute, layout.ep, layout.cp)
         group, beside = ("zero", layout.zero_stage, *shape), ("micro_batch", layout.micro_batch, *shape)
         policy = StagePolicy.of(layout.zero_stage)
         replicated = not policy.shard_optimizer  # ZeRO-0: reads the floor ZeRO-1 left at its micro-batch

@@ -186,3 +186,40 @@ def test_layout_cp_filter_through_the_cli(capsys):
     assert "parallel.cp_mode" in capsys.readouterr().err
     assert cli.main(args + ["cp=3,tp=1,pp=1", "--gpus", "48"]) == 2
     assert "2*parallel.cp = 6" in capsys.readouterr().err
+
+
+def test_pruned_search_over_cp_modes_finds_what_an_exhaustive_one_finds(tmp_path):
+    """Ring and Ulysses share their recompute floors (the same memory): per layout, the least recompute level
+    that fits is still the one costing every level finds."""
+    import dataclasses
+
+    from megazero.plan.cluster import CLUSTER_DIR
+    from megazero.plan.memo import PlanMemo
+
+    base, gpus, fixed = load_config(ROOT / "configs" / "tiny.yaml"), 8, {"cp": 2}
+    memo, need = PlanMemo(), {}
+    for lay in layouts.candidates(base, gpus, {**fixed, "recompute": "none"}):
+        try:
+            cfg = search.configure(base, lay, gpus, memo)
+        except UserError:
+            continue
+        need[lay] = step_time(cfg, H100, plan=make_plan(cfg, memo)).memory_bytes
+    assert {lay.cp_mode for lay in need} == {"ring", "all_to_all"}
+    budget = sorted(need.values())[len(need) // 2]  # about half fit without recomputation
+    path = tmp_path / "small.yaml"
+    text = (CLUSTER_DIR / "h100-80g.yaml").read_text()
+    path.write_text(text.replace("memory_gb: 80", f"memory_gb: {budget / search.MEMORY_MARGIN / 1e9:.9f}"))
+    small_cluster = load_cluster(path)
+    budget = small_cluster.memory_gb * 1e9 * search.MEMORY_MARGIN  # as the search reads it
+    found = search.search(base, small_cluster, gpus, fixed)
+    got = {dataclasses.replace(r.layout, recompute="none"): r.layout.recompute for r in found.ranked}
+    assert set(got.values()) > {"none"}  # recomputation was needed somewhere
+    want = {}
+    for lay in need:
+        per_chunk = math.ceil(base.model.layers / (lay.pp * lay.virtual_stages))
+        for rec in ["none"] + [str(k) for k in range(1, per_chunk)] + ["full"]:
+            cfg = search.configure(base, dataclasses.replace(lay, recompute=rec), gpus, memo)
+            if step_time(cfg, small_cluster, plan=make_plan(cfg, memo)).memory_bytes <= budget:
+                want[lay] = rec
+                break
+    assert got == want
