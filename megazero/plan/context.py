@@ -2,7 +2,8 @@
 traffic over the cp group (parallel.context, parallel.ulysses; docs/context.md).
 
 Each cp rank keeps 2 of every sequence's 2·cp chunks, s/cp tokens: every activation, logit and routed token a
-plan counts per microbatch is that of s/cp tokens (:func:`local_seq_len`). Its FLOPs are those of s/cp tokens
+plan counts per microbatch is that of s/cp tokens (:func:`local_seq_len`), and Ulysses keeps its exchanged
+k/v and a second attention output besides (:func:`ulysses_kept_bytes`). Its FLOPs are those of s/cp tokens
 attending over the whole sequence (megazero.costs, over dp x cp ranks), the model state the same as at cp 1
 (ZeRO shards over dp x cp, megazero.plan.state_bytes). What cp adds is communication, per layer and microbatch:
 
@@ -74,6 +75,20 @@ def context_bytes(cfg: Config) -> ContextBytes:
     moved = (2 * q + 2 * tokens * kv_heads_for(kv, p.cp) * d) * (p.cp - 1) // p.cp
     b = BYTES_PER_VALUE[t.precision]
     return ContextBytes(values * b, values * GRAD_BYTES, moved * b)
+
+
+def ulysses_kept_bytes(cfg: Config, recompute: bool = False) -> int:
+    """What a layer keeps for backward per microbatch under Ulysses beyond what a layer of s/cp tokens keeps
+    (megazero.plan.activations, which counts q, k, v and one output, as the ring keeps them): the attention
+    keeps the exchanged k and v, at their travelling width over the whole sequence, in place of this rank's
+    own, and its output beside the one returned to the sequence split (the projection's input). Nothing for a
+    recomputed layer (it keeps its input) nor for the ring, whose K/V blocks live for one step."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if p.cp == 1 or p.cp_mode != "all_to_all" or recompute:
+        return 0
+    kv = kv_heads_per_rank(cfg)
+    width = 2 * (kv_heads_for(kv, p.cp) - kv) + m.heads // p.tp  # in heads of s/cp tokens
+    return t.micro_batch * local_seq_len(cfg) * m.head_width * width * BYTES_PER_VALUE[t.precision]
 
 
 def sent_bytes(cfg: Config, layers: int, recomputed: int) -> int:

@@ -25,7 +25,7 @@ from megazero.costs import (compute_device, head_flops_per_token, layers_flops_p
                             pipeline_costs)
 from megazero.plan.activations import (LOGIT_BYTES, activation_bytes_per_layer, activation_peak, peak_microbatches,
                                       pipeline_bubble)
-from megazero.plan.context import local_seq_len, sent_bytes
+from megazero.plan.context import local_seq_len, sent_bytes, ulysses_kept_bytes
 from megazero.plan.dispatch import DispatchBytes, all_to_all_bytes, dispatch_bytes, moe_layer_activation_bytes
 from megazero.plan.memo import PlanMemo
 from megazero.plan.params import ModelCounts, ParamCounts
@@ -114,9 +114,10 @@ def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action], p
     def layer(recompute: bool) -> int:
         return memo.call(activation_bytes_per_layer, seq, t.micro_batch, m.hidden, m.heads, par.tp, sp,
                          recompute, flash=True, precision=t.precision, ffn=m.ffn_hidden, kv_heads=m.kv_head_count,
-                         swiglu=arch.is_llama(m), head_dim=m.head_width)
+                         swiglu=arch.is_llama(m), head_dim=m.head_width) + ulysses_kept_bytes(cfg, recompute)
 
-    mixtures = {rec: moe_layer_activation_bytes(cfg, rec) if any(moe_in.values()) else 0 for rec in (False, True)}
+    mixtures = {rec: moe_layer_activation_bytes(cfg, rec) + ulysses_kept_bytes(cfg, rec) if any(moe_in.values())
+                else 0 for rec in (False, True)}
 
     def mixture(recompute: bool) -> int:
         return mixtures[recompute]

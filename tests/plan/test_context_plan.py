@@ -14,7 +14,7 @@ from megazero.config.resolve import resolve
 from megazero.errors import UserError
 from megazero.plan import cli, layouts, search
 from megazero.plan.cluster import load_cluster
-from megazero.plan.context import GRAD_BYTES, context_bytes, cp_seconds
+from megazero.plan.context import GRAD_BYTES, context_bytes, cp_seconds, ulysses_kept_bytes
 from megazero.plan.links import group_link, ring
 from megazero.plan.stage_plan import make_plan
 from megazero.plan.step_time import Constants, step_time
@@ -96,6 +96,43 @@ def _counted(cfg, mode: str) -> float:
 def test_the_plan_s_bytes_are_what_the_attention_sends(mode):
     cfg = small(4, "parallel.tp=1", "parallel.dp=1", "parallel.cp=4", f"parallel.cp_mode={mode}")
     assert _counted(cfg, mode) == context_bytes(cfg).per_layer(cfg)
+
+
+def test_ulysses_keeps_its_exchanged_k_v_and_a_second_output():
+    """Measured on fake tensors: what Ulysses' attention keeps beyond the ring's (which keeps this rank's q, k,
+    v and one output, as the plan's per-layer count does) is ``ulysses_kept_bytes``."""
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from megazero.plan.tracker import MemoryTracker
+    from parallel.context import context_attention
+    from parallel.topology import Grid
+    from parallel.ulysses import ulysses_attention
+
+    cfg = small(8, "parallel.tp=2", "parallel.dp=1", "parallel.cp=4", "parallel.cp_mode=all_to_all")
+    assert ulysses_kept_bytes(small(8, "parallel.tp=2", "parallel.dp=1", "parallel.cp=4")) == 0
+    m, cp, b = cfg.model, 4, cfg.train.micro_batch
+    dist.init_process_group("fake", rank=0, world_size=cp, store=FakeStore())
+    try:
+        grid, held = Grid.build(1, 1, 1, "cpu", cp=cp), {}
+        for attend in (context_attention, ulysses_attention):
+            with FakeTensorMode(allow_non_fake_inputs=True):  # a tp rank's 4 heads and 1 k/v head
+                q, k, v = (torch.zeros(b, n, m.seq_len // cp, m.head_width, dtype=torch.bfloat16, requires_grad=True)
+                           for n in (4, 1, 1))
+                tracker = MemoryTracker()
+                tracker.name([q, k, v], "params")
+                with tracker, tracker.acting("activations"):
+                    out = attend(q, k, v, grid.cp_comm)
+                    held[attend] = tracker.current["activations"]
+                del out
+    finally:
+        dist.destroy_process_group()
+    inputs = (q.numel() + k.numel() + v.numel()) * 2  # the ring keeps them; Ulysses lets them go
+    assert held[ulysses_attention] - (held[context_attention] + inputs) == ulysses_kept_bytes(cfg)
+    plain = make_plan(small(8, "parallel.tp=2", "parallel.dp=1", "parallel.cp=4")).stages[0]
+    assert make_plan(cfg).stages[0].act_full - plain.act_full == 4 * ulysses_kept_bytes(cfg)  # 4 layers, 1 held
 
 
 def test_the_ring_hides_under_long_attention_and_not_under_short():
