@@ -260,3 +260,16 @@ def test_pruned_search_over_cp_modes_finds_what_an_exhaustive_one_finds(tmp_path
                 want[lay] = rec
                 break
     assert got == want
+
+
+def test_the_memory_refusal_offers_more_cp():
+    """A long sequence whose activations do not fit: halving dp for twice the cp is one of the knobs that fit."""
+    import torch
+
+    from megazero.plan.fits import check_fits, needed_bytes
+
+    cfg = small(8, "parallel.tp=1", "parallel.dp=8", "parallel.cp=1", "model.seq_len=8192", "train.micro_batch=1",
+                "train.global_batch=8")
+    need = needed_bytes(cfg, range(1), "cuda")
+    with pytest.raises(UserError, match=r"fits with any of: .*parallel\.cp=2 \(dp 4\)"):
+        check_fits(cfg, torch.device("cpu"), 0, 0, 1, available=int(need * 0.7))
