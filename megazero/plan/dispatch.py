@@ -3,8 +3,9 @@ its all-to-alls carry (``models.moe``, ``parallel.experts``).
 
 Per rank and microbatch a mixture-of-experts layer routes its tp rank's part of its cp rank's tokens,
 T = micro_batch * seq_len / (tp * cp) tokens, as R = T * top_k token copies ("rows"). Dropless and unpadded,
-every buffer of the dispatch is R rows wide, whatever E: under perfectly balanced routing (what a plan assumes, as ``--simulate``
-does) a rank sends R rows and receives R. In the order the forward makes them (B bytes per activation value):
+every buffer of the dispatch is R rows wide, whatever E: under perfectly balanced routing (what a plan assumes,
+as ``--simulate`` does) a rank sends R rows and receives R. In the order the forward makes them (B bytes per
+activation value):
 
 - per row, the expert it chose, its place in the expert order and its token (int64 each, 24 bytes; with
   several experts per rank under ep > 1 also the received rows' expert order and its inverse, 16 more);

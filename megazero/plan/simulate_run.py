@@ -29,8 +29,8 @@ def run_simulation(cfg: Config, full: bool = False) -> int:
     p = cfg.parallel
     cp = f" x cp {p.cp} ({p.cp_mode})" if p.cp > 1 else ""
     print(f"simulating {cfg.source}: world {p.tp * p.pp * p.dp * p.cp} = tp {p.tp} x pp {p.pp} x dp {p.dp}{cp}, "
-          f"ZeRO stage {cfg.zero.stage}, {p.schedule}, {cfg.microbatches} microbatches, {STEPS} steps per rank, on fake "
-          f"tensors and the fake process group" + ("" if full else "; extrapolated from fewer layers and "
+          f"ZeRO stage {cfg.zero.stage}, {p.schedule}, {cfg.microbatches} microbatches, {STEPS} steps per rank, on "
+          f"fake tensors and the fake process group" + ("" if full else "; extrapolated from fewer layers and "
                                                     "microbatches where exact (--simulate full: every one)"),
           flush=True)
     start = time.perf_counter()

@@ -35,9 +35,9 @@ bubble), never from copies of them; the model adds only time. Per step, on the s
   experts' routed experts reduce (and gather) over edp x cp (edp = dp / ep), the rest over dp x cp;
 * ``optimizer``: memory-bound, ~32 bytes moved per parameter of the shard.
 
-Placement (parallel.topology: tp fastest, then cp, dp, pp; megazero.plan.links): a group of ``size`` ranks ``stride`` apart
-that spans nodes runs at ``min(NVLink, members per node * InfiniBand)`` per GPU, since each of a node's
-members drives its own adapter (rail-aligned rings); inside a node at NVLink speed.
+Placement (parallel.topology: tp fastest, then cp, dp, pp; megazero.plan.links): a group of ``size`` ranks
+``stride`` apart that spans nodes runs at ``min(NVLink, members per node * InfiniBand)`` per GPU, since each of
+a node's members drives its own adapter (rail-aligned rings); inside a node at NVLink speed.
 """
 
 from __future__ import annotations

@@ -103,8 +103,8 @@ def format_plan(plan: Plan) -> str:
         f"{', untied head' if not m.tie_embeddings else ''})",
     ] + ([_moe_line(plan)] if moe else []) + [
         "",
-        f"per rank, one row per pipeline stage (its tp{', cp' if context else ''} and dp ranks hold and do the same); memory "
-        "in GB (1e9 bytes)",
+        f"per rank, one row per pipeline stage (its tp{', cp' if context else ''} and dp ranks hold and do the "
+        "same); memory in GB (1e9 bytes)",
     ]
     header = ["stage", "layers", "global ranks", "params/rank"] + (["experts/rank"] if moe else [])
     header += [k + (" (cpu)" if where.get(k) == "cpu" else "") for k in ("params", "grads", "optimizer")]
@@ -137,8 +137,9 @@ def format_plan(plan: Plan) -> str:
     last = plan.stages[-1]
     lines += [
         "",
-        f"  model state: ZeRO stage {z.stage} over dp {par.dp}{f' x cp {par.cp}' if context else ''}, {b} B/param for params, {g} for grads, {k} B/param "
-        f"optimizer (Adam moments{' + fp32 master' if b != 4 else ''}); Rajbhandari et al. SC'20, Fig. 1",
+        f"  model state: ZeRO stage {z.stage} over dp {par.dp}{f' x cp {par.cp}' if context else ''}, {b} B/param "
+        f"for params, {g} for grads, {k} B/param optimizer (Adam moments{' + fp32 master' if b != 4 else ''}); "
+        "Rajbhandari et al. SC'20, Fig. 1",
         f"  activations: Korthikanti et al. 2022 §4 per layer, {'fp32' if b == 4 else '16-bit'}, flash attention "
         f"(no s x s scores), micro_batch {t.micro_batch}; x layers x microbatches held ('mb held', peak of the "
         f"{par.schedule} schedule); act ckpt adds one layer being recomputed"
