@@ -226,8 +226,8 @@ def test_layout_cp_filter_through_the_cli(capsys):
 
 
 def test_pruned_search_over_cp_modes_finds_what_an_exhaustive_one_finds(tmp_path):
-    """Ring and Ulysses share their recompute floors (the same memory): per layout, the least recompute level
-    that fits is still the one costing every level finds."""
+    """Ulysses starts from the ring's recompute floor (it keeps what the ring keeps and more): per layout, the
+    least recompute level that fits is still the one costing every level finds."""
     import dataclasses
 
     from megazero.plan.cluster import CLUSTER_DIR
@@ -260,6 +260,9 @@ def test_pruned_search_over_cp_modes_finds_what_an_exhaustive_one_finds(tmp_path
                 want[lay] = rec
                 break
     assert got == want
+    twins = [(rec, want.get(dataclasses.replace(lay, cp_mode="ring"))) for lay, rec in want.items()
+             if lay.cp_mode == "all_to_all"]
+    assert any(ulysses != ring for ulysses, ring in twins)  # where Ulysses needs more recomputation than the ring
 
 
 def test_the_memory_refusal_offers_more_cp():
