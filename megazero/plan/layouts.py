@@ -29,10 +29,12 @@ KNOBS = ("tp", "pp", "dp", "virtual_stages", "schedule", "zero_stage", "micro_ba
 SEARCHED_SCHEDULES = ("1f1b", "zb1p", "interleaved")
 MAX_MICRO_BATCHES = 8  # micro-batch values tried per layout: a geometric spread of the batch's divisors
 # cp > 1 is searched only while a rank keeps at least this many tokens of each sequence: context parallelism is
-# for sequences whose activations one rank cannot hold; below a few thousand tokens per rank its matmuls thin,
-# its transfers outgrow the attention that hides them, and dp (which costs neither) takes the same ranks. It
-# also keeps searches of the published 2-4K-token layouts as they were.
-MIN_CP_TOKENS = 4096
+# for sequences whose activations one rank cannot hold. With fewer, the ring's transfers across nodes outgrow the
+# attention that hides them (Llama 3's 4:1 grouped-query K/V on H100: the forward's break even near 4,300 tokens
+# a rank, the backward's, with fp32 dK/dV, near 6,400), its matmuls thin, and dp takes the same ranks without
+# either cost. It also leaves the searches of 2K-8K-token configs (every shipped one) as they were: each cp
+# size and mode multiplies a search's layouts.
+MIN_CP_TOKENS = 8192
 # ZeRO stages in the order a layout tries them: ZeRO-1 first, whose memory tells ZeRO-0's (the same
 # activations beside a larger optimizer state)
 ZERO_ORDER = (1, 0, 2, 3)
@@ -223,7 +225,7 @@ def too_large(gpus: int, fixed: dict, what: str) -> UserError:
     """The one line for a search that would take minutes."""
     pinned = f" with --layout {','.join(f'{k}={v}' for k, v in fixed.items())}" if fixed else ""
     return UserError(f"the search of {gpus} GPUs{pinned} is too large to answer in seconds ({what}); fix more "
-                     "knobs with --layout, e.g. pp=, tp= or micro_batch=")
+                     "knobs with --layout, e.g. pp=, tp=, cp= or micro_batch=")
 
 
 def bounded(layouts: Iterator[Layout], gpus: int, fixed: dict) -> list[Layout]:
