@@ -112,6 +112,11 @@ _MAX = {
 _PROBABILITY = {("model", "dropout")}
 
 
+def choices(section: str, key: str) -> tuple:
+    """The values a choice key allows (what a layout search may offer for it)."""
+    return _CHOICES[(section, key)]
+
+
 def check_ranges(cfg: Config, sections: Optional[Iterable[str]] = None, source: Optional[str] = None) -> None:
     """Every key of ``sections`` (default: all) within its range, probability or choice list; one line for the
     first that is not, from ``source`` (default: the config's file)."""

@@ -35,7 +35,8 @@ def own_layout(cfg: Config, gpus: int) -> Layout:
     """The layout a resolved config runs with, in the search's terms."""
     p, m = cfg.parallel, cfg.model
     rec = "none" if not m.activation_checkpointing else str(m.checkpoint_layers) if m.checkpoint_layers else "full"
-    return Layout(p.tp, p.pp, p.dp, p.virtual_stages, p.schedule, cfg.zero.stage, cfg.train.micro_batch, rec, p.ep)
+    return Layout(p.tp, p.pp, p.dp, p.virtual_stages, p.schedule, cfg.zero.stage, cfg.train.micro_batch, rec, p.ep,
+                  p.cp, p.cp_mode if p.cp > 1 else "ring")
 
 
 def write_config(base: Config, layout: Layout, gpus: int, path: str) -> None:
@@ -98,9 +99,14 @@ def _reason(e: Exception) -> str:
     return e.strerror if isinstance(e, OSError) and e.strerror else str(e)
 
 
-def _row(rank: str, r: Ranked, experts: bool) -> str:
+def _cp(lay: Layout) -> str:
+    return f"{lay.cp} {'a2a' if lay.cp_mode == 'all_to_all' else 'ring'}" if lay.cp > 1 else "1"
+
+
+def _row(rank: str, r: Ranked, experts: bool, context: bool = False) -> str:
     lay = r.layout
     return (f"{rank:>4} {lay.tp:>4} {lay.pp:>4} {lay.dp:>5} " + (f"{lay.ep:>4} " if experts else "")
+            + (f"{_cp(lay):>7} " if context else "")
             + f"{lay.virtual_stages:>3} {lay.schedule:>11} "
             f"{lay.zero_stage:>4} {lay.micro_batch:>4} {lay.recompute:>9} {r.memory_gb:>9.3g} {r.step_s:>8.4g} "
             f"{r.tflops_per_gpu:>8.1f} {r.mfu * 100:>5.1f}%")
@@ -108,12 +114,15 @@ def _row(rank: str, r: Ranked, experts: bool) -> str:
 
 def format_table(found: Search, own: "Ranked | str", top: int, header: str, experts: bool = False) -> str:
     """The best ``top`` layouts, then the config's own (a row, or why it cannot run here); an ep column for a
-    mixture of experts."""
+    mixture of experts, a cp column (its size and mode) where a row splits its sequences."""
+    rows = found.ranked[:top] + ([own] if isinstance(own, Ranked) else [])
+    context = any(r.layout.cp > 1 for r in rows)
     lines = [header, f"{'':>4} {'tp':>4} {'pp':>4} {'dp':>5} " + (f"{'ep':>4} " if experts else "")
+             + (f"{'cp':>7} " if context else "")
              + f"{'v':>3} {'schedule':>11} {'zero':>4} {'mb':>4} "
                f"{'recompute':>9} {'memory GB':>9} {'step s':>8} {'TFLOP/s':>8} {'MFU':>6}"]
-    lines += [_row(f"{i + 1}", r, experts) for i, r in enumerate(found.ranked[:top])]
-    lines.append(_row("own", own, experts) if isinstance(own, Ranked) else f" own  {own}")
+    lines += [_row(f"{i + 1}", r, experts, context) for i, r in enumerate(found.ranked[:top])]
+    lines.append(_row("own", own, experts, context) if isinstance(own, Ranked) else f" own  {own}")
     return "\n".join(lines)
 
 
@@ -168,7 +177,8 @@ def run(args: argparse.Namespace) -> Search:
     except UserError:  # the config's own layout may be what is invalid (micro_batch against the batch, ...)
         base = load_config(args.config, sets + ["parallel.tp=1", "parallel.pp=1", "parallel.dp=auto",
                                                 "parallel.virtual_stages=1", "parallel.schedule=1f1b",
-                                                "parallel.pp_layers=auto", "train.micro_batch=1", "parallel.ep=1"])
+                                                "parallel.pp_layers=auto", "train.micro_batch=1", "parallel.ep=1",
+                                                "parallel.cp=1"])
     found = search(base, cluster, args.gpus, fixed)
     if not found.ranked:
         raise UserError(_nothing_fits(found, cluster, args.gpus, fixed))
@@ -191,8 +201,8 @@ def _nothing_fits(found: Search, cluster: Cluster, gpus: int, fixed: dict) -> st
     """Why no layout came back, and what would help: more GPUs, or the memory knobs --layout pinned."""
     pinned = f" with --layout {','.join(f'{k}={v}' for k, v in fixed.items())}" if fixed else ""
     if not found.tried:
-        return (f"no layout of {gpus} GPUs{pinned}: tp*pp*dp must be {gpus} with pp <= model.layers and dp "
-                f"dividing train.global_batch")
+        return (f"no layout of {gpus} GPUs{pinned}: tp*pp*dp*cp must be {gpus} with pp <= model.layers, dp "
+                f"dividing train.global_batch and model.seq_len divisible by 2*cp")
     if found.least is None:
         why = f" (e.g. {found.first_refusal})" if found.first_refusal else ""
         return f"no layout of {gpus} GPUs{pinned} passes the config rules{why}"

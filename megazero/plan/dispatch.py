@@ -1,10 +1,11 @@
 """What a mixture-of-experts layer adds to a plan: its dispatch buffers, what it keeps for backward, and the bytes
 its all-to-alls carry (``models.moe``, ``parallel.experts``).
 
-Per rank and microbatch a mixture-of-experts layer routes its tp rank's part of the sequence, T = micro_batch
-* seq_len / tp tokens, as R = T * top_k token copies ("rows"). Dropless and unpadded, every buffer of the
-dispatch is R rows wide, whatever E: under perfectly balanced routing (what a plan assumes, as ``--simulate``
-does) a rank sends R rows and receives R. In the order the forward makes them (B bytes per activation value):
+Per rank and microbatch a mixture-of-experts layer routes its tp rank's part of its cp rank's tokens,
+T = micro_batch * seq_len / (tp * cp) tokens, as R = T * top_k token copies ("rows"). Dropless and unpadded,
+every buffer of the dispatch is R rows wide, whatever E: under perfectly balanced routing (what a plan assumes,
+as ``--simulate`` does) a rank sends R rows and receives R. In the order the forward makes them (B bytes per
+activation value):
 
 - per row, the expert it chose, its place in the expert order and its token (int64 each, 24 bytes; with
   several experts per rank under ep > 1 also the received rows' expert order and its inverse, 16 more);
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 
 from megazero.config.schema import Config
 from megazero.plan.activations import activation_bytes_per_layer
+from megazero.plan.context import local_seq_len
 from models.arch import expert_hidden
 
 INDEX_BYTES = 8  # int64 token and sort indices per row
@@ -64,7 +66,7 @@ def dispatch_bytes(cfg: Config) -> DispatchBytes:
         return DispatchBytes(0, 0, 0, 0, 0)
     b = value_bytes(t.precision)
     h, f, ep = m.hidden, expert_hidden(m), p.ep
-    tokens = t.micro_batch * m.seq_len // p.tp
+    tokens = t.micro_batch * local_seq_len(cfg) // p.tp
     rows = tokens * moe.top_k
     reordered = ep > 1 and moe.experts // ep > 1  # received rows put in expert order, and back
     index = INDEX_BYTES * (3 + (2 if reordered else 0))
@@ -93,7 +95,7 @@ def moe_layer_activation_bytes(cfg: Config, recompute: bool, flash: bool = True)
     recomputed, only its input, as a dense layer."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     sp = p.sequence_parallel and p.tp > 1
-    dense = activation_bytes_per_layer(m.seq_len, t.micro_batch, m.hidden, m.heads, p.tp, sp, recompute,
+    dense = activation_bytes_per_layer(local_seq_len(cfg), t.micro_batch, m.hidden, m.heads, p.tp, sp, recompute,
                                        flash=flash, precision=t.precision,
                                        ffn=m.moe.shared_experts * expert_hidden(m), kv_heads=m.kv_head_count,
                                        swiglu=True, head_dim=m.head_width)

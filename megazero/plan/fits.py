@@ -86,6 +86,8 @@ def _variants(cfg: Config) -> list[tuple[str, Config]]:
                                                                        setattr(c.parallel, "dp", p.dp // 2)))
         variant(f"parallel.pp={p.pp * 2} (dp {p.dp // 2})", lambda c: (setattr(c.parallel, "pp", p.pp * 2),
                                                                        setattr(c.parallel, "dp", p.dp // 2)))
+        variant(f"parallel.cp={p.cp * 2} (dp {p.dp // 2})", lambda c: (setattr(c.parallel, "cp", p.cp * 2),
+                                                                       setattr(c.parallel, "dp", p.dp // 2)))
     return out
 
 

@@ -1,28 +1,40 @@
 """The layouts a search considers: the knobs (tp, pp, dp, virtual stages, schedule, ZeRO stage, micro-batch,
-recompute, and for a mixture of experts ep, dividing dp and the expert count), ``--layout``'s fixed ones, and
-every combination of a GPU count's, in the order the search walks.
+recompute, for a mixture of experts ep, dividing dp and the expert count, and context parallelism: cp and its
+mode), ``--layout``'s fixed ones, and every combination of a GPU count's, in the order the search walks.
 
 Where it is narrowed to keep a search to seconds: tp stays within a node unless --layout fixes it; at most
-MAX_MICRO_BATCHES micro-batches per layout; interleaving at 2, 4, 8... chunks; gpipe only when fixed. A search
+MAX_MICRO_BATCHES micro-batches per layout; interleaving at 2, 4, 8... chunks; gpipe only when fixed; cp at
+powers of two that leave each rank at least MIN_CP_TOKENS of a sequence, unless --layout fixes it. A search
 that would still take minutes (a GPU count with hundreds of divisors beside a deep model and a huge batch) is
 refused in one line, at once over MAX_LAYOUTS layouts (:func:`bounded`), or when its plans pass MAX_SEARCH_WORK
 (:func:`plan_work`, counted by megazero.plan.search): --layout narrows it.
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import asdict, dataclass
 from typing import Iterator
 
+from megazero.config.context_rules import check_context
+from megazero.config.ranges import choices
 from megazero.config.schema import Config
 from megazero.errors import UserError, shown
 from megazero.plan.activations import peak_microbatches
 from megazero.plan.state_bytes import ZERO_STAGES
 
-KNOBS = ("tp", "pp", "dp", "virtual_stages", "schedule", "zero_stage", "micro_batch", "recompute", "ep")
+KNOBS = ("tp", "pp", "dp", "virtual_stages", "schedule", "zero_stage", "micro_batch", "recompute", "ep", "cp",
+         "cp_mode")
 # gpipe is not searched (it can be fixed with --layout): 1F1B's bubble, but every microbatch's activations held.
 SEARCHED_SCHEDULES = ("1f1b", "zb1p", "interleaved")
 MAX_MICRO_BATCHES = 8  # micro-batch values tried per layout: a geometric spread of the batch's divisors
+# cp > 1 is searched only while a rank keeps at least this many tokens of each sequence: context parallelism is
+# for sequences whose activations one rank cannot hold. With fewer, the ring's transfers across nodes outgrow the
+# attention that hides them (Llama 3's 4:1 grouped-query K/V on H100: the forward's break even near 4,300 tokens
+# a rank, the backward's, with fp32 dK/dV, near 6,400), its matmuls thin, and dp takes the same ranks without
+# either cost. It also leaves the searches of 2K-8K-token configs (every shipped one) as they were: each cp
+# size and mode multiplies a search's layouts.
+MIN_CP_TOKENS = 8192
 # ZeRO stages in the order a layout tries them: ZeRO-1 first, whose memory tells ZeRO-0's (the same
 # activations beside a larger optimizer state)
 ZERO_ORDER = (1, 0, 2, 3)
@@ -51,9 +63,13 @@ class Layout:
     micro_batch: int
     recompute: str
     ep: int = 1  # expert parallelism, carved out of dp (a mixture of experts only)
+    cp: int = 1  # context parallelism: each sequence split over cp ranks
+    cp_mode: str = "ring"  # ring | all_to_all (Ulysses), at cp > 1
 
     def label(self) -> str:
-        return " ".join(f"{k}={v}" for k, v in asdict(self).items() if k != "ep" or v != 1)
+        """knob=value for each knob, less ep and cp at 1 (and cp_mode with them)."""
+        hidden = {"ep": self.ep == 1, "cp": self.cp == 1, "cp_mode": self.cp == 1}
+        return " ".join(f"{k}={v}" for k, v in asdict(self).items() if not hidden.get(k))
 
 
 @dataclass(frozen=True)
@@ -89,9 +105,10 @@ def parse_layout(text: str) -> dict:
 def _knob_value(key: str, value: str):
     from parallel.schedules import SCHEDULES
 
-    if key == "schedule":
-        if value not in SCHEDULES:
-            raise UserError(f"--layout schedule={shown(value)} is invalid; valid: {' | '.join(SCHEDULES)}")
+    named = {"schedule": SCHEDULES, "cp_mode": choices("parallel", "cp_mode")}
+    if key in named:
+        if value not in named[key]:
+            raise UserError(f"--layout {key}={shown(value)} is invalid; valid: {' | '.join(named[key])}")
         return value
     if key == "recompute":
         if value in ("none", "full") or (value.isdigit() and 0 < int(value) < 2 ** 31):
@@ -120,27 +137,58 @@ def _spread(values: list[int], most: int) -> list[int]:
 def candidates(base: Config, gpus: int, fixed: dict, max_tp: int = 2 ** 20) -> Iterator[Layout]:
     """Every layout of ``gpus`` ranks the search considers, recompute none or full, before the rules (those
     that break one are filtered by :func:`configure`). Per pipeline shape, layouts come in order of falling
-    microbatch count, so each (tp, ep, ZeRO stage) meets its micro-batches smallest first and layouts that share a
-    schedule come together. tp above ``max_tp`` only when --layout fixes it; ep over the divisors of dp that
-    divide model.moe.experts (1 for a dense model)."""
+    microbatch count, so each (tp, cp, ep, ZeRO stage) meets its micro-batches smallest first and layouts that
+    share a schedule come together. tp above ``max_tp`` only when --layout fixes it; cp and its mode as
+    :func:`_context` gives them; ep over the divisors of dp that divide model.moe.experts (1 for a dense model)."""
     layers, batch = base.model.layers, base.train.global_batch
     experts = base.model.moe.experts
     want = lambda key, value: key not in fixed or fixed[key] == value  # noqa: E731
     for pp in divisors(gpus):
-        shapes = [(tp, gpus // (tp * pp)) for tp in divisors(gpus // pp) if tp <= max_tp or "tp" in fixed]
-        shapes = [(tp, dp) for tp, dp in shapes if want("tp", tp) and want("dp", dp) and batch % dp == 0]
+        shapes = [(tp, cp, mode, gpus // (tp * pp * cp)) for tp in divisors(gpus // pp)
+                  if tp <= max_tp or "tp" in fixed for cp, mode in _context(base, tp, gpus // (tp * pp), fixed)]
+        shapes = [(tp, cp, mode, dp) for tp, cp, mode, dp in shapes
+                  if want("tp", tp) and want("dp", dp) and batch % dp == 0]
         if pp > layers or not want("pp", pp) or not shapes:
             continue
-        shapes = [(tp, dp, ep) for tp, dp in shapes for ep in _expert_parallel(dp, experts) if want("ep", ep)]
-        rows = [(tp, dp, ep, mb) for tp, dp, ep in shapes
+        shapes = [(tp, cp, mode, dp, ep) for tp, cp, mode, dp in shapes for ep in _expert_parallel(dp, experts)
+                  if want("ep", ep)]
+        rows = [(shape, mb) for shape in shapes
                 for mb in ([fixed["micro_batch"]] if "micro_batch" in fixed
-                           else _spread(divisors(batch // dp), MAX_MICRO_BATCHES))]
-        rows.sort(key=lambda row: -(batch // (row[1] * row[3])))  # stable: ties keep tp order
+                           else _spread(divisors(batch // shape[3]), MAX_MICRO_BATCHES))]
+        rows.sort(key=lambda row: -(batch // (row[0][3] * row[1])))  # stable: ties keep tp order
         for schedule, v in _pipelines(pp, layers, fixed):
-            for tp, dp, ep, mb in rows:
+            for (tp, cp, mode, dp, ep), mb in rows:
                 for zero in (z for z in ZERO_ORDER if want("zero_stage", z)):
                     for rec in ([fixed["recompute"]] if "recompute" in fixed else ["none", "full"]):
-                        yield Layout(tp, pp, dp, v, schedule, zero, mb, rec, ep)
+                        yield Layout(tp, pp, dp, v, schedule, zero, mb, rec, ep, cp, mode)
+
+
+def _context(base: Config, tp: int, ranks: int, fixed: dict) -> list[tuple[int, str]]:
+    """(cp, cp_mode) pairs for ``ranks`` = dp x cp ranks at this tp: cp 1, and powers of two dividing them
+    that leave a rank MIN_CP_TOKENS of a sequence, each in the modes the runtime's rules accept there
+    (megazero.config.context_rules: seq_len in 2cp chunks; Ulysses splits each tp rank's heads over cp). A cp
+    that --layout fixes is offered in every mode and meets the rules in configure, which say why they refuse it."""
+    seq = base.model.seq_len
+    if "cp" in fixed:
+        sizes = [fixed["cp"]] if ranks % fixed["cp"] == 0 else []
+    else:
+        sizes = [1] + [2 ** i for i in range(1, ranks.bit_length())
+                       if ranks % 2 ** i == 0 and seq // 2 ** i >= MIN_CP_TOKENS]
+    out = []
+    for cp in sizes:
+        for mode in (choices("parallel", "cp_mode") if cp > 1 else ("ring",)):
+            if "cp_mode" in fixed and fixed["cp_mode"] != mode:
+                continue
+            if cp > 1 and "cp" not in fixed:  # the runtime's rules, on a copy (a fixed cp meets them in full)
+                probe = copy.copy(base)
+                probe.parallel = copy.copy(base.parallel)
+                probe.parallel.tp, probe.parallel.cp, probe.parallel.cp_mode = tp, cp, mode
+                try:
+                    check_context(probe)
+                except UserError:
+                    continue
+            out.append((cp, mode))
+    return out
 
 
 def _expert_parallel(dp: int, experts: int) -> list[int]:
@@ -177,7 +225,7 @@ def too_large(gpus: int, fixed: dict, what: str) -> UserError:
     """The one line for a search that would take minutes."""
     pinned = f" with --layout {','.join(f'{k}={v}' for k, v in fixed.items())}" if fixed else ""
     return UserError(f"the search of {gpus} GPUs{pinned} is too large to answer in seconds ({what}); fix more "
-                     "knobs with --layout, e.g. pp=, tp= or micro_batch=")
+                     "knobs with --layout, e.g. pp=, tp=, cp= or micro_batch=")
 
 
 def bounded(layouts: Iterator[Layout], gpus: int, fixed: dict) -> list[Layout]:

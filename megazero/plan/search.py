@@ -53,7 +53,8 @@ def configure(base: Config, layout: Layout, gpus: int, memo: Optional[PlanMemo] 
     p, m = cfg.parallel, cfg.model
     p.tp, p.pp, p.dp, p.virtual_stages, p.schedule = layout.tp, layout.pp, layout.dp, layout.virtual_stages, \
         layout.schedule
-    p.sequence_parallel, p.pp_layers, p.ep = layout.tp > 1, AUTO, layout.ep
+    p.sequence_parallel, p.pp_layers, p.ep, p.cp, p.cp_mode = layout.tp > 1, AUTO, layout.ep, layout.cp, \
+        layout.cp_mode
     if p.world_size:
         p.world_size = gpus
     cfg.zero.stage, cfg.train.micro_batch = layout.zero_stage, layout.micro_batch
@@ -122,16 +123,23 @@ def _walk(layouts: Iterator[Layout], fixed: dict, layers: int, cost: Callable, k
 
     Recompute levels run none (0), k = 1, 2, ... layers per chunk, full (a whole chunk, L). The least level
     that fits never falls as the micro-batch grows (more activations per layer), nor from ZeRO-1 to ZeRO-0
-    (the same activations beside a larger optimizer state): those floors skip levels that cannot fit."""
+    (the same activations beside a larger optimizer state), nor from a ring layout to its Ulysses twin (which
+    keeps more): those floors skip levels that cannot fit."""
     floors: dict = {}  # per layout less its micro-batch, and (for ZeRO-0, from ZeRO-1) less its ZeRO stage
     never = 2 ** 31  # no level fits
     for layout in layouts:
-        shape = (layout.tp, layout.pp, layout.virtual_stages, layout.schedule, layout.recompute, layout.ep)
-        group, beside = ("zero", layout.zero_stage, *shape), ("micro_batch", layout.micro_batch, *shape)
+        def keys(mode: str) -> tuple:
+            shape = (layout.tp, layout.pp, layout.virtual_stages, layout.schedule, layout.recompute, layout.ep,
+                     layout.cp, mode)
+            return ("zero", layout.zero_stage, *shape), ("micro_batch", layout.micro_batch, *shape)
+
+        group, beside = keys(layout.cp_mode)
         policy = StagePolicy.of(layout.zero_stage)
         replicated = not policy.shard_optimizer  # ZeRO-0: reads the floor ZeRO-1 left at its micro-batch
         optimizer_only = policy.shard_optimizer and not policy.shard_grads  # ZeRO-1: leaves it
-        floor = max(floors.get(group, 0), floors.get(beside, 0) if replicated else 0)
+        # Ulysses keeps what the ring keeps and more (megazero.plan.context): it reads the ring's floor too
+        reads = [keys(layout.cp_mode)] + ([keys("ring")] if layout.cp_mode != "ring" else [])
+        floor = max(max(floors.get(g, 0), floors.get(b, 0) if replicated else 0) for g, b in reads)
         if floor >= never or ("recompute" not in fixed and layout.recompute == "full"):
             continue  # full recomputation is reached from "none" below, when that does not fit
         per_chunk = math.ceil(layers / (layout.pp * layout.virtual_stages))

@@ -27,9 +27,10 @@ def run_simulation(cfg: Config, full: bool = False) -> int:
         raise UserError(f"{cfg.source}: log.dir={cfg.log.dir!r} holds simulate.json, which is not a plain file; "
                         f"move it away or choose another log.dir")
     p = cfg.parallel
-    print(f"simulating {cfg.source}: world {p.tp * p.pp * p.dp} = tp {p.tp} x pp {p.pp} x dp {p.dp}, ZeRO stage "
-          f"{cfg.zero.stage}, {p.schedule}, {cfg.microbatches} microbatches, {STEPS} steps per rank, on fake "
-          f"tensors and the fake process group" + ("" if full else "; extrapolated from fewer layers and "
+    cp = f" x cp {p.cp} ({p.cp_mode})" if p.cp > 1 else ""
+    print(f"simulating {cfg.source}: world {p.tp * p.pp * p.dp * p.cp} = tp {p.tp} x pp {p.pp} x dp {p.dp}{cp}, "
+          f"ZeRO stage {cfg.zero.stage}, {p.schedule}, {cfg.microbatches} microbatches, {STEPS} steps per rank, on "
+          f"fake tensors and the fake process group" + ("" if full else "; extrapolated from fewer layers and "
                                                     "microbatches where exact (--simulate full: every one)"),
           flush=True)
     start = time.perf_counter()

@@ -1,14 +1,16 @@
 """Plan a run without running it: what each rank holds, keeps and computes (``pretrain.py --dry-run``).
 
 Ranks with the same (pp_rank, tp_rank) hold the same: dp replicas are copies,
-and tp splits every tensor evenly, so one row per pipeline stage describes the
-whole grid. This module assembles each stage's row from its parts:
+cp ranks hold equal parts of every sequence and tp splits every tensor evenly,
+so one row per pipeline stage describes the whole grid. This module assembles each stage's row from its parts:
 
 - parameters: the real model class built on meta (megazero.plan.params);
 - model state and ZeRO's buffers: Rajbhandari et al. SC'20 (megazero.plan.state_bytes);
 - activations: Korthikanti et al. 2022, §4, over the schedule's peak (megazero.plan.activations);
 - a mixture of experts' dispatch buffers, kept rows and all-to-all bytes (megazero.plan.dispatch); its
   routed experts' states sharded over edp = dp / ep (megazero.plan.state_bytes);
+- context parallelism: every per-microbatch figure at a cp rank's s/cp tokens, the bytes its attention sends
+  over cp (megazero.plan.context), model states sharded over dp x cp (megazero.plan.state_bytes);
 - FLOPs and stage costs: ``megazero.costs``, the one formula behind throughput and MFU (active parameters).
 
 It reads a resolved config (megazero.config.resolve) and resolves nothing.
@@ -23,6 +25,7 @@ from megazero.costs import (compute_device, head_flops_per_token, layers_flops_p
                             pipeline_costs)
 from megazero.plan.activations import (LOGIT_BYTES, activation_bytes_per_layer, activation_peak, peak_microbatches,
                                       pipeline_bubble)
+from megazero.plan.context import local_seq_len, sent_bytes, ulysses_kept_bytes
 from megazero.plan.dispatch import DispatchBytes, all_to_all_bytes, dispatch_bytes, moe_layer_activation_bytes
 from megazero.plan.memo import PlanMemo
 from megazero.plan.params import ModelCounts, ParamCounts
@@ -38,10 +41,10 @@ GB = 1e9
 
 @dataclass(frozen=True)
 class StagePlan:
-    """One pipeline stage: what each of its tp*dp ranks holds, keeps and computes."""
+    """One pipeline stage: what each of its tp*dp*cp ranks holds, keeps and computes."""
 
     pp_rank: int
-    ranks: range  # global ranks of the stage (every dp replica, every tp rank): contiguous, tp fastest then dp
+    ranks: range  # global ranks of the stage (every dp replica, cp and tp rank): contiguous, tp fastest, then cp, dp
     layers: list[range]  # per model chunk
     params: int  # held by one rank, the tied embedding copy on the last stage included
     replicated: int  # of those, the ones every tp rank holds whole
@@ -58,6 +61,7 @@ class StagePlan:
     moe_layers: int = 0  # mixture-of-experts layers on the stage
     dispatch: int = 0  # bytes: one such layer's dispatch buffers beyond what it keeps (its forward's working set)
     all_to_all: int = 0  # bytes sent to other ep ranks per step
+    context: int = 0  # bytes sent to other cp ranks per step (megazero.plan.context)
 
 
 @dataclass(frozen=True)
@@ -105,13 +109,15 @@ def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action], p
     state, expert_state = rank_state_bytes(cfg, psi, experts)
     sp = par.sequence_parallel and par.tp > 1
     moe_in = {vs: arch.moe_layer_count(m, ranges[vs]) for vs in chunks}
+    seq = local_seq_len(cfg)  # a cp rank's part of every sequence
 
     def layer(recompute: bool) -> int:
-        return memo.call(activation_bytes_per_layer, m.seq_len, t.micro_batch, m.hidden, m.heads, par.tp, sp,
+        return memo.call(activation_bytes_per_layer, seq, t.micro_batch, m.hidden, m.heads, par.tp, sp,
                          recompute, flash=True, precision=t.precision, ffn=m.ffn_hidden, kv_heads=m.kv_head_count,
-                         swiglu=arch.is_llama(m), head_dim=m.head_width)
+                         swiglu=arch.is_llama(m), head_dim=m.head_width) + ulysses_kept_bytes(cfg, recompute)
 
-    mixtures = {rec: moe_layer_activation_bytes(cfg, rec) if any(moe_in.values()) else 0 for rec in (False, True)}
+    mixtures = {rec: moe_layer_activation_bytes(cfg, rec) + ulysses_kept_bytes(cfg, rec) if any(moe_in.values())
+                else 0 for rec in (False, True)}
 
     def mixture(recompute: bool) -> int:
         return mixtures[recompute]
@@ -124,7 +130,7 @@ def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action], p
     def largest(vs: int) -> int:  # the layer being recomputed holds its full set meanwhile: the larger kind
         return max(layer(False) if len(ranges[vs]) > moe_in[vs] else 0, mixture(False) if moe_in[vs] else 0)
 
-    logits = t.micro_batch * m.seq_len * (m.padded_vocab // par.tp) * LOGIT_BYTES
+    logits = t.micro_batch * seq * (m.padded_vocab // par.tp) * LOGIT_BYTES
     head = [logits if vs == last_vs else 0 for vs in chunks]
     def recomputed(vs: int) -> int:  # model.checkpoint_layers: the first k layers of each chunk (0: all)
         return min(m.checkpoint_layers, len(ranges[vs])) if m.checkpoint_layers else len(ranges[vs])
@@ -144,6 +150,7 @@ def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action], p
     flops = per_token * tokens / par.tp
     moe_recomputed = sum(arch.moe_layer_count(m, range(ranges[vs].start, ranges[vs].start + recomputed(vs)))
                          for vs in chunks) if m.activation_checkpointing else 0
+    all_recomputed = sum(recomputed(vs) for vs in chunks) if m.activation_checkpointing else 0
     # a range, not a list: a search plans hundreds of layouts of up to a million ranks each
     first = coords_to_rank(r, 0, 0, par.tp, par.dp, 0, par.cp)
     last = coords_to_rank(r, par.dp - 1, par.tp - 1, par.tp, par.dp, par.cp - 1, par.cp)
@@ -152,7 +159,8 @@ def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action], p
                      count, max(head), flops, gathered_bytes(cfg, chunks, ranges, psi, params),
                      grad_buffer_bytes(cfg, chunks, ranges, psi, params, experts), experts, expert_state,
                      moe_layers, dispatch_bytes(cfg).transient if moe_layers else 0,
-                     all_to_all_bytes(cfg, moe_layers, moe_recomputed))
+                     all_to_all_bytes(cfg, moe_layers, moe_recomputed),
+                     sent_bytes(cfg, sum(len(ranges[vs]) for vs in chunks), all_recomputed))
 
 
 def make_plan(cfg: Config, memo: Optional[PlanMemo] = None) -> Plan:

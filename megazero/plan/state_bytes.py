@@ -67,19 +67,20 @@ def model_state_bytes(psi: int, stage: int, dp: int, precision: str, offload_opt
 
 def rank_state_bytes(cfg: Config, psi: int, experts: int) -> tuple[dict[str, int], dict[str, int]]:
     """(the model state one rank keeps, the routed experts' part of it): :func:`model_state_bytes` of the dense
-    parameters over dp and of the experts' over their expert-data-parallel group, edp = dp / ep, as ZeRO
-    partitions them (parallel.zero: one partition per reduction group). At ep = 1 edp is dp and one partition
-    holds both."""
+    parameters over dp x cp and of the experts' over their expert-data-parallel group, edp x cp with edp =
+    dp / ep, as ZeRO partitions them (parallel.zero: one partition per reduction group, the Grid's grad_comm
+    and expert_grad_comm: cp ranks see different tokens of the same samples). At ep = 1 edp is dp and one
+    partition holds both."""
     p, z, t = cfg.parallel, cfg.zero, cfg.train
 
     def state(n: int, group: int) -> dict[str, int]:
         return model_state_bytes(n, z.stage, group, t.precision, z.offload_optimizer, z.offload_params,
                                  z.grad_dtype)
 
-    whole = state(psi, p.dp)
+    whole = state(psi, p.dp * p.cp)
     if p.ep == 1 or not experts:
-        return whole, (state(experts, p.dp) if experts else dict.fromkeys(whole, 0))
-    dense, expert = state(psi - experts, p.dp), state(experts, p.dp // p.ep)
+        return whole, (state(experts, p.dp * p.cp) if experts else dict.fromkeys(whole, 0))
+    dense, expert = state(psi - experts, p.dp * p.cp), state(experts, p.dp // p.ep * p.cp)
     return {k: dense[k] + expert[k] for k in dense}, expert
 
 
@@ -129,9 +130,9 @@ def grad_buffer_bytes(cfg: Config, chunks: list[int], ranges: list[range], psi: 
         count = min(GRAD_BUFFERS, -(-n // biggest)) if biggest else 0
         return count * -(-biggest // group) * group * g
 
-    out = buffers(dense, largest, p.dp)
+    out = buffers(dense, largest, p.dp * p.cp)  # padded to the partition's group, dp x cp
     if apart:
-        out += buffers(apart, largest_expert, p.dp // p.ep)
+        out += buffers(apart, largest_expert, p.dp // p.ep * p.cp)
     return out
 
 

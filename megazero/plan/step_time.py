@@ -7,7 +7,7 @@ bubble), never from copies of them; the model adds only time. Per step, on the s
 
 * ``compute``: the stage's matmul FLOPs at the peak times an achieved efficiency
   ``e_max * x / (x + x_half)``, where ``x`` is a matmul's arithmetic intensity (``MKN / (MK + KN + MN)``,
-  FLOPs per byte of its bf16 operands, with M = micro_batch * seq_len tokens) over the GPU's ridge point
+  FLOPs per byte of its bf16 operands, with M = micro_batch * seq_len / cp tokens) over the GPU's ridge point
   (peak / HBM bandwidth): thin matmuls (small hidden / tp, a narrow head dimension) run further from peak;
   weighted over the layer's matmuls, the attention products and the output head by their FLOPs. A routed
   expert's matmuls have the rows that reach one expert, tokens/tp * top_k * ep / E under balanced routing;
@@ -17,25 +17,27 @@ bubble), never from copies of them; the model adds only time. Per step, on the s
   materialises them) plus the plan's logit bytes, over the HBM bandwidth;
 * ``recompute``: the recomputed layers' forward again, a third of their compute and elementwise time;
 * ``tp_comm``: per layer and microbatch, 2 collectives forward and 2 backward (2 more for a recomputed
-  forward) of ``b*s*h`` bf16 values, a ring all-reduce (all-gather + reduce-scatter with sequence
+  forward) of ``b*s/cp*h`` bf16 values, a ring all-reduce (all-gather + reduce-scatter with sequence
   parallelism: the same bytes) on the tp group's links; ``parallel.tp_overlap`` hides ``tp_hidden`` of it.
   A mixture-of-experts layer has its attention's, and its MLP's only for shared experts or, without sequence
   parallelism, for the routed output gathered back (each tp rank routes its own part of the sequence);
 * ``ep_comm``: a mixture of experts' all-to-alls, per layer and microbatch 2 forward and 2 backward (2 more
   recomputed) of the tokens x top_k rows of h bf16 values a rank routes, (ep - 1)/ep of them leaving it, on the
-  ep group's links (ep ranks are adjacent within dp: ``tp`` apart): the share for peers on the rank's node over
-  NVLink, the rest through its adapter, the slower setting the time; on the critical path, not hidden;
+  ep group's links (ep ranks are adjacent within dp: ``tp * cp`` apart): the share for peers on the rank's node
+  over NVLink, the rest through its adapter, the slower setting the time; on the critical path, not hidden;
+* ``cp_comm``: context parallelism's traffic (megazero.plan.context): the ring's K/V (and backward dK/dV)
+  transfers less what each step's block of attention hides, or Ulysses' all-to-alls, on the critical path;
 * ``bubble``: the bottleneck stage's work stretched by the schedule's idle share (megazero.plan.stage_plan);
 * ``p2p``: with ``parallel.overlap_p2p`` only the fill and drain transfers (2 (p-1)), else every one;
 * ``dp_comm``: the gradients' reduction (all-reduce; reduce-scatter under ZeRO >= 1) behind the last
   microbatch's backward, the ZeRO-1/2 parameter all-gather behind the next step's first forward, ZeRO-3's
   per-layer gathers behind the compute they prefetch for; only what cannot hide is counted. A mixture of
-  experts' routed experts reduce (and gather) over edp = dp / ep, ``tp * ep`` apart, the rest over dp;
+  experts' routed experts reduce (and gather) over edp x cp (edp = dp / ep), the rest over dp x cp;
 * ``optimizer``: memory-bound, ~32 bytes moved per parameter of the shard.
 
-Placement (megazero.topology: tp fastest, then dp, then pp): a group of ``size`` ranks ``stride`` apart
-that spans nodes runs at ``min(NVLink, members per node * InfiniBand)`` per GPU, since each of a node's
-members drives its own adapter (rail-aligned rings); inside a node at NVLink speed.
+Placement (parallel.topology: tp fastest, then cp, dp, pp; megazero.plan.links): a group of ``size`` ranks
+``stride`` apart that spans nodes runs at ``min(NVLink, members per node * InfiniBand)`` per GPU, since each of
+a node's members drives its own adapter (rail-aligned rings); inside a node at NVLink speed.
 """
 
 from __future__ import annotations
@@ -47,8 +49,10 @@ from megazero.config.schema import Config
 from megazero.costs import head_flops_per_token, layers_flops_per_token, model_shape
 from megazero.plan.activations import activation_bytes_per_layer
 from megazero.plan.cluster import Cluster
+from megazero.plan.context import cp_seconds, local_seq_len
 from megazero.plan.dispatch import moe_layer_activation_bytes
 from megazero.plan.fits import stage_bytes
+from megazero.plan.links import all_to_all, group_link, nested_link, ring
 from megazero.plan.stage_plan import Plan, make_plan
 from megazero.plan.state_bytes import grad_bytes_per_param
 from models.arch import expert_hidden, ffn_hidden, is_llama, moe_layer_count
@@ -89,6 +93,7 @@ class StepTime:
     terms: dict = field(default_factory=dict)
     elementwise: float = 0.0  # memory-bound kernels of the bottleneck stage, forward + backward
     ep_comm: float = 0.0  # a mixture of experts' all-to-alls on the bottleneck stage
+    cp_comm: float = 0.0  # context parallelism's K/V transfers (the part attention cannot hide) or all-to-alls
 
 
 def _efficiency(c: Constants, intensity: float, ridge: float) -> float:
@@ -100,44 +105,6 @@ def _intensity(m: float, k: float, n: float) -> float:
     """FLOPs per byte of an (M x K) @ (K x N) matmul reading both operands and writing the result once
     (2MKN FLOPs over 2(MK + KN + MN) bf16 bytes)."""
     return m * k * n / (m * k + k * n + m * n)
-
-
-def group_link(cluster: Cluster, size: int, stride: int) -> tuple[float, float]:
-    """(bytes/s per GPU, latency) of a collective over ``size`` ranks ``stride`` apart in rank order.
-
-    Inside a node: NVLink. Across nodes: every GPU has its own adapter, so a group with g members per node
-    drives g adapters at once (NCCL's rail-aligned rings): g * inter_node, at most the NVLink speed."""
-    node = cluster.gpus_per_node
-    per_node = max(1, min(size, node // stride)) if stride < node else 1
-    if size <= per_node and (stride * (size - 1)) < node:
-        return cluster.link(False)
-    bandwidth, latency = cluster.link(True)
-    return min(per_node * bandwidth, cluster.intra_node_gbps * 1e9), latency
-
-
-def all_to_all(cluster: Cluster, sent: float, calls: float, size: int, stride: int, c: Constants) -> float:
-    """``calls`` all-to-alls over ``size`` ranks ``stride`` apart that send ``sent`` bytes to the other ranks in
-    all: each rank sends an equal share to every peer, those on its node over NVLink and the rest through its
-    own adapter at the same time, so the slower of the two paths sets the time; plus each call's hops."""
-    if size <= 1 or not sent:
-        return 0.0
-    node = cluster.gpus_per_node
-    local = max(1, min(size, node // stride)) if stride < node else 1  # ranks of the group on one node
-    intra_bw, intra_lat = cluster.link(False)
-    inter_bw, inter_lat = cluster.link(True)
-    on_node = sent * (local - 1) / (size - 1)
-    off_node = sent - on_node
-    seconds = max(on_node / intra_bw, off_node / inter_bw) / c.comm_eff
-    return seconds + calls * (size - 1) * (inter_lat if off_node else intra_lat)
-
-
-def ring(nbytes: float, n: int, link: tuple[float, float], c: Constants, passes: float = 2.0) -> float:
-    """A ring collective over n ranks: passes*(n-1)/n of the bytes at the link's achieved bandwidth, plus its
-    hops' latency (all-reduce: 2 passes; all-gather or reduce-scatter: 1)."""
-    if n <= 1:
-        return 0.0
-    bandwidth, latency = link
-    return passes * (n - 1) / n * nbytes / (bandwidth * c.comm_eff) + passes * (n - 1) * latency
 
 
 def _recomputed_share(cfg: Config, layers_per_chunk: int) -> float:
@@ -180,12 +147,14 @@ def _layer_matmuls(cfg: Config, tokens: float, moe: bool) -> list[tuple[float, f
     return out + (swiglu(tokens, e.shared_experts * fe, tp, 1.0) if e.shared_experts else [])
 
 
-def _matmul_slowdown(cfg: Config, cluster: Cluster, c: Constants, chunks: list[range], head: bool) -> float:
-    """Mean of 1/efficiency over a stage's FLOPs: its matmul time is flops * this / peak."""
+def _matmul_slowdown(cfg: Config, cluster: Cluster, c: Constants, chunks: list[range],
+                     head: bool) -> tuple[float, float]:
+    """(mean of 1/efficiency over a stage's FLOPs: its matmul time is flops * this / peak; the same over its
+    layers' matmuls alone, at which the attention products run)."""
     m, tp = cfg.model, cfg.parallel.tp
     ridge = cluster.peak_tflops * 1e12 / (cluster.hbm_gbps * 1e9)
     # tp_overlap (Domino) runs each microbatch as two halves: each half's matmuls have half the rows
-    tokens = cfg.train.micro_batch * m.seq_len // (2 if cfg.parallel.tp_overlap and tp > 1 else 1)
+    tokens = cfg.train.micro_batch * local_seq_len(cfg) // (2 if cfg.parallel.tp_overlap and tp > 1 else 1)
     moe = sum(moe_layer_count(m, r) for r in chunks)
     kinds = [(n, mats) for n, mats in ((sum(len(r) for r in chunks) - moe, _layer_matmuls(cfg, tokens, False)),
                                        (moe, _layer_matmuls(cfg, tokens, True) if moe else [])) if n]
@@ -198,14 +167,14 @@ def _matmul_slowdown(cfg: Config, cluster: Cluster, c: Constants, chunks: list[r
     slow_a = slow_w
     slow_h = 1 / _efficiency(c, _intensity(tokens, m.hidden, m.padded_vocab / tp), ridge)
     share = _flops_split(cfg, chunks, head)
-    return share["weights"] * slow_w + share["attention"] * slow_a + share["head"] * slow_h
+    return share["weights"] * slow_w + share["attention"] * slow_a + share["head"] * slow_h, slow_a
 
 
 def _layer_activation_bytes(cfg: Config, c: Constants) -> int:
     """Bytes one layer keeps for backward per microbatch without recompute (megazero.plan.stage_plan's count): the
     tensors its memory-bound kernels write and read."""
     m, par = cfg.model, cfg.parallel
-    return activation_bytes_per_layer(m.seq_len, cfg.train.micro_batch, m.hidden, m.heads, par.tp,
+    return activation_bytes_per_layer(local_seq_len(cfg), cfg.train.micro_batch, m.hidden, m.heads, par.tp,
                                       par.sequence_parallel and par.tp > 1, False,
                                       flash=not c.materialised_scores, precision=cfg.train.precision,
                                       ffn=m.ffn_hidden, kv_heads=m.kv_head_count, swiglu=is_llama(m),
@@ -224,11 +193,11 @@ def step_time(cfg: Config, cluster: Cluster, c: Constants = Constants(), plan: O
     ``make_plan(cfg)`` already made (a fit calls this many times per config)."""
     plan = make_plan(cfg) if plan is None else plan
     m, par, t, z = cfg.model, cfg.parallel, cfg.train, cfg.zero
-    tp, pp, dp = par.tp, par.pp, par.dp
+    tp, pp, dp, cp = par.tp, par.pp, par.dp, par.cp
     peak = cluster.peak_tflops * 1e12
     hbm = cluster.hbm_gbps * 1e9
     mb = plan.microbatches  # per dp replica
-    act = t.micro_batch * m.seq_len * m.hidden * ACT_BYTES
+    act = t.micro_batch * local_seq_len(cfg) * m.hidden * ACT_BYTES  # one microbatch's (a cp rank's part)
     layer_bytes = _layer_activation_bytes(cfg, c)
     moe_bytes = moe_layer_activation_bytes(cfg, False, flash=not c.materialised_scores) if m.moe.experts else 0
     tp_link = group_link(cluster, tp, 1)
@@ -238,10 +207,12 @@ def step_time(cfg: Config, cluster: Cluster, c: Constants = Constants(), plan: O
         layers = sum(len(r) for r in s.layers)
         dense = layers - s.moe_layers
         share = sum(_recomputed_share(cfg, len(r)) * len(r) for r in s.layers) / max(1, layers)
-        compute = s.flops * _matmul_slowdown(cfg, cluster, c, s.layers, s.logits > 0) / peak
+        slowdown, layer_slowdown = _matmul_slowdown(cfg, cluster, c, s.layers, s.logits > 0)
+        compute = s.flops * slowdown / peak
         kept = dense * layer_bytes + s.moe_layers * moe_bytes
         elementwise = c.hbm_passes * (kept + s.logits) * mb / hbm
-        head_share = _flops_split(cfg, s.layers, s.logits > 0)["head"]
+        split = _flops_split(cfg, s.layers, s.logits > 0)
+        head_share = split["head"]
         layer_time = compute * (1 - head_share) + c.hbm_passes * kept * mb / hbm
         recompute = share * layer_time / 3  # the forward again: a third of forward + backward
         collectives = layers * (4 + 2 * share) if not s.moe_layers else \
@@ -249,47 +220,50 @@ def step_time(cfg: Config, cluster: Cluster, c: Constants = Constants(), plan: O
         tp_comm = ring(collectives * mb * act, tp, tp_link, c, passes=2.0)
         if par.tp_overlap:
             tp_comm *= 1 - c.tp_hidden
-        # the plan's bytes leaving this rank per step; ep ranks are adjacent within dp, tp apart
-        ep_comm = all_to_all(cluster, s.all_to_all, s.moe_layers * mb * (4 + 2 * share), par.ep, tp, c)
-        work = compute + elementwise + recompute + tp_comm + ep_comm
+        # the plan's bytes leaving this rank per step; ep ranks are adjacent within dp, tp * cp apart
+        ep_comm = all_to_all(cluster, s.all_to_all, s.moe_layers * mb * (4 + 2 * share), par.ep, tp * cp, c)
+        attention = s.flops * split["attention"] * layer_slowdown / peak / max(1, layers * mb)  # a layer's
+        cp_comm = layers * mb * cp_seconds(cfg, cluster, c, attention, share)
+        work = compute + elementwise + recompute + tp_comm + ep_comm + cp_comm
         if worst is None or work > worst["work"]:
             worst = dict(work=work, compute=compute, elementwise=elementwise, recompute=recompute,
-                         tp_comm=tp_comm, ep_comm=ep_comm, stage=s)
+                         tp_comm=tp_comm, ep_comm=ep_comm, cp_comm=cp_comm, stage=s)
     work, s = worst["work"], worst["stage"]
     stretched = work / (1 - plan.bubble) if plan.bubble < 1 else float("inf")
     bubble = stretched - work
 
     # pipeline transfers: one microbatch's activations (1/tp of them with sequence parallelism)
     p2p_bytes = act / (tp if par.sequence_parallel else 1)
-    crosses = tp * dp * pp > cluster.gpus_per_node  # some stage boundary crosses nodes: one GPU's adapter
+    crosses = tp * cp * dp * pp > cluster.gpus_per_node  # some stage boundary crosses nodes: one GPU's adapter
     bandwidth, latency = cluster.link(crosses)
     one = p2p_bytes / (bandwidth * c.comm_eff) + latency
     hops = 2 * (pp - 1) if par.overlap_p2p else 2 * mb * par.virtual_stages
     p2p = 0.0 if pp == 1 else hops * one
 
-    # data parallelism: this rank's gradients and ZeRO's gathers against what hides them; the routed experts'
-    # over their edp group (tp * ep apart), the rest over dp
-    dp_link = group_link(cluster, dp, tp)
+    # data parallelism: this rank's gradients and ZeRO's gathers against what hides them, over dp x cp (the cp
+    # ranks see other tokens of the same samples: dp * cp ranks tp apart); the routed experts' over edp x cp
+    # (cp ranks tp apart, edp ranks tp * cp * ep apart)
+    dp_link, grads = group_link(cluster, dp * cp, tp), dp * cp
     edp, experts = dp // par.ep, (s.experts if par.ep > 1 else 0)
-    edp_link = group_link(cluster, edp, tp * par.ep)
+    edp_link = nested_link(cluster, cp, tp, edp, tp * cp * par.ep)
     params = s.params - experts
     forward = (worst["compute"] + worst["elementwise"]) / 3 / mb  # one microbatch's forward
     backward = work / mb - forward  # one microbatch's backward (its recompute and tp collectives included)
     policy = StagePolicy.of(z.stage)
     # ZeRO-0 all-reduces whole gradients; a sharded optimizer reduce-scatters them and gathers the parameters
     passes = 1.0 if policy.shard_optimizer else 2.0
-    reduce = ring(params * _grad_bytes(cfg), dp, dp_link, c, passes=passes)
-    gather = ring(params * ACT_BYTES, dp, dp_link, c, passes=1.0) if policy.shard_optimizer else 0.0
+    reduce = ring(params * _grad_bytes(cfg), grads, dp_link, c, passes=passes)
+    gather = ring(params * ACT_BYTES, grads, dp_link, c, passes=1.0) if policy.shard_optimizer else 0.0
     if experts:
-        reduce += ring(experts * _grad_bytes(cfg), edp, edp_link, c, passes=passes)
-        gather += ring(experts * ACT_BYTES, edp, edp_link, c, passes=1.0) if policy.shard_optimizer else 0.0
+        reduce += ring(experts * _grad_bytes(cfg), edp * cp, edp_link, c, passes=passes)
+        gather += ring(experts * ACT_BYTES, edp * cp, edp_link, c, passes=1.0) if policy.shard_optimizer else 0.0
     gather_hide = forward  # ZeRO-1/2: the updated parameters gathered behind the next first forward
     if policy.shard_params:  # each layer gathered before its forward and its backward, prefetched behind the previous
         gathers = 2 * mb if z.reshard_after_forward else 1
         gather *= gathers
         gather_hide = work if z.reshard_after_forward else forward
     dp_comm = max(0.0, reduce - backward) + max(0.0, gather - gather_hide)
-    shard = -(-params // dp) + -(-experts // edp) if policy.shard_optimizer else params + experts
+    shard = -(-params // grads) + -(-experts // (edp * cp)) if policy.shard_optimizer else params + experts
     optimizer = shard * OPTIMIZER_BYTES / hbm
     total = stretched + p2p + dp_comm + optimizer
     memory = max(stage_bytes(cfg, st, "cuda") for st in plan.stages)
@@ -297,8 +271,9 @@ def step_time(cfg: Config, cluster: Cluster, c: Constants = Constants(), plan: O
                     total, memory,
                     {"dp_reduce": reduce, "dp_gather": gather, "dp_hideable": backward, "p2p_one": one,
                      "efficiency": s.flops / peak / worst["compute"] if worst["compute"] else 0.0,
-                     "bubble_share": plan.bubble, "stage": s.pp_rank, "ep_comm": worst["ep_comm"]},
-                    worst["elementwise"], worst["ep_comm"])
+                     "bubble_share": plan.bubble, "stage": s.pp_rank, "ep_comm": worst["ep_comm"],
+                     "cp_comm": worst["cp_comm"]},
+                    worst["elementwise"], worst["ep_comm"], worst["cp_comm"])
 
 
 def _grad_bytes(cfg: Config) -> int:

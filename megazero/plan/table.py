@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from megazero.plan.context import local_seq_len
 from megazero.plan.fits import stage_bytes
 from megazero.plan.stage_plan import GB, Plan, StageBalance
 from megazero.plan.state_bytes import BYTES_PER_VALUE, grad_bytes_per_param, optimizer_bytes_per_param
@@ -90,8 +91,10 @@ def format_plan(plan: Plan) -> str:
     gathers, grad_bufs = policy.shard_params, policy.shard_grads  # ZeRO-3's gathered layers, ZeRO-2/3's buffers
     moe = m.moe.experts > 0
     ep = f" (ep {par.ep} x edp {par.dp // par.ep})" if moe else ""
+    context = par.cp > 1
+    cp = f" x cp {par.cp} ({par.cp_mode})" if context else ""
     lines = [
-        f"dry run of {cfg.source}: world {plan.world_size} = tp {par.tp} x pp {par.pp} x dp {par.dp}{ep} | "
+        f"dry run of {cfg.source}: world {plan.world_size} = tp {par.tp} x pp {par.pp} x dp {par.dp}{ep}{cp} | "
         f"zero stage {z.stage} | precision {t.precision} | schedule {sched} | sequence parallel "
         f"{'on' if sp else 'off'} | activation checkpointing {'on' if ckpt else 'off'}",
         f"model: {m.arch}, {m.layers} layers, hidden {m.hidden:,}, {m.heads} heads"
@@ -100,14 +103,15 @@ def format_plan(plan: Plan) -> str:
         f"{', untied head' if not m.tie_embeddings else ''})",
     ] + ([_moe_line(plan)] if moe else []) + [
         "",
-        "per rank, one row per pipeline stage (its tp and dp ranks hold and do the same); memory in GB (1e9 bytes)",
+        f"per rank, one row per pipeline stage (its tp{', cp' if context else ''} and dp ranks hold and do the "
+        "same); memory in GB (1e9 bytes)",
     ]
     header = ["stage", "layers", "global ranks", "params/rank"] + (["experts/rank"] if moe else [])
     header += [k + (" (cpu)" if where.get(k) == "cpu" else "") for k in ("params", "grads", "optimizer")]
     header += ["device"] + (["experts"] if moe else []) + ["cpu", "act ckpt" + ("*" if ckpt else ""),
                                                            "act full" + ("" if ckpt else "*"), "mb held"] \
         + (["gathered"] if gathers else []) + (["grad bufs"] if grad_bufs else []) \
-        + (["dispatch", "a2a/step"] if moe else []) + ["total*", "TFLOP/step"]
+        + (["dispatch", "a2a/step"] if moe else []) + (["cp/step"] if context else []) + ["total*", "TFLOP/step"]
     rows = []
     for s in plan.stages:
         ms = s.model_state
@@ -115,7 +119,8 @@ def format_plan(plan: Plan) -> str:
         state = [f"{ms[k] / GB:.2f}" for k in ("params", "grads", "optimizer", "device_total")]
         rows.append([str(s.pp_rank), ",".join(f"{r.start}-{r.stop - 1}" if len(r) > 1 else str(r.start)
                                               for r in s.layers),
-                     f"{fmt_ranges(s.ranks)} ({par.dp} dp x {par.tp} tp)", f"{s.params:,}"]
+                     f"{fmt_ranges(s.ranks)} ({par.dp} dp x {f'{par.cp} cp x ' if context else ''}{par.tp} tp)",
+                     f"{s.params:,}"]
                     + ([f"{s.experts:,}"] if moe else []) + state
                     + ([f"{s.expert_state['device_total'] / GB:.2f}"] if moe else [])
                     + [f"{ms['cpu_total'] / GB:.2f}", f"{s.act_ckpt / GB:.2f}", f"{s.act_full / GB:.2f}",
@@ -123,6 +128,7 @@ def format_plan(plan: Plan) -> str:
                     + ([f"{s.gathered / GB:.2f}"] if gathers else [])
                     + ([f"{s.grad_buffers / GB:.2f}"] if grad_bufs else [])
                     + ([f"{s.dispatch / GB:.2f}", f"{s.all_to_all / GB:.2f}"] if moe else [])
+                    + ([f"{s.context / GB:.2f}"] if context else [])
                     + [f"{stage_bytes(cfg, s, 'cuda') / GB:.2f}",
                        f"{s.flops / 1e12:,.{1 if s.flops >= 1e13 else 4}f}"])
     lines += _table(header, rows, left=3)
@@ -131,15 +137,16 @@ def format_plan(plan: Plan) -> str:
     last = plan.stages[-1]
     lines += [
         "",
-        f"  model state: ZeRO stage {z.stage} over dp {par.dp}, {b} B/param for params, {g} for grads, {k} B/param "
-        f"optimizer (Adam moments{' + fp32 master' if b != 4 else ''}); Rajbhandari et al. SC'20, Fig. 1",
+        f"  model state: ZeRO stage {z.stage} over dp {par.dp}{f' x cp {par.cp}' if context else ''}, {b} B/param "
+        f"for params, {g} for grads, {k} B/param optimizer (Adam moments{' + fp32 master' if b != 4 else ''}); "
+        "Rajbhandari et al. SC'20, Fig. 1",
         f"  activations: Korthikanti et al. 2022 §4 per layer, {'fp32' if b == 4 else '16-bit'}, flash attention "
         f"(no s x s scores), micro_batch {t.micro_batch}; x layers x microbatches held ('mb held', peak of the "
         f"{par.schedule} schedule); act ckpt adds one layer being recomputed"
         + (f" where a chunk has no more than {m.checkpoint_layers} layers (one that keeps some layers' full "
            f"activations frees them before it recomputes)" if m.checkpoint_layers else "") + "; the last stage adds fp32 logits "
         f"({last.logits / GB:.2f} GB per microbatch)",
-    ] + (_moe_notes(plan) if moe else []) + [
+    ] + (_moe_notes(plan) if moe else []) + ([_context_note(plan)] if context else []) + [
         "  * = what this config uses; total* = device model state + activations"
         + (" + gathered (ZeRO-3: the root and two layers whole, or the whole stage with "
            "zero.reshard_after_forward=false)" if gathers else "")
@@ -174,6 +181,18 @@ def format_plan(plan: Plan) -> str:
         ["pp stages", fmt_balance(plan.balance)],
     ], left=2)[1:]]
     return "\n".join(lines)
+
+
+def _context_note(plan: Plan) -> str:
+    """What context parallelism's columns assume (megazero.plan.context)."""
+    par = plan.cfg.parallel
+    how = ("per layer and microbatch (cp-1) transfers of its K and V forward, again in backward with cp of "
+           "their fp32 gradients, and again in a recomputed forward" if par.cp_mode == "ring" else
+           "per layer and microbatch 4 all-to-alls forward and 4 backward (4 more recomputed) of q, k, v and the "
+           "output, (cp-1)/cp of each")
+    return (f"  context: each of the cp {par.cp} ranks keeps {local_seq_len(plan.cfg):,} tokens of every sequence "
+            f"(activations and logits at that length; model state over dp x cp); cp/step: GB a rank sends to "
+            f"other cp ranks per step, {how}")
 
 
 def _moe_line(plan: Plan) -> str:

@@ -90,7 +90,7 @@ def _calls_and_imports(path: Path) -> list[str]:
 
 DOWNSTREAM = [ROOT / "megazero" / "plan" / f for f in ("stage_plan.py", "params.py", "state_bytes.py",
                                                        "activations.py", "simulate.py", "step_time.py", "fits.py",
-                                                       "table.py", "tracker.py")] \
+                                                       "table.py", "tracker.py", "context.py", "links.py")] \
     + sorted(p for p in (ROOT / "megazero" / "train").glob("*.py") if p.name != "run.py") \
     + sorted((ROOT / "megazero" / "engine").glob("*.py"))
 

@@ -140,11 +140,11 @@ def test_json_lists_the_ranked_layouts_with_typed_keys(capsys):
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == 3
     types = {"tp": int, "pp": int, "dp": int, "virtual_stages": int, "schedule": str, "zero_stage": int,
-             "micro_batch": int, "recompute": str, "ep": int, "memory_gb": float, "step_s": float, "tflops_per_gpu": float,
-             "mfu": float}
+             "micro_batch": int, "recompute": str, "ep": int, "cp": int, "cp_mode": str, "memory_gb": float,
+             "step_s": float, "tflops_per_gpu": float, "mfu": float}
     for row in rows:
         assert set(row) == set(types) and all(type(row[k]) is t for k, t in types.items())
-        assert row["tp"] * row["pp"] * row["dp"] == 8
+        assert row["tp"] * row["pp"] * row["dp"] * row["cp"] == 8
     assert rows[0]["step_s"] <= rows[1]["step_s"] <= rows[2]["step_s"]
 
 
