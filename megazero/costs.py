@@ -97,6 +97,13 @@ def model_flops_per_token(model_cfg: Any) -> float:
     return layers_flops_per_token(m, range(m.layers)) + head_flops_per_token(m)
 
 
+def attention_flops_per_token(model_cfg: Any) -> float:
+    """The attention score and value products' part of :func:`model_flops_per_token`, 12·L·s·q: what document
+    masking scales down (:func:`parallel.sequence.document_mask_share`)."""
+    m = model_cfg
+    return layers_flops_per_token(m, range(m.layers)) - layers_flops_per_token(m, range(m.layers), seq_len=0)
+
+
 def pipeline_costs(m: Any, tp: int = 1, precision: str = "fp32", device: str = "cuda") -> StageCosts:
     """What one rank computes per token (parallel.balance): a transformer layer and the output head from the
     FLOPs formula, plus as FLOPs-equivalents of their memory traffic the layer's elementwise work, the cross

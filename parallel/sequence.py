@@ -38,6 +38,18 @@ def document_ids(tokens: Tensor, eos: int) -> Tensor:
     return torch.cumsum(ends, dim=1) - ends  # the end token itself still belongs to its document
 
 
+def document_mask_share(tokens: Tensor, eos: int) -> float:
+    """The share of the causal mask's entries a document mask keeps over the rows of ``tokens`` ((b, s) input
+    ids, on the host): per row, the sum over its documents of l(l+1)/2 over s(s+1)/2. The attention kernels
+    skip what the mask removes, so the attention FLOPs of a step (megazero.costs.attention_flops_per_token)
+    are this share of the causal count."""
+    b, s = tokens.shape
+    rows = torch.arange(b, device=tokens.device).view(b, 1) * (s + 1)  # document ids unique over the rows
+    lengths = torch.unique_consecutive((document_ids(tokens, eos) + rows).flatten(), return_counts=True)[1]
+    lengths = lengths.double()
+    return float((lengths * (lengths + 1)).sum() / (b * s * (s + 1)))
+
+
 def document_positions(documents: Tensor) -> Tensor:
     """(b, s) each token's position inside its document (``data.reset_positions``)."""
     b, s = documents.shape

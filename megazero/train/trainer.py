@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from megazero.checkpoint.writer import CheckpointWriter
 from megazero.config.schema import Config
-from megazero.costs import model_flops_per_token
+from megazero.costs import attention_flops_per_token, model_flops_per_token
 from megazero.data import GPTData
 from megazero.engine.build import build_engine
 from megazero.engine.routers import router_record
@@ -37,6 +37,7 @@ from megazero.train.run_dir import Start, clear_earlier_run
 from megazero.train.run_lock import writer_rank
 from megazero.train.signals import StopSignals, exit_code, signal_name
 from parallel.host import host_values
+from parallel.sequence import document_mask_share
 from parallel.topology import Grid
 
 HISTORY = 100  # step records fit() keeps and returns, the last ones (metrics.jsonl holds every logged step)
@@ -63,7 +64,12 @@ class Trainer:
         self.stop_agreed = 0  # the stop signal some rank received (agreed at the last step), 0 for none
         self.is_writer = grid.rank == writer_rank(grid)
         self.ckpt_root = Path(cfg.log.dir) / "checkpoints"
-        self.flops_per_step = model_flops_per_token(cfg.model) * self.tokens_per_step
+        self.flops_per_step = model_flops_per_token(cfg.model) * self.tokens_per_step  # causal attention
+        # document masking: the kernels skip the masked blocks, so a step's attention FLOPs are those of the mask
+        masked = cfg.data.document_mask and self.data.eos_id >= 0
+        self.document_eos = self.data.eos_id if masked else None
+        self.attention_flops = attention_flops_per_token(cfg.model) * self.tokens_per_step
+        self.step_flops = self.flops_per_step  # the last step's, as the metrics count it
         self.peak = None  # measured lazily, only where it is reported
         self.routers = None
 
@@ -80,6 +86,7 @@ class Trainer:
         microbatches = self.data.train_microbatches(self.consumed_samples, grid.dp_rank, grid.dp,
                                                     cfg.train.micro_batch, cfg.train.global_batch)
         assert len(microbatches) == cfg.microbatches
+        self.step_flops = self.counted_flops(microbatches)
         # a stop requested here: agreed over every rank in the step's own all-reduce
         flags = torch.tensor([float(self.stop.received or 0) if self.stop is not None else 0.0],
                              device=self.device)  # the signal's number: the agreed one is the largest received
@@ -101,6 +108,15 @@ class Trainer:
         self.guard.check(self.step, skipped, result.loss_nonfinite, norm, result.nonfinite_param,
                          scale_at_min=scaler.enabled and scaler.scale <= scaler.min_scale)
         return record
+
+    def counted_flops(self, microbatches: list[torch.Tensor]) -> float:
+        """The step's FLOPs as throughput and MFU count them: the causal count, its attention part scaled by the
+        share of the causal mask the document mask keeps (parallel.sequence.document_mask_share) on this rank's
+        samples, the step's sample of the global batch's documents. A few host ops over the token ids."""
+        if self.document_eos is None:
+            return self.flops_per_step
+        share = sum(document_mask_share(mb[:, :-1], self.document_eos) for mb in microbatches) / len(microbatches)
+        return self.flops_per_step - self.attention_flops * (1.0 - share)
 
     def evaluate(self) -> dict:
         """The validation losses now (see ``megazero.train.evaluation``)."""
@@ -164,12 +180,13 @@ class Trainer:
         writer = CheckpointWriter(self.ckpt_root, cfg.train.keep_last, cfg.train.async_save, self.grid.timeout)
         traced = False
         try:
-            window_time, window_steps = 0.0, 0
+            window_time, window_steps, window_flops = 0.0, 0, 0.0
             while self.step < stop_at:
                 t0 = time.perf_counter()
                 record = self.train_step()  # .item() on the loss waits for the device: the time is real
                 window_time += time.perf_counter() - t0
                 window_steps += 1
+                window_flops += self.step_flops
                 traced = True
                 writer.poll()
                 step = self.step
@@ -177,13 +194,13 @@ class Trainer:
                     record.update(self.evaluate())
                 if step % cfg.log.every == 0 or step == cfg.train.steps or self.stop_agreed:
                     dt = window_time / window_steps
-                    tflops = self.flops_per_step / dt / self.grid.world_size / 1e12
+                    tflops = window_flops / window_time / self.grid.world_size / 1e12
                     record.update({"tokens_per_s": self.tokens_per_step / dt, "tflops": tflops,
                                    "mfu": tflops / self.peak if self.peak else float("nan")})
                     record.update(memory_record(self.zero, self.device))
                     record.update(router_record(self.routers))
                     logger.log(step, record)
-                    window_time, window_steps = 0.0, 0
+                    window_time, window_steps, window_flops = 0.0, 0, 0.0
                 history.append({"step": step, **record})
                 if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == stop_at \
                         or self.stop_agreed:
