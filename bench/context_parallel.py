@@ -24,6 +24,10 @@ they take. Also step times: ring / cp=1 against the FLOPs ideal (W + cp·A) / (W
 and A the attention's FLOPs per token at cp = 1 (at cp the local queries attend over cp times the keys),
 and ring / blocking.
 
+Balance: the CPU seconds each rank spends in its blocks of attention (``parallel.context``'s block functions,
+timed on the instance of the module this bench runs) per ring step, busiest over least busy rank, beside
+the same ratio of the (query, key) pairs its block plan computes (``parallel.context._block_plan``).
+
 ``--trace PATH`` writes one ring step's timeline as a Chrome trace (open in Perfetto or chrome://tracing):
 per rank, each transfer from its post to the end of its wait, and the host's work in between (the block of
 attention it runs under). The console lists the same: the time the post call held the host, the work under
@@ -63,6 +67,29 @@ WARMUP = 3
 VOCAB, HEAD_DIM, MODEL_SEED, DATA_SEED = 512, 64, 0, 1234
 VARIANTS = ("ring", "blocking", "cp=1")
 CP_TAGS = ("context_kv", "context_grad")
+
+
+class AttentionClock:
+    """CPU seconds the calling thread spends in the ring's block attention, forward and backward:
+    ``parallel.context``'s two block functions wrapped for this process (the bench's own instrumentation; every
+    call goes through). Thread CPU time, not wall time: with more ranks than cores a rank's wall time inside a
+    block includes the time it waited for a core, which measures the machine, not the work. One torch thread
+    per rank (``--threads 1``) keeps the work on this thread."""
+
+    def __init__(self) -> None:
+        import parallel.context as ring
+
+        self.seconds = 0.0
+        for name in ("block_attention", "block_attention_backward"):
+            setattr(ring, name, self._timed(getattr(ring, name)))
+
+    def _timed(self, fn):
+        def call(*args, **kwargs):
+            t0 = time.thread_time()
+            out = fn(*args, **kwargs)
+            self.seconds += time.thread_time() - t0
+            return out
+        return call
 
 
 class RingTimeline:
@@ -137,18 +164,24 @@ def _bench_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
               "cp=1": SequenceSplit(one)(rows[:, rank * args.seq_per_rank:(rank + 1) * args.seq_per_rank + 1],
                                          torch.device("cpu"))}
     timeline = RingTimeline(cp)
+    clock = AttentionClock()
+    attention: list[float] = []
 
     def step(variant: str) -> tuple[float, float]:
         model = models["cp=1" if variant == "cp=1" else "ring"]
         x, t, info = inputs["cp=1" if variant == "cp=1" else "ring"]
         model.zero_grad(set_to_none=True)
         timeline.clear()
+        before = clock.seconds
         timeline.blocking = variant == "blocking"
         dist.barrier()
         t0 = time.perf_counter()
         loss = model(x, t, info)[0].sum() / t.numel()
         loss.backward()
-        return time.perf_counter() - t0, timeline.blocked()
+        elapsed = time.perf_counter() - t0
+        if variant == "ring":
+            attention.append(clock.seconds - before)
+        return elapsed, timeline.blocked()
 
     order = [VARIANTS[(i + j) % 3] for i in range(3) for j in range(3)]  # each first, second and third alike
     for v in order[:WARMUP * 3]:
@@ -168,7 +201,20 @@ def _bench_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
     trace = [{k: (v - origin if isinstance(v, float) and k not in ("bytes",) else v) for k, v in r.items()}
              for r in timeline.records]
     alone = [_transfers_alone(cp, timeline) for _ in range(args.steps)]
-    return {"repeats": repeats, "trace": trace, "alone": statistics.median(alone)}
+    return {"repeats": repeats, "trace": trace, "alone": statistics.median(alone),
+            "attention": statistics.median(attention), "pairs": _planned_pairs(args.seq_per_rank // 2, world, rank)}
+
+
+def _planned_pairs(chunk: int, cp: int, rank: int) -> int:
+    """(query, key) pairs this rank's ring computes by its block plan (a causal block its lower triangle)."""
+    from parallel.context import _block_plan
+
+    pairs = 0
+    for step in range(cp):
+        for rows, keys, causal in _block_plan(step, (rank - step) % cp, rank, chunk):
+            n, m = rows.stop - rows.start, keys.stop - keys.start
+            pairs += n * (n + 1) // 2 if causal else n * m
+    return pairs
 
 
 def _transfers_alone(cp: Comm, timeline: RingTimeline) -> float:
@@ -222,6 +268,11 @@ def _report(results: list[dict], args: argparse.Namespace, world: int) -> None:
     print(f"transfer time hidden: median {statistics.median(hidden):.1%}")
     print(f"step time ring / cp=1 at {args.seq_per_rank} tokens per rank: median {statistics.median(vs_one):.3f} "
           f"(FLOPs ideal {_ideal(args, world):.3f}); ring / blocking: median {statistics.median(vs_blocking):.3f}")
+    seconds = [r["attention"] for r in results]
+    pairs = [r["pairs"] for r in results]
+    print(f"attention per ring step, CPU ms by rank (median): {' '.join(f'{x * 1e3:.1f}' for x in seconds)}; busiest / "
+          f"least busy {max(seconds) / min(seconds):.3f} (block plan's (query, key) pairs: "
+          f"{max(pairs) / min(pairs):.3f})")
     trace = results[0]["trace"]
     print(f"\none traced ring step, rank 0: {len(trace)} transfers (ms from the step's start)")
     print(f"{'#':>3} {'tag':>12} {'KB':>6} {'post at':>8} {'post':>6} {'under':>7} {'wait':>6}")
