@@ -29,6 +29,3 @@ def _check_documents(cfg: Config) -> None:
         if getattr(cfg.data, key) and cfg.parallel.tp_overlap:
             raise invalid(cfg.source, f"data.{key}", True, "does not combine with parallel.tp_overlap=true (its "
                           "halves split the batch, documents are per sample); use one of them")
-    if cfg.data.document_tokens < 0:
-        raise invalid(cfg.source, "data.document_tokens", cfg.data.document_tokens, "must be >= 0 (the documents' "
-                      "mean length in tokens, for the plan; 0: no estimate)")
