@@ -70,12 +70,14 @@ def moe_active_ffn(model_cfg: Any) -> int:
     return (m.moe.top_k + m.moe.shared_experts) * arch.expert_hidden(m)
 
 
-def layers_flops_per_token(model_cfg: Any, layer_ids: range, seq_len: int | None = None) -> float:
+def layers_flops_per_token(model_cfg: Any, layer_ids: range, seq_len: int | None = None,
+                           attention_share: float = 1.0) -> float:
     """Training FLOPs per token of these layers (no head): the dense ones at the model's ffn width, the
     mixtures of experts at their active width plus their router (``seq_len``: the attention products' length,
-    0 for the weight matmuls alone)."""
+    0 for the weight matmuls alone; ``attention_share``: the share of causal attention a document mask leaves,
+    :func:`expected_document_share`)."""
     m = model_cfg
-    s = m.seq_len if seq_len is None else seq_len
+    s = (m.seq_len if seq_len is None else seq_len) * attention_share
     moe_layers = arch.moe_layer_count(m, layer_ids)
     shape = model_shape(m)
     out = flops_per_token(len(layer_ids) - moe_layers, m.hidden, arch.ffn_hidden(m), s, 0, **shape)
@@ -90,11 +92,27 @@ def head_flops_per_token(model_cfg: Any) -> float:
     return flops_per_token(0, m.hidden, arch.ffn_hidden(m), m.seq_len, m.padded_vocab, **model_shape(m))
 
 
-def model_flops_per_token(model_cfg: Any) -> float:
+def model_flops_per_token(model_cfg: Any, attention_share: float = 1.0) -> float:
     """The whole model's training FLOPs per token (every layer and the head), as throughput and MFU count: active
-    parameters only under a mixture of experts."""
+    parameters only under a mixture of experts; the attention scaled by ``attention_share`` (document masks)."""
     m = model_cfg
-    return layers_flops_per_token(m, range(m.layers)) + head_flops_per_token(m)
+    return layers_flops_per_token(m, range(m.layers), attention_share=attention_share) + head_flops_per_token(m)
+
+
+def expected_document_share(document_tokens: int, seq_len: int) -> float:
+    """The share of causal attention a document mask leaves when samples pack documents of ``document_tokens``
+    tokens: each keeps L(L+1)/2 of a sample's s(s+1)/2 mask entries and s/L of them fill it, (L+1)/(s+1).
+    1 without an estimate (0) or for documents as long as the sample. The planner's estimate; a run measures
+    its documents' share (parallel.sequence.document_mask_share)."""
+    if document_tokens <= 0 or document_tokens >= seq_len:
+        return 1.0
+    return (document_tokens + 1) / (seq_len + 1)
+
+
+def plan_attention_share(cfg: Any) -> float:
+    """:func:`expected_document_share` of a config: data.document_tokens under data.document_mask, else 1."""
+    d = cfg.data
+    return expected_document_share(d.document_tokens, cfg.model.seq_len) if d.document_mask else 1.0
 
 
 def attention_flops_per_token(model_cfg: Any) -> float:

@@ -50,7 +50,7 @@ _MIN = {
     ("model.moe", "shared_experts"): 0, ("model.moe", "dense_layers"): 0, ("model.moe", "every"): 1,
     ("model.moe", "routed_scaling_factor"): 1e-6, ("model.moe", "bias_update_rate"): 0.0,
     ("model.moe", "aux_loss"): 0.0, ("model.moe", "z_loss"): 0.0, ("model.moe", "capacity_factor"): 0.0,
-    ("parallel", "ep"): 1, ("parallel", "cp"): 1,
+    ("parallel", "ep"): 1, ("parallel", "cp"): 1, ("data", "document_tokens"): 0,
     ("launch", "timeout_minutes"): 0.01,  # > 0: torch counts in milliseconds, so less would round to no wait
 }
 
@@ -98,6 +98,7 @@ _MAX = {
     ("launch", "timeout_minutes"): 10080.0,  # a week; timedelta and NCCL's milliseconds hold it easily
     ("launch", "memory_gb"): 2.0 ** 40,  # a TB of TB; bytes stay exact in float64
     ("launch", "rank"): MAX_WORLD - 1,  # below the world size, checked once the world is known
+    ("data", "document_tokens"): 2 ** 20,  # as model.seq_len: a document past the sample changes nothing
     ("model.moe", "experts"): 2 ** 16,  # DeepSeek-V3: 256; per-expert counts and biases are E-long vectors
     ("model.moe", "top_k"): 2 ** 16,  # at most experts, checked by the rules
     ("model.moe", "expert_hidden"): 2 ** 20,  # as model.ffn_hidden

@@ -22,7 +22,7 @@ from typing import Optional
 
 from megazero.config.schema import Config
 from megazero.costs import (compute_device, head_flops_per_token, layers_flops_per_token, model_flops_per_token,
-                            pipeline_costs)
+                            pipeline_costs, plan_attention_share)
 from megazero.plan.activations import (LOGIT_BYTES, activation_bytes_per_layer, activation_peak, peak_microbatches,
                                       pipeline_bubble)
 from megazero.plan.context import local_seq_len, sent_bytes, ulysses_kept_bytes
@@ -145,7 +145,7 @@ def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action], p
         ckpt += max(largest(vs) for vs in chunks if recomputed(vs) == len(ranges[vs]))
     moe_layers = sum(moe_in[vs] for vs in chunks)
     tokens = t.global_batch * m.seq_len // (par.dp * par.cp)  # this (dp, cp) rank's share
-    per_token = sum(layers_flops_per_token(m, ranges[vs]) for vs in chunks)
+    per_token = sum(layers_flops_per_token(m, ranges[vs], attention_share=plan_attention_share(cfg)) for vs in chunks)
     per_token += head_flops_per_token(m) if last_vs in chunks else 0
     flops = per_token * tokens / par.tp
     moe_recomputed = sum(arch.moe_layer_count(m, range(ranges[vs].start, ranges[vs].start + recomputed(vs)))
@@ -177,6 +177,6 @@ def make_plan(cfg: Config, memo: Optional[PlanMemo] = None) -> Plan:
     stages = [_stage_plan(cfg, r, ranges, schedule[r], params, memo) for r in range(par.pp)]
     tokens = t.global_batch * m.seq_len
     counts = ModelCounts.of(cfg)
-    return Plan(cfg, par.tp * par.pp * par.dp * par.cp, stages, counts.total, model_flops_per_token(m) * tokens,
+    return Plan(cfg, par.tp * par.pp * par.dp * par.cp, stages, counts.total, model_flops_per_token(m, plan_attention_share(cfg)) * tokens,
                 tokens, mb, pipeline_bubble(par.schedule, par.pp, mb, par.virtual_stages),
                 StageBalance.of(cfg, ranges, memo), counts.active, dispatch_bytes(cfg))

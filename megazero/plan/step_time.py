@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megazero.config.schema import Config
-from megazero.costs import head_flops_per_token, layers_flops_per_token, model_shape
+from megazero.costs import head_flops_per_token, layers_flops_per_token, model_shape, plan_attention_share
 from megazero.plan.activations import activation_bytes_per_layer
 from megazero.plan.cluster import Cluster
 from megazero.plan.context import cp_seconds, local_seq_len
@@ -119,7 +119,7 @@ def _flops_split(cfg: Config, chunks: list[range], head: bool) -> dict[str, floa
     score and value products, and the output head."""
     m = cfg.model
     weights = sum(layers_flops_per_token(m, r, seq_len=0) for r in chunks)
-    attention = sum(layers_flops_per_token(m, r) for r in chunks) - weights
+    attention = sum(layers_flops_per_token(m, r, attention_share=plan_attention_share(cfg)) for r in chunks) - weights
     out = head_flops_per_token(m) if head else 0.0
     total = weights + attention + out
     return {"weights": weights / total, "attention": attention / total, "head": out / total}

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from megazero.costs import plan_attention_share
 from megazero.plan.context import local_seq_len
 from megazero.plan.fits import stage_bytes
 from megazero.plan.stage_plan import GB, Plan, StageBalance
@@ -17,6 +18,17 @@ def fmt_count(n: float) -> str:
         if abs(n) >= div:
             return f"{n:,.0f} ({n / div:.2f}{suffix})"
     return f"{n:,.0f}"
+
+
+def _document_note(cfg) -> str:
+    """How the FLOPs count the document mask: the attention its documents leave, or causal without an estimate."""
+    d = cfg.data
+    if not d.document_mask:
+        return ""
+    if not d.document_tokens:
+        return "; document_mask: attention counted causal (set data.document_tokens to plan what the mask skips)"
+    return (f"; document_mask: attention x {plan_attention_share(cfg):.4f}, the share of causal attention "
+            f"documents of {d.document_tokens:,} tokens leave, (L+1)/(s+1)")
 
 
 def fmt_flops(x: float) -> str:
@@ -172,7 +184,7 @@ def format_plan(plan: Plan) -> str:
                                 f"{m.moe.experts} routed experts{' + shared' if m.moe.shared_experts else ''})"]]
          if moe else []) + [
         ["model FLOPs per step", f"{fmt_flops(plan.flops_per_step)}; even share per rank (/ world "
-                                 f"{plan.world_size}) {fmt_flops(per_rank)}"],
+                                 f"{plan.world_size}) {fmt_flops(per_rank)}" + _document_note(cfg)],
         ["tokens per step", f"{plan.tokens_per_step:,} ({t.global_batch:,} sequences x {m.seq_len:,})"],
         ["microbatches per rank", f"{plan.microbatches} (global_batch {t.global_batch:,} / "
                                   f"(micro_batch {t.micro_batch} x dp {par.dp}))"],

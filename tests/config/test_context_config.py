@@ -22,6 +22,7 @@ ONE = ["parallel.tp=1", "parallel.pp=1", "parallel.sequence_parallel=false"]
      ("data.reset_positions", "tp_overlap")),
     (["parallel.cp=0"], ("parallel.cp", "0")),
     (["parallel.cp_mode=zigzag"], ("parallel.cp_mode", "zigzag", "ring")),
+    (["data.document_mask=true", "data.document_tokens=-1"], ("data.document_tokens", "-1")),
 ])
 def test_bad_context_parallel_input_is_one_line(capsys, sets, fragments):
     argv = ["--config", str(LLAMA), "--dry-run"]

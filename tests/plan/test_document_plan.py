@@ -1,0 +1,55 @@
+"""The plan counts only the attention a document mask leaves (data.document_tokens, the documents' mean length):
+(L+1)/(s+1) of the causal attention FLOPs, in the plan's FLOPs, its per-stage FLOPs and the step-time model,
+where less attention also hides less of a ring's transfers. Without the mask, or without an estimate, nothing
+changes. Exact arithmetic: the same formula evaluated twice (relative 1e-12 for float sums in another order)."""
+from __future__ import annotations
+
+import pytest
+
+from megazero.config.load import load_config
+from megazero.config.resolve import resolve
+from megazero.costs import attention_flops_per_token, expected_document_share, model_flops_per_token
+from megazero.plan.cluster import load_cluster
+from megazero.plan.stage_plan import make_plan
+from megazero.plan.step_time import step_time
+from parallel.sequence import document_mask_share
+from tests.runs import ROOT
+
+SEQ = 8192
+
+
+def _cfg(*sets: str):
+    base = ["model.seq_len=8192", "parallel.tp=8", "parallel.pp=1", "parallel.cp=4", "train.global_batch=64",
+            "train.micro_batch=1"]
+    return resolve(load_config(ROOT / "configs" / "llama3-8b.yaml", base + list(sets)), 256, "cuda")
+
+
+def test_the_expected_share_is_that_of_packed_documents():
+    """(L+1)/(s+1) is what document_mask_share measures on samples packing documents of L tokens."""
+    import torch
+
+    s, length, eos = 64, 16, 0
+    row = torch.ones(1, s, dtype=torch.long)
+    row[0, length - 1::length] = eos  # four documents of 16 tokens
+    assert document_mask_share(row, eos) == pytest.approx(expected_document_share(length, s), rel=1e-12)
+    assert expected_document_share(0, s) == expected_document_share(s, s) == 1.0
+
+
+def test_the_plan_counts_the_attention_the_documents_leave():
+    causal, masked, off = _cfg(), _cfg("data.document_mask=true", "data.document_tokens=1024"), \
+        _cfg("data.document_tokens=1024")  # no mask: the estimate is not used
+    share = expected_document_share(1024, SEQ)
+    attention = attention_flops_per_token(causal.model)
+    tokens = 64 * SEQ
+    p_causal, p_masked, p_off = make_plan(causal), make_plan(masked), make_plan(off)
+    assert p_causal.flops_per_step == pytest.approx(model_flops_per_token(causal.model) * tokens, rel=1e-12)
+    assert p_masked.flops_per_step == pytest.approx(p_causal.flops_per_step - attention * (1 - share) * tokens,
+                                                    rel=1e-12)
+    assert p_off.flops_per_step == p_causal.flops_per_step
+    world = p_masked.world_size
+    assert p_masked.stages[0].flops == pytest.approx(p_masked.flops_per_step / world, rel=1e-12)
+    # the step: less compute, and a ring at cp 4 hides less under the smaller blocks of attention
+    cluster = load_cluster(ROOT / "configs" / "clusters" / "h100-80g.yaml")
+    t_causal, t_masked = step_time(causal, cluster, plan=p_causal), step_time(masked, cluster, plan=p_masked)
+    assert t_masked.compute < t_causal.compute
+    assert t_masked.cp_comm > t_causal.cp_comm
