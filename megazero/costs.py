@@ -100,13 +100,21 @@ def model_flops_per_token(model_cfg: Any, attention_share: float = 1.0) -> float
 
 
 def expected_document_share(document_tokens: int, seq_len: int) -> float:
-    """The share of causal attention a document mask leaves when samples pack documents of ``document_tokens``
-    tokens: each keeps L(L+1)/2 of a sample's s(s+1)/2 mask entries and s/L of them fill it, (L+1)/(s+1).
-    1 without an estimate (0) or for documents as long as the sample. The planner's estimate; a run measures
-    its documents' share (parallel.sequence.document_mask_share)."""
-    if document_tokens <= 0 or document_tokens >= seq_len:
+    """The share of causal attention a document mask leaves in samples of ``seq_len`` tokens cut from a stream of
+    documents of L = ``document_tokens`` tokens at a random offset: a query j tokens into the sample sees
+    min(j, u) + 1 keys, u its place in its document, uniform over 0..L-1. Summed over the s queries and
+    divided by the s(s+1)/2 causal entries: (L+1)(s - (L-1)/3) / (s(s+1)) for L <= s; for L > s the kept
+    entries are s(s-1)/2 - (s-1)s(s+1)/(6L) + s. For documents of varying length, L is the length-weighted
+    mean (sum l^2 / sum l: the length of a token's document, on average), which is what sets the share.
+    1 without an estimate (0)."""
+    s, n = seq_len, document_tokens
+    if n <= 0:
         return 1.0
-    return (document_tokens + 1) / (seq_len + 1)
+    if n <= s:
+        kept = (n + 1) * (3 * s - n + 1) / 6
+    else:  # every query's document may reach past the sample's start
+        kept = s * (s - 1) / 2 - (s - 1) * s * (s + 1) / (6 * n) + s
+    return kept / (s * (s + 1) / 2)
 
 
 def plan_attention_share(cfg: Any) -> float:

@@ -69,6 +69,7 @@ def _ring_steps(comm: Comm, kv: Tensor):
     ``kv``: k and v stacked (2, b, kv_heads, s/cp, d), so that a hop is one send and one receive."""
     cp, rank = comm.size, comm.rank
     cur = kv
+    del kv  # the generator's frame would keep the first buffer alive beside cur and nxt
     for step in range(cp):
         works, nxt = [], None
         if step < cp - 1:

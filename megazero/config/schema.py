@@ -181,9 +181,9 @@ class DataConfig:
     # closes a document); reset_positions restarts positions at each document (Megatron's reset_position_ids)
     document_mask: bool = False
     reset_positions: bool = False
-    # under document_mask, the documents' mean length in tokens for the plan (--dry-run, the planner): the kernels
-    # skip what the mask removes, about (L+1)/(s+1) of causal attention is left; 0: no estimate (causal). A run
-    # counts its own documents.
+    # under document_mask, the length of a token's document for the plan (--dry-run, the planner; sum l^2 / sum l
+    # over varying lengths): the kernels skip what the mask removes (megazero.costs.expected_document_share);
+    # 0: no estimate (causal). A run counts its own documents.
     document_tokens: int = 0
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megazero.config.schema import Config
+from megazero.costs import plan_attention_share
 from megazero.plan.cluster import Cluster
 from megazero.plan.links import Efficiency, all_to_all
 from megazero.plan.state_bytes import BYTES_PER_VALUE
@@ -115,9 +116,16 @@ def cp_seconds(cfg: Config, cluster: Cluster, c: Efficiency, attention: float, r
     def hop(nbytes: float) -> float:
         return nbytes / (bandwidth * c.comm_eff) + latency
 
-    forward_block, backward_block = attention / 3 / cp, 2 * attention / 3 / cp
-    forward = (cp - 1) * max(0.0, hop(one.kv) - forward_block)
+    # step 0 is the rank's own block, 1/cp of its causal attention; the other steps' blocks share the rest. A
+    # document mask keeps ``attention`` of it: the own block keeps what it can, the other steps only what is left
+    # (short documents: almost nothing, as parallel.context skips blocks without a shared document, so the
+    # transfers under them go unhidden)
+    causal = attention / plan_attention_share(cfg)
+    own = min(attention, causal / cp)
+    other = (attention - own) / (cp - 1)
+    # forward step j posts the next K/V under its block (j < cp - 1)
+    forward = max(0.0, hop(one.kv) - own / 3) + (cp - 2) * max(0.0, hop(one.kv) - other / 3)
     # backward step j: the next K/V (j < cp - 1) and the previous step's dK/dV (j >= 1) in flight
-    backward = max(0.0, hop(one.kv) - backward_block) + (cp - 2) * max(0.0, hop(one.kv + one.grads) - backward_block)
-    backward += max(0.0, hop(one.grads) - backward_block) + hop(one.grads)  # the last hop home: nothing hides it
+    backward = max(0.0, hop(one.kv) - 2 * own / 3) + (cp - 2) * max(0.0, hop(one.kv + one.grads) - 2 * other / 3)
+    backward += max(0.0, hop(one.grads) - 2 * other / 3) + hop(one.grads)  # the last hop home: nothing hides it
     return forward * (1 + recomputed) + backward

@@ -28,7 +28,7 @@ def _document_note(cfg) -> str:
     if not d.document_tokens:
         return "; document_mask: attention counted causal (set data.document_tokens to plan what the mask skips)"
     return (f"; document_mask: attention x {plan_attention_share(cfg):.4f}, the share of causal attention "
-            f"documents of {d.document_tokens:,} tokens leave, (L+1)/(s+1)")
+            f"documents of {d.document_tokens:,} tokens leave (megazero.costs.expected_document_share)")
 
 
 def fmt_flops(x: float) -> str:

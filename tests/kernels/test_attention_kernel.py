@@ -278,8 +278,10 @@ def test_autotuned_launch_covers_every_block(monkeypatch, causal):
     The held block (queries for fwd and dQ, keys for dK/dV) is the smaller one, so a grid counted in the
     other block size launches too few programs and leaves rows unwritten."""
     blocks = {"fwd": (16, 32), "dkdv": (32, 16), "dq": (16, 32), "dkdvq": (32, 16)}
-    tuned = {(kind, d): triton.autotune([triton.Config({"BLOCK_M": blocks[kind][0], "BLOCK_N": blocks[kind][1]})],
-                                        key=FA._KEY)(FA._KERNELS[kind]) for kind in blocks for d in (64, 128)}
+    tuned = {(kind, d, docs): triton.autotune([triton.Config({"BLOCK_M": blocks[kind][0],
+                                                             "BLOCK_N": blocks[kind][1]})],
+                                              key=FA._KEY)(FA._KERNELS[kind])
+             for kind in blocks for d in (64, 128) for docs in (False, True)}
     s, d = 100, 64
     torch.manual_seed(5)
     q, k, v, do = (torch.randn(2, 2, s, d) for _ in range(4))

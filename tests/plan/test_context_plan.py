@@ -147,6 +147,12 @@ def test_the_ring_hides_under_long_attention_and_not_under_short():
     assert cp_seconds(cfg, H100, c, attention=1.0, recomputed=0.0) == pytest.approx(hop(one.grads))
     exposed = 3 * hop(one.kv) + hop(one.kv) + 2 * hop(one.kv + one.grads) + hop(one.grads) + hop(one.grads)
     assert cp_seconds(cfg, H100, c, attention=0.0, recomputed=0.0) == pytest.approx(exposed)
+    # short documents (a mask keeping under 1/cp of causal attention): the rank's own block holds all of it, so
+    # even a long attention hides only the first hop each way; the later steps' blocks are skipped
+    short = small(16, "parallel.tp=4", "parallel.dp=1", "parallel.cp=4", "data.document_mask=true",
+                  "data.document_tokens=4")
+    later = 2 * hop(one.kv) + 2 * hop(one.kv + one.grads) + hop(one.grads) + hop(one.grads)
+    assert cp_seconds(short, H100, c, attention=1.0, recomputed=0.0) == pytest.approx(later)
     # in the step: Llama 3 8B at 131072 tokens over cp 8 (16384 a rank) hides all but the last hop; at 8192
     # tokens (1024 a rank) the blocks are 256 times smaller and the transfers show
     def step(seq: int):

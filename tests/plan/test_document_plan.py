@@ -1,7 +1,8 @@
-"""The plan counts only the attention a document mask leaves (data.document_tokens, the documents' mean length):
-(L+1)/(s+1) of the causal attention FLOPs, in the plan's FLOPs, its per-stage FLOPs and the step-time model,
-where less attention also hides less of a ring's transfers. Without the mask, or without an estimate, nothing
-changes. Exact arithmetic: the same formula evaluated twice (relative 1e-12 for float sums in another order)."""
+"""The plan counts only the attention a document mask leaves (data.document_tokens, the length L of a token's
+document): the share of causal attention documents of L tokens leave in samples cut at random offsets, in the
+plan's FLOPs, its per-stage FLOPs and the step-time model, where less attention also hides less of a ring's
+transfers. Without the mask, or without an estimate, nothing changes. Exact arithmetic (relative 1e-12: float
+sums in another order)."""
 from __future__ import annotations
 
 import pytest
@@ -24,21 +25,28 @@ def _cfg(*sets: str):
     return resolve(load_config(ROOT / "configs" / "llama3-8b.yaml", base + list(sets)), 256, "cuda")
 
 
-def test_the_expected_share_is_that_of_packed_documents():
-    """(L+1)/(s+1) is what document_mask_share measures on samples packing documents of L tokens."""
+@pytest.mark.parametrize("length", [1, 5, 16, 37, 64, 100])
+def test_the_expected_share_is_that_of_samples_cut_at_every_offset(length):
+    """The formula is the mean of what document_mask_share measures on samples cut from a stream of documents
+    of ``length`` tokens at each of the ``length`` offsets (every phase equally likely), shorter and longer
+    than the sample."""
     import torch
 
-    s, length, eos = 64, 16, 0
-    row = torch.ones(1, s, dtype=torch.long)
-    row[0, length - 1::length] = eos  # four documents of 16 tokens
-    assert document_mask_share(row, eos) == pytest.approx(expected_document_share(length, s), rel=1e-12)
-    assert expected_document_share(0, s) == expected_document_share(s, s) == 1.0
+    s, eos = 64, 0
+    shares = []
+    for offset in range(length):
+        row = torch.ones(1, s, dtype=torch.long)
+        row[0, (torch.arange(s) + offset + 1) % length == 0] = eos  # a document ends every length tokens
+        shares.append(document_mask_share(row, eos))
+    assert sum(shares) / length == pytest.approx(expected_document_share(length, s), rel=1e-12)
+    assert expected_document_share(0, s) == 1.0
 
 
 def test_the_plan_counts_the_attention_the_documents_leave():
     causal, masked, off = _cfg(), _cfg("data.document_mask=true", "data.document_tokens=1024"), \
         _cfg("data.document_tokens=1024")  # no mask: the estimate is not used
     share = expected_document_share(1024, SEQ)
+    assert 0.1 < share < 0.2  # 1k-token documents in 8k samples keep a little over an eighth
     attention = attention_flops_per_token(causal.model)
     tokens = 64 * SEQ
     p_causal, p_masked, p_off = make_plan(causal), make_plan(masked), make_plan(off)
