@@ -25,12 +25,12 @@ and A the attention's FLOPs per token at cp = 1 (at cp the local queries attend 
 and ring / blocking.
 
 Balance: the CPU seconds each rank spends in its blocks of attention (``parallel.context``'s block functions,
-timed on the instance of the module this bench runs) per ring step, busiest over least busy rank, beside
+timed on the instance of the module this bench runs) per training step, busiest over least busy rank, beside
 the same ratio of the (query, key) pairs its block plan computes (``parallel.context._block_plan``).
 
-``--trace PATH`` writes one ring step's timeline as a Chrome trace (open in Perfetto or chrome://tracing):
-per rank, each transfer from its post to the end of its wait, and the host's work in between (the block of
-attention it runs under). The console lists the same: the time the post call held the host, the work under
+``--trace PATH`` writes one ring training step's timeline as a Chrome trace (open in Perfetto or chrome://tracing):
+per rank, each transfer from its post to the end of its wait (K/V and dK/dV hops on tracks of their own), and
+the host's work in between (the block of attention it runs under; in backward also the next dK/dV post). The console lists the same: the time the post call held the host, the work under
 the transfer, and the time its wait blocked (~0: the transfer ended under the block).
 
     python bench/context_parallel.py [--cp 2] [--layers 2] [--hidden 512] [--kv-heads 8] [--seq-per-rank 512]
@@ -270,7 +270,7 @@ def _report(results: list[dict], args: argparse.Namespace, world: int) -> None:
           f"(FLOPs ideal {_ideal(args, world):.3f}); ring / blocking: median {statistics.median(vs_blocking):.3f}")
     seconds = [r["attention"] for r in results]
     pairs = [r["pairs"] for r in results]
-    print(f"attention per ring step, CPU ms by rank (median): {' '.join(f'{x * 1e3:.1f}' for x in seconds)}; busiest / "
+    print(f"attention per training step, CPU ms by rank (median): {' '.join(f'{x * 1e3:.1f}' for x in seconds)}; busiest / "
           f"least busy {max(seconds) / min(seconds):.3f} (block plan's (query, key) pairs: "
           f"{max(pairs) / min(pairs):.3f})")
     trace = results[0]["trace"]
@@ -286,14 +286,17 @@ def _report(results: list[dict], args: argparse.Namespace, world: int) -> None:
 
 
 def _write_trace(path: str, results: list[dict]) -> None:
-    """Chrome trace events: per rank (pid), the transfers on one track and the host's work on another."""
+    """Chrome trace events: per rank (pid), K/V hops (track 1) and the host's work under each (track 0), dK/dV
+    hops (track 3) and the host's work under each (track 2): a K/V hop and a dK/dV hop overlap in backward."""
     events = []
     for rank, res in enumerate(results):
         for n, r in enumerate(res["trace"]):
             us = lambda t: t * 1e6  # noqa: E731
-            events.append({"name": f"{r['tag']} {n} ({r['bytes'] // 1024} KB)", "ph": "X", "pid": rank, "tid": 1,
+            track = 1 if r["tag"] == "context_kv" else 3
+            events.append({"name": f"{r['tag']} {n} ({r['bytes'] // 1024} KB)", "ph": "X", "pid": rank, "tid": track,
                            "ts": us(r["post"]), "dur": us(r["wait_end"] - r["post"])})
-            events.append({"name": f"block {n} (attention under transfer {n})", "ph": "X", "pid": rank, "tid": 0,
+            events.append({"name": f"host work while transfer {n} is in flight", "ph": "X", "pid": rank,
+                           "tid": track - 1,
                            "ts": us(r["posted"]), "dur": us(r["wait_start"] - r["posted"])})
     with open(path, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)

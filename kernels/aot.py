@@ -46,6 +46,7 @@ class Resources:
     config: tuple[int, int, int, int]  # BLOCK_M, BLOCK_N, num_warps, num_stages
     group: int  # query heads per key/value head (GQA)
     docs: bool  # the document-masked variant (DOCS)
+    causal: bool  # the causal variant (the model's; a ring's blocks after the first are not causal)
     shared_bytes: int  # dynamic shared memory
     registers: int  # per thread
     stack_bytes: int  # per thread; > 0 means spilled registers
@@ -114,7 +115,8 @@ def compile_attention(kind: str, head_dim: int, config: tuple[int, int, int, int
     found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
     assert found, f"unexpected cuobjdump output: {usage[-300:]}"
     ptx = compiled.asm["ptx"]
-    return Resources(kind, head_dim, tuple(config), group, docs, compiled.metadata.shared, int(found.group(1)),
+    return Resources(kind, head_dim, tuple(config), group, docs, causal, compiled.metadata.shared,
+                     int(found.group(1)),
                      int(found.group(2)), ptx.count("wgmma.mma_async"), ptx.count("mma.sync"))
 
 
@@ -126,13 +128,14 @@ def candidates(kind: str, head_dim: int, wide: bool, docs: bool = False) -> list
             for w in (4, 8) for s in (2, 3, 4)]
 
 
-def describe(job: tuple[str, int, tuple[int, int, int, int], int, int, bool]) -> dict:
-    """One job (kind, head dim, config, arch, group, docs) compiled: its Resources as a dict, or its error."""
-    kind, d, config, arch, group, docs = job
+def describe(job: tuple[str, int, tuple[int, int, int, int], int, int, bool, bool]) -> dict:
+    """One job (kind, head dim, config, arch, group, docs, causal) compiled: its Resources as a dict, or its
+    error."""
+    kind, d, config, arch, group, docs, causal = job
     try:
-        return asdict(compile_attention(kind, d, config, arch=arch, group=group, docs=docs))
+        return asdict(compile_attention(kind, d, config, causal=causal, arch=arch, group=group, docs=docs))
     except Exception as err:  # noqa: BLE001 -- one configuration failing must not end the table
-        return {"kind": kind, "head_dim": d, "config": config, "group": group, "docs": docs,
+        return {"kind": kind, "head_dim": d, "config": config, "group": group, "docs": docs, "causal": causal,
                 "error": (str(err).splitlines() or [type(err).__name__])[0][:200]}
 
 
@@ -149,7 +152,7 @@ def main() -> None:
     import json
     from concurrent.futures import ProcessPoolExecutor
 
-    jobs = [(kind, d, config, args.arch, g, args.docs) for g in (int(x) for x in args.groups.split(","))
+    jobs = [(kind, d, config, args.arch, g, args.docs, True) for g in (int(x) for x in args.groups.split(","))
             for kind in args.kinds.split(",") for d in (int(x) for x in args.head_dims.split(","))
             for config in candidates(kind, d, args.all, args.docs)]
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:

@@ -36,23 +36,42 @@ GQA_GROUP = 8  # Llama 3 70B: 64 query heads over 8 kv heads
 GQA_KINDS = ("dkdv", "dkdvq")  # the group changes only their loops (fwd, dQ: which k/v head a program reads)
 # a 4-warp 128x128 forward at head dim 128 (spills) and 4 pipeline stages of 128-wide K and V tiles (> 227 KB):
 # the check must be able to tell
-BAD = (("fwd", 128, (128, 128, 4, 3), ARCH, 1, False), ("fwd", 128, (64, 128, 8, 4), ARCH, 1, False))
+BAD = (("fwd", 128, (128, 128, 4, 3), ARCH, 1, False, True), ("fwd", 128, (64, 128, 8, 4), ARCH, 1, False, True))
+# Triton's settings that change the code it generates, read from the environment of the compiling process
+TRITON_SETTINGS = ("TRITON_DEFAULT_FP_FUSION", "TRITON_PTXAS_PATH", "TRITON_CUOBJDUMP_PATH")
 
-Job = tuple  # (kind, head_dim, (BLOCK_M, BLOCK_N, warps, stages), arch, group, docs)
+Job = tuple  # (kind, head_dim, (BLOCK_M, BLOCK_N, warps, stages), arch, group, docs, causal)
 
 
 def suite_jobs() -> list[Job]:
-    """Every autotune configuration at each head dim; the document-masked variants per head-dim class; the
-    grouped-query loops at head dim 128 (the most registers per thread); then the two bad configurations."""
-    jobs = [(k, d, c, ARCH, 1, False) for k in KINDS for d in HEAD_DIMS for c in configs_for(k, d)]
-    jobs += [(k, d, c, ARCH, 1, True) for k in KINDS for d in DOC_HEAD_DIMS for c in configs_for(k, d, docs=True)]
-    jobs += [(k, 128, c, ARCH, GQA_GROUP, False) for k in GQA_KINDS for c in configs_for(k, 128)]
+    """Every autotune configuration at each head dim, causal as the model calls it, and not causal per head-dim
+    class (a ring's blocks after its first); the document-masked variants per head-dim class, both ways and
+    grouped-query; the grouped-query loops at head dim 128 (the most registers per thread); then the two bad
+    configurations."""
+    jobs = [(k, d, c, ARCH, 1, False, True) for k in KINDS for d in HEAD_DIMS for c in configs_for(k, d)]
+    jobs += [(k, d, c, ARCH, 1, False, False) for k in KINDS for d in DOC_HEAD_DIMS for c in configs_for(k, d)]
+    jobs += [(k, d, c, ARCH, 1, True, causal) for causal in (True, False) for k in KINDS for d in DOC_HEAD_DIMS
+             for c in configs_for(k, d, docs=True)]
+    jobs += [(k, 128, c, ARCH, GQA_GROUP, docs, True) for docs in (False, True) for k in GQA_KINDS
+             for c in configs_for(k, 128, docs)]
     return jobs + list(BAD)
 
 
+def triton_version() -> str:
+    """The installed Triton's release (``triton`` or ``pytorch-triton``'s distribution, the same module)."""
+    for dist in ("triton", "pytorch-triton"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
 def suite_key(jobs: list[Job]) -> str:
-    """sha256 of the Triton release, the sources the result depends on and the job list."""
-    h = hashlib.sha256(f"triton {metadata.version('triton')}\n".encode())
+    """sha256 of the Triton release and the settings that change its code, the sources the result depends on
+    and the job list."""
+    settings = " ".join(f"{k}={os.environ.get(k, '')}" for k in TRITON_SETTINGS)
+    h = hashlib.sha256(f"triton {triton_version()} {settings}\n".encode())
     for name in SOURCES:
         h.update(name.encode() + b"\n" + (HERE / name).read_bytes())
     h.update(json.dumps(jobs).encode())
@@ -90,7 +109,7 @@ def main() -> int:
             for row in rows:
                 print(json.dumps(row), flush=True)
         if args.write:
-            REPORT.write_text(json.dumps({"key": suite_key(jobs), "triton": metadata.version("triton"),
+            REPORT.write_text(json.dumps({"key": suite_key(jobs), "triton": triton_version(),
                                           "rows": rows}, indent=0) + "\n")
             print(f"{REPORT}: {len(rows)} compiled jobs")
         return 0

@@ -35,10 +35,10 @@ HOPPER_CONFIGS = MappingProxyType({
 # One small tile for GPUs with less shared memory than Hopper (the autotuner drops what does not fit).
 SMALL_CONFIG = (32, 32, 4, 2)
 # The document-masked variants (DOCS) hold the query block's ids and scan for its key run: a few more registers,
-# so these spill on sm_90 (8-40 bytes of stack per thread) and are left out of their sets; their small tile
-# runs 8 warps (4 spill at dQ, head dim 128).
+# so these spill on sm_90 (8-40 bytes of stack per thread, causal or, the 128x128 forward, not) and are left out
+# of their sets; their small tile runs 8 warps (4 spill at dQ, head dim 128).
 DOC_SPILLS = MappingProxyType({
-    ("fwd", 64): ((128, 64, 4, 3), (128, 64, 4, 4)), ("dkdv", 128): ((32, 64, 4, 3),),
+    ("fwd", 64): ((128, 64, 4, 3), (128, 64, 4, 4)), ("fwd", 128): ((128, 128, 8, 3),), ("dkdv", 128): ((32, 64, 4, 3),),
     ("dkdvq", 64): ((64, 64, 4, 3),), ("dkdvq", 128): ((128, 32, 8, 2),)})
 SMALL_DOC_CONFIG = (32, 32, 8, 2)
 

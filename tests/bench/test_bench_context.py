@@ -19,7 +19,7 @@ def test_toy_run_prints_the_table_the_ratios_and_the_trace(capsys, tmp_path):
     assert re.search(rf"^transfer time hidden: median {NUM}%$", out, re.M), out
     assert re.search(rf"^step time ring / cp=1 at 64 tokens per rank: median {NUM} \(FLOPs ideal {NUM}\); "
                      rf"ring / blocking: median {NUM}$", out, re.M), out
-    assert re.search(rf"^attention per ring step, CPU ms by rank \(median\): {NUM} {NUM}; busiest / least busy "
+    assert re.search(rf"^attention per training step, CPU ms by rank \(median\): {NUM} {NUM}; busiest / least busy "
                      rf"{NUM} \(block plan's \(query, key\) pairs: 1\.000\)$", out, re.M), out
     # one layer at cp 2: K/V forward (1 hop), K/V again and dK/dV twice (home) backward
     hops = re.findall(r"^ +\d+ +(context_kv|context_grad) ", out, re.M)

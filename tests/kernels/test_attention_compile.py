@@ -1,8 +1,8 @@
 """The attention autotune sets compile for Hopper (sm_90) into kernels that can run well there.
 
 No GPU is needed: ``kernels.aot`` compiles each (kernel, head dim, configuration) the autotuner may
-try, in bf16 and causal as the model calls it, and reads the cubin's resource usage; the document-masked
-variants again per head-dim class; the dK/dV kernels again with a grouped-query (GQA) group of 8, whose
+try, in bf16 and causal as the model calls it, and reads the cubin's resource usage; not causal (a ring's
+blocks after its first) and the document-masked variants, both ways, per head-dim class; the dK/dV kernels again with a grouped-query (GQA) group of 8, whose
 loops walk several query heads. A configuration that needs more than the 227 KB of shared memory a Hopper
 block can have would fail to launch (the autotuner would drop it, silently narrowing the search); one that
 spills registers to local memory or misses the wgmma tensor-core path would be slow.
@@ -60,22 +60,28 @@ def test_every_autotune_config_fits_hopper(autotune_sets):
     from kernels.attention_configs import SMALL_CONFIG, SMALL_DOC_CONFIG, configs_for
 
     kinds = ("fwd", "dkdv", "dq", "dkdvq")
-    expected = {(kind, d, tuple(c), 1, False) for kind in kinds for d in (64, 80, 128)  # 80: padded
+    expected = {(kind, d, tuple(c), 1, False, True) for kind in kinds for d in (64, 80, 128)  # 80: padded
                 for c in configs_for(kind, d)}
-    # the document-masked variants (their key-run scan adds registers), one head dim per class
-    expected |= {(kind, d, tuple(c), 1, True) for kind in kinds for d in (64, 128)
+    # not causal, as a ring's blocks after its first run, one head dim per class
+    expected |= {(kind, d, tuple(c), 1, False, False) for kind in kinds for d in (64, 128) for c in configs_for(kind, d)}
+    # the document-masked variants (their key-run scan adds registers), both ways, one head dim per class
+    expected |= {(kind, d, tuple(c), 1, True, causal) for kind in kinds for d in (64, 128) for causal in (True, False)
                  for c in configs_for(kind, d, docs=True)}
-    # the group's loops at head dim 128, the one with the most registers per thread (64 had no spill either)
-    expected |= {(kind, 128, tuple(c), GQA_GROUP, False) for kind in GQA_KINDS for c in configs_for(kind, 128)}
-    assert {(r["kind"], r["head_dim"], tuple(r["config"]), r["group"], r["docs"]) for r in autotune_sets} \
-        == expected, [r for r in autotune_sets if "error" in r]
+    # the group's loops at head dim 128, the one with the most registers per thread (64 had no spill either),
+    # with and without documents
+    expected |= {(kind, 128, tuple(c), GQA_GROUP, docs, True) for kind in GQA_KINDS for docs in (False, True)
+                 for c in configs_for(kind, 128, docs)}
+    assert {(r["kind"], r["head_dim"], tuple(r["config"]), r["group"], r["docs"], r["causal"])
+            for r in autotune_sets} == expected, [r for r in autotune_sets if "error" in r]
     small = tuple(SMALL_CONFIG)
     for r in autotune_sets:
-        where = f"{r['kind']} head_dim {r['head_dim']} config {r['config']} group {r['group']} docs {r['docs']}"
+        where = (f"{r['kind']} head_dim {r['head_dim']} config {r['config']} group {r['group']} docs {r['docs']} "
+                 f"causal {r['causal']}")
         assert r["shared_bytes"] <= HOPPER_SHARED_BYTES, f"{where}: {r['shared_bytes']} B of shared memory"
         assert r["stack_bytes"] == 0, f"{where}: spills ({r['stack_bytes']} B of stack per thread)"
         assert r["registers"] <= 255
-        if tuple(r["config"]) == (tuple(SMALL_DOC_CONFIG) if r["docs"] else small):  # the fallback for smaller GPUs: fits anywhere, still tensor cores
+        if tuple(r["config"]) == (tuple(SMALL_DOC_CONFIG) if r["docs"] else small):  # the fallback for smaller
+            # GPUs: fits anywhere, still tensor cores
             assert r["shared_bytes"] <= SMALL_GPU_SHARED_BYTES and r["mma_sync"] + r["wgmma"] > 0, where
         elif r["kind"] == "dkdvq":  # its products have key rows (dK, dV) and query rows (dQ): a 32-row side,
             # needed at head dim 128 to keep registers, goes to mma.sync (wgmma takes 64 rows per warpgroup)
