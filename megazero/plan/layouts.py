@@ -30,8 +30,8 @@ SEARCHED_SCHEDULES = ("1f1b", "zb1p", "interleaved")
 MAX_MICRO_BATCHES = 8  # micro-batch values tried per layout: a geometric spread of the batch's divisors
 # cp > 1 is searched only while a rank keeps at least this many tokens of each sequence: context parallelism is
 # for sequences whose activations one rank cannot hold. With fewer, the ring's transfers across nodes outgrow the
-# attention that hides them (Llama 3's 4:1 grouped-query K/V on H100: the forward's break even near 4,300 tokens
-# a rank, the backward's, with fp32 dK/dV, near 6,400), its matmuls thin, and dp takes the same ranks without
+# attention that hides them (by the plan's own cp term, Llama 3 8B's ring across H100 nodes breaks even at
+# ~2,600-4,600 tokens a rank, forward and backward, by tp), its matmuls thin, and dp takes the same ranks without
 # either cost. It also leaves the searches of 2K-8K-token configs (every shipped one) as they were: each cp
 # size and mode multiplies a search's layouts.
 MIN_CP_TOKENS = 8192
