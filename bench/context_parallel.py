@@ -13,7 +13,7 @@ alternate step by step so that all see the same machine noise:
 
 Printed, as medians over ``--steps`` timed steps after warm-up, per repeat and overall:
 
-    hidden = (blocked_blocking - blocked_ring) / transfers_alone
+    hidden = (blocked_blocking - blocked_ring) / transfers_alone    (and the same from step times)
 
 ``blocked_*``: the time a rank spends inside ``exchange`` and inside the waits of the cp transfers, per step
 (host timestamps; a gloo wait blocks the calling thread). Both include the ranks' skew (a rank that reaches a
@@ -252,7 +252,7 @@ def _report(results: list[dict], args: argparse.Namespace, world: int) -> None:
     print("ms per step (medians); blocked = time in cp transfers' posts and waits")
     print(f"{'repeat':>6} {'rank':>4} {'ring':>7} {'blocking':>8} {'cp=1':>7} {'blocked ring':>12} "
           f"{'blocked blocking':>16} {'alone':>6} {'hidden':>7} {'ring/cp1':>8} {'ring/blocking':>13}")
-    hidden, vs_one, vs_blocking = [], [], []
+    hidden, by_steps, vs_one, vs_blocking = [], [], [], []
     for i in range(args.repeats):
         for rank, res in enumerate(results):
             r = res["repeats"][i]
@@ -260,12 +260,14 @@ def _report(results: list[dict], args: argparse.Namespace, world: int) -> None:
             alone = res["alone"]
             share = (b_blocking - b_ring) / alone if alone > 0 else float("nan")
             hidden.append(share)
+            by_steps.append((blocking - ring) / alone if alone > 0 else float("nan"))
             vs_one.append(ring / one)
             vs_blocking.append(ring / blocking)
             print(f"{i:>6} {rank:>4} {ring * 1e3:>7.1f} {blocking * 1e3:>8.1f} {one * 1e3:>7.1f} "
                   f"{b_ring * 1e3:>12.1f} {b_blocking * 1e3:>16.1f} {alone * 1e3:>6.1f} {share:>7.1%} {ring / one:>8.3f} "
                   f"{ring / blocking:>13.3f}")
-    print(f"transfer time hidden: median {statistics.median(hidden):.1%}")
+    print(f"transfer time hidden: median {statistics.median(hidden):.1%}; from step times, (blocking - ring) / "
+          f"alone: median {statistics.median(by_steps):.1%} ({min(by_steps):.0%} to {max(by_steps):.0%})")
     print(f"step time ring / cp=1 at {args.seq_per_rank} tokens per rank: median {statistics.median(vs_one):.3f} "
           f"(FLOPs ideal {_ideal(args, world):.3f}); ring / blocking: median {statistics.median(vs_blocking):.3f}")
     seconds = [r["attention"] for r in results]

@@ -16,7 +16,8 @@ def test_toy_run_prints_the_table_the_ratios_and_the_trace(capsys, tmp_path):
     out = capsys.readouterr().out
     assert len(re.findall(rf"^ +0 +[01] +{NUM} +{NUM} +{NUM} +{NUM} +{NUM} +{NUM} +{NUM}% +{NUM} +{NUM}$", out,
                           re.M)) == 2, out
-    assert re.search(rf"^transfer time hidden: median {NUM}%$", out, re.M), out
+    assert re.search(rf"^transfer time hidden: median {NUM}%; from step times, \(blocking - ring\) / alone: median "
+                     rf"{NUM}% \({NUM}% to {NUM}%\)$", out, re.M), out
     assert re.search(rf"^step time ring / cp=1 at 64 tokens per rank: median {NUM} \(FLOPs ideal {NUM}\); "
                      rf"ring / blocking: median {NUM}$", out, re.M), out
     assert re.search(rf"^attention per training step, CPU ms by rank \(median\): {NUM} {NUM}; busiest / least busy "
