@@ -18,9 +18,14 @@ import sys
 import traceback
 from typing import Any, Callable
 
-# imported once, in the forkserver: what nearly every rank function needs (an import that fails is skipped)
-PRELOAD = ["torch", "torch.distributed", "numpy", "pytest", "megazero.train.run", "megazero.engine.build",
-           "megazero.engine.step", "models.build", "parallel.topology", "tests.runs"]
+# imported once, in the forkserver: what nearly every rank function needs (an import that fails is skipped).
+# A training run's own lazy imports are here too: torch.distributed.checkpoint (DTensor, sympy) and torch._dynamo
+# cost a rank ~2 s of CPU on a 2-core machine, and the trainer, its checkpoint writer and TensorBoard's protos
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch._dynamo", "numpy", "pytest",
+           "megazero.train.run", "megazero.train.trainer", "megazero.train.run_dir", "megazero.train.events",
+           "megazero.checkpoint.store", "megazero.plan.stage_plan", "megazero.interop.hf_import",
+           "megazero.data.preprocess", "megazero.engine.build", "megazero.engine.step", "models.build",
+           "parallel.topology", "tests.runs"]
 
 
 def free_port() -> int:
