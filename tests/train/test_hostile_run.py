@@ -215,15 +215,24 @@ def _popen(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=ROOT, env=base, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+SIGNAL_STEPS = 60  # the signal lands at step 3 or a little later: well before the end
+
+
+@pytest.fixture(scope="module")
+def straight(corpus, tmp_path_factory):
+    """The uninterrupted one-process run's losses, which each interrupted one must reproduce."""
+    log = tmp_path_factory.mktemp("straight") / "run"
+    assert pretrain_main(_args(small_overrides(*corpus, log, steps=SIGNAL_STEPS))) == 0
+    return _losses(log)
+
+
 @pytest.mark.parametrize("sig,background", [(signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGUSR1, False),
                                             (signal.SIGTERM, True)])
-def test_a_stop_signal_saves_the_step_reached_and_resume_matches(corpus, tmp_path, sig, background):
+def test_a_stop_signal_saves_the_step_reached_and_resume_matches(corpus, straight, tmp_path, sig, background):
     """One process: the signal lands mid-run; the step finishes, is saved (also when saves are asynchronous:
     the write is waited for), the exit code is 128 + N with one line on stdout and nothing on stderr;
     train.resume=auto then gives the uninterrupted run's losses."""
-    steps = 60
-    straight = tmp_path / "straight"
-    assert pretrain_main(_args(small_overrides(*corpus, straight, steps=steps))) == 0
+    steps = SIGNAL_STEPS
     log = tmp_path / "run"
     proc = _popen(pretrain_cmd(small_overrides(*corpus, log, steps=steps,
                                                **{"train.async_save": str(background).lower(), "train.save_every": 5})))
@@ -238,7 +247,7 @@ def test_a_stop_signal_saves_the_step_reached_and_resume_matches(corpus, tmp_pat
     assert reached < steps
     assert checkpoint.latest_checkpoint(log / "checkpoints").name == f"step_{reached:08d}"
     assert pretrain_main(_args(small_overrides(*corpus, log, steps=steps), "--set", "train.resume=auto")) == 0
-    assert _losses(log) == _losses(straight)  # exact: the resume restores every state the losses depend on
+    assert _losses(log) == straight  # exact: the resume restores every state the losses depend on
 
 
 def test_a_second_sigint_stops_at_once_without_saving(corpus, tmp_path):
@@ -312,12 +321,22 @@ def _multi(corpus, log: Path, **extra) -> list[str]:
     return small_overrides(*corpus, log, steps=MULTI_STEPS, **{"parallel.pp": 2, "parallel.dp": 2, **extra})
 
 
+def _train(rank: int, world: int, overrides: list[str]) -> bool:
+    from megazero.train.run import run
+
+    run(TINY, overrides)
+    return True
+
+
 @pytest.fixture(scope="module")
 def multi_straight(corpus, tmp_path_factory):
-    """The uninterrupted 4-rank run the interrupted ones must reproduce."""
+    """The uninterrupted 4-rank run the interrupted ones must reproduce, on ranks forked from the test's server
+    rather than torchrun's 4 interpreters (the same code and one thread a rank: the same losses, bit for bit;
+    the interrupted runs and their resumes are torchrun's)."""
+    from tests.dist import run_ranks
+
     log = tmp_path_factory.mktemp("multi") / "straight"
-    proc = run_process(pretrain_cmd(_multi(corpus, log), nproc=4), timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_ranks(4, _train, _multi(corpus, log))
     return _losses(log)
 
 
