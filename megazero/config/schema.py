@@ -204,6 +204,16 @@ class KernelsConfig:
 
 
 @dataclass
+class OptimConfig:
+    # adamw | lamb: the update each rank applies to its share of ZeRO's flat buffers (parallel.zero); the learning
+    # rate, its schedule and the weight decay are train.*'s for either
+    name: str = "adamw"
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1.0e-8
+
+
+@dataclass
 class LaunchConfig:
     device: str = AUTO  # auto | cpu | cuda
     timeout_minutes: float = 30.0  # a collective that waits longer than this stops the run
@@ -221,6 +231,7 @@ class Config:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
     name: str = "run"
     source: str = "<config>"  # the file it came from, for error messages
 
@@ -243,5 +254,5 @@ class Config:
 SECTIONS = {
     "model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig,
     "data": DataConfig, "log": LogConfig, "launch": LaunchConfig, "zero": ZeroConfig,
-    "kernels": KernelsConfig,
+    "kernels": KernelsConfig, "optim": OptimConfig,
 }

@@ -51,9 +51,14 @@ def resume_record(cfg: Config, tokenizer_fingerprint: Optional[str], stamps: Seq
 
 
 def check_resume(path: Path, cfg: Config) -> None:
-    """Before anything is built: refuse a resume of checkpoint ``path`` with another tokenizer (the other changes
-    are named once the data is built: ``check_built_data``)."""
+    """Before anything is built: refuse a resume of checkpoint ``path`` with another optimizer or another tokenizer
+    (the other changes are named once the data is built: ``check_built_data``)."""
     meta = read_meta(path)
+    optim = meta.get("config", {}).get("optim")
+    theirs = optim.get("name", "adamw") if isinstance(optim, dict) else "adamw"  # before optim.*: AdamW's
+    if theirs != cfg.optim.name:
+        raise UserError(f"checkpoint {path}: optim.name is {short(theirs)} there and {cfg.optim.name!r} here; a "
+                        f"resume keeps the optimizer, whose states the checkpoint holds")
     data = meta.get("config", {}).get("data")
     if isinstance(data, dict):
         _check_tokenizer(path, meta, data, cfg, _their_paths(meta, data), _our_paths(cfg))

@@ -199,6 +199,7 @@ class Trainer:
                                    "mfu": tflops / self.peak if self.peak else float("nan")})
                     record.update(memory_record(self.zero, self.device))
                     record.update(router_record(self.routers))
+                    record.update(self.zero.optimizer_record())
                     logger.log(step, record)
                     window_time, window_steps, window_flops = 0.0, 0, 0.0
                 history.append({"step": step, **record})

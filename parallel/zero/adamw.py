@@ -139,15 +139,7 @@ class ShardedAdamW:
         ``resend``: buckets whose gradients changed after their early host copy (the sequence-parallel sum)."""
         self.step_count += 1
         b1, b2 = self.betas
-        if self.pinned:  # every early copy is in; the late ones go at once, then one wait
-            for b, g in zip(self.layout.buckets, grads):
-                if not self.copied[b.index] or b.index in resend:
-                    self.grad_ready(b, g)
-            self.copy_stream.synchronize()
-            grads = [self.host_grad[b.index] for b in self.layout.buckets]
-            self.copied = [False] * len(self.copied)
-        elif self.offloaded():
-            grads = [g.to(self.state_device) for g in grads]
+        grads = self.state_grads(grads, resend)
         for b, grad in zip(self.layout.buckets, grads):
             i = b.index
             target = self.target(b)
@@ -155,6 +147,19 @@ class ShardedAdamW:
             adamw(self.impl, self.master[i], grad, self.exp_avg[i], self.exp_avg_sq[i], lr=lr, beta1=b1, beta2=b2,
                   eps=self.eps, weight_decay=self.weight_decay, step=self.step_count, decay_mask=self.decay_mask[i],
                   runs=self.runs[i], grad_scale=grad_scale, model_copy=None if same else target)
+
+    def state_grads(self, grads: list[Tensor], resend: set[int]) -> list[Tensor]:
+        """The reduced gradients where the states are: the device's own, or (offloaded) their host copies."""
+        if self.pinned:  # every early copy is in; the late ones go at once, then one wait
+            for b, g in zip(self.layout.buckets, grads):
+                if not self.copied[b.index] or b.index in resend:
+                    self.grad_ready(b, g)
+            self.copy_stream.synchronize()
+            self.copied = [False] * len(self.copied)
+            return [self.host_grad[b.index] for b in self.layout.buckets]
+        if self.offloaded():
+            return [g.to(self.state_device) for g in grads]
+        return grads
 
     def staging_bytes(self) -> int:
         """Bytes of the pinned host buffers the offloaded gradients land in."""

@@ -158,7 +158,7 @@ class BucketLayout:
                 continue
             if a > at:
                 put(at, a, (False, False, False))
-            put(a, z, (p.dim() >= 2, _counted_here(p, tp_rank) and b.tied.get(j, True),
+            put(a, z, (p.dim() >= 2, counted_on_tp_rank(p, tp_rank) and b.tied.get(j, True),
                        bool(getattr(p, "sequence_parallel", False))))
             at = z
         if at < hi - lo:
@@ -181,7 +181,7 @@ class BucketLayout:
         return owner
 
 
-def _counted_here(p: nn.Parameter, tp_rank: int) -> bool:
+def counted_on_tp_rank(p: nn.Parameter, tp_rank: int) -> bool:
     """Whether this tp rank's copy of ``p`` counts toward the gradient norm (each distinct value once)."""
     if getattr(p, "tp_split_dim", None) is None:
         return tp_rank == 0

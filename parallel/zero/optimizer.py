@@ -5,7 +5,8 @@
 - ``GradReducer``: backward hooks, microbatch sums, reductions over dp with a bounded number in flight.
 - ``GradFinalizer``: the sums beyond dp: tied copies over the embedding group, sequence-parallel over tp.
 - ``ParamGatherer``: stage 3's gather/free/prefetch; stages 1-2's overlapped all-gather after the step.
-- ``ShardedAdamW``: fp32 masters, moments, the norm and the update, on the device or offloaded.
+- ``ShardedAdamW``: fp32 masters, moments, the norm and the update, on the device or offloaded; ``ShardedLamb``
+  the same states with LAMB's per-layer trust ratio.
 - ``ZeroCheckpoint``: layout-free export and import of every parameter's state.
 - ``Partition``: the parts above for the parameters of one reduction group (dense over dp, experts over edp).
 
@@ -26,6 +27,7 @@ from parallel.host import host_values
 from parallel.topology import Grid
 from parallel.zero.declared import DENSE, EXPERT, reduce_group
 from parallel.zero.grads import grad_precision
+from parallel.zero.lamb import ShardedLamb
 from parallel.zero.layout import Bucket
 from parallel.zero.partition import Partition
 from parallel.zero.policy import StagePolicy
@@ -42,10 +44,11 @@ class ZeroOptimizer:
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, adam_impl: str = "torch",
                  device: Optional[torch.device] = None,
                  initial_value: Optional[Callable[[nn.Parameter], Tensor]] = None, grad_dtype: str = "auto",
-                 overlap_param_gather: bool = True, max_in_flight: int = 2):
+                 overlap_param_gather: bool = True, max_in_flight: int = 2, optimizer: str = "adamw"):
         """device: where the model computes (default: where its parameters are). Parameters still on the meta
         device (stage 3's lazily built model) are created bucket by bucket from ``initial_value(param)``, so
-        the whole stage never exists unsharded. ``lr`` is the caller's; each step passes its own."""
+        the whole stage never exists unsharded. ``lr`` is the caller's; each step passes its own. ``optimizer``:
+        adamw | lamb (``ShardedAdamW``, ``ShardedLamb``)."""
         del lr
         self.grid = grid
         self.policy = StagePolicy.of(stage)
@@ -65,7 +68,7 @@ class ZeroOptimizer:
             return Partition(name, chunks, select, comm, tied, grid.tp_comm, self.policy, self.dtype,
                              self.grad_dtype, bucket_mb, self.device, param_device, state_device, adam_impl,
                              weight_decay, betas, eps, initial_value, reshard_after_forward, overlap_param_gather,
-                             max_in_flight)
+                             max_in_flight, optimizer)
 
         dense = part("dense", (lambda p: reduce_group(p) == DENSE) if experts_apart else (lambda p: True),
                      grid.grad_comm, grid.embed_comm)
@@ -189,6 +192,20 @@ class ZeroOptimizer:
         assert not self.policy.shard_optimizer, "only stage 0 keeps whole reduced gradients"
         return {n: part.reducer.grad(b)[off:off + p.numel()].view(p.shape)
                 for part in self.parts for b in part.buckets for (n, p), off in zip(b.params, b.offsets)}
+
+    def optimizer_record(self) -> dict[str, float]:
+        """The last update's figures for the metrics (collective over the world: every rank calls it at the same
+        steps): LAMB's smallest and largest trust ratio over every layer of the model."""
+        ranges = [r for r in (getattr(part.optim, "trust_range", lambda: None)() for part in self.parts)
+                  if r is not None]
+        if not any(isinstance(part.optim, ShardedLamb) for part in self.parts):
+            return {}
+        both = torch.stack([torch.stack([-r[0], r[1]]) for r in ranges]).amax(0) if ranges else \
+            torch.full((2,), -float("inf"), dtype=torch.float64, device=self.device)
+        both = both.to(device=self.device, dtype=torch.float64)
+        self.world.all_reduce(both, op=dist.ReduceOp.MAX, tag="optimizer_record")
+        low, high = host_values(both)
+        return {"optim/trust_min": -low, "optim/trust_max": high}
 
     # ----- accounting ---------------------------------------------------------------------------------------------
     @property

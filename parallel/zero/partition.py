@@ -18,6 +18,7 @@ from parallel.zero.checkpoint import ZeroCheckpoint
 from parallel.zero.finalize import GradFinalizer
 from parallel.zero.gather import ParamGatherer
 from parallel.zero.grads import GradReducer
+from parallel.zero.lamb import ShardedLamb
 from parallel.zero.layout import Bucket, BucketLayout
 from parallel.zero.policy import StagePolicy
 
@@ -28,14 +29,20 @@ class Partition:
                  bucket_mb: float, device: torch.device, param_device: torch.device, state_device: torch.device,
                  adam_impl: str, weight_decay: float, betas: tuple[float, float], eps: float,
                  initial_value: Optional[Callable[[nn.Parameter], Tensor]], reshard_after_forward: bool,
-                 overlap_param_gather: bool, max_in_flight: int):
+                 overlap_param_gather: bool, max_in_flight: int, optimizer: str = "adamw"):
         """``comm``: the group this partition's gradients are reduced and its states sharded over; ``tied``: the
-        group that sums tied copies (the embedding group); ``tp``: the tensor-parallel group."""
+        group that sums tied copies (the embedding group); ``tp``: the tensor-parallel group; ``optimizer``:
+        adamw | lamb, the update on this rank's share (both keep AdamW's states)."""
         self.name, self.comm, self.policy = name, comm, policy
         self.layout = BucketLayout(chunks, policy, comm.size, comm.rank, dtype, grad_dtype, bucket_mb, device,
                                    param_device, select=select)
-        impl = adam_impl if state_device == device else "fused"
-        self.optim = ShardedAdamW(self.layout, device, state_device, impl, weight_decay, betas, eps, grad_dtype)
+        if optimizer == "lamb":
+            self.optim: ShardedAdamW = ShardedLamb(self.layout, device, state_device, weight_decay, betas, eps,
+                                                   grad_dtype, comm if policy.shard_optimizer else None, tp)
+        else:
+            assert optimizer == "adamw", optimizer
+            impl = adam_impl if state_device == device else "fused"
+            self.optim = ShardedAdamW(self.layout, device, state_device, impl, weight_decay, betas, eps, grad_dtype)
         self.finalize = GradFinalizer(tied, tp, device)
 
         def add(b: Bucket, initial: Tensor) -> None:
