@@ -1,4 +1,4 @@
-"""CPU AdamW benchmark: megazero's flat fused AdamW against torch.optim.AdamW, per step, on this machine.
+"""CPU optimizer benchmark: megazero's flat fused AdamW against torch.optim.AdamW, and LAMB against both, per step.
 
 A GPT's parameter shapes (2-D matrices that decay; embeddings, biases and LayerNorm vectors that do not,
 ~7-11% of the elements), fp32 masters and fp32 grads, AdamW (lr 1e-4, betas (0.9, 0.95), eps 1e-8, weight
@@ -24,7 +24,9 @@ lines they overwrite and one stream per core keeps fewer misses in flight than A
 
     python bench/optimizer.py [--sizes 30M,300M] [--steps 20] [--repeats 5] [--smoke]
 
-Prints a markdown table per size and the ratios new/fused and new/foreach (<= 1.0: at least as fast).
+Prints a markdown table per size and the ratios new/fused and new/foreach (<= 1.0: at least as fast); then
+LAMB (``optim.name: lamb``, parallel.zero.lamb) on the same GPT's ZeRO buckets (stage 0, one process) against
+megazero's AdamW on the same buckets and torch's fused AdamW on the parameters: LAMB/AdamW.
 ``--smoke``: toy sizes and few steps, to check the script (tests/kernels/test_adam_cpu.py runs it). Not a test.
 """
 from __future__ import annotations
@@ -168,6 +170,58 @@ def bench_size(name: str, steps: int, repeats: int, warmup: int) -> list[str]:
     return lines
 
 
+def bench_lamb(name: str, steps: int, repeats: int, warmup: int) -> list[str]:
+    """LAMB (parallel.zero.lamb) against megazero's AdamW (fused CPU kernel) and torch's fused AdamW, each on
+    the same GPT's parameters, ZeRO stage 0 on one process: the update alone (moments, norms, trust ratios),
+    from one fixed reduced gradient per bucket."""
+    from megazero.config.load import load_config
+    from megazero.config.schema import OptimConfig, ZeroConfig
+    from megazero.engine.build import make_zero
+    from models.build import build_gpt
+    from parallel.topology import Grid
+
+    hidden, layers, vocab = PRESETS[name]
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [
+        f"model.hidden={hidden}", f"model.layers={layers}", f"model.heads={max(1, hidden // 64)}",
+        f"model.vocab_size={vocab}", "model.seq_len=128", "parallel.tp=1", "parallel.pp=1"]).model
+    grid, cpu = Grid.single(), torch.device("cpu")
+    fns, n = {}, 0
+    for label, optim in (("megazero LAMB", "lamb"), ("megazero AdamW (fused)", "adamw")):
+        zero = make_zero([build_gpt(cfg, 0, tp=grid.tp_comm)], grid, ZeroConfig(stage=0, reshard_after_forward=True),
+                         "fp32", HYPER["weight_decay"], cpu, adam_impl="fused", optim=OptimConfig(name=optim))
+        part = zero.parts[0]
+        gen = torch.Generator().manual_seed(0)
+        grads = [torch.randn(b.numel, generator=gen) * 1e-3 for b in part.buckets]
+        n = sum(b.numel for b in part.buckets)
+        fns[label] = (lambda o=part.optim, g=grads: o.update(g, HYPER["lr"], 1.0, set()))
+    model = build_gpt(cfg, 0, tp=grid.tp_comm)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape) * 1e-3
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    torch_fused = torch.optim.AdamW([{"params": decay, "weight_decay": HYPER["weight_decay"]},
+                                     {"params": other, "weight_decay": 0.0}], lr=HYPER["lr"],
+                                    betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"], fused=True)
+    fns["torch AdamW (fused)"] = torch_fused.step
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    keys = list(fns)
+    for r in range(repeats):
+        for k in keys[r % len(keys):] + keys[:r % len(keys)]:
+            times[k].append(time_steps(fns[k], steps))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    lines = [f"### LAMB, {name}: {n / 1e6:.1f}M fp32 parameters, {torch.get_num_threads()} threads, {steps} steps "
+             f"x {repeats} repeats, load average {os.getloadavg()[0]:.1f}", "",
+             "| contender | ms/step (median) | fastest |", "|---|---:|---:|"]
+    lines += [f"| {k} | {med[k] * 1e3:.2f} | {min(v) * 1e3:.2f} |" for k, v in times.items()]
+    lines += ["", f"- ratio LAMB/AdamW at {name}: {med['megazero LAMB'] / med['megazero AdamW (fused)']:.3f} "
+              "(LAMB is torch elementwise ops, ~11 passes over the buffers, AdamW one fused pass)",
+              f"- ratio LAMB/torch fused AdamW at {name}: {med['megazero LAMB'] / med['torch AdamW (fused)']:.3f}", ""]
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="30M,300M", help=f"comma-separated, of {', '.join(PRESETS)}")
@@ -186,6 +240,7 @@ def main() -> None:
           f"{mem_available() / 2**30:.1f} GiB available", flush=True)
     for name in sizes:
         print("\n".join(bench_size(name, args.steps, args.repeats, args.warmup)), flush=True)
+        print("\n".join(bench_lamb(name, args.steps, args.repeats, args.warmup)), flush=True)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,14 @@ its own, so ep does not change what a norm covers. A rank holds pieces of parame
 bucket, its tp shard), so each norm is a sum of squares of pieces: every piece's sums go into one vector,
 summed over the shard group (when the states are sharded) and over tp in one all-reduce each, for all
 parameters at once. A tp-replicated piece counts on one tp rank (as for the gradient norm); a tied copy counts
-where it is, since each stage's copy has its own (equal) norms. The sums are float64: an fp32 sum over 10^6
-elements is off by ~1e-5 and would depend on how the buckets are cut.
+where it is, since each stage's copy has its own (equal) norms. Norms are taken in fp32 over runs of at most
+NORM_PIECE elements and added in float64: an fp32 sum over 10^6 elements is off by ~1e-5 and would depend on
+how the buckets are cut, a short run's by ~2e-7.
 
 The states are AdamW's (master, moments), so checkpoints, offload and the ZeRO formulas are unchanged. The
-direction is computed twice (for the norms, then for the update) a bucket at a time, rather than kept for
-every bucket until the norms are reduced: one bucket's range of fp32 in flight, not a third state.
+direction is written over the reduced fp32 gradient, which the step consumes (as apex's and DeepSpeed's fused
+LAMB reuse it), so it is computed once and no third state is held; bf16 or fp16 gradients
+(``zero.grad_dtype: model``) get an fp32 buffer per bucket for the step.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from torch import Tensor
 
 from kernels.adam_cpu import Run
 from parallel.comm import Comm
-from parallel.zero.adamw import ShardedAdamW
+from parallel.zero.adamw import NORM_PIECE, ShardedAdamW
 from parallel.zero.layout import Bucket, BucketLayout, counted_on_tp_rank
 
 
@@ -42,6 +44,7 @@ class ShardedLamb(ShardedAdamW):
         self.layers = 0
         self.counts: Optional[Tensor] = None  # 1 where this rank's piece of a layer counts, per layer
         self.trust: Optional[Tensor] = None  # the last step's ratios, per layer (metrics)
+        self.piece_layers: Optional[Tensor] = None  # the layer of each norm piece (built on the first step)
 
     def add_bucket(self, b: Bucket, initial: Tensor, decay: list[Run], count: list[Run]) -> None:
         super().add_bucket(b, initial, decay, count)
@@ -59,15 +62,37 @@ class ShardedLamb(ShardedAdamW):
                 counts.append(float(counted_on_tp_rank(p, self.tp.rank)))
         self.counts = torch.tensor(counts, dtype=torch.float64, device=self.device)
 
-    def _direction(self, i: int, bc1: float, bc2_sqrt: float) -> Tensor:
-        """Adam's bias-corrected direction plus the decoupled decay, over bucket i's range (fp32, a new tensor)."""
-        u = self.exp_avg[i] / bc1
-        u.div_((self.exp_avg_sq[i].sqrt() / bc2_sqrt).add_(self.eps))
+    def _direction(self, i: int, grad: Tensor, grad_scale: float, bc1: float, bc2_sqrt: float) -> Tensor:
+        """Update bucket i's moments from its reduced gradient and return Adam's bias-corrected direction plus the
+        decoupled decay over its range, in fp32: written over the gradient where it is fp32 (the step consumes
+        it, as apex's LAMB does), else in a new tensor."""
+        b1, b2 = self.betas
+        g = grad if grad.dtype == torch.float32 else grad.float()
+        if grad_scale != 1.0:
+            g.mul_(grad_scale)
+        self.exp_avg[i].lerp_(g, 1.0 - b1)
+        self.exp_avg_sq[i].mul_(b2).addcmul_(g, g, value=1.0 - b2)
+        u = torch.sqrt(self.exp_avg_sq[i], out=g).div_(bc2_sqrt).add_(self.eps)
+        torch.div(self.exp_avg[i], u, out=u).div_(bc1)
         if self.weight_decay:
             for a, z, _, decays in self.pieces[i]:
                 if decays:
                     u[a:z].add_(self.master[i][a:z], alpha=self.weight_decay)
         return u
+
+    def _norm_pieces(self, directions: list[Tensor]) -> tuple[list[Tensor], Tensor]:
+        """Every layer piece of the weights and of the directions cut to at most NORM_PIECE elements, and each
+        cut's layer: fp32 norms of short runs add in float64 to ~2e-7 relative, however the layout cuts them."""
+        views, layers = [], []
+        for source in ([self.master[b.index] for b in self.layout.buckets], directions):
+            for b, t in zip(self.layout.buckets, source):
+                for a, z, layer, _ in self.pieces[b.index]:
+                    for lo in range(a, z, NORM_PIECE):
+                        views.append(t[lo:min(lo + NORM_PIECE, z)])
+                        layers.append(layer + (self.layers if source is directions else 0))
+        if self.piece_layers is None or self.piece_layers.numel() != len(layers):
+            self.piece_layers = torch.tensor(layers, dtype=torch.long, device=self.state_device)
+        return views, self.piece_layers
 
     def update(self, grads: list[Tensor], lr: float, grad_scale: float, resend: set[int]) -> None:
         """One LAMB step of every bucket's range; ``grad_scale`` folds loss-scale unscaling and clipping."""
@@ -76,18 +101,13 @@ class ShardedLamb(ShardedAdamW):
         bc1, bc2_sqrt = 1.0 - b1 ** self.step_count, math.sqrt(1.0 - b2 ** self.step_count)
         grads = self.state_grads(grads, resend)
         assert self.counts is not None, "a partition has parameters"
-        sums = torch.zeros(2, max(self.layers, 1), dtype=torch.float64, device=self.state_device)
-        for b, grad in zip(self.layout.buckets, grads):
-            i = b.index
-            g = grad.float() * grad_scale if grad_scale != 1.0 else grad.float()
-            self.exp_avg[i].lerp_(g, 1.0 - b1)
-            self.exp_avg_sq[i].mul_(b2).addcmul_(g, g, value=1.0 - b2)
-            del g
-            u = self._direction(i, bc1, bc2_sqrt)
-            for a, z, layer, _ in self.pieces[i]:
-                sums[0, layer] += torch.linalg.vector_norm(self.master[i][a:z], dtype=torch.float64).square()
-                sums[1, layer] += torch.linalg.vector_norm(u[a:z], dtype=torch.float64).square()
-        sums = sums.to(self.device) * self.counts
+        directions = [self._direction(b.index, g, grad_scale, bc1, bc2_sqrt) for b, g in zip(self.layout.buckets, grads)]
+        views, layers = self._norm_pieces(directions)
+        sums = torch.zeros(2 * self.layers, dtype=torch.float64, device=self.state_device)
+        if views:
+            norms = torch.stack(torch._foreach_norm(views, 2)).double().square()
+            sums.index_add_(0, layers, norms)
+        sums = sums.view(2, self.layers).to(self.device) * self.counts
         if self.shard is not None:
             self.shard.all_reduce(sums, tag="lamb_norms")
         self.tp.all_reduce(sums, tag="lamb_norms")
@@ -95,11 +115,11 @@ class ShardedLamb(ShardedAdamW):
         trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
         self.trust = trust
         step = (-lr * trust).float().to(self.state_device)
-        for b in self.layout.buckets:
+        for b, u in zip(self.layout.buckets, directions):
             i = b.index
-            u = self._direction(i, bc1, bc2_sqrt)
             for a, z, layer, _ in self.pieces[i]:
-                self.master[i][a:z].add_(u[a:z] * step[layer])
+                u[a:z].mul_(step[layer])
+            self.master[i].add_(u)  # the padding's direction is 0 (zero moments)
             if not self.master_is_param[i]:
                 target = self.target(b)
                 target.copy_(self.master[i], non_blocking=target.device.type == "cuda")

@@ -158,3 +158,5 @@ def test_bench_smoke_prints_ratios():
     for which in ("fused", "foreach"):
         assert re.search(rf"^- ratio new/{which} at smoke: [0-9.]+", proc.stdout, re.M), proc.stdout
     assert proc.stdout.count("| new flat fused |") == 1 and "| copy (" in proc.stdout
+    for which in ("AdamW", "torch fused AdamW"):  # LAMB's table, against both AdamWs
+        assert re.search(rf"^- ratio LAMB/{which} at smoke: [0-9.]+", proc.stdout, re.M), proc.stdout
