@@ -35,7 +35,7 @@ _CHOICES = {
 _MIN = {
     ("model", "layers"): 1, ("model", "hidden"): 1, ("model", "heads"): 1, ("model", "seq_len"): 1,
     ("model", "vocab_size"): 2, ("model", "ffn_hidden"): 1, ("model", "vocab_pad_multiple"): 1,
-    ("optim", "eps"): 0.0,
+    ("optim", "eps"): 1e-30,  # 0 makes 0/0 of a gradient that has been 0 so far (padded vocab rows, unseen tokens)
     ("model", "checkpoint_layers"): 0, ("model", "kv_heads"): 1, ("model", "head_dim"): 1, ("model", "norm_eps"): 1e-12,
     ("model", "rope_theta"): 1.0, ("model", "rope_factor"): 1.0, ("model", "rope_low_freq_factor"): 1e-6,
     ("model", "rope_high_freq_factor"): 1e-6, ("model", "rope_original_positions"): 1,

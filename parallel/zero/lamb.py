@@ -37,19 +37,21 @@ class ShardedLamb(ShardedAdamW):
                  betas: tuple[float, float], eps: float, grad_dtype: torch.dtype, shard: Optional[Comm], tp: Comm):
         """``shard``: the group the states are sharded over (None: every rank holds whole buckets); ``tp``: the
         tensor-parallel group the parameters' shards span."""
-        super().__init__(layout, device, state_device, "torch", weight_decay, betas, eps, grad_dtype)
+        # "fused": the parent builds no per-element decay mask, which LAMB does not read (its pieces say it)
+        super().__init__(layout, device, state_device, "fused", weight_decay, betas, eps, grad_dtype)
         self.shard, self.tp = shard, tp
         # per bucket: (start, end, layer id, decays) of each layer's piece in the bucket's range
         self.pieces: list[list[tuple[int, int, int, bool]]] = [[] for _ in layout.buckets]
         self.layers = 0
-        self.counts: Optional[Tensor] = None  # 1 where this rank's piece of a layer counts, per layer
+        self.layer_counts: list[float] = []  # 1 where this rank's piece of a layer counts, per layer
+        self.counts: Optional[Tensor] = None  # the same on the device, built on the first step
         self.trust: Optional[Tensor] = None  # the last step's ratios, per layer (metrics)
         self.piece_layers: Optional[Tensor] = None  # the layer of each norm piece (built on the first step)
 
     def add_bucket(self, b: Bucket, initial: Tensor, decay: list[Run], count: list[Run]) -> None:
         super().add_bucket(b, initial, decay, count)
         lo, hi = self.layout.range(b)
-        counts = [] if self.counts is None else self.counts.tolist()
+        counts = self.layer_counts
         for (name, p), off in zip(b.params, b.offsets):
             n = p.numel()
             experts = p.shape[0] if getattr(p, "ep_split_dim", None) == 0 else 1  # one layer per expert
@@ -60,7 +62,6 @@ class ShardedLamb(ShardedAdamW):
                     self.pieces[b.index].append((a, z, self.layers, p.dim() >= 2))
                 self.layers += 1
                 counts.append(float(counted_on_tp_rank(p, self.tp.rank)))
-        self.counts = torch.tensor(counts, dtype=torch.float64, device=self.device)
 
     def _direction(self, i: int, grad: Tensor, grad_scale: float, bc1: float, bc2_sqrt: float) -> Tensor:
         """Update bucket i's moments from its reduced gradient and return Adam's bias-corrected direction plus the
@@ -100,7 +101,9 @@ class ShardedLamb(ShardedAdamW):
         b1, b2 = self.betas
         bc1, bc2_sqrt = 1.0 - b1 ** self.step_count, math.sqrt(1.0 - b2 ** self.step_count)
         grads = self.state_grads(grads, resend)
-        assert self.counts is not None, "a partition has parameters"
+        assert self.layers, "a partition has parameters"
+        if self.counts is None:
+            self.counts = torch.tensor(self.layer_counts, dtype=torch.float64, device=self.device)
         directions = [self._direction(b.index, g, grad_scale, bc1, bc2_sqrt) for b, g in zip(self.layout.buckets, grads)]
         views, layers = self._norm_pieces(directions)
         sums = torch.zeros(2 * self.layers, dtype=torch.float64, device=self.state_device)

@@ -106,6 +106,20 @@ def test_an_unknown_optimizer_is_one_line(tmp_path, capsys):
     assert_one_line(code, err, "optim.name", "sgd", "adamw | lamb")
     code, _, err = call(pretrain_main, _argv(sets + ["optim.beta2=1.0"]), capsys)
     assert_one_line(code, err, "optim.beta2", "[0, 1)")
+    code, _, err = call(pretrain_main, _argv(sets + ["optim.eps=0"]), capsys)  # 0/0 where a gradient stayed 0
+    assert_one_line(code, err, "optim.eps", ">= 1e-30")
+
+
+def test_simulate_runs_lamb(tmp_path, capsys):
+    """--simulate builds LAMB's states under fake tensors (nothing read back to the host while building) and
+    steps it at 8 ranks, ZeRO 1, tp 2 x pp 2 x dp 2 (configs/tiny.yaml's layout)."""
+    from tests.hostile import call, pretrain_main
+
+    code, out, err = call(pretrain_main, ["--config", TINY, "--simulate", "--set", "optim.name=lamb", "--set",
+                                          "parallel.world_size=8", "--set", "zero.stage=1", "--set",
+                                          f"log.dir={tmp_path}"], capsys)
+    assert code == 0, err[-3000:]
+    assert "every one fits" in out, out[-2000:]
 
 
 def test_a_resume_with_another_optimizer_is_one_line(tmp_path, capsys):
