@@ -42,7 +42,7 @@ class ShardedLamb(ShardedAdamW):
         self.shard, self.tp = shard, tp
         # per bucket: (start, end, layer id, decays) of each layer's piece in the bucket's range
         self.pieces: list[list[tuple[int, int, int, bool]]] = [[] for _ in layout.buckets]
-        self.layers = 0
+        self.n_groups = 0
         self.layer_counts: list[float] = []  # 1 where this rank's piece of a layer counts, per layer
         self.counts: Optional[Tensor] = None  # the same on the device, built on the first step
         self.trust: Optional[Tensor] = None  # the last step's ratios, per layer (metrics)
@@ -59,8 +59,8 @@ class ShardedLamb(ShardedAdamW):
             for e in range(experts):
                 a, z = max(off + e * step, lo) - lo, min(off + (e + 1) * step, hi) - lo
                 if a < z:
-                    self.pieces[b.index].append((a, z, self.layers, p.dim() >= 2))
-                self.layers += 1
+                    self.pieces[b.index].append((a, z, self.n_groups, p.dim() >= 2))
+                self.n_groups += 1
                 counts.append(float(counted_on_tp_rank(p, self.tp.rank)))
 
     def _direction(self, i: int, grad: Tensor, grad_scale: float, bc1: float, bc2_sqrt: float) -> Tensor:
@@ -84,15 +84,15 @@ class ShardedLamb(ShardedAdamW):
     def _norm_pieces(self, directions: list[Tensor]) -> tuple[list[Tensor], Tensor]:
         """Every layer piece of the weights and of the directions cut to at most NORM_PIECE elements, and each
         cut's layer: fp32 norms of short runs add in float64 to ~2e-7 relative, however the layout cuts them."""
-        views, layers = [], []
+        views, group_ids = [], []
         for source in ([self.master[b.index] for b in self.layout.buckets], directions):
             for b, t in zip(self.layout.buckets, source):
                 for a, z, layer, _ in self.pieces[b.index]:
                     for lo in range(a, z, NORM_PIECE):
                         views.append(t[lo:min(lo + NORM_PIECE, z)])
-                        layers.append(layer + (self.layers if source is directions else 0))
-        if self.piece_layers is None or self.piece_layers.numel() != len(layers):
-            self.piece_layers = torch.tensor(layers, dtype=torch.long, device=self.state_device)
+                        group_ids.append(layer + (self.n_groups if source is directions else 0))
+        if self.piece_layers is None or self.piece_layers.numel() != len(group_ids):
+            self.piece_layers = torch.tensor(group_ids, dtype=torch.long, device=self.state_device)
         return views, self.piece_layers
 
     def update(self, grads: list[Tensor], lr: float, grad_scale: float, resend: set[int]) -> None:
@@ -101,16 +101,16 @@ class ShardedLamb(ShardedAdamW):
         b1, b2 = self.betas
         bc1, bc2_sqrt = 1.0 - b1 ** self.step_count, math.sqrt(1.0 - b2 ** self.step_count)
         grads = self.state_grads(grads, resend)
-        assert self.layers, "a partition has parameters"
+        assert self.n_groups, "a partition has parameters"
         if self.counts is None:
             self.counts = torch.tensor(self.layer_counts, dtype=torch.float64, device=self.device)
         directions = [self._direction(b.index, g, grad_scale, bc1, bc2_sqrt) for b, g in zip(self.layout.buckets, grads)]
-        views, layers = self._norm_pieces(directions)
-        sums = torch.zeros(2 * self.layers, dtype=torch.float64, device=self.state_device)
+        views, ids = self._norm_pieces(directions)
+        sums = torch.zeros(2 * self.n_groups, dtype=torch.float64, device=self.state_device)
         if views:
             norms = torch.stack(torch._foreach_norm(views, 2)).double().square()
-            sums.index_add_(0, layers, norms)
-        sums = sums.view(2, self.layers).to(self.device) * self.counts
+            sums.index_add_(0, ids, norms)
+        sums = sums.view(2, self.n_groups).to(self.device) * self.counts
         if self.shard is not None:
             self.shard.all_reduce(sums, tag="lamb_norms")
         self.tp.all_reduce(sums, tag="lamb_norms")
@@ -129,6 +129,6 @@ class ShardedLamb(ShardedAdamW):
 
     def trust_range(self) -> Optional[Tensor]:
         """(smallest, largest) trust ratio of the last step, on the device (None before the first)."""
-        if self.trust is None or self.layers == 0:
+        if self.trust is None or self.n_groups == 0:
             return None
         return torch.stack([self.trust.min(), self.trust.max()])

@@ -1,6 +1,7 @@
 """LAMB trains the same model at every layout: tp 2 with sequence parallelism, pp 2 under 1F1B, dp 4 at ZeRO
-1, 2 and 3 (several buckets), tp 2 x pp 2 x dp 2 at ZeRO 1, Llama, experts over ep 2, and a run saved at
-tp 2 x dp 2 and continued at dp 4, each against its one-process run.
+1, 2 and 3 (several buckets), tp 2 x pp 2 x dp 2 at ZeRO 1, Llama, experts over ep 2, k/v heads replicated
+over tp, cp 2, the tied embedding under pp 2 at ZeRO 3, and a run saved at tp 2 x dp 2 and continued at dp 4,
+each against its one-process run.
 
 Tolerance: fp32 on the CPU, 10 steps, loss and gradient norm within 1e-5 relative (the issue's bound; the
 layouts sum the same per-microbatch gradients in another order, ~1e-6). A trust ratio computed from one
@@ -30,9 +31,15 @@ FOUR = [
     ("llama_tp2_sp_z1", LLAMA + ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=2",
                                  "zero.stage=1"] + SEVERAL),
     ("moe_ep2_z1", MOE + ["parallel.dp=4", "parallel.ep=2", "zero.stage=1"]),
+    # 2 k/v heads on 4 tp ranks (each k/v piece on 2 ranks: counted once), context parallel (gradients over
+    # dp x cp), and the tied embedding's two copies (first and last stage) under ZeRO 3
+    ("llama_tp4_kv2_z2", LLAMA + ["parallel.tp=4", "zero.stage=2"]),
+    ("llama_cp2_dp2_z1", LLAMA + ["parallel.cp=2", "parallel.dp=2", "zero.stage=1"]),
+    ("pp2_dp2_z3_tied", ["parallel.pp=2", "parallel.dp=2", "zero.stage=3"]),
 ]
 EIGHT = [("tp2_pp2_dp2_z1", ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2", "zero.stage=1"] + SEVERAL)]
-REFERENCE = {"llama_tp2_sp_z1": "one_llama", "moe_ep2_z1": "one_moe"}
+REFERENCE = {"llama_tp2_sp_z1": "one_llama", "moe_ep2_z1": "one_moe", "llama_tp4_kv2_z2": "one_llama",
+             "llama_cp2_dp2_z1": "one_llama"}
 
 
 def _overrides(text, cache, log_dir, extra=()):
