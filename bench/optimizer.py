@@ -133,6 +133,20 @@ def contenders(shapes, seed: int = 0) -> dict[str, Callable[[], None]]:
             "new, bf16 grads": flat("fused", grad_bf16)}
 
 
+def time_in_turns(fns: dict[str, Callable[[], None]], steps: int, repeats: int, warmup: int) -> dict[str, list[float]]:
+    """Seconds per step of each contender, per repeat: all warmed up, then ``steps`` timed steps each per repeat,
+    the order rotating so none always runs first."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    keys = list(fns)
+    for r in range(repeats):
+        for k in keys[r % len(keys):] + keys[:r % len(keys)]:
+            times[k].append(time_steps(fns[k], steps))
+    return times
+
+
 def bench_size(name: str, steps: int, repeats: int, warmup: int) -> list[str]:
     shapes = gpt_shapes(*PRESETS[name])
     n = sum(torch.Size(s).numel() for s, _ in shapes)
@@ -144,14 +158,7 @@ def bench_size(name: str, steps: int, repeats: int, warmup: int) -> list[str]:
     copy_gbs = copy_rate(n, steps, repeats)
     gc.collect()
     fns = contenders(shapes)
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    keys = list(fns)
-    for r in range(repeats):
-        for k in keys[r % len(keys):] + keys[:r % len(keys)]:
-            times[k].append(time_steps(fns[k], steps))
+    times = time_in_turns(fns, steps, repeats, warmup)
     del fns
     gc.collect()
     lines = [f"### AdamW, {name}: {n / 1e6:.1f}M fp32 parameters in {len(shapes)} tensors ({len(runs)} decay runs, "
@@ -203,14 +210,7 @@ def bench_lamb(name: str, steps: int, repeats: int, warmup: int) -> list[str]:
                                      {"params": other, "weight_decay": 0.0}], lr=HYPER["lr"],
                                     betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"], fused=True)
     fns["torch AdamW (fused)"] = torch_fused.step
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    keys = list(fns)
-    for r in range(repeats):
-        for k in keys[r % len(keys):] + keys[:r % len(keys)]:
-            times[k].append(time_steps(fns[k], steps))
+    times = time_in_turns(fns, steps, repeats, warmup)
     med = {k: statistics.median(v) for k, v in times.items()}
     lines = [f"### LAMB, {name}: {n / 1e6:.1f}M fp32 parameters, {torch.get_num_threads()} threads, {steps} steps "
              f"x {repeats} repeats, load average {os.getloadavg()[0]:.1f}", "",
