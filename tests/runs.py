@@ -64,6 +64,17 @@ def read_metrics(log_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(log_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def assert_curves_match(name: str, want: list[dict], got: list[dict], keys: tuple = ("loss", "grad_norm"),
+                        rel: float = 1e-5) -> None:
+    """A layout's logged steps against its reference's: the same steps, and each of ``keys`` within ``rel`` of
+    the reference's value (fp32 layouts sum the same gradients in another order: ~1e-6)."""
+    assert len(got) == len(want) and got, (name, len(got), len(want))
+    for a, b in zip(want, got):
+        assert b["step"] == a["step"], (name, a["step"], b["step"])
+        for k in keys:
+            assert abs(a[k] - b[k]) <= rel * abs(a[k]), (name, a["step"], k, a[k], b[k])
+
+
 def executor_for(model, grid, microbatches):
     """The executor and 1F1B schedule the trainer would use for one bare model at pp = 1, fp32, on the CPU
     (from ``megazero.engine.build``): what tests need to drive ``megazero.engine.step.train_step`` without a

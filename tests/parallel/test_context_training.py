@@ -14,7 +14,7 @@ import pytest
 
 from megazero.train.run import run
 from tests.dist import run_ranks
-from tests.runs import ROOT, read_metrics, small_overrides, write_corpus
+from tests.runs import assert_curves_match, ROOT, read_metrics, small_overrides, write_corpus
 
 LLAMA = str(ROOT / "configs" / "tiny-llama.yaml")
 GPT2 = str(ROOT / "configs" / "tiny.yaml")
@@ -81,9 +81,4 @@ def test_context_parallel_layouts_train_the_single_process_model(runs, name):
     got = _records(runs / name)
     if name.startswith("resumed"):  # steps STOP+1.. after the cp 2 checkpoint
         want = want[STOP:]
-    assert len(got) == len(want) and got, (len(got), len(want))
-    for a, b in zip(want, got):
-        assert b["step"] == a["step"]
-        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (name, a["step"], a["loss"], b["loss"])
-        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"], (name, a["step"], a["grad_norm"],
-                                                                              b["grad_norm"])
+    assert_curves_match(name, want, got)  # 1e-5 relative

@@ -13,7 +13,7 @@ import pytest
 
 from megazero.train.run import run
 from tests.dist import run_ranks, start_ranks
-from tests.runs import ROOT, read_metrics, small_overrides, write_corpus
+from tests.runs import assert_curves_match, ROOT, read_metrics, small_overrides, write_corpus
 
 CONFIG = str(ROOT / "configs" / "tiny.yaml")
 STEPS = 10
@@ -85,14 +85,7 @@ def test_lamb_layouts_train_the_single_process_model(runs, name):
     got = _records(runs / name)
     if name == "resumed_dp4":  # steps STOP+1.. after the tp 2 x dp 2 checkpoint
         want = want[STOP:]
-    assert len(got) == len(want) and got, (len(got), len(want))
-    for a, b in zip(want, got):
-        assert b["step"] == a["step"]
-        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (name, a["step"], a["loss"], b["loss"])
-        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"], (name, a["step"], a["grad_norm"],
-                                                                              b["grad_norm"])
-        for k in ("optim/trust_min", "optim/trust_max"):  # the record's ratios: the same layers, the same values
-            assert abs(a[k] - b[k]) <= 1e-5 * abs(a[k]), (name, a["step"], k, a[k], b[k])
+    assert_curves_match(name, want, got, keys=("loss", "grad_norm", "optim/trust_min", "optim/trust_max"))  # 1e-5 relative
 
 
 def test_lamb_moves_off_adamw(runs, tmp_path):
