@@ -105,6 +105,7 @@ class Grid:
     counter: CommCounter = field(default_factory=CommCounter)
     timeout: Optional[timedelta] = None  # every group's collective timeout (None: torch's default)
     replica_comms: dict = field(default_factory=dict)  # tp_replica_comm's groups, by size
+    stage_comms: list = field(default_factory=list)  # stage_comm's group, once made
 
     def __post_init__(self) -> None:
         self.tp_comm = Comm(self.tp_group, "tp", self.counter)
@@ -182,6 +183,23 @@ class Grid:
                             mine = made
             self.replica_comms[size] = Comm(mine, "kv", self.counter)
         return self.replica_comms[size]
+
+    def stage_comm(self) -> Comm:
+        """Every rank of this rank's pipeline stage (dp x cp x tp, in global rank order): the group Muon
+        assembles its matrices over (``parallel.zero.matrix_plan``).
+
+        Collective the first time: every rank of the world calls it together."""
+        if not self.stage_comms:
+            mine = None
+            size = self.dp * self.cp * self.tp
+            if size > 1 and dist.is_initialized():
+                for p in range(self.pp):
+                    ranks = list(range(p * size, (p + 1) * size))
+                    made = dist.new_group(ranks, timeout=self.timeout)
+                    if self.rank in ranks:
+                        mine = made
+            self.stage_comms.append(Comm(mine, "stage", self.counter))
+        return self.stage_comms[0]
 
     @property
     def world_size(self) -> int:

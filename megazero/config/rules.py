@@ -117,6 +117,9 @@ def _check_zero(cfg: Config) -> None:
     kept after forward. What a stage shards is parallel.zero's StagePolicy (imported only for the keys that
     need it: it brings torch, which loading a config otherwise does without)."""
     src, z = cfg.source, cfg.zero
+    if cfg.optim.name == "muon" and z.offload_optimizer == "cpu":
+        raise invalid(src, "zero.offload_optimizer", "cpu", "is not supported with optim.name=muon (its Newton-Schulz "
+                      "iterations run on the device, on matrices gathered there); use none, or optim.name=adamw")
     if z.offload_params != "cpu" and z.reshard_after_forward is not True:
         return
     from parallel.zero.policy import StagePolicy

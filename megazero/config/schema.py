@@ -205,12 +205,19 @@ class KernelsConfig:
 
 @dataclass
 class OptimConfig:
-    # adamw | lamb: the update each rank applies to its share of ZeRO's flat buffers (parallel.zero); the learning
-    # rate, its schedule and the weight decay are train.*'s for either
+    # adamw | lamb | muon: the update each rank applies to its share of ZeRO's flat buffers (parallel.zero); the
+    # learning rate, its schedule and the weight decay are train.*'s for each
     name: str = "adamw"
-    beta1: float = 0.9
+    beta1: float = 0.9  # AdamW's and LAMB's moments; under muon, those of the parameters AdamW keeps
     beta2: float = 0.95
     eps: float = 1.0e-8
+    # muon: the momentum of the layers' matrices, Nesterov's form of it, and the Newton-Schulz steps
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    # muon: the peak learning rate of the parameters AdamW keeps (embeddings, head, vectors), on train.lr's
+    # schedule; 0 is train.lr itself
+    adamw_lr: float = 0.0
 
 
 @dataclass

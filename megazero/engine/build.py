@@ -24,6 +24,7 @@ from parallel.sequence import SequenceSplit
 from parallel.schedules import Action, build_schedule, virtual_stage
 from parallel.topology import Grid
 from parallel.zero import DTYPES, ZeroOptimizer
+from parallel.zero.muon import MuonSettings
 from parallel.zero.policy import StagePolicy
 
 
@@ -84,17 +85,20 @@ def make_schedules(kind: str, grid: Grid, microbatches: int, virtual_stages: int
 def make_zero(chunks: list[nn.Module], grid: Grid, z: ZeroConfig, precision: str, weight_decay: float,
               device: Optional[torch.device] = None, adam_impl: str = "torch",
               initial_value: Optional[Callable[[nn.Parameter], Tensor]] = None,
-              overlap_param_gather: bool = True, optim: Optional[OptimConfig] = None) -> ZeroOptimizer:
+              overlap_param_gather: bool = True, optim: Optional[OptimConfig] = None,
+              lr: float = 0.0) -> ZeroOptimizer:
     """ZeRO over the chunks as ``z`` says (its reshard_after_forward resolved), with ``optim``'s update (default:
     AdamW with betas (0.9, 0.95)). ``overlap_param_gather=False`` waits for stages 1-2's post-step gathers at the
-    end of the step (a benchmark's baseline)."""
+    end of the step (a benchmark's baseline). ``lr``: train.lr, which Muon's optim.adamw_lr is a ratio of."""
     o = optim if optim is not None else OptimConfig()
+    ratio = o.adamw_lr / lr if o.adamw_lr > 0 and lr > 0 else 1.0
+    muon = MuonSettings(o.momentum, o.nesterov, o.ns_steps, ratio)
     assert not isinstance(z.reshard_after_forward, str), "zero.reshard_after_forward: megazero.config.resolve.resolve() first"
     return ZeroOptimizer(chunks, grid, z.stage, precision, 0.0, weight_decay, z.bucket_mb, z.reshard_after_forward,
                          z.offload_optimizer, z.offload_params, adam_impl=adam_impl, device=device,
                          initial_value=initial_value, grad_dtype=z.grad_dtype,
                          overlap_param_gather=overlap_param_gather, betas=(o.beta1, o.beta2), eps=o.eps,
-                         optimizer=o.name)  # lr: each step passes its own
+                         optimizer=o.name, muon=muon)  # lr: each step passes its own
 
 
 def make_scaler(precision: str) -> LossScaler:
@@ -146,7 +150,7 @@ def build_engine(cfg: Config, grid: Grid, device: torch.device, overlap_param_ga
     t, par = cfg.train, cfg.parallel
     zero = make_zero(chunks, grid, cfg.zero, t.precision, t.weight_decay, device, cfg.kernels.adam,
                      initial_value=lambda p: initial_tp_value(*origin[p], values),
-                     overlap_param_gather=overlap_param_gather, optim=cfg.optim)
+                     overlap_param_gather=overlap_param_gather, optim=cfg.optim, lr=t.lr)
     named = [(n, p) for m in chunks for n, p in m.named_parameters() if p.requires_grad]
     tokens = t.global_batch * cfg.model.seq_len
     executor = make_executor(chunks, grid, device, t.micro_batch, cfg.model.seq_len, cfg.model.hidden, t.precision,

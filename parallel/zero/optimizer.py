@@ -16,6 +16,7 @@ reduce-scatter). ``megazero.engine.step.train_step`` drives one step; nothing el
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 import torch
@@ -27,8 +28,11 @@ from parallel.host import host_values
 from parallel.topology import Grid
 from parallel.zero.declared import DENSE, EXPERT, reduce_group
 from parallel.zero.grads import grad_precision
+from parallel.zero.adamw import ShardedAdamW
 from parallel.zero.lamb import ShardedLamb
-from parallel.zero.layout import Bucket
+from parallel.zero.layout import Bucket, BucketLayout
+from parallel.zero.matrix_plan import StagePlace
+from parallel.zero.muon import MuonSettings, ShardedMuon, muon_matrices
 from parallel.zero.partition import Partition
 from parallel.zero.policy import StagePolicy
 
@@ -44,11 +48,12 @@ class ZeroOptimizer:
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, adam_impl: str = "torch",
                  device: Optional[torch.device] = None,
                  initial_value: Optional[Callable[[nn.Parameter], Tensor]] = None, grad_dtype: str = "auto",
-                 overlap_param_gather: bool = True, max_in_flight: int = 2, optimizer: str = "adamw"):
+                 overlap_param_gather: bool = True, max_in_flight: int = 2, optimizer: str = "adamw",
+                 muon: Optional[MuonSettings] = None):
         """device: where the model computes (default: where its parameters are). Parameters still on the meta
         device (stage 3's lazily built model) are created bucket by bucket from ``initial_value(param)``, so
         the whole stage never exists unsharded. ``lr`` is the caller's; each step passes its own. ``optimizer``:
-        adamw | lamb (``ShardedAdamW``, ``ShardedLamb``)."""
+        adamw | lamb | muon (``ShardedAdamW``, ``ShardedLamb``, ``ShardedMuon`` with ``muon``'s settings)."""
         del lr
         self.grid = grid
         self.policy = StagePolicy.of(stage)
@@ -64,11 +69,30 @@ class ZeroOptimizer:
         # dense gradients reduce (and shard) over dp x cp, the experts' over edp x cp: a partition of their own (ep > 1)
         experts_apart = grid.ep > 1 and any(reduce_group(p) == EXPERT for c in chunks for p in c.parameters())
 
+        matrices = muon_matrices(chunks) if optimizer == "muon" else {}
+        stage_comm = grid.stage_comm() if optimizer == "muon" else None
+
+        def make_optim(experts: bool):
+            def make(layout: BucketLayout, comm: Comm) -> ShardedAdamW:
+                if optimizer == "lamb":
+                    return ShardedLamb(layout, self.device, state_device, weight_decay, betas, eps, self.grad_dtype,
+                                       comm if self.policy.shard_optimizer else None, grid.tp_comm)
+                if optimizer == "muon":
+                    assert state_device == self.device, "Muon's states stay on the device"
+                    place = StagePlace(grid.tp, grid.cp, grid.ep, experts, grid.dp * grid.cp * grid.tp)
+                    return ShardedMuon(layout, self.device, weight_decay, betas, eps, self.grad_dtype, matrices,
+                                       stage_comm, place, muon or MuonSettings())
+                assert optimizer == "adamw", optimizer
+                impl = adam_impl if state_device == self.device else "fused"
+                return ShardedAdamW(layout, self.device, state_device, impl, weight_decay, betas, eps,
+                                    self.grad_dtype)
+            return make
+
         def part(name: str, select, comm: Comm, tied: Comm) -> Partition:
             return Partition(name, chunks, select, comm, tied, grid.tp_comm, self.policy, self.dtype,
-                             self.grad_dtype, bucket_mb, self.device, param_device, state_device, adam_impl,
-                             weight_decay, betas, eps, initial_value, reshard_after_forward, overlap_param_gather,
-                             max_in_flight, optimizer)
+                             self.grad_dtype, bucket_mb, self.device, param_device, initial_value,
+                             reshard_after_forward, overlap_param_gather, max_in_flight,
+                             make_optim(name == "experts"))
 
         dense = part("dense", (lambda p: reduce_group(p) == DENSE) if experts_apart else (lambda p: True),
                      grid.grad_comm, grid.embed_comm)
@@ -195,7 +219,15 @@ class ZeroOptimizer:
 
     def optimizer_record(self) -> dict[str, float]:
         """The last update's figures for the metrics (collective over the world: every rank calls it at the same
-        steps): LAMB's smallest and largest trust ratio over every layer of the model."""
+        steps): LAMB's smallest and largest trust ratio over every layer of the model; Muon's RMS of its matrix
+        updates (before the learning rate: ~0.2 by construction, Liu et al. 2025), over every matrix once."""
+        if any(isinstance(part.optim, ShardedMuon) for part in self.parts):
+            sums = [r for r in (part.optim.update_rms() for part in self.parts) if r is not None]
+            total = torch.stack(sums).sum(0).to(self.device) if sums else \
+                torch.zeros(2, dtype=torch.float64, device=self.device)
+            self.world.all_reduce(total, tag="optimizer_record")
+            sq, n = host_values(total)
+            return {"optim/update_rms": math.sqrt(sq / n) if n else 0.0}
         ranges = [r for r in (getattr(part.optim, "trust_range", lambda: None)() for part in self.parts)
                   if r is not None]
         if not any(isinstance(part.optim, ShardedLamb) for part in self.parts):

@@ -18,7 +18,6 @@ from parallel.zero.checkpoint import ZeroCheckpoint
 from parallel.zero.finalize import GradFinalizer
 from parallel.zero.gather import ParamGatherer
 from parallel.zero.grads import GradReducer
-from parallel.zero.lamb import ShardedLamb
 from parallel.zero.layout import Bucket, BucketLayout
 from parallel.zero.policy import StagePolicy
 
@@ -26,23 +25,18 @@ from parallel.zero.policy import StagePolicy
 class Partition:
     def __init__(self, name: str, chunks: list[nn.Module], select: Callable[[nn.Parameter], bool], comm: Comm,
                  tied: Comm, tp: Comm, policy: StagePolicy, dtype: torch.dtype, grad_dtype: torch.dtype,
-                 bucket_mb: float, device: torch.device, param_device: torch.device, state_device: torch.device,
-                 adam_impl: str, weight_decay: float, betas: tuple[float, float], eps: float,
+                 bucket_mb: float, device: torch.device, param_device: torch.device,
                  initial_value: Optional[Callable[[nn.Parameter], Tensor]], reshard_after_forward: bool,
-                 overlap_param_gather: bool, max_in_flight: int, optimizer: str = "adamw"):
+                 overlap_param_gather: bool, max_in_flight: int,
+                 make_optim: Callable[[BucketLayout, Comm], ShardedAdamW]):
         """``comm``: the group this partition's gradients are reduced and its states sharded over; ``tied``: the
-        group that sums tied copies (the embedding group); ``tp``: the tensor-parallel group; ``optimizer``:
-        adamw | lamb, the update on this rank's share (both keep AdamW's states)."""
+        group that sums tied copies (the embedding group); ``tp``: the tensor-parallel group; ``make_optim``:
+        the update on this rank's share (``ShardedAdamW`` or one keeping its states), from the layout and
+        ``comm``."""
         self.name, self.comm, self.policy = name, comm, policy
         self.layout = BucketLayout(chunks, policy, comm.size, comm.rank, dtype, grad_dtype, bucket_mb, device,
                                    param_device, select=select)
-        if optimizer == "lamb":
-            self.optim: ShardedAdamW = ShardedLamb(self.layout, device, state_device, weight_decay, betas, eps,
-                                                   grad_dtype, comm if policy.shard_optimizer else None, tp)
-        else:
-            assert optimizer == "adamw", optimizer
-            impl = adam_impl if state_device == device else "fused"
-            self.optim = ShardedAdamW(self.layout, device, state_device, impl, weight_decay, betas, eps, grad_dtype)
+        self.optim = make_optim(self.layout, comm)
         self.finalize = GradFinalizer(tied, tp, device)
 
         def add(b: Bucket, initial: Tensor) -> None:
