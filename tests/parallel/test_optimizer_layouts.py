@@ -6,8 +6,8 @@ each against its one-process run. Each spawn runs every layout of its size under
 Tolerance: fp32 on the CPU, 10 steps, loss and gradient norm within 1e-5 relative (the issue's bound; the
 layouts sum the same per-microbatch gradients in another order, ~1e-6). A trust ratio computed from one
 rank's piece of a layer (no sum over the shard group or tp) moves the weights by another step size per rank:
-the curves part at step 2 by ~1e-3. Newton-Schulz run on each rank's shard of a matrix rather than on the
-gathered whole parts them at step 2 by ~1e-2 (``test_muon_per_shard_is_not_muon``)."""
+the curves part at step 2 by ~1e-3. Newton-Schulz run on each tp rank's shard of a matrix rather than on the
+gathered whole parts the losses by ~4e-4 relative within 10 steps (``test_muon_per_shard_is_not_muon``)."""
 from __future__ import annotations
 
 import pytest
@@ -128,8 +128,8 @@ def _per_shard(rank, world, text, cache, folder):
 
 def test_muon_per_shard_is_not_muon(runs):
     """The layouts above would catch Newton-Schulz run on each tp shard rather than on the gathered matrix: a
-    tp 2 run that does so parts from the one-process curve by far more than the layouts' 1e-5."""
+    tp 2 run that does so parts from the one-process curve by more than ten times the layouts' 1e-5."""
     run_ranks(2, _per_shard, runs / "text", runs / "cache", runs / "muon" / "per_shard")
     want, got = _records(runs / "muon" / "one"), _records(runs / "muon" / "per_shard")
     worst = max(abs(a["loss"] - b["loss"]) / a["loss"] for a, b in zip(want, got))
-    assert worst > 1e-3, worst
+    assert worst > 1e-4, worst
