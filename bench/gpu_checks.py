@@ -22,9 +22,11 @@
 7. ``bench/grouped_mm.py``: a mixture of experts' grouped matmul (``torch._grouped_mm``, bf16) against the
    per-expert loop and a padded bmm at Mixtral-, Qwen3-MoE- and DeepSeek-V3-shaped experts, forward + backward,
    ms and TFLOP/s; the results must agree with the loop's.
-8. ``bench/pipeline.py``: 1F1B, zb1p and interleaved, p2p waited or overlapped, even or cost-balanced
+8. ``bench/newton_schulz.py``: Muon's Newton-Schulz iterations on a 4096 x 4096 matrix (and two MLP shapes),
+   fp32 and bf16, eager and compiled, in TFLOP/s.
+9. ``bench/pipeline.py``: 1F1B, zb1p and interleaved, p2p waited or overlapped, even or cost-balanced
    stages, on gloo CPU ranks (one GPU cannot hold a pipeline; the machine's cores give each rank its own).
-9. ``bench/tp_overlap.py``: Domino-style tensor-parallel overlap on and off at tp = 2, on gloo CPU ranks.
+10. ``bench/tp_overlap.py``: Domino-style tensor-parallel overlap on and off at tp = 2, on gloo CPU ranks.
 
     python bench/gpu_checks.py [--out DIR] [--budget SECONDS] [--seqs 1024,...] [--only kernels,train,...]
                                [--smoke [--lean]]
@@ -61,8 +63,8 @@ BF16_LOSS_RTOL = 2e-2
 # Offloaded vs on-GPU optimizer: the same fp32 AdamW arithmetic, on the CPU by torch vs on the GPU by
 # Triton (FMA contraction may differ in the last bit): fp32-level differences, amplified through bf16.
 OFFLOAD_LOSS_RTOL = 2e-2
-SECTIONS = ("kernels", "train", "throughput", "profile", "longrun", "offload", "grouped_mm", "pipeline",
-            "tp_overlap")
+SECTIONS = ("kernels", "train", "throughput", "profile", "longrun", "offload", "grouped_mm", "newton_schulz",
+            "pipeline", "tp_overlap")
 TINY_1GPU = ["parallel.tp=1", "parallel.sequence_parallel=false", "parallel.pp=1", "parallel.dp=1",
              "train.eval_every=0", "log.tensorboard=false", "train.precision=bf16"]
 GPT2_SMALL_BODY = ["model.layers=12", "model.hidden=768", "model.heads=12", "model.seq_len=1024",
@@ -294,14 +296,19 @@ def main() -> int:
             agree = [line for line in lines.splitlines() if line.startswith("- largest relative difference")]
             checks.verdict(bool(agree) and agree[0].endswith(": ok"), "grouped matmul agrees with the per-expert "
                            "loop: " + (agree[0][2:].rsplit(":", 1)[0] if agree else "no result"))
-    if "pipeline" in only:  # 8. schedules, p2p overlap and stage balance (CPU ranks)
+    if "newton_schulz" in only:  # 8. Muon's orthogonalisation in TFLOP/s
+        ns_cmd = [sys.executable, "bench/newton_schulz.py"] + (["--smoke"] if args.smoke else ["--device", "cuda"])
+        lines = checks.run("bench/newton_schulz.py", ns_cmd, env)
+        if lines is not None:
+            checks.note("", "Newton-Schulz (bench/newton_schulz.py):", *lines.strip().splitlines())
+    if "pipeline" in only:  # 9. schedules, p2p overlap and stage balance (CPU ranks)
         pipe_cmd = [sys.executable, "bench/pipeline.py"] + (
             ["--steps", "1", "--rounds", "1", "--layers", "4", "--hidden", "32", "--seq", "16", "--vocab", "256",
              "--micro-batch", "2", "--microbatches", "2"] if args.smoke else ["--steps", "20", "--rounds", "1"])
         lines = checks.run("bench/pipeline.py", pipe_cmd, env)
         if lines is not None:
             checks.note("", "Pipeline schedules (bench/pipeline.py):", *lines.strip().splitlines())
-    if "tp_overlap" in only:  # 9. tensor-parallel collectives under the other half's matmuls (CPU ranks)
+    if "tp_overlap" in only:  # 10. tensor-parallel collectives under the other half's matmuls (CPU ranks)
         tpo_cmd = [sys.executable, "bench/tp_overlap.py"] + (
             ["--layers", "1", "--hidden", "128", "--seq", "32", "--micro-batch", "2", "--steps", "1", "--repeats", "1"]
             if args.smoke else ["--steps", "20", "--repeats", "2"])

@@ -1,4 +1,4 @@
-"""CPU optimizer benchmark: megazero's flat fused AdamW against torch.optim.AdamW, and LAMB against both, per step.
+"""CPU optimizer benchmark: megazero's flat fused AdamW against torch.optim.AdamW, and LAMB and Muon against both.
 
 A GPT's parameter shapes (2-D matrices that decay; embeddings, biases and LayerNorm vectors that do not,
 ~7-11% of the elements), fp32 masters and fp32 grads, AdamW (lr 1e-4, betas (0.9, 0.95), eps 1e-8, weight
@@ -25,8 +25,11 @@ lines they overwrite and one stream per core keeps fewer misses in flight than A
     python bench/optimizer.py [--sizes 30M,300M] [--steps 20] [--repeats 5] [--smoke]
 
 Prints a markdown table per size and the ratios new/fused and new/foreach (<= 1.0: at least as fast); then
-LAMB (``optim.name: lamb``, parallel.zero.lamb) on the same GPT's ZeRO buckets (stage 0, one process) against
-megazero's AdamW on the same buckets and torch's fused AdamW on the parameters: LAMB/AdamW.
+LAMB (``optim.name: lamb``, parallel.zero.lamb) and Muon (``optim.name: muon``, parallel.zero.muon) on the same
+GPT's ZeRO buckets (stage 0, one process) against megazero's AdamW on the same buckets and torch's fused AdamW
+on the parameters (LAMB/AdamW, Muon/AdamW), and Muon's Newton-Schulz iterations alone over the same matrices
+(their share of Muon's update, and their GFLOP/s). Each step reuses its buffers (LAMB and Muon write their
+direction over the gradient, so later steps see other values: the work is the same).
 ``--smoke``: toy sizes and few steps, to check the script (tests/kernels/test_adam_cpu.py runs it). Not a test.
 """
 from __future__ import annotations
@@ -177,10 +180,11 @@ def bench_size(name: str, steps: int, repeats: int, warmup: int) -> list[str]:
     return lines
 
 
-def bench_lamb(name: str, steps: int, repeats: int, warmup: int) -> list[str]:
-    """LAMB (parallel.zero.lamb) against megazero's AdamW (fused CPU kernel) and torch's fused AdamW, each on
-    the same GPT's parameters, ZeRO stage 0 on one process: the update alone (moments, norms, trust ratios),
-    from one fixed reduced gradient per bucket."""
+def bench_updates(name: str, steps: int, repeats: int, warmup: int) -> list[str]:
+    """LAMB (parallel.zero.lamb) and Muon (parallel.zero.muon) against megazero's AdamW (fused CPU kernel) and
+    torch's fused AdamW, each on the same GPT's parameters, ZeRO stage 0 on one process: the update alone, from
+    one fixed reduced gradient per bucket; and Muon's Newton-Schulz iterations alone, over the same matrices."""
+    from kernels.newton_schulz import newton_schulz, newton_schulz_flops
     from megazero.config.load import load_config
     from megazero.config.schema import OptimConfig, ZeroConfig
     from megazero.engine.build import make_zero
@@ -192,8 +196,8 @@ def bench_lamb(name: str, steps: int, repeats: int, warmup: int) -> list[str]:
         f"model.hidden={hidden}", f"model.layers={layers}", f"model.heads={max(1, hidden // 64)}",
         f"model.vocab_size={vocab}", "model.seq_len=128", "parallel.tp=1", "parallel.pp=1"]).model
     grid, cpu = Grid.single(), torch.device("cpu")
-    fns, n = {}, 0
-    for label, optim in (("megazero LAMB", "lamb"), ("megazero AdamW (fused)", "adamw")):
+    fns, n, plan = {}, 0, None
+    for label, optim in (("megazero LAMB", "lamb"), ("megazero Muon", "muon"), ("megazero AdamW (fused)", "adamw")):
         zero = make_zero([build_gpt(cfg, 0, tp=grid.tp_comm)], grid, ZeroConfig(stage=0, reshard_after_forward=True),
                          "fp32", HYPER["weight_decay"], cpu, adam_impl="fused", optim=OptimConfig(name=optim))
         part = zero.parts[0]
@@ -201,6 +205,13 @@ def bench_lamb(name: str, steps: int, repeats: int, warmup: int) -> list[str]:
         grads = [torch.randn(b.numel, generator=gen) * 1e-3 for b in part.buckets]
         n = sum(b.numel for b in part.buckets)
         fns[label] = (lambda o=part.optim, g=grads: o.update(g, HYPER["lr"], 1.0, set()))
+        if optim == "muon":
+            plan = part.optim.plan
+    shapes = [r.matrix.logical_shape for r in plan.rounds]
+    gen = torch.Generator().manual_seed(1)
+    mats = [torch.randn(*shape, generator=gen) for shape in shapes]
+    fns["Newton-Schulz alone"] = lambda: [newton_schulz(m) for m in mats]
+    flops = sum(newton_schulz_flops(*shape) for shape in shapes)
     model = build_gpt(cfg, 0, tp=grid.tp_comm)
     for p in model.parameters():
         p.grad = torch.randn(p.shape) * 1e-3
@@ -212,13 +223,19 @@ def bench_lamb(name: str, steps: int, repeats: int, warmup: int) -> list[str]:
     fns["torch AdamW (fused)"] = torch_fused.step
     times = time_in_turns(fns, steps, repeats, warmup)
     med = {k: statistics.median(v) for k, v in times.items()}
-    lines = [f"### LAMB, {name}: {n / 1e6:.1f}M fp32 parameters, {torch.get_num_threads()} threads, {steps} steps "
+    lines = [f"### LAMB and Muon, {name}: {n / 1e6:.1f}M fp32 parameters ({len(shapes)} Muon matrices, "
+             f"{sum(a * b for a, b in shapes) / 1e6:.1f}M), {torch.get_num_threads()} threads, {steps} steps "
              f"x {repeats} repeats, load average {os.getloadavg()[0]:.1f}", "",
              "| contender | ms/step (median) | fastest |", "|---|---:|---:|"]
     lines += [f"| {k} | {med[k] * 1e3:.2f} | {min(v) * 1e3:.2f} |" for k, v in times.items()]
-    lines += ["", f"- ratio LAMB/AdamW at {name}: {med['megazero LAMB'] / med['megazero AdamW (fused)']:.3f} "
+    adamw, muon = med["megazero AdamW (fused)"], med["megazero Muon"]
+    ns = med["Newton-Schulz alone"]
+    lines += ["", f"- ratio LAMB/AdamW at {name}: {med['megazero LAMB'] / adamw:.3f} "
               "(LAMB is torch elementwise ops, ~11 passes over the buffers, AdamW one fused pass)",
-              f"- ratio LAMB/torch fused AdamW at {name}: {med['megazero LAMB'] / med['torch AdamW (fused)']:.3f}", ""]
+              f"- ratio LAMB/torch fused AdamW at {name}: {med['megazero LAMB'] / med['torch AdamW (fused)']:.3f}",
+              f"- ratio Muon/AdamW at {name}: {muon / adamw:.3f}; Newton-Schulz is {ns / muon:.2f} of Muon's update "
+              f"({flops / 1e9:.1f} GFLOP, {flops / ns / 1e9:.1f} GFLOP/s fp32 here)",
+              f"- ratio Muon/torch fused AdamW at {name}: {muon / med['torch AdamW (fused)']:.3f}", ""]
     return lines
 
 
@@ -240,7 +257,7 @@ def main() -> None:
           f"{mem_available() / 2**30:.1f} GiB available", flush=True)
     for name in sizes:
         print("\n".join(bench_size(name, args.steps, args.repeats, args.warmup)), flush=True)
-        print("\n".join(bench_lamb(name, args.steps, args.repeats, args.warmup)), flush=True)
+        print("\n".join(bench_updates(name, args.steps, args.repeats, args.warmup)), flush=True)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from megazero.plan.activations import (LOGIT_BYTES, activation_bytes_per_layer, 
 from megazero.plan.context import local_seq_len, sent_bytes, ulysses_kept_bytes
 from megazero.plan.dispatch import DispatchBytes, all_to_all_bytes, dispatch_bytes, moe_layer_activation_bytes
 from megazero.plan.memo import PlanMemo
+from megazero.plan.muon import MuonStep, muon_step
 from megazero.plan.params import ModelCounts, ParamCounts
 from megazero.plan.state_bytes import gathered_bytes, grad_buffer_bytes, rank_state_bytes
 from models import arch
@@ -62,6 +63,7 @@ class StagePlan:
     dispatch: int = 0  # bytes: one such layer's dispatch buffers beyond what it keeps (its forward's working set)
     all_to_all: int = 0  # bytes sent to other ep ranks per step
     context: int = 0  # bytes sent to other cp ranks per step (megazero.plan.context)
+    muon: MuonStep = MuonStep.none()  # optim.name=muon: its exchange and Newton-Schulz (megazero.plan.muon)
 
 
 @dataclass(frozen=True)
@@ -160,7 +162,8 @@ def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action], p
                      grad_buffer_bytes(cfg, chunks, ranges, psi, params, experts), experts, expert_state,
                      moe_layers, dispatch_bytes(cfg).transient if moe_layers else 0,
                      all_to_all_bytes(cfg, moe_layers, moe_recomputed),
-                     sent_bytes(cfg, sum(len(ranges[vs]) for vs in chunks), all_recomputed))
+                     sent_bytes(cfg, sum(len(ranges[vs]) for vs in chunks), all_recomputed),
+                     muon_step(cfg, [ranges[vs] for vs in chunks]))
 
 
 def make_plan(cfg: Config, memo: Optional[PlanMemo] = None) -> Plan:

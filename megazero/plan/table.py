@@ -158,7 +158,8 @@ def format_plan(plan: Plan) -> str:
         + (f" where a chunk has no more than {m.checkpoint_layers} layers (one that keeps some layers' full "
            f"activations frees them before it recomputes)" if m.checkpoint_layers else "") + "; the last stage adds fp32 logits "
         f"({last.logits / GB:.2f} GB per microbatch)",
-    ] + (_moe_notes(plan) if moe else []) + ([_context_note(plan)] if context else []) + [
+    ] + (_moe_notes(plan) if moe else []) + ([_context_note(plan)] if context else []) \
+        + ([_muon_note(plan)] if cfg.optim.name == "muon" else []) + [
         "  * = what this config uses; total* = device model state + activations"
         + (" + gathered (ZeRO-3: the root and two layers whole, or the whole stage with "
            "zero.reshard_after_forward=false)" if gathers else "")
@@ -238,3 +239,11 @@ def _moe_notes(plan: Plan) -> list[str]:
         f"2 all-to-alls forward and 2 backward (2 more when recomputed) of R x h x (ep-1)/ep values, "
         f"{d.all_to_all / GB:.3f} GB each",
     ]
+
+
+def _muon_note(plan) -> str:
+    """optim.name=muon: what its exchange sends and its iterations cost, on the busiest stage."""
+    s = max(plan.stages, key=lambda st: st.muon.sent)
+    return (f"  muon: per rank and step, {s.muon.sent / GB:.2f} GB of fp32 momenta and updates in {s.muon.calls} "
+            f"all-to-alls over its stage's {len(s.ranks)} ranks (each matrix gathered whole to one owner and its "
+            f"update scattered back), and {s.muon.flops / 1e12:.2f} TFLOP of Newton-Schulz (fp32); megazero.plan.muon")

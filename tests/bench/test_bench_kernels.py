@@ -19,7 +19,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from gpu_checks import SECTIONS  # noqa: E402
 
 # about equal halves of the lean smoke's CPU time, in seconds: ~16 + 27 + 14 and ~13 + 5 + 6 + 4 + 12 + 13
-HALVES = (("kernels", "train", "throughput"), ("profile", "longrun", "offload", "grouped_mm", "pipeline", "tp_overlap"))
+HALVES = (("kernels", "train", "throughput"),
+          ("profile", "longrun", "offload", "grouped_mm", "newton_schulz", "pipeline", "tp_overlap"))
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -123,6 +124,9 @@ def test_gpu_checks_smoke(gpu_checks_smoke):
     # the experts' grouped matmul against the per-expert loop: a table, and the results agree
     assert "Grouped matmul (bench/grouped_mm.py):" in summary
     assert len(re.findall(r"^- ok grouped matmul agrees with the per-expert loop", summary, re.M)) == 1
+    # Muon's Newton-Schulz: a row per shape, with TFLOP/s
+    assert "Newton-Schulz (bench/newton_schulz.py):" in summary
+    assert len(re.findall(r"^\| 32 x (32|64) \| float32 \| eager \| [0-9.]+ \| [0-9.]+ \|", summary, re.M)) == 2
     # the CPU-rank benchmarks: pipeline schedules and tensor-parallel overlap run and report
     assert re.search(r"^\| zb1p even, overlap \| [0-9.]+ \|", summary, re.M)
     assert "Tensor-parallel overlap (bench/tp_overlap.py):" in summary

@@ -1,0 +1,116 @@
+"""What Muon (``optim.name: muon``, ``parallel.zero.muon``) adds to a stage's step: its matrices gathered to their
+owners and the updates scattered back (two all-to-alls per round over the stage's ranks), and Newton-Schulz on
+each owner.
+
+The matrices are counted from the real layer classes built on meta at tp = ep = 1 (their logical shapes, as
+``parallel.zero.muon.muon_matrices`` picks them: the 2-D parameters of a layer, each routed expert's three).
+Per rank and step, in fp32 elements leaving the rank:
+
+- gather: every element of every matrix once, from one of its holders to the matrix's owner;
+- scatter: every element to every rank that holds it: the tp ranks that hold it (1 for a tp-split matrix, tp
+  for a replicated one or an expert, r for k/v heads on r ranks), times the shard group (dp x cp; edp x cp
+  for the experts) when the states are not sharded.
+
+Both are the stage's totals over its dp x cp x tp ranks, self-sends included (an owner's own pieces): what
+a rank sends on average, which the owners' balance makes what each sends to within a matrix.
+
+Newton-Schulz: every matrix once over the stage, spread evenly over its dp x cp x tp ranks; the rounds are
+the owners' matrix counts, at most ceil(matrices / ranks).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kernels.newton_schulz import newton_schulz_flops
+from megazero.config.schema import Config
+from megazero.plan.params import _planning_comm
+from models.arch import moe_layer_count
+from models.llama import kv_replicas_needed
+from models.stage import GPT
+from parallel.zero.declared import EXPERT, reduce_group
+from parallel.zero.muon import muon_matrices
+from parallel.zero.policy import StagePolicy
+
+STATE_BYTES = 4  # fp32: momentum and update travel as the optimizer holds them
+# Newton-Schulz runs in fp32 without tensor cores: an H100/H200's 67 TFLOP/s of its 989 dense bf16
+FP32_SHARE = 67 / 989
+
+
+@dataclass(frozen=True)
+class LayerMatrices:
+    """One layer's Muon matrices: (logical rows, columns, tp ranks holding each element, expert) each."""
+
+    matrices: tuple[tuple[int, int, int, bool], ...]
+
+    @property
+    def flops(self) -> int:
+        return sum(newton_schulz_flops(a, b) for a, b, _, _ in self.matrices)
+
+
+def layer_matrices(cfg: Config, layer: int) -> LayerMatrices:
+    """The Muon matrices of model layer ``layer``, built alone on meta at the config's tp and ep (so each
+    parameter says how it is split): logical shapes, and over how many tp ranks each element is held."""
+    par = cfg.parallel
+    with torch.device("meta"):
+        chunk = GPT(cfg.model, tp=_planning_comm(par.tp), layer_ids=[layer], first_stage=False, last_stage=False,
+                    sequence_parallel=par.sequence_parallel,
+                    kv_replicas=_planning_comm(kv_replicas_needed(cfg.model, par.tp), "kv"),
+                    ep=_planning_comm(par.ep, "ep"))
+    picked = muon_matrices([chunk])
+    out = []
+    for p in chunk.parameters():
+        if not picked.get(id(p), False):
+            continue
+        if p.dim() == 3:  # this ep rank's E/ep experts, whole on every tp rank
+            out += [(p.shape[1], p.shape[2], par.tp, True)] * (p.shape[0] * par.ep)
+            continue
+        split = p.tp_split_dim
+        positions = 1 if split is None or par.tp == 1 else par.tp // p.tp_replicas
+        shape = list(p.shape)
+        if positions > 1:
+            shape[split] *= positions
+        out.append((shape[0], shape[1], par.tp // positions, reduce_group(p) == EXPERT))
+    return LayerMatrices(tuple(out))
+
+
+@dataclass(frozen=True)
+class MuonStep:
+    """A stage rank's Muon work per step."""
+
+    sent: int  # bytes a rank sends in the gathers and scatters (its own pieces included), on average
+    calls: int  # all-to-alls (two per round)
+    flops: float  # Newton-Schulz FLOPs on this rank
+
+    @staticmethod
+    def none() -> "MuonStep":
+        return MuonStep(0, 0, 0.0)
+
+
+def muon_step(cfg: Config, layers: list[range]) -> MuonStep:
+    """Muon's exchange and iterations for a stage holding ``layers`` (its chunks' layer ranges)."""
+    if cfg.optim.name != "muon":
+        return MuonStep.none()
+    m, par = cfg.model, cfg.parallel
+    n_layers = sum(len(r) for r in layers)
+    n_moe = sum(moe_layer_count(m, r) for r in layers)
+    kinds = []
+    if n_layers - n_moe:
+        first_dense = next(i for r in layers for i in r if not moe_layer_count(m, range(i, i + 1)))
+        kinds.append((layer_matrices(cfg, first_dense), n_layers - n_moe))
+    if n_moe:
+        first_moe = next(i for r in layers for i in r if moe_layer_count(m, range(i, i + 1)))
+        kinds.append((layer_matrices(cfg, first_moe), n_moe))
+    ranks = par.dp * par.cp * par.tp
+    sharded = StagePolicy.of(cfg.zero.stage).shard_optimizer
+    group = {False: par.dp * par.cp, True: par.dp // par.ep * par.cp}  # the shard group: dense, experts
+    gather = scatter = count = 0
+    for kind, n in kinds:
+        for rows, cols, holders, expert in kind.matrices:
+            gather += n * rows * cols  # once, to its owner
+            scatter += n * rows * cols * holders * (1 if sharded else group[expert])  # to every holder
+            count += n
+    flops = sum(kind.flops * n for kind, n in kinds) / ranks
+    return MuonStep(STATE_BYTES * (gather + scatter) // ranks, 2 * math.ceil(count / ranks), flops)
