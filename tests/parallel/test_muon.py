@@ -111,3 +111,50 @@ def test_steps_equal_muon_from_the_paper(arch, stage):
     # quintic's singular values (~0.7-1.2, not 1)
     rms = zero.optimizer_record()["optim/update_rms"]
     assert 0.1 < rms < 0.3, rms
+
+
+def _argv(overrides: list[str]) -> list[str]:
+    return ["--config", TINY] + [a for o in overrides for a in ("--set", o)]
+
+
+def test_bad_muon_settings_are_one_line(tmp_path, capsys):
+    from tests.hostile import assert_one_line, call, pretrain_main
+    from tests.runs import small_overrides, write_corpus
+
+    sets = small_overrides(write_corpus(tmp_path / "text"), tmp_path / "cache", tmp_path / "run", steps=1)
+    muon = sets + ["optim.name=muon"]
+    code, _, err = call(pretrain_main, _argv(muon + ["zero.stage=1", "zero.offload_optimizer=cpu"]), capsys)
+    assert_one_line(code, err, "zero.offload_optimizer", "optim.name=muon")
+    code, _, err = call(pretrain_main, _argv(muon + ["optim.momentum=1.0"]), capsys)
+    assert_one_line(code, err, "optim.momentum", "[0, 1)")
+    code, _, err = call(pretrain_main, _argv(muon + ["optim.ns_steps=0"]), capsys)
+    assert_one_line(code, err, "optim.ns_steps", ">= 1")
+    code, _, err = call(pretrain_main, _argv(muon + ["optim.adamw_lr=-1"]), capsys)
+    assert_one_line(code, err, "optim.adamw_lr", ">= 0")
+
+
+def test_simulate_runs_muon(tmp_path, capsys):
+    """--simulate builds Muon's exchange plan and steps it under fake tensors at 8 ranks, ZeRO 1, tp 2 x pp 2 x
+    dp 2 (configs/tiny.yaml's layout), and the dry run reports its bytes."""
+    from tests.hostile import call, pretrain_main
+
+    sets = ["optim.name=muon", "parallel.world_size=8", "zero.stage=1", f"log.dir={tmp_path}"]
+    code, out, err = call(pretrain_main, _argv(sets)[:2] + ["--simulate"] + _argv(sets)[2:], capsys)
+    assert code == 0, err[-3000:]
+    assert "every one fits" in out, out[-2000:]
+    code, out, err = call(pretrain_main, _argv(sets)[:2] + ["--dry-run"] + _argv(sets)[2:], capsys)
+    assert code == 0 and "muon: per rank and step" in out, (err[-2000:], out[-2000:])
+
+
+def test_a_resume_between_muon_and_another_optimizer_is_one_line(tmp_path, capsys):
+    from tests.hostile import assert_one_line, call, pretrain_main
+    from tests.runs import small_overrides, write_corpus
+
+    text, cache = write_corpus(tmp_path / "text"), tmp_path / "cache"
+    for first, other in (("muon", "adamw"), ("lamb", "muon")):
+        log = tmp_path / first
+        assert pretrain_main(_argv(small_overrides(text, cache, log, steps=2) + [f"optim.name={first}"])) == 0
+        resume = small_overrides(text, cache, log, steps=3) + ["train.resume=auto"]
+        code, _, err = call(pretrain_main, _argv(resume + [f"optim.name={other}"]), capsys)
+        assert_one_line(code, err, f"optim.name is '{first}' there and '{other}' here")
+    assert pretrain_main(_argv(resume[:-1] + ["train.resume=auto", "optim.name=lamb"])) == 0
