@@ -14,8 +14,9 @@ Per rank and step, in fp32 elements leaving the rank:
 Both are the stage's totals over its dp x cp x tp ranks, self-sends included (an owner's own pieces): what
 a rank sends on average, which the owners' balance makes what each sends to within a matrix.
 
-Newton-Schulz: every matrix once over the stage, spread evenly over its dp x cp x tp ranks; the rounds are
-the owners' matrix counts, at most ceil(matrices / ranks).
+Newton-Schulz: every matrix once over the stage, spread evenly over its dp x cp x tp ranks; each partition
+(dense, and the experts' at ep > 1) deals its matrices out one per rank and round: ceil(matrices / ranks)
+rounds each (``parallel.zero.matrix_plan.assign_owners``).
 """
 from __future__ import annotations
 
@@ -106,11 +107,13 @@ def muon_step(cfg: Config, layers: list[range]) -> MuonStep:
     ranks = par.dp * par.cp * par.tp
     sharded = StagePolicy.of(cfg.zero.stage).shard_optimizer
     group = {False: par.dp * par.cp, True: par.dp // par.ep * par.cp}  # the shard group: dense, experts
-    gather = scatter = count = 0
+    gather = scatter = 0
+    count = {False: 0, True: 0}  # matrices of the dense and the experts' partitions
     for kind, n in kinds:
         for rows, cols, holders, expert in kind.matrices:
             gather += n * rows * cols  # once, to its owner
             scatter += n * rows * cols * holders * (1 if sharded else group[expert])  # to every holder
-            count += n
+            count[expert and par.ep > 1] += n  # at ep 1 the experts are in the dense partition
     flops = sum(kind.flops * n for kind, n in kinds) / ranks
-    return MuonStep(STATE_BYTES * (gather + scatter) // ranks, 2 * math.ceil(count / ranks), flops)
+    rounds = sum(math.ceil(c / ranks) for c in count.values())  # each partition deals its own out
+    return MuonStep(STATE_BYTES * (gather + scatter) // ranks, 2 * rounds, flops)

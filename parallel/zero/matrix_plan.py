@@ -3,7 +3,7 @@
 Muon orthogonalises each logical matrix whole, but under tensor parallelism and a sharded optimizer no rank
 holds one: rank (g, t) of a stage holds its slice g of the flat buckets (ZeRO's shard group, size G; the whole
 bucket when the states are not sharded) of its tp shard t. Each matrix gets an owner among the stage's ranks
-(balanced by Newton-Schulz flops, longest first: distributed Muon's assignment); in round r every owner
+(the matrices dealt out by Newton-Schulz flops, largest first, one per rank and round); in round r every owner
 assembles its r-th matrix from the pieces the other ranks send it (one all-to-all), orthogonalises it, and
 sends each holder its pieces of the update (a second all-to-all). One matrix per rank is in flight at a time.
 
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from kernels.newton_schulz import newton_schulz_flops
+from parallel.zero.declared import DENSE, reduce_group
 from parallel.zero.layout import BucketLayout
 
 Slice = tuple[int, int, int]  # (bucket index, start, end) in this rank's optimizer range of the bucket
@@ -115,20 +116,23 @@ def stage_matrices(layout: BucketLayout, is_matrix: dict[int, bool], tp: int, ep
                     out.append(Matrix(len(out), name, x, b.index, off + j * p.shape[1] * p.shape[2],
                                       (p.shape[1], p.shape[2]), None, 1, 1, e))
             else:
-                assert p.dim() == 2, (name, tuple(p.shape))
+                # an expert's 2-D matrix would be held by one ep rank, which holder_ep 0 does not say
+                assert p.dim() == 2 and reduce_group(p) == DENSE, (name, tuple(p.shape))
                 out.append(Matrix(len(out), name, None, b.index, off, (p.shape[0], p.shape[1]),
                                   split if positions > 1 else None, positions, replicas if positions > 1 else 1, 0))
     return out
 
 
 def assign_owners(matrices: list[Matrix], ranks: int, steps: int) -> list[list[Matrix]]:
-    """Each stage rank's matrices, in its rounds' order: longest processing time first, to the least loaded."""
-    load = [0] * ranks
+    """Each stage rank's matrices, in its rounds' order: the matrices sorted by Newton-Schulz flops, largest
+    first, dealt out a round at a time, the direction alternating (a snake), so there are ceil(M / ranks)
+    rounds and no rank does more than the largest matrix's flops above the mean (each round's matrices are
+    no larger than the previous round's smallest)."""
     owned: list[list[Matrix]] = [[] for _ in range(ranks)]
-    for m in sorted(matrices, key=lambda m: (-newton_schulz_flops(*m.logical_shape, steps), m.index)):
-        r = min(range(ranks), key=lambda i: (load[i], i))
-        owned[r].append(m)
-        load[r] += newton_schulz_flops(*m.logical_shape, steps)
+    ordered = sorted(matrices, key=lambda m: (-newton_schulz_flops(*m.logical_shape, steps), m.index))
+    for k, m in enumerate(ordered):
+        r, i = divmod(k, ranks)
+        owned[i if r % 2 == 0 else ranks - 1 - i].append(m)
     return owned
 
 
