@@ -7,7 +7,8 @@ vectors) runs at AdamW's best learning rate of the same sweep. The figure per ru
 the last step (``--eval-batches`` batches of the held-out split) and the mean training loss of the last 20
 steps.
 
-    python bench/convergence.py [--steps 300] [--optimizers adamw,muon[,lamb]] [--out DIR]
+    python bench/convergence.py [--steps 300] [--optimizers adamw,muon[,lamb]] [--lrs "muon=0.005,0.01"]
+                                [--adamw-lr LR] [--out DIR]
 
 Prints a markdown table per optimizer and learning rate, then each optimizer's best, and Muon's and LAMB's
 best against AdamW's. Not a test: nothing here asserts.
@@ -29,7 +30,7 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-LRS = {"adamw": (1e-3, 2e-3, 4e-3), "muon": (1e-2, 2e-2, 4e-2), "lamb": (5e-3, 1e-2, 2e-2)}
+LRS = {"adamw": (1e-3, 2e-3, 4e-3), "muon": (5e-3, 1e-2, 2e-2), "lamb": (5e-3, 1e-2, 2e-2)}
 
 
 def train(folder: Path, cache: Path, optimizer: str, lr: float, steps: int, eval_batches: int,
@@ -59,6 +60,9 @@ def main() -> None:
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--optimizers", default="adamw,muon")
     ap.add_argument("--out", default="", help="folder for the runs (default: a temporary one)")
+    ap.add_argument("--lrs", default="", help="learning rates to run instead, e.g. muon=0.005,0.01")
+    ap.add_argument("--adamw-lr", type=float, default=0.0,
+                    help="Muon's AdamW part when adamw is not in the run (default: adamw's best of the run)")
     args = ap.parse_args()
     base = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="convergence-"))
     cache = base / "cache"
@@ -66,10 +70,15 @@ def main() -> None:
     print(f"### Convergence, configs/tiny.yaml, one process, fp32, {args.steps} steps of 16 x 128 tokens", flush=True)
     print("", "| optimizer | lr | val loss | train loss (last 20) | s |", "|---|---:|---:|---:|---:|",
           sep="\n", flush=True)
+    lrs = dict(LRS)
+    for item in filter(None, args.lrs.split(";")):
+        name, values = item.split("=")
+        lrs[name] = tuple(float(v) for v in values.split(","))
     for optimizer in args.optimizers.split(","):
-        adamw_best = min(results["adamw"], key=lambda lr: results["adamw"][lr]["val"]) if "adamw" in results else 0
+        adamw_best = min(results["adamw"], key=lambda lr: results["adamw"][lr]["val"]) if "adamw" in results \
+            else args.adamw_lr
         results[optimizer] = {}
-        for lr in LRS[optimizer]:
+        for lr in lrs[optimizer]:
             r = train(base / f"{optimizer}_{lr:g}", cache, optimizer, lr, args.steps, args.eval_batches, adamw_best)
             results[optimizer][lr] = r
             print(f"| {optimizer} | {lr:g} | {r['val']:.4f} | {r['train']:.4f} | {r['seconds']:.0f} |", flush=True)
