@@ -22,7 +22,7 @@ measured ``dst.copy_(src)`` of the same bytes (src and dst of 14 B/element each,
 On a small VM the in-place update can beat that copy (> 100%), likely because copy_'s stores first read the
 lines they overwrite and one stream per core keeps fewer misses in flight than AdamW's four.
 
-    python bench/optimizer.py [--sizes 30M,300M] [--steps 20] [--repeats 5] [--smoke]
+    python bench/optimizer.py [--sizes 12M,30M,300M] [--steps 20] [--repeats 5] [--tables adamw,updates] [--smoke]
 
 Prints a markdown table per size and the ratios new/fused and new/foreach (<= 1.0: at least as fast); then
 LAMB (``optim.name: lamb``, parallel.zero.lamb) and Muon (``optim.name: muon``, parallel.zero.muon) on the same
@@ -55,7 +55,7 @@ from kernels.adam_cpu import decay_runs  # noqa: E402
 HYPER = dict(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 BYTES_FP32, BYTES_BF16 = 28, 26
 # name -> (hidden, layers, vocab): GPT-2-like blocks, embeddings sized to ~10% of the elements
-PRESETS = {"30M": (512, 9, 6144), "300M": (1024, 22, 24576), "smoke": (32, 2, 256)}
+PRESETS = {"12M": (384, 6, 4096), "30M": (512, 9, 6144), "300M": (1024, 22, 24576), "smoke": (32, 2, 256)}
 SEQ = 1024
 
 
@@ -245,6 +245,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per repeat")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--tables", default="adamw,updates",
+                        help="adamw (the flat AdamW against torch's), updates (LAMB and Muon), or both")
     parser.add_argument("--smoke", action="store_true", help="toy size, 2 steps x 2 repeats: checks the script")
     args = parser.parse_args()
     if args.smoke:
@@ -255,9 +257,12 @@ def main() -> None:
         parser.error(f"unknown size(s) {unknown}; choose from {', '.join(PRESETS)}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, "
           f"{mem_available() / 2**30:.1f} GiB available", flush=True)
+    tables = args.tables.split(",")
     for name in sizes:
-        print("\n".join(bench_size(name, args.steps, args.repeats, args.warmup)), flush=True)
-        print("\n".join(bench_updates(name, args.steps, args.repeats, args.warmup)), flush=True)
+        if "adamw" in tables:
+            print("\n".join(bench_size(name, args.steps, args.repeats, args.warmup)), flush=True)
+        if "updates" in tables:
+            print("\n".join(bench_updates(name, args.steps, args.repeats, args.warmup)), flush=True)
 
 
 if __name__ == "__main__":

@@ -144,7 +144,7 @@ def test_gpu_checks_report_what_the_budget_left_out(tmp_path):
     assert proc.returncode == 1
     summary = (tmp_path / "summary.md").read_text()
     assert summary.startswith("# GPU checks (smoke, CPU): FAILED: environment: not run, the time budget is spent")
-    assert len(re.findall(r"^- FAILED .*: not run, the time budget is spent$", summary, re.M)) == 18  # every command of every section, the CPU-rank benchmarks included
+    assert len(re.findall(r"^- FAILED .*: not run, the time budget is spent$", summary, re.M)) == 19  # every command of every section, the CPU-rank benchmarks included
 
 
 def test_gpu_checks_lean_needs_smoke():
