@@ -84,6 +84,7 @@ class MuonStep:
     sent: int  # bytes a rank sends in the gathers and scatters (its own pieces included), on average
     calls: int  # all-to-alls (two per round)
     flops: float  # Newton-Schulz FLOPs on this rank
+    transient: int = 0  # bytes alive at once for the largest matrix: received, assembled, the iteration's
 
     @staticmethod
     def none() -> "MuonStep":
@@ -116,4 +117,7 @@ def muon_step(cfg: Config, layers: list[range]) -> MuonStep:
             count[expert and par.ep > 1] += n  # at ep 1 the experts are in the dense partition
     flops = sum(kind.flops * n for kind, n in kinds) / ranks
     rounds = sum(math.ceil(c / ranks) for c in count.values())  # each partition deals its own out
-    return MuonStep(STATE_BYTES * (gather + scatter) // ranks, 2 * rounds, flops)
+    # the received pieces, the assembled matrix, X and the next X (m x n each), and X X^T, its square and the
+    # polynomial (min(m, n)^2 each)
+    transient = max((4 * r * c + 3 * min(r, c) ** 2 for kind, _ in kinds for r, c, _, _ in kind.matrices), default=0)
+    return MuonStep(STATE_BYTES * (gather + scatter) // ranks, 2 * rounds, flops, STATE_BYTES * transient)

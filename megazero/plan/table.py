@@ -246,4 +246,5 @@ def _muon_note(plan) -> str:
     s = max(plan.stages, key=lambda st: st.muon.sent)
     return (f"  muon: per rank and step, {s.muon.sent / GB:.2f} GB of fp32 momenta and updates in {s.muon.calls} "
             f"all-to-alls over its stage's {len(s.ranks)} ranks (each matrix gathered whole to one owner and its "
-            f"update scattered back), and {s.muon.flops / 1e12:.2f} TFLOP of Newton-Schulz (fp32); megazero.plan.muon")
+            f"update scattered back), and {s.muon.flops / 1e12:.2f} TFLOP of Newton-Schulz (fp32), with "
+            f"{s.muon.transient / GB:.2f} GB alive at once for the largest matrix (not in total*); megazero.plan.muon")

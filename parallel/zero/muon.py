@@ -34,6 +34,7 @@ from parallel.zero.layout import Bucket, BucketLayout
 from parallel.zero.matrix_plan import Matrix, MatrixPlan, StagePlace, stage_matrices
 
 SCALE = 0.2  # Liu et al. 2025: O's RMS matched to AdamW's (~0.2-0.4 in practice)
+ADAMW_GROUP = 2 ** 22  # elements per group of the AdamW part's views: its temporaries stay under 16 MB
 
 
 @dataclass(frozen=True)
@@ -134,26 +135,37 @@ class ShardedMuon(ShardedAdamW):
                 target.copy_(self.master[b.index], non_blocking=target.device.type == "cuda")
 
     def _adamw(self, grads: list[Tensor], lr: float) -> None:
-        """AdamW (``kernels.adam.adamw_step``'s operations) over the runs Muon leaves, decaying and not."""
+        """AdamW (``kernels.adam.adamw_step``'s operations) over the runs Muon leaves, decaying and not, in
+        groups of at most ADAMW_GROUP elements: the denominator is a temporary, and an embedding's run is long."""
         b1, b2 = self.betas
         bc1, bc2_sqrt = 1.0 - b1 ** self.step_count, math.sqrt(1.0 - b2 ** self.step_count)
         for decays in (True, False):
-            views = [(i, a, z) for i, runs in enumerate(self.adam_runs) for a, z, d in runs if d == decays]
-            if not views:
-                continue
-            p = [self.master[i][a:z] for i, a, z in views]
-            g = [grads[i][a:z] for i, a, z in views]
-            m = [self.exp_avg[i][a:z] for i, a, z in views]
-            v = [self.exp_avg_sq[i][a:z] for i, a, z in views]
-            if decays and self.weight_decay:
-                torch._foreach_mul_(p, 1.0 - lr * self.weight_decay)
-            torch._foreach_lerp_(m, g, 1.0 - b1)
-            torch._foreach_mul_(v, b2)
-            torch._foreach_addcmul_(v, g, g, value=1.0 - b2)
-            denom = torch._foreach_sqrt(v)
-            torch._foreach_div_(denom, bc2_sqrt)
-            torch._foreach_add_(denom, self.eps)
-            torch._foreach_addcdiv_(p, m, denom, value=-lr / bc1)
+            cuts = [(i, lo, min(lo + ADAMW_GROUP, z)) for i, runs in enumerate(self.adam_runs)
+                    for a, z, d in runs if d == decays for lo in range(a, z, ADAMW_GROUP)]
+            group, size = [], 0
+            for k, cut in enumerate(cuts):
+                group.append(cut)
+                size += cut[2] - cut[1]
+                if size >= ADAMW_GROUP or k == len(cuts) - 1:
+                    self._adamw_views(group, grads, lr, decays, bc1, bc2_sqrt)
+                    group, size = [], 0
+
+    def _adamw_views(self, views: list[tuple[int, int, int]], grads: list[Tensor], lr: float, decays: bool,
+                     bc1: float, bc2_sqrt: float) -> None:
+        b1, b2 = self.betas
+        p = [self.master[i][a:z] for i, a, z in views]
+        g = [grads[i][a:z] for i, a, z in views]
+        m = [self.exp_avg[i][a:z] for i, a, z in views]
+        v = [self.exp_avg_sq[i][a:z] for i, a, z in views]
+        if decays and self.weight_decay:
+            torch._foreach_mul_(p, 1.0 - lr * self.weight_decay)
+        torch._foreach_lerp_(m, g, 1.0 - b1)
+        torch._foreach_mul_(v, b2)
+        torch._foreach_addcmul_(v, g, g, value=1.0 - b2)
+        denom = torch._foreach_sqrt(v)
+        torch._foreach_div_(denom, bc2_sqrt)
+        torch._foreach_add_(denom, self.eps)
+        torch._foreach_addcdiv_(p, m, denom, value=-lr / bc1)
 
     def _orthogonalise(self, directions: list[Tensor]) -> None:
         """Replace each matrix's direction (in ``directions``' Muon runs) by its scaled Newton-Schulz image: per
