@@ -89,6 +89,32 @@ def executor_for(model, grid, microbatches):
     return executor, make_schedules("1f1b", grid, len(microbatches))[0]
 
 
+def steps_recording_gradients(model, grid, make, vocab: int, seq_len: int, steps: int, lr: float):
+    """``steps`` unclipped steps of one bare model on two microbatches of random tokens each, through the ZeRO
+    optimizer ``make()`` builds (after the recording hooks, so they see each gradient before ZeRO's hooks take
+    it); returns the optimizer and, per step, each parameter's gradient summed over the microbatches (what a
+    reference optimizer written in the test steps from)."""
+    import torch
+
+    from megazero.engine.step import train_step
+
+    grads: list[dict] = []
+
+    def record(p, name):
+        grads[-1][name] = grads[-1].get(name, 0) + p.grad.detach().clone()
+
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: record(p, name))
+    zero = make()
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        grads.append({})
+        mbs = [torch.randint(0, vocab, (2, seq_len + 1), generator=gen) for _ in range(2)]
+        result = train_step(zero, *executor_for(model, grid, mbs), mbs, lr, 0.0)  # max_norm 0: unclipped
+        assert not result.skipped
+    return zero, grads
+
+
 def engine_for(cfg, grid, is_builder: bool = True):
     """The data and the engine a run of ``cfg`` (resolved: megazero.config.resolve) would train with on this CPU rank, without
     the loop: ``(data, megazero.engine.build.Engine)``. Collective: every rank of the grid calls it."""

@@ -17,9 +17,8 @@ from kernels.newton_schulz import newton_schulz, newton_schulz_flops
 from megazero.config.load import load_config
 from megazero.config.schema import OptimConfig, ZeroConfig
 from megazero.engine.build import make_zero
-from megazero.engine.step import train_step
 from parallel.topology import Grid
-from tests.runs import ROOT, executor_for
+from tests.runs import ROOT, steps_recording_gradients
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
 LR, ADAMW_LR, WD, BETAS, EPS, MU = 2e-2, 5e-3, 0.1, (0.9, 0.95), 1e-8, 0.95
@@ -85,23 +84,13 @@ def test_steps_equal_muon_from_the_paper(arch, stage):
     matrices = {n for n, p in model.named_parameters() if n.startswith("layers.") and p.dim() == 2}
     assert len(matrices) >= 8 and any(not n.startswith("layers.") and p.dim() == 2
                                       for n, p in model.named_parameters())  # the embedding stays on AdamW
-    grads: list[dict] = []
-
-    def record(p, name):  # before ZeRO's hook takes the gradient: the microbatches' sum is the step's gradient
-        grads[-1][name] = grads[-1].get(name, 0) + p.grad.detach().clone()
-
-    for name, p in model.named_parameters():
-        p.register_post_accumulate_grad_hook(lambda p, name=name: record(p, name))
     optim = OptimConfig(name="muon", beta1=BETAS[0], beta2=BETAS[1], eps=EPS, momentum=MU, adamw_lr=ADAMW_LR)
-    zero = make_zero([model], grid, ZeroConfig(stage=stage, bucket_mb=0.01, reshard_after_forward=True), "fp32", WD,
-                     torch.device("cpu"), optim=optim, lr=LR)  # several buckets
+    zero, grads = steps_recording_gradients(
+        model, grid, lambda: make_zero([model], grid, ZeroConfig(stage=stage, bucket_mb=0.01,  # several buckets
+                                                           reshard_after_forward=True), "fp32", WD,
+                                       torch.device("cpu"), optim=optim, lr=LR),
+        cfg.vocab_size, cfg.seq_len, 3, LR)
     assert len(zero.buckets) > 2
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(3):
-        grads.append({})
-        mbs = [torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=gen) for _ in range(2)]
-        result = train_step(zero, *executor_for(model, grid, mbs), mbs, LR, 0.0)  # max_norm 0: no clipping
-        assert not result.skipped
     want = _muon_reference(start, grads, matrices)
     got = zero.full_parameters()
     scale = max(t.abs().max().item() for t in want.values())
