@@ -6,7 +6,8 @@
 - ``GradFinalizer``: the sums beyond dp: tied copies over the embedding group, sequence-parallel over tp.
 - ``ParamGatherer``: stage 3's gather/free/prefetch; stages 1-2's overlapped all-gather after the step.
 - ``ShardedAdamW``: fp32 masters, moments, the norm and the update, on the device or offloaded; ``ShardedLamb``
-  the same states with LAMB's per-layer trust ratio.
+  the same states with LAMB's per-layer trust ratio; ``ShardedMuon`` the same states with Muon on the layers'
+  matrices, each gathered whole to an owner over the stage's ranks (``parallel.zero.matrix_plan``).
 - ``ZeroCheckpoint``: layout-free export and import of every parameter's state.
 - ``Partition``: the parts above for the parameters of one reduction group (dense over dp, experts over edp).
 
