@@ -12,8 +12,15 @@ Two phases, each rank both a worker and the server of its 1/n chunk:
 Bytes leaving a rank per call, for N elements over n ranks: (n-1)/n (N/8 + 4) twice, against an fp32 ring
 all-reduce's 2 (n-1)/n 4N: 1/32 of it (plus the scales). The error buffers are what makes the compressed
 momentum converge like the exact one; they belong to the rank (a checkpoint saves them per rank).
+
+``live`` (0 or 1 per element, the same on every rank) leaves elements out as if they did not exist: they are sent
+as 0, kept out of their chunk's norm and its element count, and keep no error. The padding is such an element,
+and so is one whose Adam variance is ~0 (a vocabulary row no token used): the sign would move it by a whole scale
+where the exact momentum is 0.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -37,12 +44,17 @@ def unpack_signs(packed: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     return bits.view(-1).to(dtype).mul_(2).sub_(1)
 
 
-def _compress(c: Tensor, chunks: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(packed signs, per-chunk scales, decompressed value) of ``c`` cut into ``chunks`` equal chunks."""
+def _compress(c: Tensor, chunks: int, counts: Optional[Tensor], live: Optional[Tensor]
+              ) -> tuple[Tensor, Tensor, Tensor]:
+    """(packed signs, per-chunk scales, decompressed value) of ``c`` cut into ``chunks`` equal chunks; ``counts``:
+    each chunk's live elements (None: all), ``live``: the 0/1 mask the decompressed value is multiplied by."""
     parts = c.view(chunks, -1)
-    scales = parts.norm(dim=1) / parts.shape[1] ** 0.5
-    signs = torch.where(parts >= 0, 1.0, -1.0).to(c.dtype)
-    return pack_signs(c), scales, (signs * scales[:, None]).view(-1)
+    length = counts if counts is not None else torch.full((chunks,), float(parts.shape[1]), device=c.device)
+    scales = parts.norm(dim=1) / length.clamp(min=1.0).sqrt()
+    sent = torch.where(parts >= 0, 1.0, -1.0).to(c.dtype).mul_(scales[:, None]).view(-1)
+    if live is not None:
+        sent.mul_(live)
+    return pack_signs(c), scales, sent
 
 
 def padded_length(numel: int, ranks: int) -> int:
@@ -52,24 +64,31 @@ def padded_length(numel: int, ranks: int) -> int:
 
 
 def compressed_allreduce(x: Tensor, worker_error: Tensor, server_error: Tensor, comm: Comm,
-                         tag: str = "onebit") -> Tensor:
+                         tag: str = "onebit", live: Optional[Tensor] = None) -> Tensor:
     """The mean over ``comm`` of every rank's ``x`` (1-D, fp32, ``padded_length`` long), compressed both ways;
-    ``worker_error`` (that length) and ``server_error`` (1/n of it) are updated in place."""
+    ``worker_error`` (that length) and ``server_error`` (1/n of it) are updated in place. ``live``: see above."""
     n = comm.size
     assert x.dim() == 1 and x.numel() % (8 * n) == 0, (tuple(x.shape), n)
     assert worker_error.shape == x.shape and server_error.numel() == x.numel() // n
-    c = x + worker_error
-    packed, scales, sent = _compress(c, n)
-    worker_error.copy_(c - sent)
     chunk = x.numel() // n
+    counts = live.view(n, chunk).sum(1) if live is not None else None
+    mine_live = live.view(n, chunk)[comm.rank] if live is not None else None
+    c = x + worker_error
+    if live is not None:
+        c.mul_(live)
+    packed, scales, sent = _compress(c, n, counts, live)
+    worker_error.copy_(c - sent)
     if n == 1:
         mine = sent
     else:
         got = comm.all_to_all(packed.view(n, -1), [1] * n, [1] * n, tag=tag)  # (n, chunk / 8): chunk r of each
         got_scales = comm.all_to_all(scales.view(n, 1), [1] * n, [1] * n, tag=tag)
-        mine = (torch.stack([unpack_signs(row) for row in got]) * got_scales).mean(0)
+        mine = (unpack_signs(got.reshape(-1)).view(n, chunk) * got_scales).mean(0)
+        if mine_live is not None:
+            mine.mul_(mine_live)
     c = mine + server_error
-    packed, scale, sent = _compress(c, 1)
+    packed, scale, sent = _compress(c, 1, counts[comm.rank:comm.rank + 1] if counts is not None else None,
+                                    mine_live)
     server_error.copy_(c - sent)
     if n == 1:
         return sent
@@ -77,4 +96,5 @@ def compressed_allreduce(x: Tensor, worker_error: Tensor, server_error: Tensor, 
     comm.all_gather_into(everyone, packed, tag=tag)
     scales = torch.empty(n, dtype=scale.dtype, device=x.device)
     comm.all_gather_into(scales, scale, tag=tag)
-    return (unpack_signs(everyone).view(n, chunk) * scales[:, None]).view(-1)
+    out = (unpack_signs(everyone).view(n, chunk) * scales[:, None]).view(-1)
+    return out.mul_(live) if live is not None else out

@@ -3,9 +3,12 @@ in a row (the error feedback carried between them) equal Tang et al. 2021's two-
 4 workers in this process, on every rank, outputs and both error buffers; the bytes on the wire are at most
 1/16 of an fp32 all-reduce's (1/32 and the scales); and the error feedback loses nothing over the calls.
 
-Tolerance 1e-6 relative to the largest value: the ranks and the simulation do the same fp32 operations except
+Tolerance 1e-6 relative to the largest value (of the outputs, or of the error buffer compared): the ranks and the simulation do the same fp32 operations except
 the order of the 4-term mean over workers (a few ulps), and a sign flipped by such an ulp would move an element
-by two scales: it does not happen on these random values (checked: the differences are ~1e-7)."""
+by two scales: it does not happen on these random values (checked: the differences are ~1e-7).
+
+A second series runs with a live mask (elements left out: the padding, a chunk with none live): the reference
+drops those elements outright and compresses what is left, so the mask must make them as if absent."""
 from __future__ import annotations
 
 import torch
@@ -29,6 +32,14 @@ def _inputs(rank: int, call: int) -> torch.Tensor:
     return torch.randn(N, generator=torch.Generator().manual_seed(1000 * call + rank))
 
 
+def _live() -> torch.Tensor:
+    """Alive at random, 1 in 4 dead, the last 37 (padding) and all of chunk 1 dead."""
+    live = (torch.rand(N, generator=torch.Generator().manual_seed(7)) > 0.25).float()
+    live[-37:] = 0
+    live[N // WORLD:2 * N // WORLD] = 0
+    return live
+
+
 def _ranks(rank, world):
     import torch.distributed as dist
 
@@ -37,36 +48,45 @@ def _ranks(rank, world):
 
     counter = CommCounter()
     comm = Comm(dist.group.WORLD, "dp", counter)
-    worker, server = torch.zeros(N), torch.zeros(N // world)
-    outs = []
-    for call in range(CALLS):
-        outs.append(compressed_allreduce(_inputs(rank, call), worker, server, comm))
-    sent = counter.sent_bytes()["dp"]
-    return torch.stack(outs).numpy(), worker.numpy(), server.numpy(), sent  # by value, not shared memory
+    series = []
+    for live in (None, _live()):
+        counter.reset()
+        worker, server = torch.zeros(N), torch.zeros(N // world)
+        outs = []
+        for call in range(CALLS):
+            outs.append(compressed_allreduce(_inputs(rank, call), worker, server, comm, live=live))
+        sent = counter.sent_bytes()["dp"]
+        series.append((torch.stack(outs).numpy(), worker.numpy(), server.numpy(), sent))  # by value
+    return series
 
 
-def _reference() -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-    """Tang et al. 2021, Algorithm 1's compressed all-reduce, for WORLD workers in one process."""
+def _reference(live=None) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """Tang et al. 2021, Algorithm 1's compressed all-reduce, for WORLD workers in one process; with ``live``,
+    of the live elements only (the others are dropped before compression and come out 0)."""
     chunk = N // WORLD
     workers = [torch.zeros(N) for _ in range(WORLD)]
     servers = [torch.zeros(chunk) for _ in range(WORLD)]
+    keep = torch.ones(N, dtype=torch.bool) if live is None else live.bool()
 
-    def compress(v):
-        scale = v.norm() / v.numel() ** 0.5
-        return scale * torch.where(v >= 0, 1.0, -1.0)
+    def compress(v, where):
+        out = torch.zeros_like(v)
+        kept = v[where]
+        if kept.numel():
+            out[where] = kept.norm() / kept.numel() ** 0.5 * torch.where(kept >= 0, 1.0, -1.0)
+        return out
 
     outs = []
     for call in range(CALLS):
         sent = []
         for w in range(WORLD):
-            c = _inputs(w, call) + workers[w]
-            q = torch.cat([compress(part) for part in c.view(WORLD, chunk)])
+            c = torch.where(keep, _inputs(w, call) + workers[w], 0.0)
+            q = torch.cat([compress(part, k) for part, k in zip(c.view(WORLD, chunk), keep.view(WORLD, chunk))])
             workers[w] = c - q
             sent.append(q)
         out = []
         for r in range(WORLD):
             m = torch.stack([s[r * chunk:(r + 1) * chunk] for s in sent]).mean(0) + servers[r]
-            q = compress(m)
+            q = compress(m, keep[r * chunk:(r + 1) * chunk])
             servers[r] = m - q
             out.append(q)
         outs.append(torch.cat(out))
@@ -75,17 +95,26 @@ def _reference() -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
 
 def test_four_ranks_equal_the_papers_compression_and_send_a_thirty_second():
     results = run_ranks(WORLD, _ranks)
-    want, workers, servers = _reference()
+    for series, live in enumerate((None, _live())):
+        _check([r[series] for r in results], live)
+
+
+def _check(results, live) -> None:
+    want, workers, servers = _reference(live)
     scale = want.abs().max().item()
+    if live is not None:
+        assert want[:, live == 0].abs().max().item() == 0 and want[:, live == 1].abs().min().item() > 0
     for rank, (outs, worker, server, sent) in enumerate(results):
         outs, worker, server = torch.from_numpy(outs), torch.from_numpy(worker), torch.from_numpy(server)
         assert (outs - want).abs().max().item() <= 1e-6 * scale, rank
-        assert (worker - workers[rank]).abs().max().item() <= 1e-6 * scale, rank
-        assert (server - servers[rank]).abs().max().item() <= 1e-6 * scale, rank
+        for got, ref in ((worker, workers[rank]), (server, servers[rank])):
+            assert (got - ref).abs().max().item() <= 1e-6 * max(scale, ref.abs().max().item()), rank
         fp32_allreduce = CALLS * 2 * (WORLD - 1) / WORLD * N * 4
         assert sent <= fp32_allreduce / 16, (rank, sent, fp32_allreduce)
     # error feedback loses nothing: the outputs' sum is the exact means' sum less what the errors hold now
     # (sum_t q = sum_t x - e_T for every compression), to fp32 rounding over 20 sums
     exact = torch.stack([torch.stack([_inputs(w, c) for w in range(WORLD)]).mean(0) for c in range(CALLS)])
+    if live is not None:
+        exact = exact * live
     held = torch.stack(workers).mean(0) + torch.cat(servers)
     assert (want.sum(0) - (exact.sum(0) - held)).abs().max().item() <= 1e-5 * scale * CALLS
