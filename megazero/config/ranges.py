@@ -30,12 +30,12 @@ _CHOICES = {
     ("train", "resume_changes"): ("warn", "allow"),
     ("model.moe", "router"): ("softmax", "sigmoid"),
     ("parallel", "cp_mode"): ("ring", "all_to_all"),
-    ("optim", "name"): ("adamw", "lamb", "muon"),
+    ("optim", "name"): ("adamw", "lamb", "muon", "onebit_adam"),
 }
 _MIN = {
     ("model", "layers"): 1, ("model", "hidden"): 1, ("model", "heads"): 1, ("model", "seq_len"): 1,
     ("model", "vocab_size"): 2, ("model", "ffn_hidden"): 1, ("model", "vocab_pad_multiple"): 1,
-    ("optim", "ns_steps"): 1, ("optim", "adamw_lr"): 0.0,
+    ("optim", "ns_steps"): 1, ("optim", "adamw_lr"): 0.0, ("optim", "freeze_step"): 1,
     ("optim", "eps"): 1e-30,  # 0 makes 0/0 of a gradient that has been 0 so far (padded vocab rows, unseen tokens)
     ("model", "checkpoint_layers"): 0, ("model", "kv_heads"): 1, ("model", "head_dim"): 1, ("model", "norm_eps"): 1e-12,
     ("model", "rope_theta"): 1.0, ("model", "rope_factor"): 1.0, ("model", "rope_low_freq_factor"): 1e-6,
@@ -65,6 +65,7 @@ MAX_WORLD = 2 ** 20  # ranks: as megazero.launch; the dry run lists every rank o
 _MAX = {
     ("optim", "ns_steps"): 100,  # 5 are published; each is three matmuls of the matrix's size
     ("optim", "adamw_lr"): 1e9,  # as train.lr
+    ("optim", "freeze_step"): _STEPS,  # a step count (rules.py also keeps it below train.steps)
     ("optim", "eps"): 1.0,  # added to sqrt(v) of unit-scale gradients: past 1 it is plain momentum SGD
     ("model", "layers"): 2 ** 31 - 1,  # the dry run builds one layer and multiplies: any count plans in seconds
     ("model", "hidden"): 2 ** 18,  # 262,144 (GPT-3 175B: 12,288): the embedding vocab*hidden < 2^43

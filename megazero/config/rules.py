@@ -120,6 +120,8 @@ def _check_zero(cfg: Config) -> None:
     if cfg.optim.name == "muon" and z.offload_optimizer == "cpu":
         raise invalid(src, "zero.offload_optimizer", "cpu", "is not supported with optim.name=muon (its Newton-Schulz "
                       "iterations run on the device, on matrices gathered there); use none, or optim.name=adamw")
+    if cfg.optim.name == "onebit_adam":
+        _check_onebit(cfg)
     if z.offload_params != "cpu" and z.reshard_after_forward is not True:
         return
     from parallel.zero.policy import StagePolicy
@@ -132,6 +134,25 @@ def _check_zero(cfg: Config) -> None:
                       "cannot be true with parallel.schedule=zb1p: a layer stays gathered from its input "
                       "gradient (B) to its weight gradient (W), and later forwards run in between; use auto or "
                       "false (auto is false with a pipeline)")
+
+
+def _check_onebit(cfg: Config) -> None:
+    """1-bit Adam: its compressed phase reads every rank's whole local gradient (stages 0-1), keeps its states on
+    the device, and starts within the run."""
+    src, z, o = cfg.source, cfg.zero, cfg.optim
+    from parallel.zero.policy import StagePolicy
+
+    if StagePolicy.of(z.stage).shard_grads:
+        raise invalid(src, "zero.stage", z.stage, "is not supported with optim.name=onebit_adam: past its warm-up "
+                      "gradients are never reduced, so there is nothing to shard them into and every rank needs "
+                      "its whole local gradient; use 0 or 1")
+    if z.offload_optimizer == "cpu":
+        raise invalid(src, "zero.offload_optimizer", "cpu", "is not supported with optim.name=onebit_adam (its "
+                      "momentum is compressed and exchanged on the device); use none")
+    if o.freeze_step >= cfg.train.steps:
+        raise invalid(src, "optim.freeze_step", o.freeze_step, f"is the warm-up's last step and must be < "
+                      f"train.steps={cfg.train.steps}, or the run never compresses; use optim.name=adamw for "
+                      f"a run without compression")
 
 
 def _check_paths(cfg: Config) -> None:

@@ -205,7 +205,7 @@ class KernelsConfig:
 
 @dataclass
 class OptimConfig:
-    # adamw | lamb | muon: the update each rank applies to its share of ZeRO's flat buffers (parallel.zero); the
+    # adamw | lamb | muon | onebit_adam: the update each rank applies to its share of ZeRO's flat buffers (parallel.zero); the
     # learning rate, its schedule and the weight decay are train.*'s for each
     name: str = "adamw"
     beta1: float = 0.9  # AdamW's and LAMB's moments; under muon, those of the parameters AdamW keeps
@@ -218,6 +218,9 @@ class OptimConfig:
     # muon: the peak learning rate of the parameters AdamW keeps (embeddings, head, vectors), on train.lr's
     # schedule; 0 is train.lr itself
     adamw_lr: float = 0.0
+    # onebit_adam: the last step of the full-precision AdamW warm-up; from the next one the variance is frozen
+    # and the momentum is all-reduced as signs (Tang et al. 2021 warm up for 15-25% of the run)
+    freeze_step: int = 1000
 
 
 @dataclass

@@ -98,7 +98,8 @@ def make_zero(chunks: list[nn.Module], grid: Grid, z: ZeroConfig, precision: str
                          z.offload_optimizer, z.offload_params, adam_impl=adam_impl, device=device,
                          initial_value=initial_value, grad_dtype=z.grad_dtype,
                          overlap_param_gather=overlap_param_gather, betas=(o.beta1, o.beta2), eps=o.eps,
-                         optimizer=o.name, muon=muon)  # lr: each step passes its own
+                         optimizer=o.name, muon=muon,
+                         freeze_step=o.freeze_step)  # lr: each step passes its own
 
 
 def make_scaler(precision: str) -> LossScaler:

@@ -35,7 +35,7 @@ class ShardedAdamW:
         self.decay_mask: list[Optional[Tensor]] = [None] * n
         self.runs: list[list] = [[] for _ in range(n)]
         self.counted: list[list] = [[] for _ in range(n)]  # runs of the range: do they count toward the norm
-        self.norm_weights: Optional[Tensor] = None  # 1 where a run counts, 0 elsewhere; built on first use
+        self.norm_weights: dict[str, Tensor] = {}  # per set of runs: 1 where a run counts, 0 elsewhere
         self.host_grad: list[Optional[Tensor]] = [None] * n  # offloaded: pinned landing buffers
         self.copied = [False] * n
         self.copy_stream = None
@@ -103,27 +103,44 @@ class ShardedAdamW:
             self.copy_stream.synchronize()
         self.copied = [False] * len(self.copied)
 
+    # ----- what the reducer is asked for ------------------------------------------------------------------------
+    def reads_reduced_gradients(self) -> bool:
+        """The next step reads gradients reduced over dp (else the reducer leaves them local: 1-bit Adam)."""
+        return True
+
+    def may_read_local_gradients(self) -> bool:
+        """Some step may read local gradients (whole buckets): the finalizer then keeps whole-bucket runs."""
+        return False
+
+    def states_loaded(self) -> None:
+        """A checkpoint has just written the states (an optimizer with derived state rebuilds it here)."""
+
     def sq_norm(self, grads: list[Tensor]) -> Tensor:
-        """Sum of squares of the gradients that count toward the global norm (each parameter once).
+        """Sum of squares of the gradients that count toward the global norm (each parameter once)."""
+        return self.counted_sq_norm(grads, [self.counted[b.index] for b in self.layout.buckets], "range")
+
+    def counted_sq_norm(self, grads: list[Tensor], counted: list[list[Run]], key: str) -> Tensor:
+        """Sum of squares of ``grads`` over the runs of ``counted`` (per bucket, (start, end, counts)) that count;
+        ``key`` names the set of runs, whose weights are built once.
 
         On the CPU a run is cut into pieces of at most NORM_PIECE elements: torch's CPU norm accumulates in
         order in float32, off by ~1e-5 relative over 10^5 elements and ~3e-4 over 10^7, so a norm would depend
         on how the buckets are cut (the layout); per piece it is off by ~2e-7, and the pieces add in float64."""
         piece = NORM_PIECE if self.device.type == "cpu" else None
         runs = [(g, lo, min(lo + piece, z) if piece else z)
-                for b, g in zip(self.layout.buckets, grads) for a, z, _ in self.counted[b.index]
+                for g, bucket_runs in zip(grads, counted) for a, z, _ in bucket_runs
                 for lo in (range(a, z, piece) if piece else (a,))]
         if not runs:
             return torch.zeros((), dtype=torch.float32, device=self.device)
-        if self.norm_weights is None:
-            flags = [float(c) for b in self.layout.buckets for a, z, c in self.counted[b.index]
+        if key not in self.norm_weights:
+            flags = [float(c) for bucket_runs in counted for a, z, c in bucket_runs
                      for _ in (range(a, z, piece) if piece else (a,))]
-            self.norm_weights = torch.tensor(flags, device=self.device, dtype=torch.float64)
+            self.norm_weights[key] = torch.tensor(flags, device=self.device, dtype=torch.float64)
         # one fused, multi-threaded pass over every run, with no full-size temporaries; the runs that do not
         # count (tp-replicated copies off tp rank 0, the tied copy) are weighted 0, so a nan or inf there still
         # makes the norm non-finite and skips the step
         norms = torch.stack(torch._foreach_norm([g[a:z] for g, a, z in runs], 2, dtype=torch.float32))
-        return (norms.double().square() * self.norm_weights).sum().float()
+        return (norms.double().square() * self.norm_weights[key]).sum().float()
 
     def first_nonfinite(self, grads: list[Tensor]) -> Optional[str]:
         """The first parameter, in bucket order, with a non-finite gradient element in this rank's range."""

@@ -34,17 +34,23 @@ class GradFinalizer:
     def __init__(self, tied: Comm, tp: Comm, device: torch.device):
         """tied: the group that sums tied copies (the embedding group); tp: the tensor-parallel group."""
         self.tied, self.tp, self.device = tied, tp, device
-        self.sp_index: list[Optional[Tensor]] = []  # per bucket: where the short sequence-parallel runs are
-        self.sp_long: list[list[tuple[int, int]]] = []  # per bucket: the long runs, summed in place
+        # per bucket, over the optimizer's range (False) and, where it is asked for, the whole bucket (True):
+        # where the short sequence-parallel runs are, and the long runs, summed in place
+        self.sp_index: dict[bool, list[Optional[Tensor]]] = {False: [], True: []}
+        self.sp_long: dict[bool, list[list[tuple[int, int]]]] = {False: [], True: []}
 
-    def add_bucket(self, b: Bucket, sequence_parallel: list[Run]) -> None:
+    def add_bucket(self, b: Bucket, sequence_parallel: list[Run], whole: Optional[list[Run]] = None) -> None:
         """A bucket's runs of (sequence-parallel) over the optimizer's range (``BucketLayout.mask_runs``), in
-        bucket order; kept as an index on the device, so the step needs no host sync."""
-        assert b.index == len(self.sp_index), (b.index, len(self.sp_index))
-        runs = [(a, z) for a, z, on in sequence_parallel if on]
-        parts = [torch.arange(a, z, device=self.device) for a, z in runs if z - a < LONG_RUN]
-        self.sp_index.append(torch.cat(parts) if parts else None)
-        self.sp_long.append([(a, z) for a, z in runs if z - a >= LONG_RUN])
+        bucket order, and optionally over the whole bucket; kept as an index on the device, so the step needs no
+        host sync."""
+        assert b.index == len(self.sp_index[False]), (b.index, len(self.sp_index[False]))
+        for key, runs in ((False, sequence_parallel), (True, whole)):
+            if runs is None:
+                continue
+            on = [(a, z) for a, z, flag in runs if flag]
+            parts = [torch.arange(a, z, device=self.device) for a, z in on if z - a < LONG_RUN]
+            self.sp_index[key].append(torch.cat(parts) if parts else None)
+            self.sp_long[key].append([(a, z) for a, z in on if z - a >= LONG_RUN])
 
     def sum_tied(self, b: Bucket, full: Tensor) -> None:
         """Sum the tied copies' gradients in a deferred bucket's whole buffer, before its dp reduction."""
@@ -52,14 +58,16 @@ class GradFinalizer:
             off, n = b.offsets[j], b.params[j][1].numel()
             self.tied.all_reduce(full[off:off + n], tag="grad")
 
-    def sum_sequence_parallel(self, grads: list[Tensor]) -> None:
-        """Sum the sequence-parallel parameters' reduced gradients over tp (``grads``: every bucket's range)."""
+    def sum_sequence_parallel(self, grads: list[Tensor], whole: bool = False) -> None:
+        """Sum the sequence-parallel parameters' reduced gradients over tp (``grads``: every bucket's range, or
+        with ``whole`` every whole bucket)."""
         if self.tp.size == 1:
             return
-        for g, long in zip(grads, self.sp_long):  # a mixture of experts' experts: whole buckets, in place
+        assert len(self.sp_index[whole]) == len(grads), "whole-bucket runs were not given"
+        for g, long in zip(grads, self.sp_long[whole]):  # a mixture of experts' experts: whole buckets, in place
             for a, z in long:
                 self.tp.all_reduce(g[a:z], tag="grad")
-        parts = [(g, idx) for g, idx in zip(grads, self.sp_index) if idx is not None]
+        parts = [(g, idx) for g, idx in zip(grads, self.sp_index[whole]) if idx is not None]
         if not parts:
             return
         flat = torch.cat([g.index_select(0, idx) for g, idx in parts])
@@ -74,4 +82,5 @@ class GradFinalizer:
         copy of them must be sent again)."""
         if self.tp.size == 1:
             return set()
-        return {i for i, (idx, long) in enumerate(zip(self.sp_index, self.sp_long)) if idx is not None or long}
+        return {i for i, (idx, long) in enumerate(zip(self.sp_index[False], self.sp_long[False]))
+                if idx is not None or long}

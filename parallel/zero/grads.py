@@ -76,6 +76,9 @@ class GradReducer:
         self.rounds_done = 0  # bucket reductions launched this step (bounded mode)
         self.reduced_buckets = max(1, sum(not b.deferred for b in layout.buckets))
         self.microbatches = 1
+        # this step's gradients stay local (no reduction over dp): an optimizer that communicates something else
+        # in their place (1-bit Adam's compressed momentum); grad(b) is then the whole bucket
+        self.local = False
         self.in_flight: deque = deque()  # (bucket, work, output, input) in launch order
         self.elem = torch.tensor([], dtype=grad_dtype).element_size()
         self.live_bytes = sum(t.numel() for t in self.full + ([] if self.in_place else self.shard)
@@ -103,10 +106,11 @@ class GradReducer:
         self.peak_bytes = self.live_bytes
 
     # ----- backward -------------------------------------------------------------------------------------------
-    def begin(self, microbatches: int) -> None:
+    def begin(self, microbatches: int, local: bool = False) -> None:
         assert not self.in_flight, "a reduction of an earlier step was never completed"
         assert microbatches >= 1, microbatches
-        self.microbatches = microbatches
+        assert not local or self.policy.keeps_full_grads, "local gradients need whole buffers (stages 0-1)"
+        self.microbatches, self.local = microbatches, local
         self.ready = [0] * len(self.ready)
         self.rounds = [0] * len(self.rounds)
         self.rounds_done = 0
@@ -157,6 +161,9 @@ class GradReducer:
 
     def _reduce(self, b: Bucket) -> None:
         src = self.full[b.index]
+        if self.local:
+            self._launch(b, None, None, None)
+            return
         if not self.policy.shard_optimizer:
             self._launch(b, self.dp.all_reduce(src, tag="grad", async_op=True), None, None)
             self._complete_finished()
@@ -232,7 +239,9 @@ class GradReducer:
             self.full[i] = self._alloc(b.numel, 0)
         if self.before_deferred is not None:
             self.before_deferred(b, self.full[i])
-        if not self.policy.shard_optimizer:
+        if self.local:
+            pass
+        elif not self.policy.shard_optimizer:
             self.dp.all_reduce(self.full[i], tag="grad")
         elif self.in_place:
             self.dp.reduce_scatter_into(self.shard[i], self.full[i], tag="grad")
@@ -248,8 +257,8 @@ class GradReducer:
             self.on_final(b, self.grad(b))
 
     def grad(self, b: Bucket) -> Tensor:
-        """The reduced gradient of the optimizer's range (valid after ``finish``)."""
-        return self.shard[b.index] if self.policy.shard_optimizer else self.full[b.index]
+        """The reduced gradient of the optimizer's range (valid after ``finish``); a local step's whole bucket."""
+        return self.shard[b.index] if self.policy.shard_optimizer and not self.local else self.full[b.index]
 
     def zero_grad(self) -> None:
         for b in self.layout.buckets:

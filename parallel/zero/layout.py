@@ -134,14 +134,15 @@ class BucketLayout:
             if self.policy.shard_params:
                 b.full.untyped_storage().resize_(0)  # gathered again before each use (parallel.zero.gather)
 
-    def mask_runs(self, b: Bucket, tp_rank: int) -> tuple[list[Run], list[Run], list[Run]]:
+    def mask_runs(self, b: Bucket, tp_rank: int, whole: bool = False) -> tuple[list[Run], list[Run], list[Run]]:
         """Per element of the optimizer's range, as maximal runs ``(start, end, flag)`` that tile it: (weight
         decay applies, counts toward the gradient norm, sequence-parallel: summed over tp). Matrices decay;
         biases and norms do not. A tp-replicated parameter counts on tp rank 0 only, a piece replicated on r tp
         ranks on the first of them, and a tied copy only where the model declares it counted, so the norm counts
         each once. Padding is False in all three. Computed from the parameters alone (no tensor is read), so a
-        simulated run (fake tensors) builds them as a real one."""
-        lo, hi = self.range(b)
+        simulated run (fake tensors) builds them as a real one. ``whole``: over the whole bucket instead (an
+        optimizer that reads the local, unreduced gradient of every bucket: 1-bit Adam past its warm-up)."""
+        lo, hi = (0, b.numel) if whole else self.range(b)
         runs: tuple[list[Run], list[Run], list[Run]] = ([], [], [])
 
         def put(a: int, z: int, flags: tuple[bool, bool, bool]) -> None:

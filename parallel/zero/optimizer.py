@@ -7,7 +7,8 @@
 - ``ParamGatherer``: stage 3's gather/free/prefetch; stages 1-2's overlapped all-gather after the step.
 - ``ShardedAdamW``: fp32 masters, moments, the norm and the update, on the device or offloaded; ``ShardedLamb``
   the same states with LAMB's per-layer trust ratio; ``ShardedMuon`` the same states with Muon on the layers'
-  matrices, each gathered whole to an owner over the stage's ranks (``parallel.zero.matrix_plan``).
+  matrices, each gathered whole to an owner over the stage's ranks (``parallel.zero.matrix_plan``);
+  ``ShardedOnebitAdam`` AdamW's warm-up, then a frozen variance and the momentum averaged 1-bit compressed.
 - ``ZeroCheckpoint``: layout-free export and import of every parameter's state.
 - ``Partition``: the parts above for the parameters of one reduction group (dense over dp, experts over edp).
 
@@ -34,6 +35,7 @@ from parallel.zero.lamb import ShardedLamb
 from parallel.zero.layout import Bucket, BucketLayout
 from parallel.zero.matrix_plan import StagePlace
 from parallel.zero.muon import MuonSettings, ShardedMuon, muon_matrices
+from parallel.zero.onebit_adam import ShardedOnebitAdam
 from parallel.zero.partition import Partition
 from parallel.zero.policy import StagePolicy
 
@@ -50,11 +52,12 @@ class ZeroOptimizer:
                  device: Optional[torch.device] = None,
                  initial_value: Optional[Callable[[nn.Parameter], Tensor]] = None, grad_dtype: str = "auto",
                  overlap_param_gather: bool = True, max_in_flight: int = 2, optimizer: str = "adamw",
-                 muon: Optional[MuonSettings] = None):
+                 muon: Optional[MuonSettings] = None, freeze_step: int = 1000):
         """device: where the model computes (default: where its parameters are). Parameters still on the meta
         device (stage 3's lazily built model) are created bucket by bucket from ``initial_value(param)``, so
         the whole stage never exists unsharded. ``lr`` is the caller's; each step passes its own. ``optimizer``:
-        adamw | lamb | muon (``ShardedAdamW``, ``ShardedLamb``, ``ShardedMuon`` with ``muon``'s settings)."""
+        adamw | lamb | muon | onebit_adam (``ShardedAdamW``, ``ShardedLamb``, ``ShardedMuon`` with ``muon``'s
+        settings, ``ShardedOnebitAdam`` with its warm-up ending at ``freeze_step``)."""
         del lr
         self.grid = grid
         self.policy = StagePolicy.of(stage)
@@ -83,6 +86,10 @@ class ZeroOptimizer:
                     place = StagePlace(grid.tp, grid.cp, grid.ep, experts, grid.dp * grid.cp * grid.tp)
                     return ShardedMuon(layout, self.device, weight_decay, betas, eps, self.grad_dtype, matrices,
                                        stage_comm, place, muon or MuonSettings())
+                if optimizer == "onebit_adam":
+                    assert state_device == self.device, "1-bit Adam's states stay on the device"
+                    return ShardedOnebitAdam(layout, self.device, weight_decay, betas, eps, self.grad_dtype, comm,
+                                             grid.tp_comm.rank, freeze_step)
                 assert optimizer == "adamw", optimizer
                 impl = adam_impl if state_device == self.device else "fused"
                 return ShardedAdamW(layout, self.device, state_device, impl, weight_decay, betas, eps,
@@ -120,8 +127,7 @@ class ZeroOptimizer:
     def begin(self, microbatches: int) -> None:
         """Before the schedule: ``microbatches`` backward passes will follow."""
         for part in self.parts:
-            part.reducer.begin(microbatches)
-            part.gatherer.gather_root()
+            part.begin(microbatches)
         self._reduced = False
 
     def reduce(self) -> None:
@@ -152,8 +158,11 @@ class ZeroOptimizer:
         self.world.all_reduce(agreed, op=dist.ReduceOp.MAX, tag="overflow")
         if flags is not None:
             flags.copy_(agreed[1:])
-        if self.policy.shard_optimizer:  # each partition's shards over its own group
-            for part, sq in zip(self.parts, sums):
+        for part, sq in zip(self.parts, sums):
+            if part.reducer.local:  # local gradients (1-bit Adam): the RMS over ranks of n * g_rank's norm
+                part.comm.all_reduce(sq, tag="grad_norm")
+                sq.mul_(part.comm.size)
+            elif self.policy.shard_optimizer:  # each partition's shards over its own group
                 part.comm.all_reduce(sq, tag="grad_norm")
         if len(sums) > 1:  # the experts: each ep rank holds others, so they are summed over ep too
             self.grid.ep_comm.all_reduce(sums[1], tag="grad_norm")
@@ -211,6 +220,13 @@ class ZeroOptimizer:
         self.settle()
         for part in self.parts:
             part.checkpoint.import_state(state, step)
+            part.optim.states_loaded()
+
+    def rank_state(self, saving: bool) -> dict[str, Tensor]:
+        """What belongs to this rank alone and its place in the layout (1-bit Adam's error buffers), by
+        "<partition>/<key>"; see ``ShardedOnebitAdam.rank_state``."""
+        return {f"{part.name}/{k}": t for part in self.parts
+                for k, t in getattr(part.optim, "rank_state", lambda saving: {})(saving).items()}
 
     def full_gradients(self) -> dict[str, Tensor]:
         """Stage 0, after ``reduce``: every parameter's reduced gradient, by name (for inspection and tests)."""
@@ -222,6 +238,8 @@ class ZeroOptimizer:
         """The last update's figures for the metrics (collective over the world: every rank calls it at the same
         steps): LAMB's smallest and largest trust ratio over every layer of the model; Muon's RMS of its matrix
         updates (before the learning rate: ~0.2 by construction, Liu et al. 2025), over every matrix once."""
+        if any(isinstance(part.optim, ShardedOnebitAdam) for part in self.parts):
+            return {"optim/compressed_bytes": sum(part.optim.sent for part in self.parts)}
         if any(isinstance(part.optim, ShardedMuon) for part in self.parts):
             sums = [r for r in (part.optim.update_rms() for part in self.parts) if r is not None]
             total = torch.stack(sums).sum(0).to(self.device) if sums else \
@@ -260,6 +278,7 @@ class ZeroOptimizer:
             staging = [t for t in o.host_grad if t is not None]
             states = [t for kind in (o.exp_avg, o.exp_avg_sq, o.decay_mask) for t in kind if t is not None]
             states += [m for m, own in zip(o.master, o.master_is_param) if not own]
+            states += getattr(o, "own_tensors", lambda: [])()
             host = (states + staging if self.offload_optimizer else []) \
                 + ([b.shard_param for b in buckets if b.shard_param is not None] if self.offload_params else [])
             for kind, ts in (("params", params), ("grads", grads + staging), ("optimizer", states), ("host", host)):

@@ -39,10 +39,13 @@ class Partition:
         self.optim = make_optim(self.layout, comm)
         self.finalize = GradFinalizer(tied, tp, device)
 
+        local = self.optim.may_read_local_gradients()
+
         def add(b: Bucket, initial: Tensor) -> None:
             decay, count, sp = self.layout.mask_runs(b, tp.rank)
             self.optim.add_bucket(b, initial, decay, count)
-            self.finalize.add_bucket(b, sp)
+            whole = self.layout.mask_runs(b, tp.rank, whole=True)[2] if local else None
+            self.finalize.add_bucket(b, sp, whole)
 
         self.layout.materialise(initial_value, add)
         self.gatherer = ParamGatherer(chunks, self.layout, policy, comm, device, reshard_after_forward,
@@ -59,8 +62,13 @@ class Partition:
     def grads(self) -> list[Tensor]:
         return [self.reducer.grad(b) for b in self.buckets]
 
+    def begin(self, microbatches: int) -> None:
+        """Before the schedule: the reducer learns whether this step's gradients are reduced over dp."""
+        self.reducer.begin(microbatches, local=not self.optim.reads_reduced_gradients())
+        self.gatherer.gather_root()
+
     def reduce(self) -> None:
         """Complete this partition's gradients: over its group (tied copies first), then the tp sums."""
         self.gatherer.settle()  # stage 3's unused prefetches, before the update writes what they read
         self.reducer.finish()
-        self.finalize.sum_sequence_parallel(self.grads())
+        self.finalize.sum_sequence_parallel(self.grads(), whole=self.reducer.local)

@@ -1,0 +1,195 @@
+"""1-bit Adam (parallel.zero.onebit_adam) at 4 gloo ranks, ZeRO 0 and 1: 20 steps (a warm-up of 6), each rank on
+its own two microbatches, equal Tang et al. 2021's Algorithm 1 simulated for 4 workers in this process from the
+local gradients each rank recorded: AdamW over the summed gradient for the warm-up; then the variance frozen,
+each worker's momentum fed its own gradient, and the momenta averaged by the two-phase compression with worker
+and server error feedback, per flat bucket cut into 4 chunks with one scale each, leaving out the elements whose
+frozen sqrt(v_hat) is at most eps. Clipped at 1.0 by the norm the step reports: the summed gradient's in the
+warm-up, then the RMS over workers of n * g_rank's (each worker's contribution at the reduced gradient's scale).
+
+After the warm-up the comm counter shows a step's bytes at stage 0 at most 1/16 of a warm-up (AdamW) step's (1/31
+here); stage 1 adds the all-gather of the updated weight slices, half of an AdamW step's bytes.
+
+Tolerance 1e-6 of the largest weight: the reference does the ranks' fp32 operations in their order, except the
+sums over ranks (gloo's ring against a sequential sum: ulps) and the norms; a sign flipped by such an ulp would
+move an element by two scales, ~lr = 1e-2 of a weight, which does not happen on these values. The largest weight
+(17) is layer 1's key bias, whose exact gradient is 0 (softmax ignores it): its rounding noise leaves a tiny
+frozen variance above eps, the weak point of 1-bit Adam's frozen denominator, and the update divides by it. It
+differs by 1.5e-5 (8 ulps), every other weight by at most 7e-7; each mutation of the algorithm checked (no mask,
+no n scale, no worker error, the norm's n, bias correction at t) misses by more than 10."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tests.dist import run_ranks
+from tests.runs import ROOT
+
+WORLD, STEPS, FREEZE, LR, WD, CLIP = 4, 20, 6, 1e-2, 0.1, 1.0
+BETAS, EPS = (0.9, 0.95), 1e-8
+SIZES = ["parallel.tp=1", "parallel.pp=1", "model.layers=2", "model.hidden=48", "model.heads=4",
+         "model.vocab_size=256", "model.seq_len=16"]
+
+
+def _microbatches(rank: int, step: int, vocab: int, seq_len: int) -> list[torch.Tensor]:
+    """Two microbatches of 2 sequences; 64 of 256 token ids only, so most embedding rows get no gradient (their
+    variance stays 0: the mask's case)."""
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return [torch.randint(0, 64, (2, seq_len + 1), generator=gen) for _ in range(2)]
+
+
+def _ranks(rank, world):
+    from megazero.config.load import load_config
+    from megazero.config.schema import OptimConfig, ZeroConfig
+    from megazero.engine.build import make_executor, make_schedules, make_zero
+    from megazero.engine.step import train_step
+    from models.build import build_gpt
+    from parallel.topology import Grid
+
+    cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), SIZES).model
+    out = []
+    for stage in (0, 1):
+        grid = Grid.build(1, 1, world, "cpu")
+        model = build_gpt(cfg, 0, tp=grid.tp_comm)
+        grads: list[dict] = []
+
+        def record(p, name):
+            grads[-1][name] = grads[-1].get(name, 0) + p.grad.detach().clone()
+
+        for name, p in model.named_parameters():
+            p.register_post_accumulate_grad_hook(lambda p, name=name: record(p, name))
+        optim = OptimConfig(name="onebit_adam", beta1=BETAS[0], beta2=BETAS[1], eps=EPS, freeze_step=FREEZE)
+        zero = make_zero([model], grid, ZeroConfig(stage=stage, bucket_mb=0.02, reshard_after_forward=True),
+                         "fp32", WD, torch.device("cpu"), optim=optim)
+        executor = make_executor([model], grid, torch.device("cpu"), 2, cfg.seq_len, cfg.hidden, "fp32",
+                                 world * 2 * 2 * cfg.seq_len)  # the loss is the mean over the global batch
+        schedule = make_schedules("1f1b", grid, 2)[0]
+        norms, sent, records = [], [], []
+        for step in range(STEPS):
+            grads.append({})
+            before = sum(grid.counter.sent_bytes().values())
+            result = train_step(zero, executor, schedule, _microbatches(rank, step, cfg.vocab_size, cfg.seq_len),
+                                LR, CLIP)
+            assert not result.skipped
+            sent.append(sum(grid.counter.sent_bytes().values()) - before)
+            norms.append(result.grad_norm)
+            records.append(zero.optimizer_record()["optim/compressed_bytes"])
+        layout = [(b.numel, [(n, off) for (n, _), off in zip(b.params, b.offsets)]) for b in zero.buckets]
+        out.append({"params": {n: t.detach().numpy().copy() for n, t in zero.full_parameters().items()},
+                    "start": {n: t.numpy() for n, t in _initial(cfg).items()},
+                    "grads": [{n: g.numpy() for n, g in step.items()} for step in grads],
+                    "norms": norms, "sent": sent, "records": records, "layout": layout})
+    return out
+
+
+def _initial(cfg) -> dict:
+    from models.build import build_gpt
+    from parallel.topology import Grid
+
+    return {n: p.detach().clone() for n, p in build_gpt(cfg, 0, tp=Grid.single().tp_comm).named_parameters()}
+
+
+def _compress(v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """The paper's compression of one chunk: ||v||/sqrt(len) * sign(v) over the kept elements, 0 elsewhere."""
+    out = torch.zeros_like(v)
+    kept = v[keep]
+    if kept.numel():
+        out[keep] = kept.norm() / math.sqrt(kept.numel()) * torch.where(kept >= 0, 1.0, -1.0)
+    return out
+
+
+def _reference(start: dict, grads: list[list[dict]], layout: list) -> tuple[dict, list[float]]:
+    """Algorithm 1 of Tang et al. 2021 for WORLD workers, over flat fp32 buckets as ``layout`` lays them out
+    ((numel, [(name, offset)]) each); ``grads[w][t]``: worker w's local gradient at step t (its share of the
+    global mean). Returns the weights and each step's clipping norm."""
+    b1, b2 = BETAS
+    shapes = {n: t.shape for n, t in start.items()}
+
+    def flat(tensors: dict, numel: int, names: list) -> torch.Tensor:
+        out = torch.zeros(-(-numel // (8 * WORLD)) * 8 * WORLD)
+        for n, off in names:
+            t = torch.as_tensor(tensors[n]).reshape(-1)
+            out[off:off + t.numel()] = t
+        return out
+
+    w = [flat(start, numel, names) for numel, names in layout]
+    decay = [flat({n: torch.full(shapes[n], float(len(shapes[n]) >= 2)) for n in shapes}, numel, names).bool()
+             for numel, names in layout]
+    m = [torch.zeros_like(x) for x in w]
+    v = [torch.zeros_like(x) for x in w]
+    workers = [[torch.zeros_like(x) for x in w] for _ in range(WORLD)]
+    servers = [[torch.zeros(x.numel() // WORLD) for x in w] for _ in range(WORLD)]
+    live = None
+    norms = []
+    for t in range(1, STEPS + 1):
+        g = [[flat(grads[r][t - 1], numel, names) for numel, names in layout] for r in range(WORLD)]
+        frozen = t > FREEZE
+        if not frozen:
+            total = [sum(g[r][i] for r in range(WORLD)) for i in range(len(w))]
+            norm = math.sqrt(sum(x.double().square().sum().item() for x in total))
+        else:
+            norm = math.sqrt(WORLD * sum(x.double().square().sum().item() for gr in g for x in gr))
+        norms.append(norm)
+        coef = min(1.0, CLIP / (norm + 1e-6))
+        bc1 = 1.0 - b1 ** t
+        bc2 = math.sqrt(1.0 - b2 ** min(t, FREEZE))
+        if frozen and live is None:
+            live = [(x.sqrt() / bc2 > EPS) for x in v]  # the padding's v is 0: never live
+            m = [x * k for x, k in zip(m, live)]
+        for i in range(len(w)):
+            w[i] = torch.where(decay[i], w[i] * (1.0 - LR * WD), w[i])
+            if not frozen:
+                gi = total[i] * coef
+                m[i] = torch.lerp(m[i], gi, 1.0 - b1)
+                v[i] = v[i] * b2 + gi * gi * (1.0 - b2)
+            else:
+                chunk = m[i].numel() // WORLD
+                keep = live[i].view(WORLD, chunk)
+                sent = []
+                for r in range(WORLD):
+                    mr = m[i] * b1 + g[r][i] * ((1.0 - b1) * WORLD * coef)
+                    c = torch.where(live[i], mr + workers[r][i], 0.0)
+                    q = torch.cat([_compress(p, k) for p, k in zip(c.view(WORLD, chunk), keep)])
+                    workers[r][i] = c - q
+                    sent.append(q)
+                parts = []
+                for r in range(WORLD):
+                    s = torch.stack([x[r * chunk:(r + 1) * chunk] for x in sent]).mean(0) + servers[r][i]
+                    s = torch.where(keep[r], s, 0.0)
+                    q = _compress(s, keep[r])
+                    servers[r][i] = s - q
+                    parts.append(q)
+                m[i] = torch.cat(parts)
+            w[i] = w[i] - LR / bc1 * m[i] / (v[i].sqrt() / bc2 + EPS)
+    out = {}
+    for x, (numel, names) in zip(w, layout):
+        for n, off in names:
+            out[n] = x[off:off + math.prod(shapes[n])].view(shapes[n])
+    return out, norms
+
+
+def test_four_ranks_equal_the_papers_algorithm_and_send_a_sixteenth():
+    results = run_ranks(WORLD, _ranks)
+    for stage in (0, 1):
+        per_rank = [r[stage] for r in results]
+        first = per_rank[0]
+        for r in per_rank[1:]:  # the compressed average leaves the same momentum, so the same weights, everywhere
+            for n, t in r["params"].items():
+                assert (t == first["params"][n]).all(), (stage, n)
+        start = {n: torch.from_numpy(t) for n, t in first["start"].items()}
+        want, norms = _reference(start, [r["grads"] for r in per_rank], first["layout"])
+        scale = max(t.abs().max().item() for t in want.values())
+        worst = max((torch.from_numpy(first["params"][n]) - want[n]).abs().max().item() for n in want)
+        assert worst <= 1e-6 * scale, (stage, worst, scale)
+        moved = max((want[n] - start[n]).abs().max().item() for n in want)
+        assert moved > 1e3 * worst, (moved, worst)  # the comparison is of weights that moved
+        for got, ref in zip(first["norms"], norms):
+            assert abs(got - ref) <= 1e-5 * ref, (stage, got, ref)
+        assert min(norms) < CLIP < max(norms), norms  # both sides of the clip
+        warm = sorted(first["sent"][1:FREEZE])[FREEZE // 2 - 1]  # AdamW's steps through the same reducer
+        compressed = max(first["sent"][FREEZE + 1:])  # the first also gathers the momentum (stage 1)
+        assert all(x == 0 for x in first["records"][:FREEZE]) and min(first["records"][FREEZE:]) > 0
+        if stage == 0:
+            assert compressed <= warm / 16, (compressed, warm)
+        else:  # stage 1 keeps the all-gather of each rank's updated slice of the weights (half of AdamW's bytes:
+            assert compressed <= warm / 2 + warm / 16, (compressed, warm)  # it keeps the masters sharded)
