@@ -13,13 +13,16 @@ Bytes leaving a rank per call, for N elements over n ranks: (n-1)/n (N/8 + 4) tw
 all-reduce's 2 (n-1)/n 4N: 1/32 of it (plus the scales). The error buffers are what makes the compressed
 momentum converge like the exact one; they belong to the rank (a checkpoint saves them per rank).
 
-``live`` (0 or 1 per element, the same on every rank) leaves elements out as if they did not exist: they are sent
-as 0, kept out of their chunk's norm and its element count, and keep no error. The padding is such an element,
-and so is one whose Adam variance is ~0 (a vocabulary row no token used): the sign would move it by a whole scale
-where the exact momentum is 0.
+``groups`` (a small integer per element, the same on every rank) gives each element its scale group: 0 leaves
+it out as if it did not exist (sent as 0, out of every norm and count, no error kept: the padding, or an element
+whose Adam variance is ~0, where a sign would move it by a whole scale against an exact momentum of 0); groups
+1..K each get their own scale per chunk, so an element's compressed value depends on its own group's elements
+only. That is what keeps copies of a parameter on other ranks (tp-replicated norms, pipeline-tied embeddings),
+fed the same values in the same places, bit-identical: their buckets differ only in the other groups.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -44,17 +47,37 @@ def unpack_signs(packed: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     return bits.view(-1).to(dtype).mul_(2).sub_(1)
 
 
-def _compress(c: Tensor, chunks: int, counts: Optional[Tensor], live: Optional[Tensor]
+def _compress(c: Tensor, chunks: int, groups: Optional[Tensor], counts: Optional[Tensor]
               ) -> tuple[Tensor, Tensor, Tensor]:
-    """(packed signs, per-chunk scales, decompressed value) of ``c`` cut into ``chunks`` equal chunks; ``counts``:
-    each chunk's live elements (None: all), ``live``: the 0/1 mask the decompressed value is multiplied by."""
+    """(packed signs, scales (chunks, K + 1), decompressed value) of ``c`` cut into ``chunks`` equal chunks:
+    ``groups`` (chunks, length) and ``counts`` (chunks, K + 1), each group's live elements per chunk, or None
+    (one group, every element live). Group 0's scale is 0. Each group's norm is taken over the chunk with the
+    others' elements zeroed, so it reads its own elements in their own places only."""
     parts = c.view(chunks, -1)
-    length = counts if counts is not None else torch.full((chunks,), float(parts.shape[1]), device=c.device)
-    scales = parts.norm(dim=1) / length.clamp(min=1.0).sqrt()
-    sent = torch.where(parts >= 0, 1.0, -1.0).to(c.dtype).mul_(scales[:, None]).view(-1)
-    if live is not None:
-        sent.mul_(live)
-    return pack_signs(c), scales, sent
+    signs = torch.where(parts >= 0, 1.0, -1.0).to(c.dtype)
+    if groups is None:
+        scales = torch.cat([torch.zeros(chunks, 1, dtype=c.dtype, device=c.device),
+                            parts.norm(dim=1, keepdim=True) / math.sqrt(parts.shape[1])], 1)
+        return pack_signs(c), scales, signs.mul_(scales[:, 1:]).view(-1)
+    scales = torch.zeros(counts.shape, dtype=c.dtype, device=c.device)
+    for k in range(1, counts.shape[1]):
+        scales[:, k] = torch.where(groups == k, parts, 0.0).norm(dim=1) / counts[:, k].clamp(min=1.0).sqrt()
+    return pack_signs(c), scales, signs.mul_(_spread(scales, groups)).view(-1)
+
+
+def _spread(scales: Tensor, groups: Tensor) -> Tensor:
+    """Each element's scale: row i of ``scales`` (chunks or workers, K + 1) by ``groups`` (that many rows or one
+    row, length), without an int64 index as long as the bucket."""
+    out = torch.zeros(scales.shape[0], groups.shape[-1], dtype=scales.dtype, device=scales.device)
+    for k in range(1, scales.shape[1]):
+        out = torch.where(groups == k, scales[:, k:k + 1], out)
+    return out
+
+
+def group_counts(groups: Tensor, chunks: int, group_count: int) -> Tensor:
+    """(chunks, group_count + 1): each chunk's number of elements in each group (column 0: those left out)."""
+    parts = groups.view(chunks, -1)
+    return torch.stack([(parts == k).sum(1) for k in range(group_count + 1)], 1).float()
 
 
 def padded_length(numel: int, ranks: int) -> int:
@@ -64,37 +87,49 @@ def padded_length(numel: int, ranks: int) -> int:
 
 
 def compressed_allreduce(x: Tensor, worker_error: Tensor, server_error: Tensor, comm: Comm,
-                         tag: str = "onebit", live: Optional[Tensor] = None) -> Tensor:
+                         tag: str = "onebit", groups: Optional[Tensor] = None, group_count: int = 1,
+                         counts: Optional[Tensor] = None) -> Tensor:
     """The mean over ``comm`` of every rank's ``x`` (1-D, fp32, ``padded_length`` long), compressed both ways;
-    ``worker_error`` (that length) and ``server_error`` (1/n of it) are updated in place. ``live``: see above."""
+    ``worker_error`` (that length) and ``server_error`` (1/n of it) are updated in place. ``groups`` (uint8, that
+    length, values 0..``group_count``): see above; ``counts``: ``group_counts`` of them, if the caller keeps it
+    (the groups rarely change)."""
     n = comm.size
     assert x.dim() == 1 and x.numel() % (8 * n) == 0, (tuple(x.shape), n)
     assert worker_error.shape == x.shape and server_error.numel() == x.numel() // n
     chunk = x.numel() // n
-    counts = live.view(n, chunk).sum(1) if live is not None else None
-    mine_live = live.view(n, chunk)[comm.rank] if live is not None else None
+    if groups is not None and counts is None:
+        counts = group_counts(groups, n, group_count)
+    by_chunk = groups.view(n, chunk) if groups is not None else None
     c = x + worker_error
-    if live is not None:
-        c.mul_(live)
-    packed, scales, sent = _compress(c, n, counts, live)
+    if groups is not None:
+        c = torch.where(groups > 0, c, 0.0)
+    packed, scales, sent = _compress(c, n, by_chunk, counts)
     worker_error.copy_(c - sent)
+    mine_groups = by_chunk[comm.rank:comm.rank + 1] if groups is not None else None
+    mine_counts = counts[comm.rank:comm.rank + 1] if groups is not None else None
     if n == 1:
         mine = sent
     else:
         got = comm.all_to_all(packed.view(n, -1), [1] * n, [1] * n, tag=tag)  # (n, chunk / 8): chunk r of each
-        got_scales = comm.all_to_all(scales.view(n, 1), [1] * n, [1] * n, tag=tag)
-        mine = (unpack_signs(got.reshape(-1)).view(n, chunk) * got_scales).mean(0)
-        if mine_live is not None:
-            mine.mul_(mine_live)
+        got_scales = comm.all_to_all(scales[:, 1:].contiguous(), [1] * n, [1] * n, tag=tag)  # (n, K)
+        got_scales = torch.cat([torch.zeros(n, 1, dtype=got_scales.dtype, device=x.device), got_scales], 1)
+        signs = unpack_signs(got.reshape(-1)).view(n, chunk)
+        if groups is None:
+            mine = (signs * got_scales[:, 1:]).mean(0)
+        else:
+            mine = (signs * _spread(got_scales, mine_groups)).mean(0)
     c = mine + server_error
-    packed, scale, sent = _compress(c, 1, counts[comm.rank:comm.rank + 1] if counts is not None else None,
-                                    mine_live)
+    packed, scale, sent = _compress(c, 1, mine_groups, mine_counts)
     server_error.copy_(c - sent)
     if n == 1:
         return sent
     everyone = torch.empty(n * packed.numel(), dtype=torch.uint8, device=x.device)
     comm.all_gather_into(everyone, packed, tag=tag)
-    scales = torch.empty(n, dtype=scale.dtype, device=x.device)
-    comm.all_gather_into(scales, scale, tag=tag)
-    out = (unpack_signs(everyone).view(n, chunk) * scales[:, None]).view(-1)
-    return out.mul_(live) if live is not None else out
+    k = scale.shape[1] - 1
+    scales = torch.empty(n * k, dtype=scale.dtype, device=x.device)
+    comm.all_gather_into(scales, scale[0, 1:].contiguous(), tag=tag)
+    scales = torch.cat([torch.zeros(n, 1, dtype=scale.dtype, device=x.device), scales.view(n, k)], 1)
+    signs = unpack_signs(everyone).view(n, chunk)
+    if groups is None:
+        return (signs * scales[:, 1:]).view(-1)
+    return (signs * _spread(scales, by_chunk)).view(-1)

@@ -23,13 +23,18 @@ from parallel.zero import ZeroOptimizer
 
 
 def state_tensors(zero: ZeroOptimizer, named_params: list[tuple[str, nn.Parameter]],
-                  grid: Grid, buffers: list[tuple[str, torch.Tensor]] = ()) -> tuple[dict[str, torch.Tensor], dict]:
+                  grid: Grid, buffers: list[tuple[str, torch.Tensor]] = (),
+                  step: Optional[int] = None) -> tuple[dict[str, torch.Tensor], dict]:
     """Everything a resume needs that is a tensor, under logical names (layout-free), and the per-parameter
     views it was made from (for loading back into the ZeRO buffers). ``buffers``: state that is not a
-    parameter (a router's selection bias), the same on every rank that holds it, loaded in place."""
+    parameter (a router's selection bias), the same on every rank that holds it, loaded in place. What is the
+    rank's alone as of optimizer step ``step`` (default: the optimizer's; 1-bit Adam's error buffers) is stored
+    under ``rank/<global rank>/``: a resume at the same layout only (``megazero.train.resume_changes``)."""
     params = dict(named_params)
     exported = zero.export_state()
     state = {f"buffer/{n}": t for n, t in buffers}
+    own = zero.rank_state(zero.step_count if step is None else step)
+    state.update({f"rank/{grid.rank}/{k}": t for k, t in own.items()})
     for n, kinds in exported.items():
         p = params[n]
         state[f"model/{n}"] = logical(kinds["param"], p, grid)
@@ -83,7 +88,8 @@ def load_state(path: Path, cfg: Config, zero: ZeroOptimizer, named_params: list[
     check_architecture(path, cfg.model)
     changed = check_built_data(path, cfg, getattr(data, "tokenizer_fingerprint", None),
                                getattr(data, "stamps", None))
-    state, exported = state_tensors(zero, named_params, grid, buffers)
+    step = int(checkpoint.read_meta(path)["optimizer_step"])
+    state, exported = state_tensors(zero, named_params, grid, buffers, step)
     meta = checkpoint.load(path, state)
     complete_replicas(exported, dict(named_params), grid)
     zero.import_state(exported, int(meta["optimizer_step"]))

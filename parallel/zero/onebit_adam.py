@@ -11,9 +11,17 @@ Scaling: the loss is normalised by the global batch, so the dp reduction is a su
 is 1/n of its share; the momentum takes ``n * g``, whose mean over ranks is the reduced gradient. Bias
 correction is Adam's: 1 - beta1^t for the momentum, 1 - beta2^freeze_step for the frozen variance.
 
-Left out of the compression (``live`` = 0, as if absent): the padding, and every element whose frozen
-``sqrt(v_hat)`` is at most eps (a vocabulary row no token reached): its exact momentum is ~0, but a sign would
-move it by a whole scale, divided by eps. Its momentum is zeroed, so it moves by weight decay only.
+Left out of the compression (group 0, as if absent): the padding, and every element whose frozen ``sqrt(v_hat)``
+is at most eps (a vocabulary row no token reached): its exact momentum is ~0, but a sign would move it by a
+whole scale, divided by eps. Its momentum is zeroed, so it moves by weight decay only.
+
+Copies kept equal: a parameter held by other ranks outside this dp group (replicated over tp, a k/v piece on
+several tp ranks, an embedding tied to the last pipeline stage's head) must take the same update there, and a
+chunk's scale mixes every element in it. So the live elements fall into scale groups by how the parameter is
+held (split over tp, replicated over all of tp, replicated over some tp ranks), each with its own scale per
+chunk (``parallel.onebit``): a copy's compressed value then reads only elements the other ranks hold equally in
+the same places (the tp ranks' buckets have equal offsets; a tied copy is a bucket of its own on both stages),
+and stays bit-identical.
 
 Stages 0 and 1 only. Stage 1 shards the masters and the variance, but the momentum is whole on every rank (each
 folds in its whole local gradient); ``exp_avg`` is its own slice, so checkpoints stay AdamW's. Stages 2-3 are
@@ -27,11 +35,11 @@ import math
 from typing import Optional
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from kernels.adam_cpu import Run
 from parallel.comm import Comm
-from parallel.onebit import compressed_allreduce, padded_length
+from parallel.onebit import compressed_allreduce, group_counts, padded_length
 from parallel.zero.adamw import ShardedAdamW
 from parallel.zero.layout import Bucket, BucketLayout
 
@@ -39,18 +47,20 @@ from parallel.zero.layout import Bucket, BucketLayout
 class ShardedOnebitAdam(ShardedAdamW):
     def __init__(self, layout: BucketLayout, device: torch.device, weight_decay: float,
                  betas: tuple[float, float], eps: float, grad_dtype: torch.dtype, comm: Comm, tp_rank: int,
-                 freeze_step: int):
-        """``comm``: the partition's data-parallel group (the momenta are averaged over it); ``tp_rank``: this
-        rank's (the norm's runs over whole buckets count a tp-replicated parameter once); ``freeze_step``: the
-        last step of the full-precision warm-up."""
+                 tp_size: int, freeze_step: int):
+        """``comm``: the partition's data-parallel group (the momenta are averaged over it); ``tp_rank`` and
+        ``tp_size``: this rank's and the group's (the norm's runs over whole buckets count a tp-replicated
+        parameter once; the scale groups); ``freeze_step``: the last step of the full-precision warm-up."""
         super().__init__(layout, device, device, "torch", weight_decay, betas, eps, grad_dtype)
         assert freeze_step >= 1, freeze_step
         assert not layout.policy.shard_grads, "1-bit Adam runs at ZeRO stages 0-1"
-        self.comm, self.tp_rank, self.freeze_step = comm, tp_rank, freeze_step
+        self.comm, self.tp_rank, self.tp_size, self.freeze_step = comm, tp_rank, tp_size, freeze_step
         n = len(layout.buckets)
         self.momentum: list[Optional[Tensor]] = [None] * n  # whole bucket, padded to 8 * dp
         self.whole_counted: list[list[Run]] = [[] for _ in range(n)]  # norm runs over the whole bucket
-        self.live: list[Optional[Tensor]] = [None] * n
+        self.groups: list[Optional[Tensor]] = [None] * n  # uint8 per element: 0 left out, else its scale group
+        self.counts: list[Optional[Tensor]] = [None] * n  # (dp chunks, groups + 1): the groups' sizes
+        self.group_count = 1
         self.worker: list[Optional[Tensor]] = [None] * n
         self.server: list[Optional[Tensor]] = [None] * n
         self.prepared = False
@@ -75,12 +85,34 @@ class ShardedOnebitAdam(ShardedAdamW):
         self.exp_avg[i] = self.momentum[i][lo:hi]  # AdamW's view of it: the warm-up and checkpoints read this
         self.whole_counted[i] = self.layout.mask_runs(b, self.tp_rank, whole=True)[1]
 
+    def _held(self, p: nn.Parameter) -> int:
+        """The scale group of a parameter, by how other tp ranks hold it: 1 its own shard (or tp = 1), 2 the
+        same values on every tp rank, 3 the same piece on some of them (k/v heads fewer than the tp ranks)."""
+        if self.tp_size == 1:
+            return 1
+        if getattr(p, "tp_split_dim", None) is None:
+            return 2
+        return 3 if getattr(p, "tp_replicas", 1) > 1 else 1
+
+    def _held_groups(self, b: Bucket) -> Tensor:
+        """The whole bucket's scale groups by parameter (the padding 0)."""
+        out = torch.zeros(self.momentum[b.index].numel(), dtype=torch.uint8, device=self.device)
+        for (_, p), off in zip(b.params, b.offsets):
+            out[off:off + p.numel()] = self._held(p)
+        return out
+
     # ----- the compressed phase -----------------------------------------------------------------------------------
     def _prepare(self) -> None:
         """Before the first compressed step (and after a resume into one): the live mask from the frozen variance,
-        the whole momentum on every rank (stage 1: its slices gathered), zero where not live; error buffers."""
+        the scale groups, the whole momentum on every rank (stage 1: its slices gathered), zero where not live;
+        error buffers."""
         bc2 = math.sqrt(1.0 - self.betas[1] ** self.freeze_step)
         n = self.comm.size
+        held = {self._held(p) for b in self.layout.buckets for _, p in b.params}
+        renumber = torch.zeros(4, dtype=torch.uint8, device=self.device)  # the groups present, as 1..K
+        for k, g in enumerate(sorted(held), 1):
+            renumber[g] = k
+        self.group_count = len(held)
         for b in self.layout.buckets:
             i = b.index
             mine = (self.exp_avg_sq[i].sqrt() / bc2 > self.eps).float()
@@ -92,7 +124,8 @@ class ShardedOnebitAdam(ShardedAdamW):
             else:
                 live[:b.numel] = mine
             m.mul_(live)
-            self.live[i] = live
+            self.groups[i] = renumber[self._held_groups(b).long()] * live.to(torch.uint8)
+            self.counts[i] = group_counts(self.groups[i], n, self.group_count)
             if self.worker[i] is None:
                 self.worker[i] = torch.zeros_like(m)
                 self.server[i] = torch.zeros(m.numel() // n, dtype=torch.float32, device=self.device)
@@ -101,11 +134,11 @@ class ShardedOnebitAdam(ShardedAdamW):
     def states_loaded(self) -> None:
         self.prepared = False  # the mask and the whole momentum are rebuilt from what was loaded
 
-    def rank_state(self, saving: bool) -> dict[str, Tensor]:
+    def rank_state(self, step: int) -> dict[str, Tensor]:
         """This rank's error buffers by bucket ("<bucket>/worker", "<bucket>/server"), which a checkpoint keeps
-        per rank: none while in the warm-up when ``saving``; when loading, allocated to be filled (the loader
-        asks for them only for a checkpoint past the warm-up)."""
-        if saving and not self.compressing():
+        per rank, as of optimizer step ``step``: none in the warm-up (they do not exist yet), else the buffers
+        (allocated, as zeros, where a load is to fill them)."""
+        if step < self.freeze_step:
             return {}
         n = self.comm.size
         out = {}
@@ -152,7 +185,8 @@ class ShardedOnebitAdam(ShardedAdamW):
             m[:b.numel].mul_(b1).add_(g, alpha=(1.0 - b1) * n * grad_scale)
             if n > 1:
                 m.copy_(compressed_allreduce(m, self.worker[i], self.server[i], self.comm, tag="onebit",
-                                             live=self.live[i]))
+                                             groups=self.groups[i], group_count=self.group_count,
+                                             counts=self.counts[i]))
             master = self.master[i]
             if self.weight_decay:
                 factor = torch.tensor(1.0 - lr * self.weight_decay, dtype=master.dtype, device=master.device)
@@ -167,16 +201,17 @@ class ShardedOnebitAdam(ShardedAdamW):
 
     # ----- accounting -----------------------------------------------------------------------------------------------
     def own_tensors(self) -> list[Tensor]:
-        """What this optimizer keeps beyond AdamW's states: the momentum outside the range, the mask, the errors."""
+        """What this optimizer keeps beyond AdamW's states: the momentum outside the range, the groups, the errors."""
         extra = [m for m in self.momentum if m is not None]
-        return extra + [t for kind in (self.live, self.worker, self.server) for t in kind if t is not None]
+        return extra + [t for kind in (self.groups, self.worker, self.server) for t in kind if t is not None]
 
     def state_bytes(self) -> int:
         """AdamW's states, the momentum beyond its range (the padding, and at stage 1 the other slices), and
-        past the warm-up the mask and the error buffers."""
+        past the warm-up the scale groups (a byte each) and the error buffers."""
         total = super().state_bytes()
         for b in self.layout.buckets:
             i = b.index
             total += (self.momentum[i].numel() - self.exp_avg[i].numel()) * 4
-            total += sum(t[i].numel() * 4 for t in (self.live, self.worker, self.server) if t[i] is not None)
+            total += sum(t[i].numel() * t[i].element_size() for t in (self.groups, self.worker, self.server)
+                         if t[i] is not None)
         return total

@@ -89,7 +89,7 @@ class ZeroOptimizer:
                 if optimizer == "onebit_adam":
                     assert state_device == self.device, "1-bit Adam's states stay on the device"
                     return ShardedOnebitAdam(layout, self.device, weight_decay, betas, eps, self.grad_dtype, comm,
-                                             grid.tp_comm.rank, freeze_step)
+                                             grid.tp_comm.rank, grid.tp_comm.size, freeze_step)
                 assert optimizer == "adamw", optimizer
                 impl = adam_impl if state_device == self.device else "fused"
                 return ShardedAdamW(layout, self.device, state_device, impl, weight_decay, betas, eps,
@@ -222,11 +222,11 @@ class ZeroOptimizer:
             part.checkpoint.import_state(state, step)
             part.optim.states_loaded()
 
-    def rank_state(self, saving: bool) -> dict[str, Tensor]:
-        """What belongs to this rank alone and its place in the layout (1-bit Adam's error buffers), by
-        "<partition>/<key>"; see ``ShardedOnebitAdam.rank_state``."""
+    def rank_state(self, step: int) -> dict[str, Tensor]:
+        """What belongs to this rank alone and its place in the layout as of optimizer step ``step`` (1-bit
+        Adam's error buffers), by "<partition>/<key>": see ``ShardedOnebitAdam.rank_state``."""
         return {f"{part.name}/{k}": t for part in self.parts
-                for k, t in getattr(part.optim, "rank_state", lambda saving: {})(saving).items()}
+                for k, t in getattr(part.optim, "rank_state", lambda step: {})(step).items()}
 
     def full_gradients(self) -> dict[str, Tensor]:
         """Stage 0, after ``reduce``: every parameter's reduced gradient, by name (for inspection and tests)."""

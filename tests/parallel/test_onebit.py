@@ -7,8 +7,11 @@ Tolerance 1e-6 relative to the largest value (of the outputs, or of the error bu
 the order of the 4-term mean over workers (a few ulps), and a sign flipped by such an ulp would move an element
 by two scales: it does not happen on these random values (checked: the differences are ~1e-7).
 
-A second series runs with a live mask (elements left out: the padding, a chunk with none live): the reference
-drops those elements outright and compresses what is left, so the mask must make them as if absent."""
+A second series leaves elements out (group 0: the padding, a chunk with none live): the reference drops those
+elements outright and compresses what is left, so they must be as if absent. A third puts the live elements in
+two scale groups, which the reference compresses as two separate tensors, each with its own scale per chunk;
+and in one process, a group's compressed values and errors are bit-identical whatever the other group holds
+(what keeps a tp-replicated parameter's copies equal)."""
 from __future__ import annotations
 
 import torch
@@ -33,11 +36,22 @@ def _inputs(rank: int, call: int) -> torch.Tensor:
 
 
 def _live() -> torch.Tensor:
-    """Alive at random, 1 in 4 dead, the last 37 (padding) and all of chunk 1 dead."""
-    live = (torch.rand(N, generator=torch.Generator().manual_seed(7)) > 0.25).float()
+    """Alive at random (group 1), 1 in 4 dead, the last 37 (padding) and all of chunk 1 dead."""
+    live = (torch.rand(N, generator=torch.Generator().manual_seed(7)) > 0.25).to(torch.uint8)
     live[-37:] = 0
     live[N // WORLD:2 * N // WORLD] = 0
     return live
+
+
+def _two_groups() -> torch.Tensor:
+    """The live elements of ``_live`` split at random into groups 1 and 2; chunk 2 has group 2 only."""
+    live = _live()
+    second = torch.rand(N, generator=torch.Generator().manual_seed(8)) > 0.5
+    second[2 * N // WORLD:3 * N // WORLD] = True
+    return torch.where(second & (live > 0), 2, live).to(torch.uint8)
+
+
+SERIES = (None, _live(), _two_groups())
 
 
 def _ranks(rank, world):
@@ -49,30 +63,35 @@ def _ranks(rank, world):
     counter = CommCounter()
     comm = Comm(dist.group.WORLD, "dp", counter)
     series = []
-    for live in (None, _live()):
+    for groups in SERIES:
         counter.reset()
         worker, server = torch.zeros(N), torch.zeros(N // world)
         outs = []
         for call in range(CALLS):
-            outs.append(compressed_allreduce(_inputs(rank, call), worker, server, comm, live=live))
+            outs.append(compressed_allreduce(_inputs(rank, call), worker, server, comm, groups=groups,
+                                             group_count=2 if groups is not None else 1))
         sent = counter.sent_bytes()["dp"]
         series.append((torch.stack(outs).numpy(), worker.numpy(), server.numpy(), sent))  # by value
     return series
 
 
-def _reference(live=None) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-    """Tang et al. 2021, Algorithm 1's compressed all-reduce, for WORLD workers in one process; with ``live``,
-    of the live elements only (the others are dropped before compression and come out 0)."""
+def _reference(groups=None) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """Tang et al. 2021, Algorithm 1's compressed all-reduce, for WORLD workers in one process; with ``groups``,
+    of the live elements only (group 0 is dropped before compression and comes out 0), each group compressed on
+    its own."""
     chunk = N // WORLD
     workers = [torch.zeros(N) for _ in range(WORLD)]
     servers = [torch.zeros(chunk) for _ in range(WORLD)]
-    keep = torch.ones(N, dtype=torch.bool) if live is None else live.bool()
+    groups = torch.ones(N, dtype=torch.uint8) if groups is None else groups
+    keep = groups > 0
 
-    def compress(v, where):
+    def compress(v, where_groups):
         out = torch.zeros_like(v)
-        kept = v[where]
-        if kept.numel():
-            out[where] = kept.norm() / kept.numel() ** 0.5 * torch.where(kept >= 0, 1.0, -1.0)
+        for k in (1, 2):
+            where = where_groups == k
+            kept = v[where]
+            if kept.numel():
+                out[where] = kept.norm() / kept.numel() ** 0.5 * torch.where(kept >= 0, 1.0, -1.0)
         return out
 
     outs = []
@@ -80,13 +99,13 @@ def _reference(live=None) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.
         sent = []
         for w in range(WORLD):
             c = torch.where(keep, _inputs(w, call) + workers[w], 0.0)
-            q = torch.cat([compress(part, k) for part, k in zip(c.view(WORLD, chunk), keep.view(WORLD, chunk))])
+            q = torch.cat([compress(part, k) for part, k in zip(c.view(WORLD, chunk), groups.view(WORLD, chunk))])
             workers[w] = c - q
             sent.append(q)
         out = []
         for r in range(WORLD):
             m = torch.stack([s[r * chunk:(r + 1) * chunk] for s in sent]).mean(0) + servers[r]
-            q = compress(m, keep[r * chunk:(r + 1) * chunk])
+            q = compress(m, groups[r * chunk:(r + 1) * chunk])
             servers[r] = m - q
             out.append(q)
         outs.append(torch.cat(out))
@@ -95,13 +114,14 @@ def _reference(live=None) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.
 
 def test_four_ranks_equal_the_papers_compression_and_send_a_thirty_second():
     results = run_ranks(WORLD, _ranks)
-    for series, live in enumerate((None, _live())):
-        _check([r[series] for r in results], live)
+    for series, groups in enumerate(SERIES):
+        _check([r[series] for r in results], groups)
 
 
-def _check(results, live) -> None:
-    want, workers, servers = _reference(live)
+def _check(results, groups) -> None:
+    want, workers, servers = _reference(groups)
     scale = want.abs().max().item()
+    live = None if groups is None else (groups > 0).float()
     if live is not None:
         assert want[:, live == 0].abs().max().item() == 0 and want[:, live == 1].abs().min().item() > 0
     for rank, (outs, worker, server, sent) in enumerate(results):
@@ -118,3 +138,25 @@ def _check(results, live) -> None:
         exact = exact * live
     held = torch.stack(workers).mean(0) + torch.cat(servers)
     assert (want.sum(0) - (exact.sum(0) - held)).abs().max().item() <= 1e-5 * scale * CALLS
+
+
+def test_a_groups_values_do_not_depend_on_the_other_groups():
+    """Two 'tp ranks' whose buckets hold the same group-2 elements (a replicated norm) among different group-1
+    elements (their own shards): group 2's output and errors come out bit-identical on both, over 20 calls."""
+    from parallel.comm import Comm
+    from parallel.onebit import compressed_allreduce
+
+    groups = _two_groups()
+    second = groups == 2
+    runs = []
+    for shard in (0, 1):
+        worker, server = torch.zeros(N), torch.zeros(N)
+        outs = []
+        for call in range(CALLS):
+            x = torch.where(second, _inputs(99, call), _inputs(shard, call) * (1 + 10 * shard))
+            outs.append(compressed_allreduce(x, worker, server, Comm(None, "dp"), groups=groups, group_count=2))
+        runs.append((torch.stack(outs), worker, server))
+    (a, wa, sa), (b, wb, sb) = runs
+    assert torch.equal(a[:, second], b[:, second]) and torch.equal(wa[second], wb[second])
+    assert torch.equal(sa[second], sb[second])
+    assert not torch.equal(a[:, groups == 1], b[:, groups == 1])  # the other group did differ
