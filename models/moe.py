@@ -22,7 +22,8 @@ norms'. Expert weights are stacked logical tensors ``experts.gate`` (E, f, h), `
 Balancing terms, each a sum over tokens divided by the global batch's tokens, as the main loss, so its value
 does not depend on the layout: the Switch load-balancing loss per sequence (E·Σ f_e P_e, with f_e the
 sequence's share of assignments to e and P_e its mean router probability; DeepSeek-V3's sequence-wise form),
-and the router z-loss (Zoph et al. 2022, §3.5) per token. They reach backward through the layer's output
+and the router z-loss (Zoph et al. 2022, §3.5) per token. A sequence split over tp or cp ranks has its f_e
+summed over them, so every rank weighs its own tokens' P_e by the whole sequence's shares. They reach backward through the layer's output
 (``_AttachLoss``), weighted by the loss scale over the global batch's tokens the executor sets.
 """
 from __future__ import annotations
@@ -216,6 +217,8 @@ class MoE(nn.Module):
         per_seq.scatter_add_(1, idx.reshape(b, s * k), torch.ones(b, s * k, device=idx.device))
         if self.tp is not None:  # each tp rank holds a part of every sequence
             self.tp.all_reduce(per_seq, tag="router")
+        if self.par.cp.size > 1:  # and so does each cp rank: f_e is the whole sequence's share
+            self.par.cp.all_reduce(per_seq, tag="router")
         share = per_seq * (E / (self.seq_len * k))  # f_e·E: 1 for every expert under balanced routing
         # Without the losses, the statistics keep nothing for backward: a recomputation (which skips them)
         # must save what the first forward saved.
