@@ -11,6 +11,9 @@ HF's GPT-2 always has them. A mixture of experts that neither HF class holds (sh
 router, dense layers without q/k norms...) is refused before anything is read. Attention probabilities are not
 dropped out in megazero, so attention dropout is 0. ``router_aux_loss_coef`` is the run's
 ``model.moe.aux_loss`` (HF's own balancing loss, computed only with ``output_router_logits``, which is off).
+transformers has no expert capacity: a run with ``model.moe.capacity_factor`` > 0 (which drops tokens over an
+expert's capacity) is exported with a one-line warning that the folder routes every token, so its outputs
+differ from the run's wherever tokens were dropped (``capacity_warning``).
 
 Every stored tensor is accounted for (``megazero.interop.export_tensors``): a meta.json that no longer
 describes the tensors is refused, not exported as a model with trained weights dropped. The run's tokenizer
@@ -44,7 +47,7 @@ from megazero.interop.export_tensors import check_tensors
 from megazero.interop.export_tokenizer import run_tokenizer
 from megazero.interop.hf_layout import HF_ARCHITECTURES, hf_shape, hf_tensors, hf_type, links, model_config
 
-__all__ = ["check_output", "export", "main", "to_hf_state_dict", "write_hf_folder"]
+__all__ = ["capacity_warning", "check_output", "export", "main", "to_hf_state_dict", "write_hf_folder"]
 
 
 def to_hf_state_dict(state: Mapping[str, Tensor], model_cfg: Any,
@@ -117,11 +120,24 @@ def _llama_config(m: Any, kind: str) -> dict:
             "norm_topk_prob": bool(moe.norm_topk_prob) and moe.top_k > 1}  # top-1: megazero's gate is the probability
 
 
+def capacity_warning(m: Any) -> Optional[str]:
+    """The one-line warning an export of a model trained with an expert capacity needs: transformers' Mixtral
+    and Qwen3-MoE route every token, so the folder is not the model the run computed. None where no token can
+    be dropped: dropless (0), or a capacity of every token (factor * top_k >= experts)."""
+    moe = m.moe
+    factor = float(moe.capacity_factor)
+    if not moe.experts or factor <= 0 or factor * moe.top_k >= moe.experts:
+        return None
+    return (f"model.moe.capacity_factor={factor}: the exported model routes every token (transformers has no "
+            f"expert capacity); its outputs differ from this run's where tokens were dropped")
+
+
 def export(checkpoint_dir: str | Path, out_dir: str | Path, force: bool = False) -> Path:
     """Read a megazero checkpoint and write it, with its tokenizer, as a Hugging Face folder in ``out_dir``.
 
     Everything that can refuse does so before the (long) read of the tensors: the output's place, meta.json,
-    the stored tensors' names and shapes (from the checkpoint's metadata), the tokenizer."""
+    the stored tensors' names and shapes (from the checkpoint's metadata), the tokenizer. A run with an expert
+    capacity is warned about on stderr once the folder is written (a refusal stays one line)."""
     ckpt = Path(checkpoint_dir)
     if not ckpt.is_dir():
         raise UserError(f"checkpoint directory '{ckpt}' does not exist")
@@ -138,7 +154,11 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, force: bool = False)
     if note:
         print(f"note: {note}")
     hf_config, hf_state = to_hf_state_dict(read_model_state(ckpt), m, ids, where)
-    return write_hf_folder(out_dir, hf_config, hf_state, force, files, ckpt)
+    out = write_hf_folder(out_dir, hf_config, hf_state, force, files, ckpt)
+    warning = capacity_warning(m)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
