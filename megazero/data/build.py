@@ -189,24 +189,44 @@ def _load(plan: CachePlan, vocab_size: int, seq_len: int, seed: int, split: str,
                    tokenizer_fingerprint=tokenizer.sha256[:16], stamps=_stamps(plan), eos_id=tokenizer.eos_id)
 
 
-_BOUNDARY_CHECKS = 4096  # documents per source whose last token is read: enough to tell, cheap at any size
+_BOUNDARY_CHUNK = 1 << 20  # documents whose last token is read at once: bounds memory at any source size
 
 
 def check_document_boundaries(plan: CachePlan, eos: int, datasets: list[IndexedDataset]) -> None:
     """Document masking finds documents by their end-of-text token: every source's documents must end with it
-    (megazero's preprocessing appends it; a dataset built elsewhere may not have)."""
+    (megazero's preprocessing appends it; a dataset built elsewhere may not have). Every document is read, so a
+    bad one anywhere in a source is refused, not masked together with its neighbour."""
     key = "data.document_mask"
     if eos < 0:
         raise UserError(f"{key}: data.tokenizer {plan.tokenizer} has no end-of-text token, so a packed sample has "
                         "no document boundaries; give a tokenizer that has one or set data.document_mask=false")
     for s, ds in zip(plan.sources, datasets):
-        ends = np.asarray(ds.doc_offsets[1:_BOUNDARY_CHECKS + 1], dtype=np.int64) - 1
-        ends = ends[ends >= 0]
-        if len(ends) == 0 or (np.asarray(ds.tokens[ends]) != eos).any():
-            raise UserError(f"{key}: data.paths source {s.label} has no document boundaries (its documents do not "
-                            f"end with the end-of-text token {eos}); preprocess it with megazero or set "
-                            "data.document_mask=false")
+        bad = first_unended_document(ds.doc_offsets, ds.tokens, eos)
+        if bad is not None:
+            which = "it has no non-empty one" if bad < 0 else f"document {bad} of {len(ds)} (from 0) does not"
+            raise UserError(f"{key}: data.paths source {s.label} has no document boundaries (its documents must "
+                            f"end with the end-of-text token {eos}, and {which}); preprocess it with megazero or "
+                            "set data.document_mask=false")
 
+
+def first_unended_document(offsets: np.ndarray, tokens: np.ndarray, eos: int) -> int | None:
+    """The index of the first non-empty document whose last token is not ``eos``, -1 when no document has a
+    token, else None: one vectorised pass over the whole index, ``_BOUNDARY_CHUNK`` documents at a time, so
+    the check is fast and its memory bounded however large the source (empty documents carry no boundary)."""
+    n_docs = len(offsets) - 1
+    seen = False
+    for lo in range(0, n_docs, _BOUNDARY_CHUNK):
+        hi = min(lo + _BOUNDARY_CHUNK, n_docs)
+        starts = np.asarray(offsets[lo:hi], dtype=np.int64)
+        stops = np.asarray(offsets[lo + 1:hi + 1], dtype=np.int64)
+        filled = np.flatnonzero(stops > starts)
+        if len(filled) == 0:
+            continue
+        seen = True
+        wrong = np.flatnonzero(np.asarray(tokens[stops[filled] - 1]) != eos)
+        if len(wrong):
+            return lo + int(filled[wrong[0]])
+    return None if seen else -1
 
 
 def _stamps(plan: CachePlan) -> tuple[SourceStamp, ...]:

@@ -19,6 +19,7 @@ import pytest
 import sentencepiece as spm
 
 from megazero.data import GPTData, build_data
+from megazero.data import build as build_module
 from megazero.data.corpus import iter_corpus, write_corpus
 from megazero.data.indexed import IndexedDataset, IndexedDatasetBuilder
 from megazero.data.preprocess import preprocess
@@ -591,3 +592,31 @@ def test_document_masking_needs_document_boundaries(synthetic, tok_model: Path, 
     assert "no document boundaries" in str(e.value) and str(bare) in str(e.value)
     cfg.document_mask = False  # the same source trains without the mask
     build_data(cfg, VOCAB, SEQ, 7, True, lambda: None)
+
+
+def test_document_boundaries_are_checked_past_the_first_4096_documents(tok_model: Path, tmp_path: Path) -> None:
+    """Every document is checked, not a prefix: one past the 4096th that lacks the end-of-text token is refused
+    in one line naming the source and that document's index."""
+    eos = Tokenizer.load(tok_model).eos_id
+    rng = np.random.default_rng(9)
+    docs = [np.append(rng.integers(3, VOCAB, size=int(rng.integers(1, 4))), eos) for _ in range(6000)]
+    docs[5000] = docs[5000][:-1]
+    late = _write(tmp_path / "late", docs, VOCAB)
+    cfg = SimpleNamespace(**vars(_cfg([str(late)], tok_model, tmp_path / "cache")), document_mask=True)
+    with pytest.raises(UserError) as e:
+        build_data(cfg, VOCAB, SEQ, 7, True, lambda: None)
+    _one_line_error(e, "data.document_mask", str(late), "document 5000 ", "no document boundaries")
+
+
+def test_first_unended_document_reads_every_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check runs in bounded chunks of documents: a bad one in a later chunk is still found, by its index in
+    the whole source; empty documents are skipped; a source with no token at all has no boundary (-1)."""
+    monkeypatch.setattr(build_module, "_BOUNDARY_CHUNK", 3)
+    lens = [0, 2, 0, 0, 1, 3, 2, 0, 4, 1]
+    offsets = np.cumsum([0] + lens).astype("<u8")
+    tokens = np.full(int(offsets[-1]), 7, dtype="<u2")
+    tokens[offsets[1:].astype(np.int64)[np.array(lens) > 0] - 1] = 1
+    assert build_module.first_unended_document(offsets, tokens, 1) is None
+    tokens[int(offsets[9]) - 1] = 5  # document 8, in the third chunk
+    assert build_module.first_unended_document(offsets, tokens, 1) == 8
+    assert build_module.first_unended_document(np.zeros(5, dtype="<u8"), np.zeros(0, dtype="<u2"), 1) == -1
