@@ -76,7 +76,8 @@ def assert_curves_match(name: str, want: list[dict], got: list[dict], keys: tupl
 
 
 def assert_resume_exact(whole: Path, resumed: Path, saved: int, steps: int) -> None:
-    """A run stopped at step ``saved`` and resumed at its own layout against the uninterrupted run: every
+    """A run stopped at step ``saved`` and resumed at its own layout (``resumed``: its log.dir, or the stopped
+    run's when it continued there) against the uninterrupted run: every
     logged step after ``saved`` with the same loss and gradient norm, bit for bit, and the last checkpoints'
     stored tensors (the weights, every optimizer state, the buffers, each rank's own) equal bit for bit."""
     import torch
@@ -84,7 +85,7 @@ def assert_resume_exact(whole: Path, resumed: Path, saved: int, steps: int) -> N
     from megazero.checkpoint import store
 
     want = [r for r in read_metrics(whole) if "loss" in r]
-    got = [r for r in read_metrics(resumed) if "loss" in r]
+    got = [r for r in read_metrics(resumed) if "loss" in r and r["step"] > saved]  # the resumed run's steps
     assert [r["step"] for r in got] == list(range(saved + 1, steps + 1)), [r["step"] for r in got]
     for a, b in zip(want[saved:], got):
         assert (a["step"], a["loss"], a["grad_norm"]) == (b["step"], b["loss"], b["grad_norm"]), (a, b)
