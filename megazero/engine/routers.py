@@ -28,7 +28,8 @@ class RouterStats:
     bias: bool = False  # the routers have a selection bias (the sigmoid router)
 
     def summary(self) -> dict[int, dict[str, float]]:
-        """layer -> max/mean load, aux loss, z-loss, dropped share, bias min and max (a host read)."""
+        """layer -> max/mean load, aux loss, z-loss, dropped share and count (token-expert copies over the
+        capacity, over the global batch), bias min and max (a host read)."""
         rows = self.table.cpu().tolist()
         out = {}
         for layer, row in zip(self.layers, rows):
@@ -39,7 +40,7 @@ class RouterStats:
             mean = sum(load) / experts
             out[layer] = {"load_max_over_mean": max(load) / mean if mean else 0.0,
                           "aux_loss": aux / tokens if tokens else 0.0, "z_loss": z / tokens if tokens else 0.0,
-                          "dropped": dropped / sum(load) if sum(load) else 0.0,
+                          "dropped": dropped / sum(load) if sum(load) else 0.0, "dropped_copies": dropped,
                           "bias_min": low / holders if holders else 0.0,
                           "bias_max": high / holders if holders else 0.0}
         return out
@@ -48,14 +49,15 @@ class RouterStats:
 def router_record(stats: Optional[RouterStats]) -> dict[str, float]:
     """A log record's router figures: ``moe/<layer>/<figure>`` for each mixture-of-experts layer, and across
     layers the largest max/mean load and the mean auxiliary loss (``moe/load_max_over_mean``, ``moe/aux_loss``).
-    Dropped tokens appear only with a capacity, the bias range only for the sigmoid router."""
+    Dropped copies (their share and count) appear only with a capacity, the bias range only for the sigmoid
+    router."""
     if stats is None:
         return {}
     out: dict[str, float] = {}
     summary = stats.summary()
     for layer, figures in summary.items():
         for key, value in figures.items():
-            if key == "dropped" and not stats.capacity:
+            if key.startswith("dropped") and not stats.capacity:
                 continue
             if key.startswith("bias_") and not stats.bias:
                 continue

@@ -20,7 +20,7 @@ BASE = ["model.layers=2", "model.hidden=32", "model.heads=4", "model.kv_heads=2"
         "parallel.tp=1", "parallel.pp=1", "parallel.sequence_parallel=false"]
 
 
-def _layer(top_k: int, ep, bias: torch.Tensor | None = None):
+def _layer(top_k: int, ep, bias: torch.Tensor | None = None, capacity: float = 0.0):
     """The MoE MLP of layer 0 with this ep group's share of the experts, values independent of the split."""
     from models.init import initial_tp_value
     from models.moe import MoE
@@ -28,7 +28,7 @@ def _layer(top_k: int, ep, bias: torch.Tensor | None = None):
     from models.stage import mark_replicated
     from parallel.tp_random import TPRandom
 
-    cfg = load_config(LLAMA, BASE + [f"model.moe.top_k={top_k}"]).model
+    cfg = load_config(LLAMA, BASE + [f"model.moe.top_k={top_k}", f"model.moe.capacity_factor={capacity}"]).model
     layer = MoE(cfg, Split(None, False, TPRandom(), ep=ep))
 
     class Holder(torch.nn.Module):  # initial values are drawn by global name, as in a stage
@@ -59,7 +59,16 @@ def _steer(case: str) -> torch.Tensor | None:
         return torch.tensor([0, 0, 0, 0, 0, 40.0, 0, 0])
     if case == "idle_expert":  # expert 2 never chosen
         return torch.tensor([0, 0, -40.0, 0, 0, 0, 0, 0])
+    if case == "capacity":  # every token to experts 5 and 6
+        return torch.tensor([0, 0, 0, 0, 0, 40.0, 40.0, 0])
     return None
+
+
+# Capacity factor 1 over a rank's 32 tokens, top 2 of 8: each expert takes ceil(32 * 2 / 8) = 8 copies, so
+# experts 5 and 6 drop 24 each, 48 a rank. Dropping depends on the layout in general (the capacity is of the
+# tokens one rank routes at once: tp, cp and the microbatch change it); this steer makes it linear in the
+# tokens, so one process routing the 4 ranks' 128 tokens at once (capacity 32) drops the same 4 x 48.
+CAPACITY, DROPPED_PER_RANK = 1.0, 48
 
 
 def _run_case(layer, xs: list[torch.Tensor]):
@@ -85,6 +94,9 @@ def _edge_cases(rank, world):
         outs, grads = _run_case(layer, [_tokens(rank, case)])
         results[case] = ([(y.numpy(), g.numpy()) for y, g in outs],
                          {n: g.numpy() for n, g in grads.items()}, layer.experts.first)
+    layer = _layer(2, grid.ep_comm, _steer("capacity"), CAPACITY)
+    _run_case(layer, [_tokens(rank, "capacity")])
+    results["capacity"] = layer.stats.clone().numpy()
     return results
 
 
@@ -110,6 +122,25 @@ def test_routing_edge_cases_through_the_ep4_dispatch():
             assert float(grads["experts.gate"][2].abs().sum()) == 0.0  # no token reached it
         if case == "one_expert":
             assert float(grads["experts.gate"][5].abs().sum()) > 0
+    _check_dropped([torch.tensor(ranks[r]["capacity"]) for r in range(4)])
+
+
+def _check_dropped(per_rank: list[torch.Tensor]) -> None:
+    """The capacity case at ep 4 drops 48 copies on each rank, and so does one process (ep 1) given all four
+    ranks' tokens at once; the step's router record publishes the global count and its share."""
+    from megazero.engine.routers import RouterStats, router_record
+    from models.moe import STATS
+    from parallel.comm import Comm
+
+    where = 8 + STATS.index("dropped")
+    assert [float(t[where]) for t in per_rank] == [DROPPED_PER_RANK] * 4
+    one = _layer(2, Comm(None, "ep"), _steer("capacity"), CAPACITY)
+    _run_case(one, [torch.cat([_tokens(r, "capacity") for r in range(4)])])
+    assert float(one.stats[where]) == 4 * DROPPED_PER_RANK
+    row = torch.cat([sum(per_rank), torch.tensor([4.0, 0.0, 0.0], dtype=torch.float64)])
+    record = router_record(RouterStats([1], row[None], capacity=True))
+    assert record["moe/1/dropped_copies"] == 4 * DROPPED_PER_RANK
+    assert record["moe/1/dropped"] == 4 * DROPPED_PER_RANK / (4 * 32 * 2)
 
 
 def test_the_bias_balances_a_router_that_favours_two_experts(tmp_path):
