@@ -1,7 +1,8 @@
 """What a resume compares with the checkpoint it continues: the data settings its meta.json records.
 
 A resume continues the sample stream at the checkpoint's ``consumed_samples``; that is the run's own stream only
-while what decides it is unchanged. Two kinds of change:
+while what decides it is unchanged, and the weights see it as they were trained only while the document
+settings are. Three kinds of change:
 
 * The tokenizer. The checkpoint's weights are of its token ids, and another tokenizer gives the same ids other
   meanings: refused, in one line, whatever ``train.resume_changes`` says. Where the checkpoint recorded the
@@ -16,6 +17,12 @@ while what decides it is unchanged. Two kinds of change:
   ``data.split`` (as fractions: ``98,2`` is ``49,1``) and ``train.seed``. The run goes on, and the writing rank
   says in one line what changed and what it does to the samples, unless ``train.resume_changes: allow``
   acknowledges it.
+* What the model computes of the same samples: ``data.document_mask`` (a token attends within its own document
+  of a packed sample, or across the sample) and ``data.reset_positions`` (positions restart at each document,
+  or run over the sample). The weights fit either (the same shapes, and the samples are the same), so, like a
+  changed seed's dropout masks, this is a change the user asked for: named in the same line and acknowledged
+  by ``allow``, not refused as another tokenizer or another architecture is. A checkpoint from before a key
+  was trained without it.
 
 What a save records is taken from the data as the run built it (``GPTData``), never from the files at the time
 of the save: the tokenizer the ids came from, and no file read by every rank in the save's collective.
@@ -163,10 +170,35 @@ def _changes(where: Path, meta: dict, cfg: Config, stamps: Optional[Sequence[Sou
     if old_seed is not None and old_seed != cfg.train.seed:
         changes.append(f"train.seed {short(old_seed)} -> {cfg.train.seed}: {_REORDERED.format(n=n)}, and so do the "
                        f"dropout masks")
+    changes += _document_changes(data, cfg, n)
     if not changes:
         return None
     return (f"warning: resuming {where} (step {n}) with changed data settings: " + "; ".join(changes)
             + "; train.resume_changes=allow acknowledges this and silences it")
+
+
+# (data key, what the run does with it on, with it off): each as "after step n, ..." against the trained weights
+_DOCUMENTS = (
+    ("document_mask", "a token attends only to earlier tokens of its own document in a packed sample, where the "
+                      "weights were trained attending across the whole sample",
+                      "a token attends to every earlier token of its packed sample, across documents, where the "
+                      "weights were trained attending within its own document"),
+    ("reset_positions", "positions restart at each document of a packed sample, where the weights were trained "
+                        "with positions counted over the whole sample",
+                        "positions are counted over the whole packed sample, where the weights were trained with "
+                        "positions restarted at each document"),
+)
+
+
+def _document_changes(data: dict, cfg: Config, n: int) -> list[str]:
+    """``data.document_mask`` and ``data.reset_positions`` turned on or off: the same samples, computed with
+    other attention or positions than the weights were trained with (a key the checkpoint lacks: off)."""
+    changes = []
+    for key, on, off in _DOCUMENTS:
+        old, new = data.get(key, False), getattr(cfg.data, key)
+        if old != new:
+            changes.append(f"data.{key} {short(old)} -> {new}: after step {n} {on if new else off}")
+    return changes
 
 
 def _check_tokenizer(where: Path, meta: dict, data: dict, cfg: Config, there: Paths, here: Paths) -> None:

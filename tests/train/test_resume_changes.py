@@ -322,3 +322,24 @@ def test_files_changed_under_a_kept_path_are_named_where_the_checkpoint_recorded
     meta["data_sources"] = [{"path": str(here / "b"), "fingerprint": "3" * 16, "files": 10 ** 5000}, 7, {"path": 1}]
     note = compare(WHERE, meta, cfg, now)  # crafted: named, never a traceback
     assert note is not None and "data.paths[1] 'b'" in note and len(note) < 2000, note
+
+
+@pytest.mark.parametrize("key,fragments", [
+    ("document_mask", ["attends only to earlier tokens of its own document"]),
+    ("reset_positions", ["positions restart at each document"]),
+])
+def test_a_document_mask_or_position_reset_turned_on_or_off_is_named(here, key, fragments):
+    """What the model computes changes (not the samples): named, and acknowledged by allow like the rest."""
+    for before, after in ((False, True), (True, False)):
+        note = compare(WHERE, _meta(_cfg(f"data.{key}={before}")), _cfg(f"data.{key}={after}"))
+        assert note is not None and "\n" not in note, note
+        for f in [f"data.{key} {before} -> {after}", "after step 4", "train.resume_changes=allow"] + \
+                (fragments if after else []):
+            assert f in note, (f, note)
+        assert compare(WHERE, _meta(_cfg(f"data.{key}={before}")),
+                       _cfg(f"data.{key}={after}", "train.resume_changes=allow")) is None
+        assert compare(WHERE, _meta(_cfg(f"data.{key}={before}")), _cfg(f"data.{key}={before}")) is None
+    meta = _meta(_cfg())  # a checkpoint of a megazero before the key: trained without it
+    del meta["config"]["data"][key]
+    assert compare(WHERE, meta, _cfg()) is None
+    assert f"data.{key} False -> True" in compare(WHERE, meta, _cfg(f"data.{key}=true"))
