@@ -74,9 +74,9 @@ def check_architecture(path: Path, model: ModelConfig) -> None:
     theirs = model_config(checkpoint.read_meta(path).get("config", {}).get("model", {}))
     diffs = model_differences(theirs, model, ModelConfig.ARCHITECTURE)
     if diffs:
-        key, there, ours = diffs[0]
-        raise UserError(f"checkpoint {path}: model.{key} is {there!r} there and {ours!r} here; a resume "
-                        f"keeps the architecture ({', '.join(ModelConfig.ARCHITECTURE)})")
+        named = ", ".join(f"model.{key} is {there!r} there and {ours!r} here" for key, there, ours in diffs)
+        raise UserError(f"checkpoint {path}: {named}; a resume keeps the architecture "
+                        f"({', '.join(ModelConfig.ARCHITECTURE)})")
 
 
 def load_state(path: Path, cfg: Config, zero: ZeroOptimizer, named_params: list[tuple[str, nn.Parameter]],

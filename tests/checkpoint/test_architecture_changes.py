@@ -62,3 +62,12 @@ def test_moe_training_settings_and_the_same_expert_width_are_no_change(tmp_path)
     check_architecture(_checkpoint(tmp_path / "b"), _model("model.moe.expert_hidden=32"))
     with pytest.raises(UserError, match="model.moe.expert_hidden is 32 there and 16 here"):
         check_architecture(_checkpoint(tmp_path / "c"), _model("model.moe.expert_hidden=16"))
+
+
+def test_every_differing_key_is_named_in_the_one_line(tmp_path):
+    with pytest.raises(UserError) as e:
+        check_architecture(_checkpoint(tmp_path / "ckpt", "model.moe.experts=4", "model.moe.top_k=2"),
+                           _model("model.moe.experts=8", "model.moe.top_k=1"))
+    line = str(e.value)
+    assert "\n" not in line and "model.moe.experts is 4 there and 8 here" in line, line
+    assert "model.moe.top_k is 2 there and 1 here" in line, line
