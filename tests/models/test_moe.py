@@ -24,7 +24,8 @@ MOE = {"model.arch": "llama", "model.layers": 3, "model.heads": 4, "model.kv_hea
        "model.tie_embeddings": "false", "model.moe.experts": 8, "model.moe.top_k": 2,
        "model.moe.expert_hidden": 32, "model.moe.shared_experts": 1, "model.moe.dense_layers": 1,
        "model.moe.aux_loss": 0.01, "model.moe.z_loss": 0.001, "train.global_batch": 16}
-SIGMOID = ["model.moe.router=sigmoid", "model.moe.routed_scaling_factor=2.5", "model.moe.bias_update_rate=0.01"]
+SIGMOID = ["model.moe.router=sigmoid", "model.moe.routed_scaling_factor=2.5", "model.moe.bias_update_rate=0.01",
+           f"train.save_every={STEPS}"]  # the last step saved: every layer's whole bias vector compared
 FOUR_LAYERS = ["model.layers=4"]  # interleaved pp 2 needs 4 (virtual) stages: its own reference
 LAYOUTS = [
     ("ep2", ["parallel.ep=2"]),
@@ -116,3 +117,24 @@ def test_the_router_figures_are_the_ones_asked_for(runs):
         assert f"moe/{layer}/dropped" not in softmax and f"moe/{layer}/bias_min" not in softmax
         assert sigmoid[f"moe/{layer}/bias_min"] < 0 < sigmoid[f"moe/{layer}/bias_max"]
     assert "moe/0/aux_loss" not in softmax
+
+
+@pytest.mark.parametrize("name", ["sigmoid_ep4", "sigmoid_tp2_sp_ep2_z2"])
+def test_every_layers_whole_bias_vector_equals_the_single_process(runs, name):
+    """Not only its min and max: each expert's bias, moved by the sign of its load's distance from the mean,
+    is bit-identical to one process's when the loads are (discrete routing)."""
+    import torch
+
+    from megazero.checkpoint import store
+
+    biases = []
+    for folder in (runs / "one_sigmoid", runs / name):
+        end = store.checkpoint_dir(folder / "checkpoints", STEPS)
+        kinds = {k: v for k, v in store.stored_tensors(end).items() if k.startswith("buffer/")}
+        state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in kinds.items()}
+        store.load(end, state)
+        biases.append(state)
+    assert sorted(biases[0]) == sorted(biases[1]) and len(biases[0]) == 2, sorted(biases[1])  # layers 1 and 2
+    for k, want in biases[0].items():
+        assert want.abs().max() > 0, k  # it moved
+        assert torch.equal(want, biases[1][k]), (k, want, biases[1][k])
