@@ -7,8 +7,8 @@ vectors) runs at AdamW's best learning rate of the same sweep. The figure per ru
 the last step (``--eval-batches`` batches of the held-out split) and the mean training loss of the last 20
 steps.
 
-    python bench/convergence.py [--steps 300] [--optimizers adamw,muon[,lamb]] [--lrs "muon=0.005,0.01"]
-                                [--adamw-lr LR] [--out DIR]
+    python bench/convergence.py [--steps 300] [--optimizers adamw,muon[,lamb,onebit_adam]]
+                                [--lrs "muon=0.005,0.01"] [--adamw-lr LR] [--out DIR] [--dp N] [--freeze-step K]
 
 Prints a markdown table per optimizer and learning rate, then each optimizer's best, and Muon's and LAMB's
 best against AdamW's. Not a test: nothing here asserts.
@@ -25,33 +25,56 @@ if ROOT not in sys.path:
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import io  # noqa: E402
+import json  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-LRS = {"adamw": (1e-3, 2e-3, 4e-3), "muon": (5e-3, 1e-2, 2e-2), "lamb": (5e-3, 1e-2, 2e-2)}
+LRS = {"adamw": (1e-3, 2e-3, 4e-3), "muon": (5e-3, 1e-2, 2e-2), "lamb": (5e-3, 1e-2, 2e-2),
+       "onebit_adam": (1e-3, 2e-3, 4e-3)}
 
 
 def train(folder: Path, cache: Path, optimizer: str, lr: float, steps: int, eval_batches: int,
-          adamw_lr: float = 0.0) -> dict:
-    """One run; its final validation loss, last-20-step mean training loss and seconds."""
+          adamw_lr: float = 0.0, dp: int = 1, freeze_step: int = 0) -> dict:
+    """One run; its final validation loss, last-20-step mean training loss and seconds. ``dp`` > 1: that many
+    gloo ranks under torchrun (1-bit Adam's compression needs them; AdamW, Muon and LAMB train the same model at
+    any dp)."""
     from megazero.train.run import run
 
-    overrides = ["parallel.tp=1", "parallel.pp=1", "parallel.dp=1", "parallel.sequence_parallel=false",
+    overrides = ["parallel.tp=1", "parallel.pp=1", f"parallel.dp={dp}", "parallel.sequence_parallel=false",
                  "train.precision=fp32", "zero.stage=0", f"train.steps={steps}", f"train.lr={lr}",
                  f"train.min_lr={lr / 10}", f"train.eval_every={steps}", f"train.eval_batches={eval_batches}",
                  "train.save_every=0", "log.tensorboard=false", "log.every=1", f"log.dir={folder}",
                  f"data.cache_dir={cache}", f"optim.name={optimizer}"]
     if optimizer == "muon" and adamw_lr:
         overrides.append(f"optim.adamw_lr={adamw_lr}")
+    if optimizer == "onebit_adam":
+        overrides.append(f"optim.freeze_step={freeze_step or steps // 5}")
     start = time.perf_counter()
-    with contextlib.redirect_stdout(io.StringIO()):
-        records = run(os.path.join(ROOT, "configs", "tiny.yaml"), overrides)
+    if dp == 1:
+        with contextlib.redirect_stdout(io.StringIO()):
+            records = run(os.path.join(ROOT, "configs", "tiny.yaml"), overrides)
+    else:
+        records = _ranks_run(overrides, dp, folder)
     train_losses = [r["loss"] for r in records if "loss" in r]
     val = [r["val_loss"] for r in records if "val_loss" in r]
     return {"val": val[-1] if val else float("nan"), "train": statistics.mean(train_losses[-20:]),
             "seconds": time.perf_counter() - start}
+
+
+def _ranks_run(overrides: list[str], dp: int, folder: Path) -> list[dict]:
+    """The run on ``dp`` processes (torchrun, gloo); its metrics.jsonl records."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(dp),
+           os.path.join(ROOT, "pretrain.py"), "--config", os.path.join(ROOT, "configs", "tiny.yaml")]
+    for o in overrides:
+        cmd += ["--set", o]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    if done.returncode:
+        raise SystemExit(f"the dp {dp} run failed: {done.stderr[-2000:]}")
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
 def main() -> None:
@@ -63,11 +86,14 @@ def main() -> None:
     ap.add_argument("--lrs", default="", help="learning rates to run instead, e.g. muon=0.005,0.01")
     ap.add_argument("--adamw-lr", type=float, default=0.0,
                     help="Muon's AdamW part when adamw is not in the run (default: adamw's best of the run)")
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel ranks for every run (torchrun, gloo)")
+    ap.add_argument("--freeze-step", type=int, default=0, help="1-bit Adam's warm-up (default: a fifth of the steps)")
     args = ap.parse_args()
     base = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="convergence-"))
     cache = base / "cache"
     results: dict[str, dict[float, dict]] = {}
-    print(f"### Convergence, configs/tiny.yaml, one process, fp32, {args.steps} steps of 16 x 128 tokens", flush=True)
+    where = "one process" if args.dp == 1 else f"dp {args.dp} (gloo)"
+    print(f"### Convergence, configs/tiny.yaml, {where}, fp32, {args.steps} steps of 16 x 128 tokens", flush=True)
     print("", "| optimizer | lr | val loss | train loss (last 20) | s |", "|---|---:|---:|---:|---:|",
           sep="\n", flush=True)
     lrs = dict(LRS)
@@ -79,7 +105,8 @@ def main() -> None:
             else args.adamw_lr
         results[optimizer] = {}
         for lr in lrs[optimizer]:
-            r = train(base / f"{optimizer}_{lr:g}", cache, optimizer, lr, args.steps, args.eval_batches, adamw_best)
+            r = train(base / f"{optimizer}_{lr:g}", cache, optimizer, lr, args.steps, args.eval_batches, adamw_best,
+                      args.dp, args.freeze_step)
             results[optimizer][lr] = r
             print(f"| {optimizer} | {lr:g} | {r['val']:.4f} | {r['train']:.4f} | {r['seconds']:.0f} |", flush=True)
     print("")
