@@ -1,7 +1,8 @@
 """Context parallelism trains the single process's model: cp 2 and 4 in both modes (ring, Ulysses all-to-all),
-with tp + sequence parallelism, pipelines under 1F1B and ZB-H1, data parallelism under ZeRO 1 and 3, activation
-checkpointing, grouped-query k/v with fewer heads than cp ranks (Llama, 2 k/v heads at cp 4) and GPT-2's learned
-positions; a checkpoint saved at cp 2 continues at cp 1 and at cp 4.
+with tp + sequence parallelism, pipelines under 1F1B, ZB-H1, GPipe and the interleaved schedule, Domino's
+tp_overlap, data parallelism under ZeRO 1 and 3, activation checkpointing, grouped-query k/v with fewer heads
+than cp ranks (Llama, 2 k/v heads at cp 4) and GPT-2's learned positions, each in both modes where the
+heads allow; checkpoints saved at cp 2 (each mode) continue at cp 1 and at cp 4.
 
 Tolerances: fp32 on the CPU, 10 steps, loss and gradient norm within 1e-5 relative of one process (the issue's
 bound). Only the order of floating-point sums differs between layouts: a ring merges per-block softmaxes by
@@ -22,6 +23,7 @@ STEPS, STOP = 10, 5
 SHAPE = {"model.layers": 2, "model.heads": 4, "model.hidden": 64, "model.seq_len": 32, "train.global_batch": 8}
 LLAMA_SHAPE = {**SHAPE, "model.arch": "llama", "model.kv_heads": 2, "model.ffn_hidden": 64}
 BOTH = ("ring", "all_to_all")
+A2A = "parallel.cp_mode=all_to_all"
 TWO_RANKS = [(f"cp2_{m}", LLAMA, ["parallel.cp=2", f"parallel.cp_mode={m}"]) for m in BOTH] + \
     [(f"gpt2_cp2_{m}", GPT2, ["parallel.cp=2", f"parallel.cp_mode={m}"]) for m in BOTH] + \
     [(f"ckpt_cp2_{m}", LLAMA, ["parallel.cp=2", f"parallel.cp_mode={m}", "model.activation_checkpointing=true"])
@@ -32,8 +34,21 @@ FOUR_RANKS = [(f"cp4_{m}", LLAMA, ["parallel.cp=4", f"parallel.cp_mode={m}"]) fo
     [(f"cp2_pp2_{s}", LLAMA, ["parallel.cp=2", "parallel.pp=2", f"parallel.schedule={s}"]) for s in ("1f1b", "zb1p")] + \
     [(f"cp2_dp2_z{z}", LLAMA, ["parallel.cp=2", "parallel.dp=2", f"zero.stage={z}", "zero.bucket_mb=0.05"])
      for z in (1, 3)] + \
-    [("gpt2_cp4_ring", GPT2, ["parallel.cp=4"])]
-RESUMED = ["resumed_cp1", "resumed_cp4"]
+    [("gpt2_cp4_ring", GPT2, ["parallel.cp=4"])] + \
+    [(f"cp2_pp2_{s}_all_to_all", LLAMA, ["parallel.cp=2", "parallel.pp=2", f"parallel.schedule={s}", A2A])
+     for s in ("1f1b", "zb1p", "gpipe")] + \
+    [(f"cp2_dp2_z{z}_all_to_all", LLAMA, ["parallel.cp=2", "parallel.dp=2", f"zero.stage={z}", "zero.bucket_mb=0.05",
+                                          A2A]) for z in (1, 3)] + \
+    [("gpt2_cp4_all_to_all", GPT2, ["parallel.cp=4", A2A])] + \
+    [(f"cp2_pp2_gpipe_{m}", LLAMA, ["parallel.cp=2", "parallel.pp=2", "parallel.schedule=gpipe",
+                                    f"parallel.cp_mode={m}"]) for m in ("ring",)] + \
+    [(f"cp2_pp2_interleaved_{m}", LLAMA, ["parallel.cp=2", "parallel.pp=2", "parallel.schedule=interleaved",
+                                          "parallel.virtual_stages=2", f"parallel.cp_mode={m}", "model.layers=4"])
+     for m in BOTH] + \
+    [(f"cp2_tp2_overlap_{m}", LLAMA, ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                                      "parallel.tp_overlap=true", f"parallel.cp_mode={m}"]) for m in BOTH]
+RESUMED = ["resumed_cp1", "resumed_cp4", "resumed_cp1_all_to_all", "resumed_cp4_all_to_all"]
+REFERENCE = {"cp2_pp2_interleaved_ring": "one_4_layers", "cp2_pp2_interleaved_all_to_all": "one_4_layers"}
 
 
 def _overrides(config, text, cache, log_dir, extra=()):
@@ -44,12 +59,15 @@ def _overrides(config, text, cache, log_dir, extra=()):
 def _layouts(rank, world, text, cache, base, layouts, save):
     for name, config, extra in layouts:
         run(config, _overrides(config, text, cache, base / name, extra))
-    if save:  # the cp 2 run that saves at step STOP
-        saved = ["parallel.cp=2", f"train.save_every={STOP}", f"train.exit_after={STOP}"]
-        run(LLAMA, _overrides(LLAMA, text, cache, base / "saved_cp2", saved))
-    else:
-        run(LLAMA, _overrides(LLAMA, text, cache, base / "resumed_cp4",
-                              ["parallel.cp=4", f"train.resume={_checkpoint(base / 'saved_cp2')}"]))
+    for mode, tail in (("ring", ""), ("all_to_all", "_all_to_all")):
+        if save:  # the cp 2 runs that save at step STOP
+            saved = ["parallel.cp=2", f"parallel.cp_mode={mode}", f"train.save_every={STOP}",
+                     f"train.exit_after={STOP}"]
+            run(LLAMA, _overrides(LLAMA, text, cache, base / f"saved_cp2{tail}", saved))
+        else:
+            run(LLAMA, _overrides(LLAMA, text, cache, base / f"resumed_cp4{tail}",
+                                  ["parallel.cp=4", f"parallel.cp_mode={mode}",
+                                   f"train.resume={_checkpoint(base / f'saved_cp2{tail}')}"]))
     return True
 
 
@@ -67,7 +85,10 @@ def runs(tmp_path_factory):
     run(GPT2, _overrides(GPT2, text, cache, base / "one_gpt2"))
     run_ranks(2, _layouts, text, cache, base, TWO_RANKS, True)
     run_ranks(4, _layouts, text, cache, base, FOUR_RANKS, False)
-    run(LLAMA, _overrides(LLAMA, text, cache, base / "resumed_cp1", [f"train.resume={_checkpoint(base / 'saved_cp2')}"]))
+    run(LLAMA, _overrides(LLAMA, text, cache, base / "one_4_layers", ["model.layers=4"]))
+    for tail in ("", "_all_to_all"):
+        run(LLAMA, _overrides(LLAMA, text, cache, base / f"resumed_cp1{tail}",
+                              [f"train.resume={_checkpoint(base / f'saved_cp2{tail}')}"]))
     return base
 
 
@@ -77,7 +98,7 @@ def _records(folder):
 
 @pytest.mark.parametrize("name", [n for n, _, _ in TWO_RANKS + FOUR_RANKS] + RESUMED)
 def test_context_parallel_layouts_train_the_single_process_model(runs, name):
-    want = _records(runs / ("one_gpt2" if name.startswith("gpt2") else "one"))
+    want = _records(runs / REFERENCE.get(name, "one_gpt2" if name.startswith("gpt2") else "one"))
     got = _records(runs / name)
     if name.startswith("resumed"):  # steps STOP+1.. after the cp 2 checkpoint
         want = want[STOP:]
