@@ -144,12 +144,12 @@ def _check_dropped(per_rank: list[torch.Tensor]) -> None:
 
 
 def test_the_bias_balances_a_router_that_favours_two_experts(tmp_path):
-    """DeepSeek-V3's auxiliary-loss-free balancing: a sigmoid router that starts favouring experts 0 and 1 (their
-    selection scores raised by 0.1, far above the init's score spread of ~0.03) sends nearly every token to them,
-    ~4x the mean load; the bias update (DeepSeek-V3's rate, 0.001 per step) brings max/mean below 1.3 within
-    200 steps (measured: step 46) and keeps it there to step 300 (measured: at most 1.21) while the router
-    trains. 1,024 tokens a step: a balanced router's max/mean is ~1.1 by chance alone (8 experts, 256 copies
-    each on average)."""
+    """DeepSeek-V3's auxiliary-loss-free balancing: a sigmoid router whose weights favour experts 0 and 1 (their
+    rows tilted by a unit vector along the mean router input of a probe batch: every token's affinity to them
+    raised, the bias untouched at 0) sends them 2.45x the mean load, the two largest; the bias update
+    (DeepSeek-V3's rate, 0.001 per step) brings max/mean below 1.3 within 200 steps (measured: step 92) and
+    keeps it there to step 300 (measured: at most 1.21) while the router trains and keeps its tilt. 1,024 tokens
+    a step: a balanced router's max/mean is ~1.1 by chance alone (8 experts, 256 copies each on average)."""
     from megazero.config.resolve import resolve
     from megazero.engine.build import build_engine
     from megazero.engine.step import train_step
@@ -161,16 +161,26 @@ def test_the_bias_balances_a_router_that_favours_two_experts(tmp_path):
     resolve(cfg, 1, "cpu")
     engine = build_engine(cfg, Grid.single(), torch.device("cpu"))
     layer = dict(engine.chunks[0].moe_layers())[1]
+    seen = []
+    hook = layer.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach()))
     with torch.no_grad():
-        layer.router.expert_bias[:2] = 0.1  # favour experts 0 and 1
+        engine.chunks[0](torch.randint(0, 256, (16, 32), generator=torch.Generator().manual_seed(99)))
+    hook.remove()
+    direction = seen[0].reshape(-1, seen[0].shape[-1]).mean(0)
+    with torch.no_grad():
+        layer.router.weight[:2] += direction / direction.norm()  # favour experts 0 and 1 through the weights
+    assert float(layer.router.expert_bias.abs().max()) == 0.0
     gen = torch.Generator().manual_seed(0)
     history = []
     for step in range(300):
         batch = torch.randint(0, 256, (32, 33), generator=gen)
         result = train_step(engine.zero, engine.executor, engine.schedule, list(batch.split(16)), 1e-4, 1.0,
                             engine.scaler)
+        if step == 0:
+            load = result.routers.table[0, :8]
+            assert set(load.topk(2).indices.tolist()) == {0, 1}, load
         history.append(result.routers.summary()[1]["load_max_over_mean"])
-    assert history[0] > 3.5, history[:3]
+    assert history[0] > 2.0, history[:3]
     first_below = next(i for i, v in enumerate(history) if v < 1.3)
     assert first_below < 200, (first_below, history[::20])
     assert max(history[200:]) < 1.3, history[200:]
