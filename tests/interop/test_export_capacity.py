@@ -1,7 +1,7 @@
 """An export of a mixture of experts trained with an expert capacity (``model.moe.capacity_factor`` > 0) says
 in one warning line on stderr that transformers routes every token, and still exports (exit 0); a dropless run
-(0), or a capacity that holds every token (factor * top_k >= experts: 2.0 here), exports silently. Through ``python -m megazero.export``'s main in this process, on one tiny Mixtral-shaped
-checkpoint (untrained weights: only the stored config's model.moe section decides) whose meta.json's
+(0), or a capacity that holds every token (factor * top_k >= experts: 2.0 here), exports silently.
+Through ``python -m megazero.export``'s main in this process, on one tiny Mixtral-shaped checkpoint (untrained weights: only the stored config's model.moe section decides) whose meta.json's
 capacity_factor each case sets.
 """
 from __future__ import annotations
@@ -12,13 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from megazero.checkpoint import store as checkpoint
-from megazero.config.load import load_config
-from megazero.data.cache_plan import content_fingerprint
 from megazero.interop.export import main as export_main
-from models.build import build_gpt
 from tests.hostile import call
-from tests.interop.test_hostile_export import MODEL, STEP, _tokenizer_json
+from tests.interop.test_hostile_export import MODEL, STEP, write_run
 
 MOE = ["model.arch=llama", "model.kv_heads=1", "model.moe.experts=4", "model.moe.top_k=2", "model.ffn_hidden=32"]
 
@@ -27,13 +23,7 @@ MOE = ["model.arch=llama", "model.kv_heads=1", "model.moe.experts=4", "model.moe
 def made(tmp_path_factory) -> Path:
     """base/run/checkpoints/step_00000001: a dropless Mixtral-shaped llama MoE, with its tokenizer recorded."""
     base = tmp_path_factory.mktemp("export_capacity")
-    cfg = load_config(None, MODEL + MOE)
-    model = build_gpt(cfg.model, seed=0)
-    tok = _tokenizer_json(base / "tok.json")
-    meta = {"config": cfg.to_dict(), "consumed_samples": 0, "optimizer_step": 0, "tokenizer": str(tok),
-            "tokenizer_fingerprint": content_fingerprint(tok)}
-    state = {f"model/{n}": p.detach() for n, p in model.named_parameters()}
-    checkpoint.save(base / "run" / "checkpoints", 1, state, meta, keep_last=1)
+    write_run(base, MODEL + MOE)
     return base
 
 

@@ -50,15 +50,21 @@ def made(tmp_path_factory) -> Path:
     """base/run: a log.dir holding metrics.jsonl and checkpoints/step_00000001 (meta.json records base/tok.json
     and its content fingerprint, as a save does)."""
     base = tmp_path_factory.mktemp("hostile_export")
-    cfg = load_config(None, MODEL)
+    write_run(base, MODEL)
+    (base / "run" / "metrics.jsonl").write_text("")
+    return base
+
+
+def write_run(base: Path, overrides: list[str]) -> None:
+    """base/run/checkpoints/step_00000001 of the model ``overrides`` make, its tokenizer base/tok.json recorded
+    with its content fingerprint, as a save records it."""
+    cfg = load_config(None, overrides)
     model = build_gpt(cfg.model, seed=0)
     tok = _tokenizer_json(base / "tok.json")
     meta = {"config": cfg.to_dict(), "consumed_samples": 0, "optimizer_step": 0, "tokenizer": str(tok),
             "tokenizer_fingerprint": content_fingerprint(tok)}
     state = {f"model/{n}": p.detach() for n, p in model.named_parameters()}
     checkpoint.save(base / "run" / "checkpoints", 1, state, meta, keep_last=1)
-    (base / "run" / "metrics.jsonl").write_text("")
-    return base
 
 
 @pytest.fixture
