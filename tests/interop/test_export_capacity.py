@@ -1,8 +1,8 @@
 """An export of a mixture of experts trained with an expert capacity (``model.moe.capacity_factor`` > 0) says
 in one warning line on stderr that transformers routes every token, and still exports (exit 0); a dropless run
 (0), or a capacity that holds every token (factor * top_k >= experts: 2.0 here), exports silently.
-Through ``python -m megazero.export``'s main in this process, on one tiny Mixtral-shaped checkpoint (untrained weights: only the stored config's model.moe section decides) whose meta.json's
-capacity_factor each case sets.
+Through ``python -m megazero.export``'s main in this process, on one tiny Mixtral-shaped checkpoint (untrained
+weights: only the stored config's model.moe section decides) whose meta.json's capacity_factor each case sets.
 """
 from __future__ import annotations
 
