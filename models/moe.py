@@ -23,8 +23,9 @@ Balancing terms, each a sum over tokens divided by the global batch's tokens, as
 does not depend on the layout: the Switch load-balancing loss per sequence (E·Σ f_e P_e, with f_e the
 sequence's share of assignments to e and P_e its mean router probability; DeepSeek-V3's sequence-wise form),
 and the router z-loss (Zoph et al. 2022, §3.5) per token. A sequence split over tp or cp ranks has its f_e
-summed over them, so every rank weighs its own tokens' P_e by the whole sequence's shares. They reach backward through the layer's output
-(``_AttachLoss``), weighted by the loss scale over the global batch's tokens the executor sets.
+summed over them, so every rank weighs its own tokens' P_e by the whole sequence's shares. They reach backward
+through the layer's output (``_AttachLoss``), weighted by the loss scale over the global batch's tokens the
+executor sets.
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 warm-up of 3 steps in 10. A checkpoint past the warm-up resumes exactly at its own layout (the error buffers are
 saved per rank): every step's loss and norm, and every stored tensor at the end; so does a run stopped by SIGTERM
 and resumed with resume=auto. It is refused, in one line, at dp 4 (naming every changed key) or with another
-warm-up; a checkpoint within the warm-up (AdamW's states only) continues at dp 4. The compressed bytes per step reach metrics.jsonl. Bad settings are
-one line and exit 2.
+warm-up; a checkpoint within the warm-up (AdamW's states only) continues at dp 4. The compressed bytes per step
+reach metrics.jsonl. Bad settings are one line and exit 2.
 
 Exact: a resume at the same layout repeats the same operations on the same values (fp32, the CPU)."""
 from __future__ import annotations
