@@ -143,8 +143,9 @@ def test_bad_settings_are_one_line(tmp_path, capsys):
 
     sets = small_overrides(write_corpus(tmp_path / "text"), tmp_path / "cache", tmp_path / "run", steps=STEPS,
                            **ONEBIT)
-    code, _, err = call(pretrain_main, _argv(sets + ["zero.stage=2"]), capsys)
-    assert_one_line(code, err, "zero.stage", "2", "onebit_adam", "use 0 or 1")
+    for stage in (2, 3):
+        code, _, err = call(pretrain_main, _argv(sets + [f"zero.stage={stage}"]), capsys)
+        assert_one_line(code, err, "zero.stage", str(stage), "onebit_adam", "use 0 or 1")
     code, _, err = call(pretrain_main, _argv(sets + ["zero.offload_optimizer=cpu"]), capsys)
     assert_one_line(code, err, "zero.offload_optimizer", "cpu", "onebit_adam")
     code, _, err = call(pretrain_main, _argv(sets + [f"optim.freeze_step={STEPS}"]), capsys)
