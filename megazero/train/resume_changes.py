@@ -40,6 +40,7 @@ from megazero.config.schema import Config
 from megazero.data.cache_plan import content_fingerprint
 from megazero.data.gpt_data import SourceStamp
 from megazero.errors import UserError
+from megazero.train.onebit_resume import check_onebit_layout
 
 _KEEP = "a resume keeps the tokenizer, since another gives the token ids other meanings"
 _REORDERED = ("the sample order after step {n} differs from the one the run started with (samples already trained "
@@ -67,41 +68,10 @@ def check_resume(path: Path, cfg: Config) -> None:
         raise UserError(f"checkpoint {path}: optim.name is {short(theirs)} there and {cfg.optim.name!r} here; a "
                         f"resume keeps the optimizer, whose states the checkpoint holds")
     if cfg.optim.name == "onebit_adam":
-        _check_onebit_layout(path, meta, cfg)
+        check_onebit_layout(path, meta, cfg)
     data = meta.get("config", {}).get("data")
     if isinstance(data, dict):
         _check_tokenizer(path, meta, data, cfg, _their_paths(meta, data), _our_paths(cfg))
-
-
-# what places a rank's 1-bit Adam error buffers: their length (the buckets) and whose momentum they compress
-_ONEBIT_LAYOUT = (("parallel", "tp"), ("parallel", "pp"), ("parallel", "dp"), ("parallel", "cp"), ("parallel", "ep"),
-                  ("parallel", "virtual_stages"), ("parallel", "pp_layers"), ("parallel", "world_size"),
-                  ("zero", "stage"), ("zero", "bucket_mb"), ("zero", "grad_dtype"), ("train", "precision"))
-
-
-def _check_onebit_layout(path: Path, meta: dict, cfg: Config) -> None:
-    """1-bit Adam past its warm-up holds error-feedback buffers per rank: a resume from there keeps the layout
-    and the warm-up's length (the frozen variance's bias correction)."""
-    config, step = meta.get("config", {}), meta.get("optimizer_step", 0)
-    optim = config.get("optim") if isinstance(config.get("optim"), dict) else {}
-    theirs = optim.get("freeze_step", cfg.optim.freeze_step)
-    if not isinstance(theirs, int) or isinstance(theirs, bool) or \
-            (step >= min(theirs, cfg.optim.freeze_step) and theirs != cfg.optim.freeze_step):
-        raise UserError(f"checkpoint {path}: optim.freeze_step is {short(theirs)} there and "
-                        f"{cfg.optim.freeze_step} here, at optimizer step {step}; a resume past the warm-up "
-                        f"keeps its length, which the frozen variance was bias-corrected by")
-    if step < theirs:
-        return
-    here = cfg.to_dict()
-    changed = []
-    for section, key in _ONEBIT_LAYOUT:
-        there_s, here_s = config.get(section), here.get(section, {})
-        if isinstance(there_s, dict) and key in there_s and there_s[key] != here_s.get(key):
-            changed.append(f"{section}.{key} is {short(there_s[key])} there and {here_s.get(key)!r} here")
-    if changed:
-        raise UserError(f"checkpoint {path}: {', '.join(changed)}; a 1-bit Adam run past its warm-up (optimizer "
-                        f"step {step} >= optim.freeze_step={theirs}) resumes at its own layout only, since its "
-                        f"error-feedback buffers are per rank")
 
 
 def check_built_data(path: Path, cfg: Config, tokenizer_fingerprint: Optional[str],

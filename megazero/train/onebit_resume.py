@@ -1,0 +1,41 @@
+"""What a resume keeps for 1-bit Adam (``parallel.zero.onebit_adam``): past its warm-up each rank holds
+error-feedback buffers that belong to its place in the layout, and the frozen variance was bias-corrected by the
+warm-up's length; a checkpoint from there resumes at its own layout and warm-up only, refused in one line
+otherwise. Within the warm-up the states are AdamW's and any layout may resume them."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from megazero.checkpoint.meta import short
+from megazero.config.schema import Config
+from megazero.errors import UserError
+
+# what places a rank's 1-bit Adam error buffers: their length (the buckets) and whose momentum they compress
+_ONEBIT_LAYOUT = (("parallel", "tp"), ("parallel", "pp"), ("parallel", "dp"), ("parallel", "cp"), ("parallel", "ep"),
+                  ("parallel", "virtual_stages"), ("parallel", "pp_layers"), ("parallel", "world_size"),
+                  ("zero", "stage"), ("zero", "bucket_mb"), ("zero", "grad_dtype"), ("train", "precision"))
+
+
+def check_onebit_layout(path: Path, meta: dict, cfg: Config) -> None:
+    """1-bit Adam past its warm-up holds error-feedback buffers per rank: a resume from there keeps the layout
+    and the warm-up's length (the frozen variance's bias correction)."""
+    config, step = meta.get("config", {}), meta.get("optimizer_step", 0)
+    optim = config.get("optim") if isinstance(config.get("optim"), dict) else {}
+    theirs = optim.get("freeze_step", cfg.optim.freeze_step)
+    if not isinstance(theirs, int) or isinstance(theirs, bool) or \
+            (step >= min(theirs, cfg.optim.freeze_step) and theirs != cfg.optim.freeze_step):
+        raise UserError(f"checkpoint {path}: optim.freeze_step is {short(theirs)} there and "
+                        f"{cfg.optim.freeze_step} here, at optimizer step {step}; a resume past the warm-up "
+                        f"keeps its length, which the frozen variance was bias-corrected by")
+    if step < theirs:
+        return
+    here = cfg.to_dict()
+    changed = []
+    for section, key in _ONEBIT_LAYOUT:
+        there_s, here_s = config.get(section), here.get(section, {})
+        if isinstance(there_s, dict) and key in there_s and there_s[key] != here_s.get(key):
+            changed.append(f"{section}.{key} is {short(there_s[key])} there and {here_s.get(key)!r} here")
+    if changed:
+        raise UserError(f"checkpoint {path}: {', '.join(changed)}; a 1-bit Adam run past its warm-up (optimizer "
+                        f"step {step} >= optim.freeze_step={theirs}) resumes at its own layout only, since its "
+                        f"error-feedback buffers are per rank")
