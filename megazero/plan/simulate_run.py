@@ -15,6 +15,14 @@ from megazero.plan.simulate import (DOES_NOT_FIT, GB, STEPS, format_result, memo
 from megazero.plan.stage_plan import make_plan
 
 
+def plan_stage(cfg: Config, rank: int) -> int:
+    """The pipeline stage a rank runs."""
+    from parallel.topology import rank_to_coords
+
+    p = cfg.parallel
+    return rank_to_coords(rank, p.tp, p.pp, p.dp, p.cp)[0]
+
+
 def run_simulation(cfg: Config, full: bool = False) -> int:
     """``pretrain.py --simulate`` of a config resolved for the CPU (megazero.train.run.simulate_run): every rank
     class's figures printed and written to log.dir/simulate.json; 0 when all fit in launch.memory_gb,
@@ -30,14 +38,17 @@ def run_simulation(cfg: Config, full: bool = False) -> int:
     cp = f" x cp {p.cp} ({p.cp_mode})" if p.cp > 1 else ""
     print(f"simulating {cfg.source}: world {p.tp * p.pp * p.dp * p.cp} = tp {p.tp} x pp {p.pp} x dp {p.dp}{cp}, "
           f"ZeRO stage {cfg.zero.stage}, {p.schedule}, {cfg.microbatches} microbatches, {STEPS} steps per rank, on "
-          f"fake tensors and the fake process group" + ("" if full else "; extrapolated from fewer layers and "
-                                                    "microbatches where exact (--simulate full: every one)"),
+          f"fake tensors and the fake process group" + ("" if full else "; extrapolated from fewer layers, "
+                                                    "microbatches and experts where exact (--simulate full: every one)"),
           flush=True)
     start = time.perf_counter()
     results = []
-    for rank in rank_classes(cfg):
-        r = simulate_rank(cfg, rank, plan) if full else simulate_class(cfg, rank, plan,
-                                                                         lambda text: print(text, flush=True))
+    classes = rank_classes(cfg)
+    for n, rank in enumerate(classes, 1):
+        say = lambda text: print(text, flush=True)  # noqa: E731
+        say(f"rank class {n} of {len(classes)}: rank {rank} (pipeline stage {plan_stage(cfg, rank)}), after "
+            f"{time.perf_counter() - start:.0f} s")
+        r = simulate_rank(cfg, rank, plan) if full else simulate_class(cfg, rank, plan, say, say)
         r.fits = r.peak_bytes <= limit
         results.append(r)
         print("\n".join(format_result(r, limit)), flush=True)

@@ -65,3 +65,50 @@ def test_real_experts_are_each_drawn_by_their_own_name():
         for e in (0, 5):
             want = initial_value(expert_name(name, e), tuple(p.shape[1:]), 1234, cfg.model)
             assert torch.equal(p.detach()[e], want.to(p.dtype)), (name, e)
+
+
+def _moe(local: int):
+    """2 layers (a dense one, a mixture of ``local`` experts per ep rank), ep 2 of dp 2: each ep rank's experts
+    receive 2 x 32 x 2 = 128 rows a microbatch."""
+    from megazero.config.load import load_config
+    from megazero.config.resolve import resolve
+
+    return resolve(load_config(None, ["model.arch=llama", "model.layers=2", "model.hidden=64", "model.heads=4",
+                                      "model.kv_heads=2", "model.seq_len=32", "model.vocab_size=256",
+                                      f"model.moe.experts={2 * local}", "model.moe.top_k=2",
+                                      "model.moe.expert_hidden=32", "model.moe.dense_layers=1",
+                                      "parallel.dp=2", "parallel.ep=2", "train.micro_batch=2",
+                                      "train.global_batch=8", "train.precision=bf16"]), 2, "cpu")
+
+
+def _compare(local: int, counts: list[int]) -> None:
+    """The expert axis at ``counts``, and every figure within TOLERANCE of the peak (of itself for the bytes
+    sent) of simulating every expert: the increments per expert are constant along one dispatch path."""
+    from megazero.plan.extrapolate import EXPERTS, TOLERANCE, choose_axes, figures, simulate_class
+    from megazero.plan.simulate import simulate_rank
+    from megazero.plan.stage_plan import make_plan
+
+    cfg = _moe(local)
+    plan = make_plan(cfg)
+    axes = choose_axes(cfg, 0)
+    assert [(a.kind, [a.count(x) for x in (0, 1, 2, a.real)]) for a in axes] == [(EXPERTS, counts + [local])]
+    said: list[str] = []
+    got, want = simulate_class(cfg, 0, plan, said.append), simulate_rank(cfg, 0, plan)
+    assert said == [] and got.extrapolated.startswith(f"extrapolated linearly from {counts[0]}, {counts[1]} and "
+                                                      f"{counts[2]} routed experts per ep rank to {local}"), said
+    assert got.moment == want.moment
+    g, w = figures(got), figures(want)
+    assert g.keys() == w.keys()
+    for k in g:
+        scale = abs(w[k]) if k.startswith("comm_bytes.") else w["peak_bytes"]
+        assert abs(g[k] - w[k]) <= TOLERANCE * scale, (k, g[k], w[k])
+
+
+def test_uneven_experts_are_extrapolated_from_counts_that_do_not_divide_the_rows():
+    """12 experts a rank do not divide 128 rows: simulated at 5, 6 and 7 (not 2 to 4, which divide them)."""
+    _compare(12, [5, 6, 7])
+
+
+def test_even_experts_are_extrapolated_from_counts_that_divide_the_rows():
+    """16 experts a rank divide 128 rows: simulated at 2, 4 and 8, each dividing them too."""
+    _compare(16, [2, 4, 8])
