@@ -4,10 +4,12 @@ mode), ``--layout``'s fixed ones, and every combination of a GPU count's, in the
 
 Where it is narrowed to keep a search to seconds: tp stays within a node unless --layout fixes it; at most
 MAX_MICRO_BATCHES micro-batches per layout; interleaving at 2, 4, 8... chunks; gpipe only when fixed; cp at
-powers of two that leave each rank at least MIN_CP_TOKENS of a sequence, unless --layout fixes it. A search
-that would still take minutes (a GPU count with hundreds of divisors beside a deep model and a huge batch) is
-refused in one line, at once over MAX_LAYOUTS layouts (:func:`bounded`), or when its plans pass MAX_SEARCH_WORK
-(:func:`plan_work`, counted by megazero.plan.search): --layout narrows it.
+powers of two that leave each rank at least MIN_CP_TOKENS of a sequence, unless --layout fixes it; ep over
+the divisors of dp that divide the expert count (megazero.plan.search skips those whose expert states cannot
+fit before planning them). A search that would still take minutes (a GPU count with hundreds of divisors beside
+a deep model and a huge batch) is refused in one line, at once over MAX_LAYOUTS layouts or MAX_LISTED_WORK
+(:func:`bounded`), or when its plans pass MAX_SEARCH_WORK (:func:`plan_work`, counted by megazero.plan.search):
+--layout narrows it.
 """
 from __future__ import annotations
 
@@ -39,13 +41,18 @@ MIN_CP_TOKENS = 8192
 # activations beside a larger optimizer state)
 ZERO_ORDER = (1, 0, 2, 3)
 # A search's size, bounded so that the largest accepted input answers in seconds, not hours. Each layout is
-# put to the config rules (about a millisecond) and each one they accept is planned (:func:`plan_work`): its
-# schedule listed and walked per pipeline stage (megazero.plan.stage_plan), a fraction of a microsecond per
-# virtual microbatch, and each stage planned and timed, about a hundred times that. A core plans about 1.5
-# million units a second. The largest searches of the shipped configs on real clusters put 18,000 layouts to
-# the rules and plan 8 million units (llama3-70b on 10,240 GPUs of 72 per NVLink domain, a 65,536-sequence
-# batch: 5 s); a GPU count of many divisors beside a deep model and a huge batch would take hours.
-MAX_LAYOUTS = 2 ** 15
+# put to the config rules (about a millisecond) and each one they accept and the memory bound leaves is planned
+# (:func:`plan_work`): its schedule listed and walked per pipeline stage (megazero.plan.stage_plan), a fraction of
+# a microsecond per virtual microbatch, and each stage planned and timed, about a hundred times that. A core
+# plans about 1.5 million units a second. Two bounds are checked at once, on the listed layouts: their count
+# (MAX_LAYOUTS), and the work of planning each once (MAX_LISTED_WORK). The pruned search plans a quarter of
+# that or less (deepseek-v3-shape on 2,048 GPUs: 39,200 layouts, 39 million units listed, 5 million planned);
+# the shipped configs list about 40 million at most on real clusters, while a GPU count of hundreds of divisors
+# beside a deep model and a huge batch lists hundreds of millions (llama3-70b on 720,720 GPUs with an
+# 11.5-million-sequence batch: 246 million, 30 s of plans before MAX_SEARCH_WORK stopped it). MAX_SEARCH_WORK
+# then bounds the plans made.
+MAX_LAYOUTS = 2 ** 16
+MAX_LISTED_WORK = 2 ** 27
 MAX_SEARCH_WORK = 2 ** 24
 STAGE_WORK = 100  # a stage's plan and step time, in the units of one virtual microbatch of its schedule
 
@@ -228,11 +235,15 @@ def too_large(gpus: int, fixed: dict, what: str) -> UserError:
                      "knobs with --layout, e.g. pp=, tp=, cp= or micro_batch=")
 
 
-def bounded(layouts: Iterator[Layout], gpus: int, fixed: dict) -> list[Layout]:
-    """The layouts, listed; a UserError at once when there are more than MAX_LAYOUTS."""
-    out = []
+def bounded(layouts: Iterator[Layout], gpus: int, fixed: dict, batch: int) -> list[Layout]:
+    """The layouts, listed; a UserError at once when there are more than MAX_LAYOUTS, or when planning each once
+    would pass MAX_LISTED_WORK (``batch``: train.global_batch, which gives each its microbatch count)."""
+    out, work = [], 0
     for lay in layouts:
         if len(out) == MAX_LAYOUTS:
             raise too_large(gpus, fixed, f"over {MAX_LAYOUTS:,} layouts")
+        work += plan_work(lay, max(1, batch // (lay.micro_batch * lay.dp)))
+        if work > MAX_LISTED_WORK:
+            raise too_large(gpus, fixed, f"planning its layouts once passes {MAX_LISTED_WORK:,} units of work")
         out.append(lay)
     return out
