@@ -16,6 +16,7 @@ from megazero.checkpoint.writer import CheckpointWriter
 from megazero.config.schema import Config, ModelConfig
 from megazero.errors import NonFiniteStop, UserError
 from megazero.interop.hf_layout import model_config
+from megazero.train.onebit_resume import check_rank_state_stored
 from megazero.train.resume_changes import check_built_data, resume_record
 from parallel.loss_scale import LossScaler
 from parallel.topology import Grid
@@ -90,6 +91,7 @@ def load_state(path: Path, cfg: Config, zero: ZeroOptimizer, named_params: list[
                                getattr(data, "stamps", None))
     step = int(checkpoint.read_meta(path)["optimizer_step"])
     state, exported = state_tensors(zero, named_params, grid, buffers, step)
+    check_rank_state_stored(path, [k for k in state if k.startswith("rank/")], set(checkpoint.stored_tensors(path)))
     meta = checkpoint.load(path, state)
     complete_replicas(exported, dict(named_params), grid)
     zero.import_state(exported, int(meta["optimizer_step"]))

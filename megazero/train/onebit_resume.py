@@ -30,6 +30,12 @@ def check_onebit_layout(path: Path, meta: dict, cfg: Config) -> None:
     if step < theirs:
         return
     here = cfg.to_dict()
+    for key in ("beta2", "eps"):  # the frozen variance's bias correction, and which elements are compressed
+        if key in optim and optim[key] != here["optim"][key]:
+            raise UserError(f"checkpoint {path}: optim.{key} is {short(optim[key])} there and "
+                            f"{here['optim'][key]!r} here, past 1-bit Adam's warm-up (optimizer step {step} >= "
+                            f"optim.freeze_step={theirs}); the frozen variance was bias-corrected by beta2 and "
+                            f"the elements compressed chosen by eps: a resume keeps both")
     changed = []
     for section, key in _ONEBIT_LAYOUT:
         there_s, here_s = config.get(section), here.get(section, {})
@@ -39,3 +45,13 @@ def check_onebit_layout(path: Path, meta: dict, cfg: Config) -> None:
         raise UserError(f"checkpoint {path}: {', '.join(changed)}; a 1-bit Adam run past its warm-up (optimizer "
                         f"step {step} >= optim.freeze_step={theirs}) resumes at its own layout only, since its "
                         f"error-feedback buffers are per rank")
+
+
+def check_rank_state_stored(path: Path, wanted: list[str], stored: set[str]) -> None:
+    """A checkpoint past 1-bit Adam's warm-up holds each rank's error feedback (``rank/<global rank>/...``); one
+    written before megazero saved it has none, and resuming it would restart the errors at zero unsaid. The
+    same verdict on every rank (none holds any), before any collective."""
+    if wanted and not any(k.startswith("rank/") for k in stored):
+        raise UserError(f"checkpoint {path}: holds no per-rank optimizer state ({wanted[0]!r} and the like: 1-bit "
+                        f"Adam's error feedback past optim.freeze_step), written before megazero saved it; resume "
+                        f"from a checkpoint within the warm-up, or start afresh")

@@ -94,11 +94,12 @@ class ShardedOnebitAdam(ShardedAdamW):
             return 2
         return 3 if getattr(p, "tp_replicas", 1) > 1 else 1
 
-    def _held_groups(self, b: Bucket) -> Tensor:
-        """The whole bucket's scale groups by parameter (the padding 0)."""
+    def _held_groups(self, b: Bucket, renumber: dict[int, int]) -> Tensor:
+        """The whole bucket's scale groups by parameter, renumbered to the groups present (the padding 0): filled
+        a parameter at a time, with no int64 index as long as the bucket."""
         out = torch.zeros(self.momentum[b.index].numel(), dtype=torch.uint8, device=self.device)
         for (_, p), off in zip(b.params, b.offsets):
-            out[off:off + p.numel()] = self._held(p)
+            out[off:off + p.numel()] = renumber[self._held(p)]
         return out
 
     # ----- the compressed phase -----------------------------------------------------------------------------------
@@ -109,9 +110,7 @@ class ShardedOnebitAdam(ShardedAdamW):
         bc2 = math.sqrt(1.0 - self.betas[1] ** self.freeze_step)
         n = self.comm.size
         held = {self._held(p) for b in self.layout.buckets for _, p in b.params}
-        renumber = torch.zeros(4, dtype=torch.uint8, device=self.device)  # the groups present, as 1..K
-        for k, g in enumerate(sorted(held), 1):
-            renumber[g] = k
+        renumber = {g: k for k, g in enumerate(sorted(held), 1)}  # the groups present, as 1..K
         self.group_count = len(held)
         for b in self.layout.buckets:
             i = b.index
@@ -124,7 +123,7 @@ class ShardedOnebitAdam(ShardedAdamW):
             else:
                 live[:b.numel] = mine
             m.mul_(live)
-            self.groups[i] = renumber[self._held_groups(b).long()] * live.to(torch.uint8)
+            self.groups[i] = self._held_groups(b, renumber).mul_(live.to(torch.uint8))
             self.counts[i] = group_counts(self.groups[i], n, self.group_count)
             if self.worker[i] is None:
                 self.worker[i] = torch.zeros_like(m)
