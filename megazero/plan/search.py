@@ -127,7 +127,9 @@ def search(base: Config, cluster: Cluster, gpus: int, fixed: dict, c: Constants 
         if layout in refused:
             return None
         predicted = None if exhaustive else bound.predicted(layout)
-        timed = zero1.get(twin_key(layout)) if predicted is not None and layout.zero_stage == 2 else None
+        policy = StagePolicy.of(layout.zero_stage)
+        takes_twin = policy.shards_updates_only and policy.shard_grads  # ZeRO-2, timed as its ZeRO-1 twin
+        timed = zero1.get(twin_key(layout)) if predicted is not None and takes_twin else None
         if predicted is not None and (predicted > budget or timed is not None):
             if found.least is None or predicted < found.least[0]:
                 found.least = (predicted, layout)
@@ -154,7 +156,7 @@ def search(base: Config, cluster: Cluster, gpus: int, fixed: dict, c: Constants 
         st = step_time(cfg, cluster, c, plan=plan)
         found.costed += 1
         found.planned += 1
-        if layout.zero_stage == 1:
+        if policy.shards_updates_only and not policy.shard_grads:  # ZeRO-1: its ZeRO-2 twin takes this time
             zero1[twin_key(layout)] = st
         if found.least is None or st.memory_bytes < found.least[0]:
             found.least = (st.memory_bytes, layout)

@@ -26,6 +26,12 @@ class StagePolicy:
                    bound_in_flight=stage >= 2)
 
     @property
+    def shards_updates_only(self) -> bool:
+        """Stages 1-2: the optimizer's states sharded (at 2 the gradients too), the parameters whole: a step's
+        traffic is a reduce-scatter and an all-gather at both, which the step-time model times alike."""
+        return self.shard_optimizer and not self.shard_params
+
+    @property
     def keeps_full_grads(self) -> bool:
         """Stages 0-1 accumulate every microbatch into one whole gradient buffer per bucket and reduce once."""
         return not self.shard_grads
