@@ -16,7 +16,7 @@ from parallel.schedules import SCHEDULES
 _CHOICES = {
     ("model", "arch"): ("gpt2", "llama"),
     ("model", "rope_scaling"): ("none", "llama3"),
-    ("train", "precision"): ("fp32", "bf16", "fp16"),
+    ("train", "precision"): ("fp32", "bf16", "fp16", "auto"),
     ("zero", "stage"): (0, 1, 2, 3),
     ("zero", "offload_optimizer"): ("none", "cpu"),
     ("zero", "offload_params"): ("none", "cpu"),

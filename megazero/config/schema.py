@@ -154,6 +154,8 @@ class TrainConfig:
     warmup_steps: int = 10
     weight_decay: float = 0.1
     grad_clip: float = 1.0  # 0 disables clipping
+    # fp32 | bf16 | fp16 | auto: bf16 where the device computes it natively (a GPU with bf16, a CPU with AMX),
+    # else fp32 (megazero.config.resolve.precision_for; the run's first line says which and why)
     precision: str = "fp32"
     seed: int = 1234
     eval_every: int = 0  # 0 disables evaluation

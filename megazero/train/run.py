@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megazero.config.load import load_config
-from megazero.config.resolve import planned_world_size, resolve
+from megazero.config.resolve import planned_world_size, precision_for, resolve
+from megazero.config.schema import AUTO
 from megazero.errors import UserError
 
 if TYPE_CHECKING:
@@ -36,7 +37,10 @@ def run(config_path: str, overrides: list[str]) -> list[dict]:
     info = launch.process_info()
     local_world = launch.local_world_size()
     device = launch.pick_device(cfg.launch.device, info.local_rank, local_world)
+    asked_precision = cfg.train.precision
     resolve(cfg, info.world_size, device.type)  # before any process group: a refusal is a config error
+    if asked_precision == AUTO and info.rank == 0:
+        print(f"train.precision=auto: {cfg.train.precision} ({precision_for(device.type)[1]})", flush=True)
     try:  # where checkpoints and logs go: a path that cannot be written is an input error, found now
         (Path(cfg.log.dir) / "checkpoints").mkdir(parents=True, exist_ok=True)
     except OSError as e:
