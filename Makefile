@@ -10,7 +10,7 @@ NPROC  ?= 8
 TORCH_CPU_VERSION ?= 2.13.0
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup pretrain test clean
+.PHONY: setup pretrain test test-fast clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,12 @@ pretrain: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=25 tests
+
+# the inner loop: every test that starts no other process (tests/conftest.py marks the rest `spawns`), over 2
+# workers with one thread each (an idle OpenMP pool spinning beside the other worker would halve both)
+test-fast: $(STAMP)
+	OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE \
+	  $(BIN)/python -m pytest -q -n 2 -m "not spawns" --durations=10 tests
 
 clean:
 	rm -rf $(VENV) runs .cache

@@ -10,3 +10,26 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+# What starts another process: gloo ranks (tests/dist.py), torchrun or pretrain.py as a child. A test in a module
+# that calls one of these is marked `spawns`; `make test-fast` runs the rest (`-m "not spawns"`) for the inner
+# loop, `make test` everything.
+SPAWNING = ("run_ranks(", "start_ranks(", "run_pretrain(", "pretrain_cmd(", "subprocess.", "Popen(",
+            "torch.distributed.run", "mp.spawn(", "multiprocessing")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "spawns: starts other processes (gloo ranks, torchrun, pretrain.py)")
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+
+    texts: dict[str, bool] = {}
+    for item in items:
+        path = str(item.fspath)
+        if path not in texts:
+            source = Path(path).read_text()
+            texts[path] = any(s in source for s in SPAWNING)
+        if texts[path]:
+            item.add_marker(pytest.mark.spawns)
