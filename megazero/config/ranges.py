@@ -10,7 +10,7 @@ from typing import Iterable, Optional
 
 from megazero.config.schema import AUTO, Config
 from megazero.errors import invalid
-from parallel.schedules import SCHEDULES
+from megazero.parallel.schedules import SCHEDULES
 
 # Allowed values and ranges, per key. A key absent here only needs the right type.
 _CHOICES = {
@@ -118,6 +118,27 @@ _MAX = {
     ("parallel", "ep"): MAX_WORLD, ("parallel", "cp"): MAX_WORLD,
 }
 _PROBABILITY = {("model", "dropout"), ("optim", "beta1"), ("optim", "beta2"), ("optim", "momentum")}  # moment decays: 1 never moves
+
+
+def _number(x) -> str:
+    if isinstance(x, int) and x >= 2 ** 16 and (x & (x - 1) == 0 or (x + 1) & x == 0):
+        return f"2^{x.bit_length() - (0 if (x + 1) & x == 0 else 1)}" + ("-1" if (x + 1) & x == 0 else "")
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def allowed(section: str, key: str) -> Optional[str]:
+    """The valid values of a key, in words, as the checks below apply them (the configuration reference's
+    column); None where only the type is checked."""
+    if (section, key) in _CHOICES:
+        return " | ".join(f"`{c}`" for c in _CHOICES[(section, key)])
+    if (section, key) in _PROBABILITY:
+        return "0 ≤ x < 1"
+    low, high = _MIN.get((section, key)), _MAX.get((section, key))
+    if low is None and high is None:
+        return None
+    if high is None:
+        return f"≥ {_number(low)}"
+    return f"{_number(low)} … {_number(high)}" if low is not None else f"≤ {_number(high)}"
 
 
 def choices(section: str, key: str) -> tuple:

@@ -8,7 +8,7 @@ it into the one that everything downstream reads — the trainer, the plan, the 
 * the world: parallel.dp for the world size, checked against tp*pp (rules.world_dp), and
   zero.reshard_after_forward=auto;
 * train.precision: auto -> bf16 where the device computes it natively, else fp32 (:func:`precision_for`);
-* the kernels: kernels.* auto -> the implementation the device runs (kernels.resolve_kernels);
+* the kernels: kernels.* auto -> the implementation the device runs (kernels.choice.resolve_kernels);
 * log.dir: runs/<config name> when unset;
 * parallel.pp_layers: auto -> layer counts balanced by cost (megazero.costs, parallel.balance).
 
@@ -24,8 +24,8 @@ from typing import Any, Callable, Optional, Protocol
 from megazero.config.rules import world_dp
 from megazero.config.schema import AUTO, Config, KernelsConfig, ModelConfig
 from megazero.costs import compute_device, pipeline_costs
-from models import arch
-from parallel.balance import balance_layers
+from megazero.models import arch
+from megazero.parallel.balance import balance_layers
 
 
 class Memo(Protocol):
@@ -93,7 +93,7 @@ def _resolve_kernels(cfg: Config, device_type: str, planned: bool) -> None:
     """kernels.* for the device. Planned, only the auto keys are resolved (by the same function, with the
     explicit ones standing in as torch, which every device runs): whether Triton can run is a question for
     the machine that runs."""
-    from kernels import resolve_kernels  # imports torch: only once the config is checked
+    from megazero.kernels.choice import resolve_kernels  # imports torch: only once the config is checked
 
     k = cfg.kernels
     if not planned:

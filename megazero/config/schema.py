@@ -47,11 +47,11 @@ class MoeConfig:
 @dataclass
 class ModelConfig:
     arch: str = "gpt2"  # gpt2 | llama (RMSNorm, rotary positions, SwiGLU, grouped-query attention)
-    layers: int = 2
-    hidden: int = 64
-    heads: int = 4
-    seq_len: int = 64
-    vocab_size: int = 512
+    layers: int = 2  # transformer blocks
+    hidden: int = 64  # the residual stream's width
+    heads: int = 4  # attention (query) heads
+    seq_len: int = 64  # tokens per sample
+    vocab_size: int = 512  # the tokenizer's ids; the embedding is padded to model.vocab_pad_multiple
     ffn_hidden: Union[int, None] = None  # None -> 4 * hidden (gpt2); 8/3 * hidden rounded up to 256 (llama)
     kv_heads: Union[int, None] = None  # grouped-query attention: k/v heads, dividing heads; None -> heads
     # llama: the width of each q/k/v head; None -> hidden / heads (Qwen3: 128 beside hidden 2048 and 32 heads, so
@@ -65,19 +65,19 @@ class ModelConfig:
     # config.json's rope_scaling): frequencies whose wavelength exceeds original_positions/low_freq_factor are
     # divided by rope_factor, those below original_positions/high_freq_factor kept, the band between blended
     rope_scaling: str = "none"
-    rope_factor: float = 8.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_positions: int = 8192
+    rope_factor: float = 8.0  # llama3 scaling: low frequencies are divided by it
+    rope_low_freq_factor: float = 1.0  # llama3 scaling: wavelengths past original_positions/this are scaled
+    rope_high_freq_factor: float = 4.0  # llama3 scaling: wavelengths below original_positions/this are kept
+    rope_original_positions: int = 8192  # llama3 scaling: the context the model was first trained at
     # llama: an RMSNorm over each head's features of q and of k, before the rotation (Qwen3's q_norm, k_norm)
     qk_norm: bool = False
-    dropout: float = 0.0
-    activation_checkpointing: bool = False
+    dropout: float = 0.0  # after attention and MLP (and the embedding); 0 in modern pretraining
+    activation_checkpointing: bool = False  # recompute each layer's activations in the backward instead of keeping them
     # with activation_checkpointing: recompute only the first k layers of each model chunk (Megatron's
     # --recompute-num-layers, block method), trading memory for compute in steps; 0: every layer
     checkpoint_layers: int = 0
-    init_std: float = 0.02
-    vocab_pad_multiple: int = 128
+    init_std: float = 0.02  # the normal std of the weights (output projections scaled by 1/sqrt(2*layers), GPT-2)
+    vocab_pad_multiple: int = 128  # embedding rows are vocab_size rounded up to a multiple of this (independent of tp)
     moe: MoeConfig = field(default_factory=MoeConfig)  # a mapping: model.moe.experts, ... (above)
 
     # The keys that define the network a checkpoint holds; the others (dropout, activation checkpointing,
@@ -110,8 +110,8 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    tp: int = 1
-    pp: int = 1
+    tp: int = 1  # tensor parallelism (Megatron): each layer's matrices split over tp ranks
+    pp: int = 1  # pipeline parallelism: the layers split into pp stages
     dp: Union[int, str] = AUTO  # "auto" = world_size / (tp * pp * cp), resolved at launch
     ep: int = 1  # expert parallelism: model.moe's experts split over ep ranks carved out of dp (docs/moe.md)
     cp: int = 1  # context parallelism: each sample's sequence split over cp ranks (docs/context.md)
@@ -146,22 +146,22 @@ class ZeroConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 100
-    global_batch: int = 8
-    micro_batch: int = 8
-    lr: float = 6e-4
-    min_lr: float = 6e-5
-    warmup_steps: int = 10
-    weight_decay: float = 0.1
+    steps: int = 100  # optimizer steps of the whole run
+    global_batch: int = 8  # sequences per step, over all dp ranks and microbatches
+    micro_batch: int = 8  # sequences per forward pass on one rank; global_batch / (micro_batch * dp) microbatches
+    lr: float = 6e-4  # the peak learning rate, after the linear warm-up; cosine decay to min_lr by the last step
+    min_lr: float = 6e-5  # the learning rate at the last step
+    warmup_steps: int = 10  # steps of linear warm-up from 0 to lr
+    weight_decay: float = 0.1  # decoupled (AdamW's), on matrices only: norms and biases do not decay
     grad_clip: float = 1.0  # 0 disables clipping
     # fp32 | bf16 | fp16 | auto: bf16 where the device computes it natively (a GPU with bf16, a CPU with AMX),
     # else fp32 (megazero.config.resolve.precision_for; the run's first line says which and why)
     precision: str = "fp32"
-    seed: int = 1234
+    seed: int = 1234  # the initial weights (layout-free: the same at any tp, pp, dp) and the data order
     eval_every: int = 0  # 0 disables evaluation
-    eval_batches: int = 1
+    eval_batches: int = 1  # global batches of validation data per evaluation
     save_every: int = 0  # 0: save only at the end
-    keep_last: int = 2
+    keep_last: int = 2  # checkpoints kept; older ones are deleted once a newer one is complete
     resume: str = "none"  # none | auto | a checkpoint path
     exit_after: int = 0  # stop (and save) after this many steps of this job, e.g. for time-limited slots; 0 = never
     on_nonfinite: str = "stop"  # stop | skip: a non-finite loss or gradient norm stops the run, or skips the update
@@ -176,13 +176,14 @@ class TrainConfig:
 class DataConfig:
     paths: list = field(default_factory=list)  # paths, or {path, weight, name} mappings (megazero.config.data_paths)
     text_key: str = "text"  # the field of a .jsonl/.parquet record that holds the document
+    # train: a sentencepiece BPE of model.vocab_size trained on the data (cached) | a tokenizer.json or .model path
     tokenizer: str = "train"
-    split: str = "98,2"
-    cache_dir: str = ".cache/megazero"
+    split: str = "98,2"  # train,validation shares of the documents
+    cache_dir: str = ".cache/megazero"  # tokenised data and trained tokenizers, reused between runs
     # inside a packed sample a token attends only to earlier tokens of its own document (the end-of-text token
     # closes a document); reset_positions restarts positions at each document (Megatron's reset_position_ids)
     document_mask: bool = False
-    reset_positions: bool = False
+    reset_positions: bool = False  # restart positions at each document (with document_mask, above)
     # under document_mask, the length of a token's document for the plan (--dry-run, the planner; sum l^2 / sum l
     # over varying lengths): the kernels skip what the mask removes (megazero.costs.expected_document_share);
     # 0: no estimate (causal). A run counts its own documents.
@@ -192,8 +193,8 @@ class DataConfig:
 @dataclass
 class LogConfig:
     dir: str = ""  # "" -> runs/<config name>
-    every: int = 1
-    tensorboard: bool = True
+    every: int = 1  # steps between log lines (and TensorBoard points)
+    tensorboard: bool = True  # write TensorBoard event files to log.dir
     peak_tflops: Union[float, str] = AUTO  # per device, for MFU; auto = known GPU table or a measured CPU matmul
     pipeline_trace: bool = False  # write pipeline_trace.json (Chrome trace / Perfetto) of the last step
     overwrite: bool = False  # a fresh run may replace an earlier run's checkpoints and logs in log.dir

@@ -49,8 +49,8 @@ def test_kernels_follow_the_torch_fallback(corpus, tmp_path, monkeypatch, arch):
     """GPT-2 (q, k, v strided views of one projection) and Llama (separate q, k, v; grouped-query attention,
     the kernel reading each k/v head for two query heads). The kernels' launches are counted: the two runs
     often agree bit for bit, so a run that silently fell back to torch would pass the comparison alone."""
-    import kernels.adam
-    import kernels.flash_attention
+    import megazero.kernels.adam
+    import megazero.kernels.flash_attention
 
     text, cache = corpus
     extra = {**SHAPE, **(LLAMA if arch == "llama" else {})}
@@ -62,9 +62,10 @@ def test_kernels_follow_the_torch_fallback(corpus, tmp_path, monkeypatch, arch):
             return fn(*args, **kwargs)
         return wrapper
 
-    flash = kernels.flash_attention.FlashAttention
+    flash = megazero.kernels.flash_attention.FlashAttention
     monkeypatch.setattr(flash, "forward", staticmethod(counted("attention", flash.forward)))
-    monkeypatch.setattr(kernels.adam, "adamw_step_triton", counted("adam", kernels.adam.adamw_step_triton))
+    adam = megazero.kernels.adam
+    monkeypatch.setattr(adam, "adamw_step_triton", counted("adam", adam.adamw_step_triton))
     for name, impl in (("torch", "torch"), ("triton", "triton")):
         run(TINY, small_overrides(text, cache, tmp_path / name, steps=STEPS, **extra)
             + [f"kernels.attention={impl}", f"kernels.adam={impl}"])

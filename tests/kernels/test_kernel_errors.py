@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kernels import resolve_kernels
+from megazero.kernels.choice import resolve_kernels
 from megazero.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,10 +30,10 @@ def test_a_refusal_is_a_one_line_user_error():
 def test_the_error_class_is_one_and_costs_no_torch():
     """megazero's UserError is the kernels' (one class for the CLI to catch), and loading it (as every config
     load does) imports neither torch nor triton."""
-    import kernels.errors
+    import megazero.kernels.errors
 
-    assert UserError is kernels.errors.UserError
-    code = ("import sys, megazero.errors, kernels; "
+    assert UserError is megazero.kernels.errors.UserError
+    code = ("import sys, megazero.errors, megazero.kernels.choice; "
             "print(sorted(m for m in ('torch', 'triton') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
