@@ -212,12 +212,12 @@ class OptimConfig:
     # learning rate, its schedule and the weight decay are train.*'s for each
     name: str = "adamw"
     beta1: float = 0.9  # AdamW's and LAMB's moments; under muon, those of the parameters AdamW keeps
-    beta2: float = 0.95
-    eps: float = 1.0e-8
+    beta2: float = 0.95  # the second moment's decay
+    eps: float = 1.0e-8  # added to the root of the second moment
     # muon: the momentum of the layers' matrices, Nesterov's form of it, and the Newton-Schulz steps
     momentum: float = 0.95
-    nesterov: bool = True
-    ns_steps: int = 5
+    nesterov: bool = True  # muon: Nesterov's momentum
+    ns_steps: int = 5  # muon: Newton-Schulz iterations that orthogonalise each update
     # muon: the peak learning rate of the parameters AdamW keeps (embeddings, head, vectors), on train.lr's
     # schedule; 0 is train.lr itself
     adamw_lr: float = 0.0
