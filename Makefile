@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= configs/tiny.yaml
 NPROC  ?= 8
 # CPU-only machines get the CPU build of torch (the "+cpu" release) from pip's configured index, never a
-# multi-GB CUDA build; README "Set-up without a GPU" says what to do where that index has none.
+# multi-GB CUDA build; docs/operations.md, "Set-up without a GPU", says what to do where that index has none.
 TORCH_CPU_VERSION ?= 2.13.0
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
@@ -21,7 +21,7 @@ ifeq ($(HAS_GPU),1)
 else
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "torch==$(TORCH_CPU_VERSION)+cpu" || \
 	  { echo "make: pip's configured index has no CPU build torch==$(TORCH_CPU_VERSION)+cpu;" \
-	         "see README, Set-up without a GPU" >&2; exit 1; }
+	         "see docs/operations.md, Set-up without a GPU" >&2; exit 1; }
 endif
 	$(BIN)/pip install -q -e ".[test]"
 	touch $(STAMP)
