@@ -116,9 +116,11 @@ class ParallelConfig:
     ep: int = 1  # expert parallelism: model.moe's experts split over ep ranks carved out of dp (docs/moe.md)
     cp: int = 1  # context parallelism: each sample's sequence split over cp ranks (docs/context.md)
     cp_mode: str = "ring"  # ring: K/V passed around the cp ranks | all_to_all: Ulysses, heads split around attention
-    sequence_parallel: bool = False  # split norms/dropout along the sequence over tp (Korthikanti et al. 2022)
+    # with tp > 1: norms and dropout on 1/tp of the sequence (Korthikanti et al. 2022); seq_len divisible by tp
+    sequence_parallel: bool = False
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb1p
-    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved)
+    # model chunks per pipeline rank (interleaved, >= 2; microbatches per rank a multiple of pp)
+    virtual_stages: int = 1
     # layers per (virtual) stage: a list of counts; [] = even (earlier stages take the remainder); auto = balanced
     # by cost (parallel.balance: the last stage's head and loss, the first's embedding), resolved to a list
     pp_layers: Union[list, str] = field(default_factory=list)
@@ -153,7 +155,7 @@ class TrainConfig:
     min_lr: float = 6e-5  # the learning rate at the last step
     warmup_steps: int = 10  # steps of linear warm-up from 0 to lr
     weight_decay: float = 0.1  # decoupled (AdamW's), on matrices only: norms and biases do not decay
-    grad_clip: float = 1.0  # 0 disables clipping
+    grad_clip: float = 1.0  # the global gradient norm is clipped to this; 0 disables clipping
     # fp32 | bf16 | fp16 | auto: bf16 where the device computes it natively (a GPU with bf16, a CPU with AMX),
     # else fp32 (megazero.config.resolve.precision_for; the run's first line says which and why)
     precision: str = "fp32"
@@ -162,23 +164,29 @@ class TrainConfig:
     eval_batches: int = 1  # global batches of validation data per evaluation
     save_every: int = 0  # 0: save only at the end
     keep_last: int = 2  # checkpoints kept; older ones are deleted once a newer one is complete
-    resume: str = "none"  # none | auto | a checkpoint path
+    resume: str = "none"  # none | auto (the latest in log.dir/checkpoints) | a checkpoint path; any layout
     exit_after: int = 0  # stop (and save) after this many steps of this job, e.g. for time-limited slots; 0 = never
     on_nonfinite: str = "stop"  # stop | skip: a non-finite loss or gradient norm stops the run, or skips the update
     max_skipped: int = 10  # consecutive skipped updates before the run stops (fp16: at the minimum loss scale)
     async_save: bool = False  # write checkpoints in the background while training goes on
     init_from: str = ""  # a Hugging Face model folder (GPT-2 or Llama) the weights start from; optimizer fresh
     init_unused: str = "refuse"  # refuse | drop: tensors in init_from that the config does not use
-    resume_changes: str = "warn"  # warn | allow: a resume whose data settings or seed changed says so, or not
+    # warn | allow: a resume whose data.paths (the files under each), blend weights, text_key, split or train.seed
+    # differ from the checkpoint's says so in one line, or not (another tokenizer is always refused)
+    resume_changes: str = "warn"
 
 
 @dataclass
 class DataConfig:
-    paths: list = field(default_factory=list)  # paths, or {path, weight, name} mappings (megazero.config.data_paths)
+    # .txt, .jsonl(.gz/.zst), .parquet files or folders, or preprocessed prefixes; an entry may be {path, weight,
+    # name} (a weighted blend: all entries weighted or none); empty: the built-in corpus (docs/operations.md)
+    paths: list = field(default_factory=list)
     text_key: str = "text"  # the field of a .jsonl/.parquet record that holds the document
-    # train: a sentencepiece BPE of model.vocab_size trained on the data (cached) | a tokenizer.json or .model path
+    # train: a byte-fallback sentencepiece BPE of model.vocab_size trained on the data (cached) | a sentencepiece
+    # .model | a Hugging Face tokenizer.json (no BOS/EOS added; documents joined by its end-of-text token)
     tokenizer: str = "train"
-    split: str = "98,2"  # train,validation shares of the documents
+    # train,validation weights: each source split by whole documents (its last ones validate); "100,0": none
+    split: str = "98,2"
     cache_dir: str = ".cache/megazero"  # tokenised data and trained tokenizers, reused between runs
     # inside a packed sample a token attends only to earlier tokens of its own document (the end-of-text token
     # closes a document); reset_positions restarts positions at each document (Megatron's reset_position_ids)
@@ -195,7 +203,8 @@ class LogConfig:
     dir: str = ""  # "" -> runs/<config name>
     every: int = 1  # steps between log lines (and TensorBoard points)
     tensorboard: bool = True  # write TensorBoard event files to log.dir
-    peak_tflops: Union[float, str] = AUTO  # per device, for MFU; auto = known GPU table or a measured CPU matmul
+    # per device, for MFU; auto = the GPU's data sheet, or a matmul in the run's dtype measured on a CPU (~0.3 s)
+    peak_tflops: Union[float, str] = AUTO
     pipeline_trace: bool = False  # write pipeline_trace.json (Chrome trace / Perfetto) of the last step
     overwrite: bool = False  # a fresh run may replace an earlier run's checkpoints and logs in log.dir
 
