@@ -11,7 +11,7 @@ as DeepSpeed and Megatron-core do.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -52,28 +52,17 @@ def heads_to_sequence(y: Tensor, comm: Comm) -> Tensor:
     return got.permute(1, 0, 2, 3, 4, 5).reshape(b, cp * h, 2 * c, d)
 
 
-class _SequenceToHeads(torch.autograd.Function):
-    """A permutation through an all-to-all: its adjoint is its inverse."""
+class _AllToAllPermutation(torch.autograd.Function):
+    """A permutation through an all-to-all (``there``): its adjoint is its inverse (``back``)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, comm: Comm) -> Tensor:
-        ctx.comm = comm
-        return sequence_to_heads(x, comm)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return heads_to_sequence(grad, ctx.comm), None
-
-
-class _HeadsToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y: Tensor, comm: Comm) -> Tensor:
-        ctx.comm = comm
-        return heads_to_sequence(y, comm)
+    def forward(ctx, x: Tensor, comm: Comm, there: Callable, back: Callable) -> Tensor:
+        ctx.comm, ctx.back = comm, back
+        return there(x, comm)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return sequence_to_heads(grad, ctx.comm), None
+        return ctx.back(grad, ctx.comm), None, None, None
 
 
 def kv_heads_for(kv_heads: int, cp: int) -> int:
@@ -91,6 +80,6 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, comm: Comm, impl: str = "
     wide = kv_heads_for(kv, cp)
     if wide != kv:  # each k/v head repeated in place: q head i still reads head i // (heads / kv)
         k, v = k.repeat_interleave(wide // kv, dim=1), v.repeat_interleave(wide // kv, dim=1)
-    q, k, v = (_SequenceToHeads.apply(t, comm) for t in (q, k, v))
+    q, k, v = (_AllToAllPermutation.apply(t, comm, sequence_to_heads, heads_to_sequence) for t in (q, k, v))
     y = attention(q, k, v, causal=True, impl=impl, **({} if documents is None else {"documents": documents}))
-    return _HeadsToSequence.apply(y, comm)
+    return _AllToAllPermutation.apply(y, comm, heads_to_sequence, sequence_to_heads)

@@ -37,6 +37,15 @@ def call(main: Callable[[list[str]], int], argv: Sequence[str], capsys) -> tuple
     return code, captured.out, captured.err
 
 
+def one_line_error(excinfo, *fragments: str) -> str:
+    """A raised input error's text: one line holding every fragment."""
+    text = str(excinfo.value)
+    assert "\n" not in text, text
+    for fragment in fragments:
+        assert fragment in text, (fragment, text)
+    return text
+
+
 def assert_one_line(code: int, err: str, *fragments: str, exit_code: int = 2) -> str:
     """The documented exit code, and stderr is one line ``error: ...`` holding every fragment, no traceback."""
     assert "Traceback" not in err, err[-3000:]

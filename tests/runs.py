@@ -60,6 +60,32 @@ def run_pretrain(overrides: list[str], nproc: int = 1, timeout: float = 300) -> 
     return proc
 
 
+def latest_checkpoint(log_dir: Path) -> Path:
+    """The checkpoint a run in ``log_dir`` wrote last."""
+    from megazero.checkpoint import store
+
+    return store.latest_checkpoint(log_dir / "checkpoints")
+
+
+def run_layouts(config: str, overrides, base: Path, layouts) -> None:
+    """Each ``(name, extra)`` layout trained in ``base / name`` (``overrides(log_dir, extra)`` gives its sets):
+    one spawn of the ranks runs every layout of its size."""
+    from megazero.train.run import run
+
+    for name, extra in layouts:
+        run(config, overrides(base / name, extra))
+
+
+def run_saved_and_resumed(config: str, overrides, saved: tuple[Path, list], resumed: tuple[Path, list],
+                          stop: int) -> None:
+    """A run (in ``saved[0]``, with ``saved[1]``) that saves at step ``stop`` and exits, then one (in
+    ``resumed[0]``, with ``resumed[1]``: another layout) that continues from that checkpoint."""
+    from megazero.train.run import run
+
+    run(config, overrides(saved[0], list(saved[1]) + [f"train.save_every={stop}", f"train.exit_after={stop}"]))
+    run(config, overrides(resumed[0], list(resumed[1]) + [f"train.resume={latest_checkpoint(saved[0])}"]))
+
+
 def read_metrics(log_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(log_dir) / "metrics.jsonl").read_text().splitlines()]
 

@@ -61,6 +61,13 @@ def _missing(module: str, path: Path) -> UserError:
                      f"install it (pip install {module}) or give the data as .jsonl")
 
 
+def _open(path: Path) -> IO[bytes]:
+    try:
+        return open_regular(path)
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror})") from None
+
+
 def open_jsonl(path: Path, kind: str) -> tuple[IO[bytes], tuple[type[BaseException], ...], str]:
     """A binary line reader over ``path``'s decompressed bytes, the errors that mean its data is corrupt,
     and the name of its format for those errors."""
@@ -69,10 +76,7 @@ def open_jsonl(path: Path, kind: str) -> tuple[IO[bytes], tuple[type[BaseExcepti
             import zstandard
         except ImportError:
             raise _missing("zstandard", path) from None
-    try:
-        raw = open_regular(path)
-    except OSError as e:
-        raise UserError(f"{path}: cannot read ({e.strerror})") from None
+    raw = _open(path)
     handle: IO[bytes] = _GzipFile(fileobj=raw, mode="rb") if kind == ".jsonl.gz" else raw
     if kind == ".jsonl.gz":
         # BadGzipFile (an OSError): not gzip, bad CRC; EOFError: truncated; zlib.error: garbage inside
@@ -167,10 +171,7 @@ def parquet_documents(path: Path, text_key: str, limit: int, batch_rows: int) ->
         import pyarrow.parquet as pq
     except ImportError:
         raise _missing("pyarrow", path) from None
-    try:
-        handle = open_regular(path)
-    except OSError as e:
-        raise UserError(f"{path}: cannot read ({e.strerror})") from None
+    handle = _open(path)
     with handle:
         try:
             parquet = pq.ParquetFile(handle)

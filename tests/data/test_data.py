@@ -25,6 +25,7 @@ from megazero.data.indexed import IndexedDataset, IndexedDatasetBuilder
 from megazero.data.preprocess import preprocess
 from megazero.data.tokenizer import Tokenizer, train_tokenizer
 from megazero.errors import UserError
+from tests.hostile import one_line_error
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 400
@@ -65,13 +66,6 @@ def tok_model(texts: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return train_tokenizer([texts / "b.txt", texts / "sub" / "a.txt"], VOCAB, tmp_path_factory.mktemp("tok") / "t")
 
 
-def _one_line_error(exc: pytest.ExceptionInfo, *needles: str) -> None:
-    msg = str(exc.value)
-    assert "\n" not in msg, msg
-    for needle in needles:
-        assert needle in msg, (needle, msg)
-
-
 # ---------------------------------------------------------------- tokenizer
 
 
@@ -103,7 +97,7 @@ def test_tokenizer_errors(tmp_path: Path, texts: Path) -> None:
     for call, needle in cases:
         with pytest.raises(UserError) as e:
             call()
-        _one_line_error(e, needle)
+        one_line_error(e, needle)
 
 
 # ---------------------------------------------------------------- indexed dataset
@@ -135,14 +129,14 @@ def test_indexed_round_trip(tmp_path: Path, vocab: int, itemsize: int) -> None:
     ds.check_vocab(vocab)
     with pytest.raises(UserError) as e:
         ds.check_vocab(vocab - 1)
-    _one_line_error(e, str(prefix), str(vocab - 1))
+    one_line_error(e, str(prefix), str(vocab - 1))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.bin", "ds.idx"]
 
 
 def test_builder_rejects_out_of_vocab_and_cleans_up(tmp_path: Path) -> None:
     with pytest.raises(UserError) as e:
         _write(tmp_path / "ds", [np.array([1, 2]), np.array([3, 300])], 300)
-    _one_line_error(e, str(tmp_path / "ds"), "300")
+    one_line_error(e, str(tmp_path / "ds"), "300")
     with pytest.raises(UserError):
         _write(tmp_path / "ds", [np.array([-1])], 300)
     assert list(tmp_path.iterdir()) == []
@@ -158,7 +152,7 @@ def test_check_vocab_reads_the_ids_not_the_header(tmp_path: Path) -> None:
     ds.check_vocab(400)
     with pytest.raises(UserError) as e:
         ds.check_vocab(300)
-    _one_line_error(e, str(binf), "399", "document 1", "model.vocab_size 300")
+    one_line_error(e, str(binf), "399", "document 1", "model.vocab_size 300")
 
 
 # Each case edits the bytes of one file of a valid 3-document dataset (offsets 0, 10, 17, 22).
@@ -185,7 +179,7 @@ def test_corrupt_dataset_is_a_user_error(tmp_path: Path, case: str) -> None:
         path.write_bytes(edit(path.read_bytes()))
     with pytest.raises(UserError) as e:
         IndexedDataset(prefix)
-    _one_line_error(e, str(path), words)
+    one_line_error(e, str(path), words)
 
 
 # ---------------------------------------------------------------- preprocess
@@ -253,7 +247,7 @@ def test_preprocess_function_errors(tmp_path: Path, tok_model: Path) -> None:
     for name, needle in cases:
         with pytest.raises(UserError) as e:
             preprocess([tmp_path / name], tok_model, tmp_path / "out")
-        _one_line_error(e, needle)
+        one_line_error(e, needle)
 
 
 def test_documents_bom_and_folder_links(tmp_path: Path) -> None:
@@ -270,12 +264,12 @@ def test_documents_bom_and_folder_links(tmp_path: Path) -> None:
     (tmp_path / "top" / "z_again").symlink_to(tmp_path / "real")  # the same folder twice: its files twice
     with pytest.raises(UserError) as e:
         expand_inputs([tmp_path / "top"], "data.paths")
-    _one_line_error(e, "data.paths", str(tmp_path / "top" / "z_again"), "twice")
+    one_line_error(e, "data.paths", str(tmp_path / "top" / "z_again"), "twice")
     # the same folder given twice (preprocess --input a a/), however spelled: refused by the same rule
     for again in (tmp_path / "real", f"{tmp_path / 'real'}/", tmp_path / "top" / "a_link"):
         with pytest.raises(UserError) as e:
             expand_inputs([tmp_path / "real", again], "--input")
-        _one_line_error(e, "--input", str(again), "twice")
+        one_line_error(e, "--input", str(again), "twice")
 
 
 # ---------------------------------------------------------------- samples and batches
@@ -477,14 +471,14 @@ def test_batch_and_split_errors(synthetic, tok_model: Path, tmp_path: Path) -> N
                          ((0, 2, 2, 1, 8), "dp_rank 2")]:
         with pytest.raises(UserError) as e:
             data.train_microbatches(*args)
-        _one_line_error(e, needle)
+        one_line_error(e, needle)
     for split in ["98", "a,b", "0,1", "98,-2"]:
         with pytest.raises(UserError) as e:
             _data(synthetic, tok_model, tmp_path, split=split)
-        _one_line_error(e, "data.split", repr(split))
+        one_line_error(e, "data.split", repr(split))
     with pytest.raises(UserError) as e:  # 0.1% validation: each source's last document, too few tokens for 201
         build_data(_cfg(synthetic[0], tok_model, tmp_path / "cache", "999,1"), VOCAB, 200, 7, True, lambda: None)
-    _one_line_error(e, "too small", "model.seq_len 200")
+    one_line_error(e, "too small", "model.seq_len 200")
     no_val = _data(synthetic, tok_model, tmp_path, split="1,0")
     everything = sum(len(d) for docs in synthetic[1] for d in docs)
     assert no_val.val_samples == 0 and no_val.train_samples == (everything - 1) // SEQ
@@ -518,7 +512,7 @@ def test_build_data_from_text_trains_and_caches(texts: Path, tmp_path: Path) -> 
     # A non-builder rank whose cache is empty says so instead of crashing.
     with pytest.raises(UserError) as e:
         build_data(_cfg(inputs, "train", tmp_path / "other"), VOCAB, SEQ, 0, False, lambda: None)
-    _one_line_error(e, "data.cache_dir")
+    one_line_error(e, "data.cache_dir")
 
 
 def test_build_data_config_errors(synthetic, texts: Path, tok_model: Path, tmp_path: Path) -> None:
@@ -539,13 +533,13 @@ def test_build_data_config_errors(synthetic, texts: Path, tok_model: Path, tmp_p
     for cfg, vocab, needles in cases:
         with pytest.raises(UserError) as e:
             build_data(cfg, vocab, SEQ, 0, True, lambda: None)
-        _one_line_error(e, *needles)
+        one_line_error(e, *needles)
     # A dataset whose ids exceed the model's vocabulary, with a tokenizer that fits.
     big = _write(tmp_path / "big", [np.array([1, 2, 350])], 400)
     ds = IndexedDataset(big)
     with pytest.raises(UserError) as e:
         ds.check_vocab(300)
-    _one_line_error(e, str(big), "350")
+    one_line_error(e, str(big), "350")
 
 
 def test_builtin_corpus(tmp_path: Path) -> None:
@@ -588,7 +582,7 @@ def test_document_masking_needs_document_boundaries(synthetic, tok_model: Path, 
     cfg = SimpleNamespace(**vars(_cfg([str(bare)], tok_model, tmp_path / "cache2")), document_mask=True)
     with pytest.raises(UserError) as e:
         build_data(cfg, VOCAB, SEQ, 7, True, lambda: None)
-    _one_line_error(e, "data.document_mask")
+    one_line_error(e, "data.document_mask")
     assert "no document boundaries" in str(e.value) and str(bare) in str(e.value)
     cfg.document_mask = False  # the same source trains without the mask
     build_data(cfg, VOCAB, SEQ, 7, True, lambda: None)
@@ -605,7 +599,7 @@ def test_document_boundaries_are_checked_past_the_first_4096_documents(tok_model
     cfg = SimpleNamespace(**vars(_cfg([str(late)], tok_model, tmp_path / "cache")), document_mask=True)
     with pytest.raises(UserError) as e:
         build_data(cfg, VOCAB, SEQ, 7, True, lambda: None)
-    _one_line_error(e, "data.document_mask", str(late), "document 5000 ", "no document boundaries")
+    one_line_error(e, "data.document_mask", str(late), "document 5000 ", "no document boundaries")
 
 
 def test_first_unended_document_reads_every_chunk(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -26,6 +26,7 @@ from megazero.data.indexed import IndexedDataset
 from megazero.data.preprocess import preprocess
 from megazero.data.tokenizer import train_tokenizer
 from megazero.errors import UserError
+from tests.hostile import one_line_error
 
 ROOT = Path(__file__).resolve().parents[2]
 # Documents with what a reader could get wrong: empty ones (skipped), unicode, newlines, escapes, a BOM-like
@@ -60,14 +61,6 @@ def _write_all_kinds(folder: Path, docs: list[str], key: str = "text") -> dict[s
     paths[".jsonl.zst"].write_bytes(_zst(data, frames=3))
     _parquet(paths[".parquet"], {"id": list(range(len(docs))), key: docs})
     return paths
-
-
-def _one_line_error(exc: pytest.ExceptionInfo, *needles: str) -> str:
-    msg = str(exc.value)
-    assert "\n" not in msg, msg
-    for needle in needles:
-        assert needle in msg, (needle, msg)
-    return msg
 
 
 def _error(path: Path, key: str = "text") -> pytest.ExceptionInfo:
@@ -120,14 +113,14 @@ def test_compressed_jsonl_keeps_jsonl_rules(tmp_path: Path) -> None:
         for kind, pack in ((".jsonl.gz", gzip.compress), (".jsonl.zst", _zst)):
             path = tmp_path / f"bad{kind}"
             path.write_bytes(pack(body))
-            got = _one_line_error(_error(path), f"{path}:3")
+            got = one_line_error(_error(path), f"{path}:3")
             assert got.replace(str(path), "FILE") == want, (kind, got, want)
 
 
 def test_malformed_json_inside_zst_names_file_and_record(tmp_path: Path) -> None:
     path = tmp_path / "docs.jsonl.zst"
     path.write_bytes(_zst(b'{"text": "a"}\n{"text": "b"}\n{"text": oops}\n{"text": "d"}\n', frames=2))
-    _one_line_error(_error(path), f"{path}:3", "not valid JSON")
+    one_line_error(_error(path), f"{path}:3", "not valid JSON")
 
 
 @pytest.mark.parametrize("kind", [".jsonl.gz", ".jsonl.zst"])
@@ -137,13 +130,13 @@ def test_decompressed_lines_keep_the_document_size_limit(tmp_path: Path, monkeyp
     path = tmp_path / f"docs{kind}"
     path.write_bytes(gzip.compress(body) if kind == ".jsonl.gz" else _zst(body))
     assert path.stat().st_size < 4096
-    _one_line_error(_error(path), f"{path}:2", "4096")
+    one_line_error(_error(path), f"{path}:2", "4096")
 
 
 def test_parquet_value_over_the_document_size_limit(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(documents, "MAX_DOCUMENT_BYTES", 4096)
     path = _parquet(tmp_path / "big.parquet", {"text": ["short"] * 9 + ["x" * 5000]}, row_group_size=4)
-    _one_line_error(_error(path), str(path), "row 10", "4096")
+    one_line_error(_error(path), str(path), "row 10", "4096")
 
 
 def test_other_text_key_for_parquet_and_jsonl_gz(tmp_path: Path) -> None:
@@ -151,7 +144,7 @@ def test_other_text_key_for_parquet_and_jsonl_gz(tmp_path: Path) -> None:
     expected = [d for d in DOCS[:9] if d]
     for kind in (".parquet", ".jsonl.gz"):
         assert list(iter_documents([paths[kind]], "body")) == expected, kind
-        _one_line_error(_error(paths[kind], "text"), str(paths[kind]), "'text'", "'body'")
+        one_line_error(_error(paths[kind], "text"), str(paths[kind]), "'text'", "'body'")
 
 
 # ---------------------------------------------------------------- folders
@@ -180,7 +173,7 @@ def test_unsupported_suffix_lists_every_kind(tmp_path: Path, name: str) -> None:
     path.write_bytes(b"")
     with pytest.raises(UserError) as e:
         expand_inputs([path], "data.paths")
-    _one_line_error(e, "data.paths", str(path), ".txt", ".jsonl,", ".jsonl.gz", ".jsonl.zst", ".parquet")
+    one_line_error(e, "data.paths", str(path), ".txt", ".jsonl,", ".jsonl.gz", ".jsonl.zst", ".parquet")
 
 
 # ---------------------------------------------------------------- broken files
@@ -188,7 +181,7 @@ def test_unsupported_suffix_lists_every_kind(tmp_path: Path, name: str) -> None:
 
 def test_parquet_without_the_text_column(tmp_path: Path) -> None:
     path = _parquet(tmp_path / "docs.parquet", {"id": [1, 2], "content": ["a", "b"], "url": ["u", "v"]})
-    _one_line_error(_error(path), str(path), "'text'", "'content'", "'id'", "'url'", "text_key")
+    one_line_error(_error(path), str(path), "'text'", "'content'", "'id'", "'url'", "text_key")
 
 
 def test_parquet_null_names_its_row(tmp_path: Path, monkeypatch) -> None:
@@ -196,18 +189,18 @@ def test_parquet_null_names_its_row(tmp_path: Path, monkeypatch) -> None:
     texts: list[str | None] = [f"row {i}" for i in range(1, 21)]
     texts[12] = None  # row 13: in the third row group of 5, the fourth batch of 4
     path = _parquet(tmp_path / "docs.parquet", {"text": texts}, row_group_size=5)
-    _one_line_error(_error(path), str(path), "row 13", "null")
+    one_line_error(_error(path), str(path), "row 13", "null")
 
 
 def test_parquet_column_that_is_not_strings(tmp_path: Path) -> None:
     path = _parquet(tmp_path / "docs.parquet", {"text": [1, 2, 3]})
-    _one_line_error(_error(path), str(path), "'text'", "int64")
+    one_line_error(_error(path), str(path), "'text'", "int64")
 
 
 def test_parquet_invalid_utf8_names_its_row(tmp_path: Path) -> None:
     raw = pa.array([b"good", b"fine", b"bad \xff byte"], type=pa.binary()).view(pa.string())  # not validated
     path = _parquet(tmp_path / "docs.parquet", {"text": raw})
-    _one_line_error(_error(path), str(path), "row 3", "UTF-8")
+    one_line_error(_error(path), str(path), "row 3", "UTF-8")
 
 
 @pytest.mark.parametrize("content", ["garbage", "truncated", "empty"])
@@ -216,7 +209,7 @@ def test_corrupt_parquet_is_one_line(tmp_path: Path, content: str) -> None:
     data = {"garbage": b"PAR1 this is not parquet at all", "truncated": good[: len(good) // 2], "empty": b""}
     path = tmp_path / "docs.parquet"
     path.write_bytes(data[content])
-    _one_line_error(_error(path), str(path), "parquet")
+    one_line_error(_error(path), str(path), "parquet")
 
 
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "trailing_junk", "last_frame_cut"])
@@ -227,7 +220,7 @@ def test_corrupt_zst_is_a_user_error(tmp_path: Path, damage: str) -> None:
             "trailing_junk": good + b"junk", "last_frame_cut": good[:-3]}
     path = tmp_path / "docs.jsonl.zst"
     path.write_bytes(data[damage])
-    msg = _one_line_error(_error(path), str(path), "zstd")
+    msg = one_line_error(_error(path), str(path), "zstd")
     if damage == "trailing_junk":  # every line is read before the junk after them is reported
         assert "after line 200" in msg
 
@@ -240,7 +233,7 @@ def test_corrupt_gz_is_a_user_error(tmp_path: Path, damage: str) -> None:
             "bad_crc": good[:-8] + bytes(4) + good[-4:]}
     path = tmp_path / "docs.jsonl.gz"
     path.write_bytes(data[damage])
-    msg = _one_line_error(_error(path), str(path), "gzip")
+    msg = one_line_error(_error(path), str(path), "gzip")
     if damage == "truncated":
         assert "after line " in msg  # the record number reached
     if damage == "bad_crc":  # every line was read before the check at the end failed

@@ -28,6 +28,7 @@ from megazero.interop.export import to_hf_state_dict, write_hf_folder  # noqa: E
 from megazero.interop.hf_import import load_into, open_hf_model  # noqa: E402
 from megazero.interop.hf_layout import links  # noqa: E402
 from megazero.models.build import build_gpt  # noqa: E402
+from tests.hostile import one_line_error  # noqa: E402
 
 VOCAB, SEQ = 300, 32
 LLAMA = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -70,14 +71,6 @@ def _hf_llama(path, **overrides) -> transformers.LlamaForCausalLM:
 def _logits(model, ids) -> torch.Tensor:
     with torch.no_grad():
         return model(ids)[..., :VOCAB]
-
-
-def _one_line(excinfo, *fragments: str) -> str:
-    text = str(excinfo.value)
-    assert "\n" not in text, text
-    for fragment in fragments:
-        assert fragment in text, (fragment, text)
-    return text
 
 
 def _check_layout_matches_model(cfg, model) -> None:
@@ -246,7 +239,7 @@ def test_export_of_a_recorded_tokenizer_that_is_gone_or_bad(tmp_path, capsys):
 def _raises(folder, overrides=OURS_LLAMA, *fragments):
     with pytest.raises(UserError) as excinfo:
         open_hf_model(folder, _cfg(overrides).model)
-    return _one_line(excinfo, "train.init_from", str(folder), *fragments)
+    return one_line_error(excinfo, "train.init_from", str(folder), *fragments)
 
 
 def test_a_model_that_differs_from_the_config_names_every_key(tmp_path):

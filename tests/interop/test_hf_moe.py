@@ -43,7 +43,7 @@ from megazero.train.run import run  # noqa: E402
 from megazero.models.build import build_gpt, count_parameters  # noqa: E402
 from megazero.models.moe import route  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
-from tests.hostile import assert_one_line, call, pretrain_main  # noqa: E402
+from tests.hostile import assert_one_line, call, one_line_error, pretrain_main  # noqa: E402
 from tests.interop.test_hf_roundtrip import _tokenizer_json  # noqa: E402
 from tests.interop.moe_runs import (  # noqa: E402
     CONFIG,
@@ -262,14 +262,6 @@ def _edited(folders, name, tmp_path, **keys):
     return path
 
 
-def _one_line(excinfo, *fragments: str) -> str:
-    text = str(excinfo.value)
-    assert "\n" not in text, text
-    for fragment in fragments:
-        assert fragment in text, (fragment, text)
-    return text
-
-
 def test_expert_count_and_deepseek_refused_by_pretrain(folders, tmp_path, capsys):
     """pretrain.py refuses, before any process group, in one line and exit 2: a config of 8 experts over a
     folder of 4; q/k norms on GPT-2; a DeepSeek folder (multi-head latent attention)."""
@@ -301,7 +293,7 @@ def test_config_json_that_disagrees_with_its_weights(folders, tmp_path):
         m = load_config(None, _sets("mixtral", **{"model.moe.experts": count})).model
         with pytest.raises(UserError) as e:
             open_hf_model(_edited(folders, "mixtral", tmp_path / str(count), num_local_experts=count), m)
-        _one_line(e, "tensor 'model.layers.0.block_sparse_moe.gate.weight'", "shape (4, 64)",
+        one_line_error(e, "tensor 'model.layers.0.block_sparse_moe.gate.weight'", "shape (4, 64)",
                   f"config.json gives ({count}, 64) ({count} experts)")
     path = _edited(folders, "mixtral", tmp_path / "missing")
     tensors = load_file(path / "model.safetensors")
@@ -309,12 +301,12 @@ def test_config_json_that_disagrees_with_its_weights(folders, tmp_path):
     save_file(tensors, str(path / "model.safetensors"))
     with pytest.raises(UserError) as e:
         open_hf_model(path, load_config(None, _sets("mixtral")).model)
-    _one_line(e, "no tensor 'model.layers.2.block_sparse_moe.experts.1.w3.weight' (megazero's "
+    one_line_error(e, "no tensor 'model.layers.2.block_sparse_moe.experts.1.w3.weight' (megazero's "
                  "layers.2.mlp.experts.1.up) (config.json gives 4 experts)", "MixtralForCausalLM")
     with pytest.raises(UserError) as e:
         open_hf_model(_edited(folders, "qwen3_moe", tmp_path / "c", num_experts=4, num_local_experts=6),
                       load_config(None, _sets("qwen3_moe")).model)
-    _one_line(e, "num_local_experts=6 and num_experts=4 disagree")
+    one_line_error(e, "num_local_experts=6 and num_experts=4 disagree")
 
 
 @pytest.mark.parametrize("edits, sets, fragments", [
@@ -333,7 +325,7 @@ def test_qwen3_moe_keys_are_checked_one_by_one(folders, tmp_path, edits, sets, f
     with pytest.raises(UserError) as e:
         open_hf_model(_edited(folders, "qwen3_moe", tmp_path, **edits),
                       load_config(None, _sets("qwen3_moe", **sets)).model)
-    _one_line(e, *fragments)
+    one_line_error(e, *fragments)
 
 
 def test_the_same_layers_placed_by_other_keys_are_no_difference(folders, tmp_path):
@@ -342,7 +334,7 @@ def test_the_same_layers_placed_by_other_keys_are_no_difference(folders, tmp_pat
     path = _edited(folders, "qwen3_moe", tmp_path, mlp_only_layers=[], decoder_sparse_step=2)
     with pytest.raises(UserError) as e:
         open_hf_model(path, load_config(None, _sets("qwen3_moe", **{"model.moe.every": 2})).model)
-    _one_line(e, "no tensor 'model.layers.2.mlp.gate_proj.weight'")
+    one_line_error(e, "no tensor 'model.layers.2.mlp.gate_proj.weight'")
 
 
 @pytest.mark.parametrize("sets, fragments", [
@@ -362,7 +354,7 @@ def test_an_export_no_hf_class_holds_is_refused(sets, fragments):
     cfg = load_config(None, _sets("mixtral", **sets))
     with pytest.raises(UserError) as e:
         to_hf_state_dict({}, cfg.model, where="checkpoint c")
-    _one_line(e, "checkpoint c: ", *fragments)
+    one_line_error(e, "checkpoint c: ", *fragments)
 
 
 def test_export_refuses_before_reading(runs, tmp_path, capsys):

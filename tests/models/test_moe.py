@@ -11,11 +11,14 @@ exactly; the balance loss is a sum of products of those loads with probabilities
 """
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 
 from megazero.train.run import run
 from tests.dist import run_ranks
-from tests.runs import ROOT, read_metrics, small_overrides, write_corpus
+from tests.runs import (latest_checkpoint, read_metrics, ROOT, run_layouts, run_saved_and_resumed, small_overrides,
+                        write_corpus)
 
 CONFIG = str(ROOT / "configs" / "tiny-llama.yaml")
 STEPS = 10
@@ -53,19 +56,11 @@ def _overrides(text, cache, log_dir, extra=()):
 
 def _four_ranks(rank, world, text, cache, base):
     """Every 4-rank layout, then the ep 4 run that saves at step STOP and its ep 2 continuation (one spawn)."""
-    for name, extra in LAYOUTS:
-        run(CONFIG, _overrides(text, cache, base / name, extra))
-    saved = _overrides(text, cache, base / "saved_ep4", ["parallel.ep=4", f"train.save_every={STOP}"])
-    run(CONFIG, saved + [f"train.exit_after={STOP}"])
-    run(CONFIG, _overrides(text, cache, base / "resumed_ep2",
-                           ["parallel.ep=2", f"train.resume={_checkpoint(base / 'saved_ep4')}"]))
+    overrides = partial(_overrides, text, cache)
+    run_layouts(CONFIG, overrides, base, LAYOUTS)
+    run_saved_and_resumed(CONFIG, overrides, (base / "saved_ep4", ["parallel.ep=4"]),
+                          (base / "resumed_ep2", ["parallel.ep=2"]), STOP)
     return True
-
-
-def _checkpoint(log_dir):
-    from megazero.checkpoint import store
-
-    return store.latest_checkpoint(log_dir / "checkpoints")
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +71,7 @@ def runs(tmp_path_factory):
     run(CONFIG, _overrides(text, cache, base / "one_4_layers", FOUR_LAYERS))
     run(CONFIG, _overrides(text, cache, base / "one_sigmoid", SIGMOID))
     run_ranks(4, _four_ranks, text, cache, base)
-    run(CONFIG, _overrides(text, cache, base / "resumed_ep1", [f"train.resume={_checkpoint(base / 'saved_ep4')}"]))
+    run(CONFIG, _overrides(text, cache, base / "resumed_ep1", [f"train.resume={latest_checkpoint(base / 'saved_ep4')}"]))
     return base
 
 

@@ -7,11 +7,13 @@ Tolerances as tests/models/test_moe.py: fp32 on the CPU, 1e-5 relative over 10 s
 differs); discrete routing gives equal loads."""
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 
 from megazero.train.run import run
 from tests.dist import run_ranks
-from tests.runs import ROOT, read_metrics, small_overrides, write_corpus
+from tests.runs import read_metrics, ROOT, run_layouts, small_overrides, write_corpus
 
 CONFIG = str(ROOT / "configs" / "tiny-llama.yaml")
 STEPS = 10
@@ -29,8 +31,7 @@ def _overrides(text, cache, log_dir, extra=()):
 
 
 def _four_ranks(rank, world, text, cache, base):
-    for name, extra in LAYOUTS:
-        run(CONFIG, _overrides(text, cache, base / name, extra))
+    run_layouts(CONFIG, partial(_overrides, text, cache), base, LAYOUTS)
     return True
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from megazero.train.run import run
 from tests.dist import run_ranks
-from tests.runs import assert_curves_match, ROOT, read_metrics, small_overrides, write_corpus
+from tests.runs import assert_curves_match, latest_checkpoint, read_metrics, ROOT, small_overrides, write_corpus
 
 LLAMA = str(ROOT / "configs" / "tiny-llama.yaml")
 GPT2 = str(ROOT / "configs" / "tiny.yaml")
@@ -67,14 +67,8 @@ def _layouts(rank, world, text, cache, base, layouts, save):
         else:
             run(LLAMA, _overrides(LLAMA, text, cache, base / f"resumed_cp4{tail}",
                                   ["parallel.cp=4", f"parallel.cp_mode={mode}",
-                                   f"train.resume={_checkpoint(base / f'saved_cp2{tail}')}"]))
+                                   f"train.resume={latest_checkpoint(base / f'saved_cp2{tail}')}"]))
     return True
-
-
-def _checkpoint(log_dir):
-    from megazero.checkpoint import store
-
-    return store.latest_checkpoint(log_dir / "checkpoints")
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +82,7 @@ def runs(tmp_path_factory):
     run(LLAMA, _overrides(LLAMA, text, cache, base / "one_4_layers", ["model.layers=4"]))
     for tail in ("", "_all_to_all"):
         run(LLAMA, _overrides(LLAMA, text, cache, base / f"resumed_cp1{tail}",
-                              [f"train.resume={_checkpoint(base / f'saved_cp2{tail}')}"]))
+                              [f"train.resume={latest_checkpoint(base / f'saved_cp2{tail}')}"]))
     return base
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from megazero.train.run import run
 from tests.dist import run_ranks
-from tests.runs import ROOT, assert_resume_exact, read_metrics, small_overrides, write_corpus
+from tests.runs import assert_resume_exact, latest_checkpoint, read_metrics, ROOT, small_overrides, write_corpus
 
 CONFIG = str(ROOT / "configs" / "tiny.yaml")
 STEPS, FREEZE, SAVED, EARLY, SIGNALLED = 10, 3, 6, 2, 6
@@ -25,19 +25,13 @@ def _overrides(text, cache, log_dir, extra=()):
     return small_overrides(text, cache, log_dir, steps=STEPS, **ONEBIT) + list(extra)
 
 
-def _latest(log_dir):
-    from megazero.checkpoint import store
-
-    return store.latest_checkpoint(log_dir / "checkpoints")
-
-
 def _ranks(rank, world, text, cache, base):
     from megazero.errors import UserError
 
     run(CONFIG, _overrides(text, cache, base / "whole", TP2))
     run(CONFIG, _overrides(text, cache, base / "saved", TP2 + [f"train.save_every={SAVED}",
                                                                f"train.exit_after={SAVED}"]))
-    saved = _latest(base / "saved")
+    saved = latest_checkpoint(base / "saved")
     run(CONFIG, _overrides(text, cache, base / "resumed", TP2 + [f"train.resume={saved}"]))
     refused = []
     for extra in (["parallel.dp=4"], TP2 + [f"optim.freeze_step={FREEZE + 1}"]):
@@ -51,7 +45,7 @@ def _ranks(rank, world, text, cache, base):
     run(CONFIG, _overrides(text, cache, base / "early", TP2 + [f"train.save_every={EARLY}",
                                                                f"train.exit_after={EARLY}"]))
     run(CONFIG, _overrides(text, cache, base / "early_dp4", ["parallel.dp=4",
-                                                             f"train.resume={_latest(base / 'early')}"]))
+                                                             f"train.resume={latest_checkpoint(base / 'early')}"]))
     return refused
 
 

@@ -10,11 +10,14 @@ the curves part at step 2 by ~1e-3. Newton-Schulz run on each tp rank's shard of
 gathered whole parts the losses by ~4e-4 relative within 10 steps (``test_muon_per_shard_is_not_muon``)."""
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 
 from megazero.train.run import run
 from tests.dist import run_ranks, start_ranks
-from tests.runs import assert_curves_match, ROOT, read_metrics, small_overrides, write_corpus
+from tests.runs import (assert_curves_match, read_metrics, ROOT, run_layouts, run_saved_and_resumed, small_overrides,
+                        write_corpus)
 
 CONFIG = str(ROOT / "configs" / "tiny.yaml")
 STEPS = 10
@@ -53,22 +56,13 @@ def _overrides(optimizer, text, cache, log_dir, extra=()):
     return small_overrides(text, cache, log_dir, steps=STEPS, **OPTIMIZERS[optimizer]) + list(extra)
 
 
-def _checkpoint(log_dir):
-    from megazero.checkpoint import store
-
-    return store.latest_checkpoint(log_dir / "checkpoints")
-
-
 def _layouts(rank, world, text, cache, base, layouts, resume=False):
     for optimizer in OPTIMIZERS:
-        for name, extra in layouts:
-            run(CONFIG, _overrides(optimizer, text, cache, base / optimizer / name, extra))
+        overrides = partial(_overrides, optimizer, text, cache)
+        run_layouts(CONFIG, overrides, base / optimizer, layouts)
         if resume:  # saved at tp 2 x dp 2, continued at dp 4
-            saved = ["parallel.tp=2", "parallel.dp=2", f"train.save_every={STOP}", f"train.exit_after={STOP}"]
-            folder = base / optimizer
-            run(CONFIG, _overrides(optimizer, text, cache, folder / "saved_tp2_dp2", saved))
-            run(CONFIG, _overrides(optimizer, text, cache, folder / "resumed_dp4",
-                                   ["parallel.dp=4", f"train.resume={_checkpoint(folder / 'saved_tp2_dp2')}"]))
+            saved = (base / optimizer / "saved_tp2_dp2", ["parallel.tp=2", "parallel.dp=2"])
+            run_saved_and_resumed(CONFIG, overrides, saved, (base / optimizer / "resumed_dp4", ["parallel.dp=4"]), STOP)
     return True
 
 
