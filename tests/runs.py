@@ -20,6 +20,12 @@ def write_corpus(folder: Path) -> Path:
     return folder
 
 
+def run_tree(tmp_path_factory, name: str) -> tuple[Path, Path, Path]:
+    """A module's folder of runs: (the folder, its corpus, its data cache)."""
+    base = tmp_path_factory.mktemp(name)
+    return base, write_corpus(base / "text"), base / "cache"
+
+
 def small_overrides(corpus: Path, cache: Path, log_dir: Path, steps: int = 10, **extra) -> list[str]:
     """A 2-layer GPT that runs a step in well under a second on one core."""
     values = {

@@ -17,8 +17,8 @@ import pytest
 
 from megazero.train.run import run
 from tests.dist import run_ranks
-from tests.runs import (latest_checkpoint, read_metrics, ROOT, run_layouts, run_saved_and_resumed, small_overrides,
-                        write_corpus)
+from tests.runs import (latest_checkpoint, read_metrics, ROOT, run_layouts, run_saved_and_resumed,
+                        run_tree, small_overrides)
 
 CONFIG = str(ROOT / "configs" / "tiny-llama.yaml")
 STEPS = 10
@@ -65,8 +65,7 @@ def _four_ranks(rank, world, text, cache, base):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    base = tmp_path_factory.mktemp("moe")
-    text, cache = write_corpus(base / "text"), base / "cache"
+    base, text, cache = run_tree(tmp_path_factory, "moe")
     run(CONFIG, _overrides(text, cache, base / "one"))
     run(CONFIG, _overrides(text, cache, base / "one_4_layers", FOUR_LAYERS))
     run(CONFIG, _overrides(text, cache, base / "one_sigmoid", SIGMOID))

@@ -13,7 +13,7 @@ import pytest
 
 from megazero.train.run import run
 from tests.dist import run_ranks
-from tests.runs import read_metrics, ROOT, run_layouts, small_overrides, write_corpus
+from tests.runs import read_metrics, ROOT, run_layouts, run_tree, small_overrides
 
 CONFIG = str(ROOT / "configs" / "tiny-llama.yaml")
 STEPS = 10
@@ -37,8 +37,7 @@ def _four_ranks(rank, world, text, cache, base):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    base = tmp_path_factory.mktemp("moe_cp")
-    text, cache = write_corpus(base / "text"), base / "cache"
+    base, text, cache = run_tree(tmp_path_factory, "moe_cp")
     run(CONFIG, _overrides(text, cache, base / "one"))
     run_ranks(4, _four_ranks, text, cache, base)
     return base
