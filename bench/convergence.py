@@ -49,9 +49,9 @@ def train(folder: Path, cache: Path, optimizer: str, lr: float, steps: int, eval
                  "train.save_every=0", "log.tensorboard=false", "log.every=1", f"log.dir={folder}",
                  f"data.cache_dir={cache}", f"optim.name={optimizer}"]
     if optimizer == "muon" and adamw_lr:
-        overrides.append(f"optim.adamw_lr={adamw_lr}")
+        overrides.append(f"optim.muon.adamw_lr={adamw_lr}")
     if optimizer == "onebit_adam":
-        overrides.append(f"optim.freeze_step={freeze_step or steps // 5}")
+        overrides.append(f"optim.onebit_adam.freeze_step={freeze_step or steps // 5}")
     start = time.perf_counter()
     if dp == 1:
         with contextlib.redirect_stdout(io.StringIO()):

@@ -37,7 +37,7 @@ def step_seconds(folder: Path, dp: int, optimizer: str, steps: int, skip: int, c
             "train.save_every=0", "log.tensorboard=false", "log.every=1", f"log.dir={folder}",
             f"data.cache_dir={cache}", f"optim.name={optimizer}", "train.lr=2.0e-3"]
     if optimizer == "onebit_adam":
-        sets.append(f"optim.freeze_step={FREEZE}")
+        sets.append(f"optim.onebit_adam.freeze_step={FREEZE}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(dp),
            os.path.join(ROOT, "pretrain.py"), "--config", os.path.join(ROOT, "configs", "tiny.yaml")]
     for s in sets:

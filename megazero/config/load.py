@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from megazero.config.data_paths import parse_data_paths
+from megazero.config.moved import moved_line
 from megazero.errors import UserError, invalid, shown, shown_name
 from megazero.config.rules import validate
 from megazero.config.schema import SECTIONS, AUTO, Config
@@ -141,6 +142,9 @@ def apply_value(cfg: Config, section: str, key: str, value: Any, source: str) ->
     a nested mapping's key (``moe.experts`` in ``model``), and a nested mapping takes a mapping of its keys."""
     if section not in SECTIONS:
         raise UserError(f"{source}: unknown section {shown(section)}; {_suggest(str(section), SECTIONS)}")
+    moved = moved_line(key) if section == "optim" else None
+    if moved:
+        raise UserError(f"{source}: {moved}")
     obj, name = getattr(cfg, section), section
     while True:
         fields = {f.name: f for f in dataclasses.fields(obj)}

@@ -11,6 +11,7 @@ from typing import Iterable, Optional
 from megazero.config.schema import AUTO, Config
 from megazero.errors import invalid
 from megazero.parallel.schedules import SCHEDULES
+from megazero.parallel.zero.registry import OPTIMIZERS
 
 # Allowed values and ranges, per key. A key absent here only needs the right type.
 _CHOICES = {
@@ -30,13 +31,10 @@ _CHOICES = {
     ("train", "resume_changes"): ("warn", "allow"),
     ("model.moe", "router"): ("softmax", "sigmoid"),
     ("parallel", "cp_mode"): ("ring", "all_to_all"),
-    ("optim", "name"): ("adamw", "lamb", "muon", "onebit_adam"),
 }
 _MIN = {
     ("model", "layers"): 1, ("model", "hidden"): 1, ("model", "heads"): 1, ("model", "seq_len"): 1,
     ("model", "vocab_size"): 2, ("model", "ffn_hidden"): 1, ("model", "vocab_pad_multiple"): 1,
-    ("optim", "ns_steps"): 1, ("optim", "adamw_lr"): 0.0, ("optim", "freeze_step"): 1,
-    ("optim", "eps"): 1e-30,  # 0 makes 0/0 of a gradient that has been 0 so far (padded vocab rows, unseen tokens)
     ("model", "checkpoint_layers"): 0, ("model", "kv_heads"): 1, ("model", "head_dim"): 1, ("model", "norm_eps"): 1e-12,
     ("model", "rope_theta"): 1.0, ("model", "rope_factor"): 1.0, ("model", "rope_low_freq_factor"): 1e-6,
     ("model", "rope_high_freq_factor"): 1e-6, ("model", "rope_original_positions"): 1,
@@ -63,10 +61,6 @@ _MIN = {
 _STEPS = 2 ** 31 - 1  # step counts: int32, so any logger or tensor that keeps one holds it; 68 years at 1 s/step
 MAX_WORLD = 2 ** 20  # ranks: as megazero.launch; the dry run lists every rank of every stage
 _MAX = {
-    ("optim", "ns_steps"): 100,  # 5 are published; each is three matmuls of the matrix's size
-    ("optim", "adamw_lr"): 1e9,  # as train.lr
-    ("optim", "freeze_step"): _STEPS,  # a step count (rules.py also keeps it below train.steps)
-    ("optim", "eps"): 1.0,  # added to sqrt(v) of unit-scale gradients: past 1 it is plain momentum SGD
     ("model", "layers"): 2 ** 31 - 1,  # the dry run builds one layer and multiplies: any count plans in seconds
     ("model", "hidden"): 2 ** 18,  # 262,144 (GPT-3 175B: 12,288): the embedding vocab*hidden < 2^43
     ("model", "heads"): 2 ** 18,  # heads divide hidden
@@ -117,7 +111,19 @@ _MAX = {
     ("model.moe", "capacity_factor"): 2 ** 16,  # past experts/top_k every expert takes every token anyway
     ("parallel", "ep"): MAX_WORLD, ("parallel", "cp"): MAX_WORLD,
 }
-_PROBABILITY = {("model", "dropout"), ("optim", "beta1"), ("optim", "beta2"), ("optim", "momentum")}  # moment decays: 1 never moves
+_PROBABILITY = {("model", "dropout")}
+
+
+def _tables() -> tuple[dict, dict, dict, set]:
+    """The tables above with the optimizers' keys added from ``parallel.zero.registry`` as it is now: the valid
+    names of optim.name, each section's (min, max) and probabilities (moment decays: 1 never moves)."""
+    choices, low, high, probability = dict(_CHOICES), dict(_MIN), dict(_MAX), set(_PROBABILITY)
+    choices[("optim", "name")] = tuple(OPTIMIZERS)
+    for name, row in OPTIMIZERS.items():
+        for key, (a, z) in getattr(row.section, "RANGES", {}).items():
+            low[(f"optim.{name}", key)], high[(f"optim.{name}", key)] = a, z
+        probability.update((f"optim.{name}", key) for key in getattr(row.section, "PROBABILITY", ()))
+    return choices, low, high, probability
 
 
 def _number(x) -> str:
@@ -129,11 +135,12 @@ def _number(x) -> str:
 def allowed(section: str, key: str) -> Optional[str]:
     """The valid values of a key, in words, as the checks below apply them (the configuration reference's
     column); None where only the type is checked."""
-    if (section, key) in _CHOICES:
-        return " | ".join(f"`{c}`" for c in _CHOICES[(section, key)])
-    if (section, key) in _PROBABILITY:
+    choices, lows, highs, probability = _tables()
+    if (section, key) in choices:
+        return " | ".join(f"`{c}`" for c in choices[(section, key)])
+    if (section, key) in probability:
         return "0 ≤ x < 1"
-    low, high = _MIN.get((section, key)), _MAX.get((section, key))
+    low, high = lows.get((section, key)), highs.get((section, key))
     if low is None and high is None:
         return None
     if high is None:
@@ -143,7 +150,7 @@ def allowed(section: str, key: str) -> Optional[str]:
 
 def choices(section: str, key: str) -> tuple:
     """The values a choice key allows (what a layout search may offer for it)."""
-    return _CHOICES[(section, key)]
+    return _tables()[0][(section, key)]
 
 
 def check_ranges(cfg: Config, sections: Optional[Iterable[str]] = None, source: Optional[str] = None) -> None:
@@ -151,29 +158,33 @@ def check_ranges(cfg: Config, sections: Optional[Iterable[str]] = None, source: 
     first that is not, from ``source`` (default: the config's file)."""
     src = cfg.source if source is None else source
     wanted = None if sections is None else set(sections)
+    all_choices, lows, highs, probability = _tables()
 
-    def keys(table) -> list:
-        return [k for k in table if wanted is None or k[0].split(".")[0] in wanted]
-
-    def value(section: str, key: str):
+    def holder(section: str):
         obj = cfg
         for part in section.split("."):  # model.moe: a mapping inside a section
-            obj = getattr(obj, part)
-        return getattr(obj, key)
+            obj = getattr(obj, part, None)
+        return obj
 
-    for section, key in keys(_MIN) + [k for k in keys(_MAX) if k not in _MIN]:
+    def keys(table) -> list:  # a registry row added after the schema was made has no section here
+        return [k for k in table if (wanted is None or k[0].split(".")[0] in wanted) and holder(k[0]) is not None]
+
+    def value(section: str, key: str):
+        return getattr(holder(section), key)
+
+    for section, key in keys(lows) + [k for k in keys(highs) if k not in lows]:
         v = value(section, key)
         if v is None or v == AUTO:
             continue
-        low, high = _MIN.get((section, key)), _MAX.get((section, key))
+        low, high = lows.get((section, key)), highs.get((section, key))
         if (low is not None and v < low) or (high is not None and v > high):
             valid = " and ".join(f"{op} {bound}" for op, bound in ((">=", low), ("<=", high)) if bound is not None)
             raise invalid(src, f"{section}.{key}", v, f"must be {valid}")
-    for section, key in keys(_PROBABILITY):
+    for section, key in keys(probability):
         v = value(section, key)
         if not 0.0 <= v < 1.0:
             raise invalid(src, f"{section}.{key}", v, "must be in [0, 1)")
-    for (section, key), choices in ((k, _CHOICES[k]) for k in keys(_CHOICES)):
+    for (section, key), choices in ((k, all_choices[k]) for k in keys(all_choices)):
         v = value(section, key)
         if v not in choices:
             raise invalid(src, f"{section}.{key}", v, f"valid: {' | '.join(str(c) for c in choices)}")

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Iterator
 
 from megazero.config import ranges
-from megazero.config.schema import SECTIONS
+from megazero.config.schema import SECTIONS, OptimConfig
+from megazero.parallel.zero.registry import OPTIMIZERS
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 HEADER = """# Configuration reference
@@ -32,9 +33,12 @@ two equal.
 """
 
 
-def field_comments(cls: type) -> dict[str, str]:
-    """Each field's comment: the full-line comments right above it and the one at the end of its line, joined."""
-    source = textwrap.dedent(inspect.getsource(cls))
+def _own_comments(cls: type) -> dict[str, str]:
+    """The comments of the fields ``cls``'s own source declares ({} for a class made without source)."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):  # dataclasses.make_dataclass: the fields come from elsewhere
+        return {}
     lines = source.splitlines()
     comments: dict[int, str] = {}  # line number -> comment text
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
@@ -56,14 +60,41 @@ def field_comments(cls: type) -> dict[str, str]:
     return out
 
 
+def field_comments(cls: type) -> dict[str, str]:
+    """Each field's comment: the full-line comments right above it and the one at the end of its line, joined,
+    from whichever class of ``cls``'s bases declares it; a field that is a section of its own (a dataclass made
+    from a table, as ``optim``'s) is described by the first line of that section's docstring."""
+    out: dict[str, str] = {}
+    for base in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(base):
+            out.update(_own_comments(base))
+    for f in dataclasses.fields(cls):
+        section = _section_type(f)
+        if not out.get(f.name) and section is not None and section.__doc__:
+            out[f.name] = inspect.getdoc(section).split("\n")[0]
+    return out
+
+
+def _section_type(f: dataclasses.Field) -> type | None:
+    """The dataclass a field holds when it is a section of its own (model.moe, optim.adamw), else None."""
+    if f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+        if dataclasses.is_dataclass(value):
+            return type(value)
+    return None
+
+
 def sections() -> Iterator[tuple[str, type]]:
-    """(dotted section name, dataclass), nested sections (model.moe) after their parent's keys."""
+    """(dotted section name, dataclass), nested sections (model.moe, optim.adamw) after their parent's keys; the
+    optimizers' sections as parallel.zero.registry holds them now (a row added after the schema was made too)."""
     for name, cls in SECTIONS.items():
         yield name, cls
-        for f in dataclasses.fields(cls):
-            if dataclasses.is_dataclass(f.type if isinstance(f.type, type) else None) or (
-                    f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory())):
-                yield f"{name}.{f.name}", type(f.default_factory())
+        nested = [(f.name, _section_type(f)) for f in dataclasses.fields(cls)]
+        if cls is OptimConfig:
+            nested = [(key, row.section) for key, row in OPTIMIZERS.items()]
+        for key, section in nested:
+            if section is not None:
+                yield f"{name}.{key}", section
 
 
 def _default(f: dataclasses.Field) -> str:

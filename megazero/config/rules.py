@@ -149,8 +149,8 @@ def _check_onebit(cfg: Config) -> None:
     if z.offload_optimizer == "cpu":
         raise invalid(src, "zero.offload_optimizer", "cpu", "is not supported with optim.name=onebit_adam (its "
                       "momentum is compressed and exchanged on the device); use none")
-    if o.freeze_step >= cfg.train.steps:
-        raise invalid(src, "optim.freeze_step", o.freeze_step, f"is the warm-up's last step and must be < "
+    if o.onebit_adam.freeze_step >= cfg.train.steps:
+        raise invalid(src, "optim.onebit_adam.freeze_step", o.onebit_adam.freeze_step, f"is the warm-up's last step and must be < "
                       f"train.steps={cfg.train.steps}, or the run never compresses; use optim.name=adamw for "
                       f"a run without compression")
 

@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Union
 
+from megazero.parallel.zero.registry import OPTIMIZERS
+
 # a value fixed later: by resolve (parallel.dp, parallel.pp_layers, zero.reshard_after_forward, kernels.*) or
 # at launch
 AUTO = "auto"
@@ -216,23 +218,18 @@ class KernelsConfig:
 
 
 @dataclass
-class OptimConfig:
-    # adamw | lamb | muon | onebit_adam: the update each rank applies to its share of ZeRO's flat buffers (parallel.zero); the
-    # learning rate, its schedule and the weight decay are train.*'s for each
+class _OptimName:
+    # a row of parallel.zero.registry (the valid column lists them): the update each rank applies to its
+    # share of ZeRO's flat buffers; its settings are optim.<name>.*, the learning rate, its schedule and the
+    # weight decay train.*'s
     name: str = "adamw"
-    beta1: float = 0.9  # AdamW's and LAMB's moments; under muon, those of the parameters AdamW keeps
-    beta2: float = 0.95  # the second moment's decay
-    eps: float = 1.0e-8  # added to the root of the second moment
-    # muon: the momentum of the layers' matrices, Nesterov's form of it, and the Newton-Schulz steps
-    momentum: float = 0.95
-    nesterov: bool = True  # muon: Nesterov's momentum
-    ns_steps: int = 5  # muon: Newton-Schulz iterations that orthogonalise each update
-    # muon: the peak learning rate of the parameters AdamW keeps (embeddings, head, vectors), on train.lr's
-    # schedule; 0 is train.lr itself
-    adamw_lr: float = 0.0
-    # onebit_adam: the last step of the full-precision AdamW warm-up; from the next one the variance is frozen
-    # and the momentum is all-reduced as signs (Tang et al. 2021 warm up for 15-25% of the run)
-    freeze_step: int = 1000
+
+
+# ``optim``: the name, then one section per optimizer of the registry (``optim.adamw.beta1``, ...), each the
+# dataclass its row declares, with its keys' comments
+OptimConfig = dataclasses.make_dataclass(
+    "OptimConfig", [(n, row.section, field(default_factory=row.section)) for n, row in OPTIMIZERS.items()],
+    bases=(_OptimName,))
 
 
 @dataclass

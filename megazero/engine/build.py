@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Optional
 
 import torch
@@ -24,7 +25,7 @@ from megazero.parallel.sequence import SequenceSplit
 from megazero.parallel.schedules import Action, build_schedule, virtual_stage
 from megazero.parallel.topology import Grid
 from megazero.parallel.zero import DTYPES, ZeroOptimizer
-from megazero.parallel.zero.muon import MuonSettings
+from megazero.parallel.zero.registry import OPTIMIZERS
 from megazero.parallel.zero.policy import StagePolicy
 
 
@@ -87,19 +88,19 @@ def make_zero(chunks: list[nn.Module], grid: Grid, z: ZeroConfig, precision: str
               initial_value: Optional[Callable[[nn.Parameter], Tensor]] = None,
               overlap_param_gather: bool = True, optim: Optional[OptimConfig] = None,
               lr: float = 0.0) -> ZeroOptimizer:
-    """ZeRO over the chunks as ``z`` says (its reshard_after_forward resolved), with ``optim``'s update (default:
-    AdamW with betas (0.9, 0.95)). ``overlap_param_gather=False`` waits for stages 1-2's post-step gathers at the
-    end of the step (a benchmark's baseline). ``lr``: train.lr, which Muon's optim.adamw_lr is a ratio of."""
+    """ZeRO over the chunks as ``z`` says (its reshard_after_forward resolved), with the update of ``optim``'s row
+    of ``parallel.zero.registry`` built from its section (default: AdamW with betas (0.9, 0.95)).
+    ``overlap_param_gather=False`` waits for stages 1-2's post-step gathers at the end of the step (a benchmark's
+    baseline). ``lr``: train.lr, the peak each step's rate is scheduled from (Muon's optim.muon.adamw_lr is
+    relative to it)."""
     o = optim if optim is not None else OptimConfig()
-    ratio = o.adamw_lr / lr if o.adamw_lr > 0 and lr > 0 else 1.0
-    muon = MuonSettings(o.momentum, o.nesterov, o.ns_steps, ratio)
+    row = OPTIMIZERS[o.name]
+    update = partial(row.factory, getattr(o, o.name))
     assert not isinstance(z.reshard_after_forward, str), "zero.reshard_after_forward: megazero.config.resolve.resolve() first"
-    return ZeroOptimizer(chunks, grid, z.stage, precision, 0.0, weight_decay, z.bucket_mb, z.reshard_after_forward,
+    return ZeroOptimizer(chunks, grid, z.stage, precision, weight_decay, update, z.bucket_mb, z.reshard_after_forward,
                          z.offload_optimizer, z.offload_params, adam_impl=adam_impl, device=device,
                          initial_value=initial_value, grad_dtype=z.grad_dtype,
-                         overlap_param_gather=overlap_param_gather, betas=(o.beta1, o.beta2), eps=o.eps,
-                         optimizer=o.name, muon=muon,
-                         freeze_step=o.freeze_step)  # lr: each step passes its own
+                         overlap_param_gather=overlap_param_gather, peak_lr=lr)
 
 
 def make_scaler(precision: str) -> LossScaler:

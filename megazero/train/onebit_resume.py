@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megazero.checkpoint.meta import short
+from megazero.config.moved import sections_of
 from megazero.config.schema import Config
 from megazero.errors import UserError
 
@@ -20,22 +21,25 @@ def check_onebit_layout(path: Path, meta: dict, cfg: Config) -> None:
     """1-bit Adam past its warm-up holds error-feedback buffers per rank: a resume from there keeps the layout
     and the warm-up's length (the frozen variance's bias correction)."""
     config, step = meta.get("config", {}), meta.get("optimizer_step", 0)
-    optim = config.get("optim") if isinstance(config.get("optim"), dict) else {}
-    theirs = optim.get("freeze_step", cfg.optim.freeze_step)
+    # a checkpoint written with the flat keys (optim.freeze_step, ...) has them read as optim.onebit_adam's
+    stored = sections_of(config["optim"]) if isinstance(config.get("optim"), dict) else {}
+    optim = stored.get("onebit_adam") if isinstance(stored.get("onebit_adam"), dict) else {}
+    mine = cfg.optim.onebit_adam
+    theirs = optim.get("freeze_step", mine.freeze_step)
     if not isinstance(theirs, int) or isinstance(theirs, bool) or \
-            (step >= min(theirs, cfg.optim.freeze_step) and theirs != cfg.optim.freeze_step):
-        raise UserError(f"checkpoint {path}: optim.freeze_step is {short(theirs)} there and "
-                        f"{cfg.optim.freeze_step} here, at optimizer step {step}; a resume past the warm-up "
+            (step >= min(theirs, mine.freeze_step) and theirs != mine.freeze_step):
+        raise UserError(f"checkpoint {path}: optim.onebit_adam.freeze_step is {short(theirs)} there and "
+                        f"{mine.freeze_step} here, at optimizer step {step}; a resume past the warm-up "
                         f"keeps its length, which the frozen variance was bias-corrected by")
     if step < theirs:
         return
-    here = cfg.to_dict()
     for key in ("beta2", "eps"):  # the frozen variance's bias correction, and which elements are compressed
-        if key in optim and optim[key] != here["optim"][key]:
-            raise UserError(f"checkpoint {path}: optim.{key} is {short(optim[key])} there and "
-                            f"{here['optim'][key]!r} here, past 1-bit Adam's warm-up (optimizer step {step} >= "
-                            f"optim.freeze_step={theirs}); the frozen variance was bias-corrected by beta2 and "
-                            f"the elements compressed chosen by eps: a resume keeps both")
+        if key in optim and optim[key] != getattr(mine, key):
+            raise UserError(f"checkpoint {path}: optim.onebit_adam.{key} is {short(optim[key])} there and "
+                            f"{getattr(mine, key)!r} here, past 1-bit Adam's warm-up (optimizer step {step} >= "
+                            f"optim.onebit_adam.freeze_step={theirs}); the frozen variance was bias-corrected by "
+                            f"beta2 and the elements compressed chosen by eps: a resume keeps both")
+    here = cfg.to_dict()
     changed = []
     for section, key in _ONEBIT_LAYOUT:
         there_s, here_s = config.get(section), here.get(section, {})
@@ -43,7 +47,7 @@ def check_onebit_layout(path: Path, meta: dict, cfg: Config) -> None:
             changed.append(f"{section}.{key} is {short(there_s[key])} there and {here_s.get(key)!r} here")
     if changed:
         raise UserError(f"checkpoint {path}: {', '.join(changed)}; a 1-bit Adam run past its warm-up (optimizer "
-                        f"step {step} >= optim.freeze_step={theirs}) resumes at its own layout only, since its "
+                        f"step {step} >= optim.onebit_adam.freeze_step={theirs}) resumes at its own layout only, since its "
                         f"error-feedback buffers are per rank")
 
 
@@ -53,5 +57,5 @@ def check_rank_state_stored(path: Path, wanted: list[str], stored: set[str]) -> 
     same verdict on every rank (none holds any), before any collective."""
     if wanted and not any(k.startswith("rank/") for k in stored):
         raise UserError(f"checkpoint {path}: holds no per-rank optimizer state ({wanted[0]!r} and the like: 1-bit "
-                        f"Adam's error feedback past optim.freeze_step), written before megazero saved it; resume "
+                        f"Adam's error feedback past optim.onebit_adam.freeze_step), written before megazero saved it; resume "
                         f"from a checkpoint within the warm-up, or start afresh")

@@ -9,7 +9,7 @@ Knows nothing of hooks or communication: it gets reduced gradients and returns n
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import Tensor
@@ -18,7 +18,18 @@ from megazero.kernels.adam import adamw
 from megazero.kernels.adam_cpu import Run
 from megazero.parallel.zero.layout import Bucket, BucketLayout
 
+if TYPE_CHECKING:
+    from megazero.parallel.zero.registry import AdamWSection
+    from megazero.parallel.zero.update import Record, UpdateContext
+
 NORM_PIECE = 2 ** 16  # elements per CPU norm piece (sq_norm)
+
+
+def make_adamw(section: "AdamWSection", ctx: "UpdateContext") -> "ShardedAdamW":
+    """The registry's factory: AdamW over one partition (offloaded states step with the fused CPU kernel)."""
+    impl = ctx.adam_impl if ctx.state_device == ctx.device else "fused"
+    return ShardedAdamW(ctx.layout, ctx.device, ctx.state_device, impl, ctx.weight_decay,
+                        (section.beta1, section.beta2), section.eps, ctx.grad_dtype)
 
 
 class ShardedAdamW:
@@ -115,6 +126,14 @@ class ShardedAdamW:
     def states_loaded(self) -> None:
         """A checkpoint has just written the states (an optimizer with derived state rebuilds it here)."""
 
+    def rank_state(self, step: int) -> dict[str, Tensor]:
+        """Nothing of AdamW's belongs to one rank alone: every state is a share of a logical tensor."""
+        return {}
+
+    def record(self) -> Optional["Record"]:
+        """AdamW reports no figures of its own."""
+        return None
+
     def sq_norm(self, grads: list[Tensor]) -> Tensor:
         """Sum of squares of the gradients that count toward the global norm (each parameter once)."""
         return self.counted_sq_norm(grads, [self.counted[b.index] for b in self.layout.buckets], "range")
@@ -181,6 +200,14 @@ class ShardedAdamW:
     def staging_bytes(self) -> int:
         """Bytes of the pinned host buffers the offloaded gradients land in."""
         return sum(t.numel() * t.element_size() for t in self.host_grad if t is not None)
+
+    def staging_tensors(self) -> list[Tensor]:
+        return [t for t in self.host_grad if t is not None]
+
+    def state_tensors(self) -> list[Tensor]:
+        """Moments, decay masks and the masters that are not the parameters themselves."""
+        states = [t for kind in (self.exp_avg, self.exp_avg_sq, self.decay_mask) for t in kind if t is not None]
+        return states + [m for m, own in zip(self.master, self.master_is_param) if not own]
 
     def state_bytes(self) -> int:
         """Bytes of the optimizer's own states (masters that are not the parameters themselves, moments)."""

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from megazero.parallel.comm import Comm
-from megazero.parallel.zero.adamw import ShardedAdamW
+from megazero.parallel.zero.update import Update
 from megazero.parallel.zero.layout import Bucket, BucketLayout
 from megazero.parallel.zero.policy import StagePolicy
 
@@ -21,7 +21,7 @@ KINDS = ("param", "master", "exp_avg", "exp_avg_sq")
 
 
 class ZeroCheckpoint:
-    def __init__(self, layout: BucketLayout, policy: StagePolicy, optim: ShardedAdamW, dp: Comm,
+    def __init__(self, layout: BucketLayout, policy: StagePolicy, optim: Update, dp: Comm,
                  device: torch.device, host_ok: bool = True):
         """host_ok: offloaded states may be handed to the checkpoint in host memory (False where the caller
         wraps them in DTensors on a device mesh, which would copy them to the device anyway)."""

@@ -21,7 +21,7 @@ LAMB reuse it), so it is computed once and no third state is held; bf16 or fp16 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import Tensor
@@ -30,6 +30,18 @@ from megazero.kernels.adam_cpu import Run
 from megazero.parallel.comm import Comm
 from megazero.parallel.zero.adamw import NORM_PIECE, ShardedAdamW
 from megazero.parallel.zero.layout import Bucket, BucketLayout, counted_on_tp_rank
+from megazero.parallel.zero.update import Record
+
+if TYPE_CHECKING:
+    from megazero.parallel.zero.registry import LambSection
+    from megazero.parallel.zero.update import UpdateContext
+
+
+def make_lamb(section: "LambSection", ctx: "UpdateContext") -> "ShardedLamb":
+    """The registry's factory: LAMB over one partition, its norms summed over the shard group when sharded."""
+    shard = ctx.comm if ctx.layout.policy.shard_optimizer else None
+    return ShardedLamb(ctx.layout, ctx.device, ctx.state_device, ctx.weight_decay, (section.beta1, section.beta2),
+                       section.eps, ctx.grad_dtype, shard, ctx.grid.tp_comm)
 
 
 class ShardedLamb(ShardedAdamW):
@@ -127,8 +139,11 @@ class ShardedLamb(ShardedAdamW):
                 target = self.target(b)
                 target.copy_(self.master[i], non_blocking=target.device.type == "cuda")
 
-    def trust_range(self) -> Optional[Tensor]:
-        """(smallest, largest) trust ratio of the last step, on the device (None before the first)."""
+    def record(self) -> Record:
+        """(-smallest, largest) trust ratio of the last step, on the device, for a MAX over every layer of the
+        model (-inf before the first step, or where this partition has no layer)."""
         if self.trust is None or self.n_groups == 0:
-            return None
-        return torch.stack([self.trust.min(), self.trust.max()])
+            both = torch.full((2,), -float("inf"), dtype=torch.float64, device=self.device)
+        else:
+            both = torch.stack([-self.trust.min(), self.trust.max()]).to(device=self.device, dtype=torch.float64)
+        return Record(both, "max", lambda v: {"optim/trust_min": -v[0], "optim/trust_max": v[1]})

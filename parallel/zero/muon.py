@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import Tensor, nn
@@ -32,6 +32,11 @@ from megazero.parallel.zero.adamw import ShardedAdamW
 from megazero.parallel.zero.declared import sharding_units
 from megazero.parallel.zero.layout import Bucket, BucketLayout
 from megazero.parallel.zero.matrix_plan import Matrix, MatrixPlan, StagePlace, stage_matrices
+from megazero.parallel.zero.update import Record
+
+if TYPE_CHECKING:
+    from megazero.parallel.zero.registry import MuonSection
+    from megazero.parallel.zero.update import UpdateContext
 
 SCALE = 0.2  # Liu et al. 2025: O's RMS matched to AdamW's (~0.2-0.4 in practice)
 ADAMW_GROUP = 2 ** 22  # elements per group of the AdamW part's views: its temporaries stay under 16 MB
@@ -54,6 +59,18 @@ def muon_matrices(chunks: list[nn.Module]) -> dict[int, bool]:
             for p in unit.parameters():
                 out[id(p)] = p.dim() == 2 or (p.dim() == 3 and getattr(p, "ep_split_dim", None) == 0)
     return out
+
+
+def make_muon(section: "MuonSection", ctx: "UpdateContext") -> "ShardedMuon":
+    """The registry's factory: Muon over one partition, its matrices assembled over the stage's ranks; the
+    parameters AdamW keeps step at ``adamw_lr`` over train.lr times the step's rate (1 where either is 0)."""
+    assert ctx.state_device == ctx.device, "Muon's states stay on the device"
+    grid = ctx.grid
+    ratio = section.adamw_lr / ctx.peak_lr if section.adamw_lr > 0 and ctx.peak_lr > 0 else 1.0
+    settings = MuonSettings(section.momentum, section.nesterov, section.ns_steps, ratio)
+    place = StagePlace(grid.tp, grid.cp, grid.ep, ctx.experts, grid.dp * grid.cp * grid.tp)
+    return ShardedMuon(ctx.layout, ctx.device, ctx.weight_decay, (section.beta1, section.beta2), section.eps,
+                       ctx.grad_dtype, muon_matrices(ctx.chunks), grid.stage_comm(), place, settings)
 
 
 class ShardedMuon(ShardedAdamW):
@@ -211,9 +228,12 @@ class ShardedMuon(ShardedAdamW):
         x = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.float32, device=self.device)
         return self.stage.all_to_all(x, recv, send, tag="muon")
 
-    def update_rms(self) -> Optional[Tensor]:
-        """(sum of squares, elements) of the last step's matrix updates owned here (None before the first)."""
+    def record(self) -> Record:
+        """(sum of squares, elements) of the last step's matrix updates owned here (zeros before the first), summed
+        over every matrix once: their RMS (before the learning rate: ~0.2 by construction, Liu et al. 2025)."""
         if self.update_sq is None:
-            return None
-        return torch.stack([self.update_sq, torch.tensor(float(self.update_numel), dtype=torch.float64,
-                                                         device=self.update_sq.device)])
+            sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        else:
+            sums = torch.stack([self.update_sq, torch.tensor(float(self.update_numel), dtype=torch.float64,
+                                                             device=self.update_sq.device)]).to(self.device)
+        return Record(sums, "sum", lambda v: {"optim/update_rms": math.sqrt(v[0] / v[1]) if v[1] else 0.0})

@@ -32,7 +32,7 @@ layout: a checkpoint keeps them per rank (``rank_state``).
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import Tensor, nn
@@ -42,6 +42,19 @@ from megazero.parallel.comm import Comm
 from megazero.parallel.onebit import compressed_allreduce, group_counts, padded_length
 from megazero.parallel.zero.adamw import ShardedAdamW
 from megazero.parallel.zero.layout import Bucket, BucketLayout
+from megazero.parallel.zero.update import Record
+
+if TYPE_CHECKING:
+    from megazero.parallel.zero.registry import OnebitAdamSection
+    from megazero.parallel.zero.update import UpdateContext
+
+
+def make_onebit_adam(section: "OnebitAdamSection", ctx: "UpdateContext") -> "ShardedOnebitAdam":
+    """The registry's factory: 1-bit Adam over one partition, its momenta averaged over the partition's group."""
+    assert ctx.state_device == ctx.device, "1-bit Adam's states stay on the device"
+    tp = ctx.grid.tp_comm
+    return ShardedOnebitAdam(ctx.layout, ctx.device, ctx.weight_decay, (section.beta1, section.beta2), section.eps,
+                             ctx.grad_dtype, ctx.comm, tp.rank, tp.size, section.freeze_step)
 
 
 class ShardedOnebitAdam(ShardedAdamW):
@@ -199,10 +212,16 @@ class ShardedOnebitAdam(ShardedAdamW):
             self.sent = counter.sent_bytes().get(self.comm.name, 0.0) - before
 
     # ----- accounting -----------------------------------------------------------------------------------------------
-    def own_tensors(self) -> list[Tensor]:
-        """What this optimizer keeps beyond AdamW's states: the momentum outside the range, the groups, the errors."""
+    def state_tensors(self) -> list[Tensor]:
+        """AdamW's states, then the momentum (whole buckets), the scale groups and the error buffers."""
         extra = [m for m in self.momentum if m is not None]
-        return extra + [t for kind in (self.groups, self.worker, self.server) for t in kind if t is not None]
+        extra += [t for kind in (self.groups, self.worker, self.server) for t in kind if t is not None]
+        return super().state_tensors() + extra
+
+    def record(self) -> Record:
+        """Bytes the last compressed step put on the wire from this rank (summed over the partitions only)."""
+        return Record(torch.tensor([self.sent], dtype=torch.float64), "local",
+                      lambda v: {"optim/compressed_bytes": v[0]})
 
     def state_bytes(self) -> int:
         """AdamW's states, the momentum beyond its range (the padding, and at stage 1 the other slices), and

@@ -5,10 +5,11 @@
 - ``GradReducer``: backward hooks, microbatch sums, reductions over dp with a bounded number in flight.
 - ``GradFinalizer``: the sums beyond dp: tied copies over the embedding group, sequence-parallel over tp.
 - ``ParamGatherer``: stage 3's gather/free/prefetch; stages 1-2's overlapped all-gather after the step.
-- ``ShardedAdamW``: fp32 masters, moments, the norm and the update, on the device or offloaded; ``ShardedLamb``
-  the same states with LAMB's per-layer trust ratio; ``ShardedMuon`` the same states with Muon on the layers'
-  matrices, each gathered whole to an owner over the stage's ranks (``parallel.zero.matrix_plan``);
-  ``ShardedOnebitAdam`` AdamW's warm-up, then a frozen variance and the momentum averaged 1-bit compressed.
+- an ``Update`` (``parallel.zero.update``), one optimizer's step on this rank's share, built per partition by a
+  factory of ``parallel.zero.registry``: ``ShardedAdamW`` (fp32 masters, moments, the norm and the update, on the
+  device or offloaded), ``ShardedLamb`` (LAMB's per-layer trust ratio), ``ShardedMuon`` (Muon on the layers'
+  matrices, each gathered whole to an owner over the stage's ranks: ``parallel.zero.matrix_plan``),
+  ``ShardedOnebitAdam`` (AdamW's warm-up, then a frozen variance and the momentum averaged 1-bit compressed).
 - ``ZeroCheckpoint``: layout-free export and import of every parameter's state.
 - ``Partition``: the parts above for the parameters of one reduction group (dense over dp, experts over edp).
 
@@ -18,7 +19,7 @@ reduce-scatter). ``megazero.engine.step.train_step`` drives one step; nothing el
 """
 from __future__ import annotations
 
-import math
+from functools import partial
 from typing import Callable, Optional
 
 import torch
@@ -30,35 +31,30 @@ from megazero.parallel.host import host_values
 from megazero.parallel.topology import Grid
 from megazero.parallel.zero.declared import DENSE, EXPERT, reduce_group
 from megazero.parallel.zero.grads import grad_precision
-from megazero.parallel.zero.adamw import ShardedAdamW
-from megazero.parallel.zero.lamb import ShardedLamb
+from megazero.parallel.zero.adamw import make_adamw
 from megazero.parallel.zero.layout import Bucket, BucketLayout
-from megazero.parallel.zero.matrix_plan import StagePlace
-from megazero.parallel.zero.muon import MuonSettings, ShardedMuon, muon_matrices
-from megazero.parallel.zero.onebit_adam import ShardedOnebitAdam
 from megazero.parallel.zero.partition import Partition
 from megazero.parallel.zero.policy import StagePolicy
+from megazero.parallel.zero.registry import AdamWSection
+from megazero.parallel.zero.update import Update, UpdateContext
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class ZeroOptimizer:
-    """The stage's parameters, their gradients' reduction, and AdamW on this rank's share of them."""
+    """The stage's parameters, their gradients' reduction, and one optimizer's update on this rank's share."""
 
-    def __init__(self, chunks: list[nn.Module], grid: Grid, stage: int, precision: str, lr: float,
-                 weight_decay: float, bucket_mb: float = 25.0, reshard_after_forward: bool = True,
-                 offload_optimizer: str = "none", offload_params: str = "none",
-                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, adam_impl: str = "torch",
-                 device: Optional[torch.device] = None,
+    def __init__(self, chunks: list[nn.Module], grid: Grid, stage: int, precision: str, weight_decay: float,
+                 update: Optional[Callable[[UpdateContext], Update]] = None, bucket_mb: float = 25.0,
+                 reshard_after_forward: bool = True, offload_optimizer: str = "none", offload_params: str = "none",
+                 adam_impl: str = "torch", device: Optional[torch.device] = None,
                  initial_value: Optional[Callable[[nn.Parameter], Tensor]] = None, grad_dtype: str = "auto",
-                 overlap_param_gather: bool = True, max_in_flight: int = 2, optimizer: str = "adamw",
-                 muon: Optional[MuonSettings] = None, freeze_step: int = 1000):
+                 overlap_param_gather: bool = True, max_in_flight: int = 2, peak_lr: float = 0.0):
         """device: where the model computes (default: where its parameters are). Parameters still on the meta
         device (stage 3's lazily built model) are created bucket by bucket from ``initial_value(param)``, so
-        the whole stage never exists unsharded. ``lr`` is the caller's; each step passes its own. ``optimizer``:
-        adamw | lamb | muon | onebit_adam (``ShardedAdamW``, ``ShardedLamb``, ``ShardedMuon`` with ``muon``'s
-        settings, ``ShardedOnebitAdam`` with its warm-up ending at ``freeze_step``)."""
-        del lr
+        the whole stage never exists unsharded. ``update``: builds each partition's optimizer from its context (a
+        registry row's factory bound to its config section, ``megazero.engine.build.make_zero``; default AdamW);
+        ``peak_lr``: train.lr, which each step's learning rate is a schedule of (an update's relative rates)."""
         self.grid = grid
         self.policy = StagePolicy.of(stage)
         self.dtype = DTYPES[precision]
@@ -72,28 +68,12 @@ class ZeroOptimizer:
         self.world = Comm(dist.group.WORLD if dist.is_initialized() else None, "world", grid.counter)
         # dense gradients reduce (and shard) over dp x cp, the experts' over edp x cp: a partition of their own (ep > 1)
         experts_apart = grid.ep > 1 and any(reduce_group(p) == EXPERT for c in chunks for p in c.parameters())
+        make_update = update if update is not None else partial(make_adamw, AdamWSection())
 
-        matrices = muon_matrices(chunks) if optimizer == "muon" else {}
-        stage_comm = grid.stage_comm() if optimizer == "muon" else None
-
-        def make_optim(experts: bool):
-            def make(layout: BucketLayout, comm: Comm) -> ShardedAdamW:
-                if optimizer == "lamb":
-                    return ShardedLamb(layout, self.device, state_device, weight_decay, betas, eps, self.grad_dtype,
-                                       comm if self.policy.shard_optimizer else None, grid.tp_comm)
-                if optimizer == "muon":
-                    assert state_device == self.device, "Muon's states stay on the device"
-                    place = StagePlace(grid.tp, grid.cp, grid.ep, experts, grid.dp * grid.cp * grid.tp)
-                    return ShardedMuon(layout, self.device, weight_decay, betas, eps, self.grad_dtype, matrices,
-                                       stage_comm, place, muon or MuonSettings())
-                if optimizer == "onebit_adam":
-                    assert state_device == self.device, "1-bit Adam's states stay on the device"
-                    return ShardedOnebitAdam(layout, self.device, weight_decay, betas, eps, self.grad_dtype, comm,
-                                             grid.tp_comm.rank, grid.tp_comm.size, freeze_step)
-                assert optimizer == "adamw", optimizer
-                impl = adam_impl if state_device == self.device else "fused"
-                return ShardedAdamW(layout, self.device, state_device, impl, weight_decay, betas, eps,
-                                    self.grad_dtype)
+        def make_optim(experts: bool) -> Callable[[BucketLayout, Comm], Update]:
+            def make(layout: BucketLayout, comm: Comm) -> Update:
+                return make_update(UpdateContext(layout, comm, grid, chunks, experts, self.device, state_device,
+                                                 self.grad_dtype, weight_decay, adam_impl, peak_lr))
             return make
 
         def part(name: str, select, comm: Comm, tied: Comm) -> Partition:
@@ -224,9 +204,8 @@ class ZeroOptimizer:
 
     def rank_state(self, step: int) -> dict[str, Tensor]:
         """What belongs to this rank alone and its place in the layout as of optimizer step ``step`` (1-bit
-        Adam's error buffers), by "<partition>/<key>": see ``ShardedOnebitAdam.rank_state``."""
-        return {f"{part.name}/{k}": t for part in self.parts
-                for k, t in getattr(part.optim, "rank_state", lambda step: {})(step).items()}
+        Adam's error buffers), by "<partition>/<key>": see ``Update.rank_state``."""
+        return {f"{part.name}/{k}": t for part in self.parts for k, t in part.optim.rank_state(step).items()}
 
     def full_gradients(self) -> dict[str, Tensor]:
         """Stage 0, after ``reduce``: every parameter's reduced gradient, by name (for inspection and tests)."""
@@ -235,28 +214,20 @@ class ZeroOptimizer:
                 for part in self.parts for b in part.buckets for (n, p), off in zip(b.params, b.offsets)}
 
     def optimizer_record(self) -> dict[str, float]:
-        """The last update's figures for the metrics (collective over the world: every rank calls it at the same
-        steps): LAMB's smallest and largest trust ratio over every layer of the model; Muon's RMS of its matrix
-        updates (before the learning rate: ~0.2 by construction, Liu et al. 2025), over every matrix once."""
-        if any(isinstance(part.optim, ShardedOnebitAdam) for part in self.parts):
-            return {"optim/compressed_bytes": sum(part.optim.sent for part in self.parts)}
-        if any(isinstance(part.optim, ShardedMuon) for part in self.parts):
-            sums = [r for r in (part.optim.update_rms() for part in self.parts) if r is not None]
-            total = torch.stack(sums).sum(0).to(self.device) if sums else \
-                torch.zeros(2, dtype=torch.float64, device=self.device)
-            self.world.all_reduce(total, tag="optimizer_record")
-            sq, n = host_values(total)
-            return {"optim/update_rms": math.sqrt(sq / n) if n else 0.0}
-        ranges = [r for r in (getattr(part.optim, "trust_range", lambda: None)() for part in self.parts)
-                  if r is not None]
-        if not any(isinstance(part.optim, ShardedLamb) for part in self.parts):
+        """The last update's figures for the metrics (``Update.record``: LAMB's trust ratios, Muon's update RMS,
+        1-bit Adam's compressed bytes), combined over the partitions and, unless local, over the world: a
+        collective, so every rank calls it at the same steps."""
+        records = [part.optim.record() for part in self.parts]
+        if records[0] is None:
             return {}
-        both = torch.stack([torch.stack([-r[0], r[1]]) for r in ranges]).amax(0) if ranges else \
-            torch.full((2,), -float("inf"), dtype=torch.float64, device=self.device)
-        both = both.to(device=self.device, dtype=torch.float64)
-        self.world.all_reduce(both, op=dist.ReduceOp.MAX, tag="optimizer_record")
-        low, high = host_values(both)
-        return {"optim/trust_min": -low, "optim/trust_max": high}
+        op = records[0].op
+        assert op in ("sum", "max", "local") and all(r is not None and r.op == op for r in records), records
+        both = torch.stack([r.values.to(device=self.device, dtype=torch.float64) for r in records])
+        total = both.amax(0) if op == "max" else both.sum(0)
+        if op != "local":
+            self.world.all_reduce(total, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM,
+                                  tag="optimizer_record")
+        return records[0].finish(host_values(total))
 
     # ----- accounting ---------------------------------------------------------------------------------------------
     @property
@@ -275,10 +246,7 @@ class ZeroOptimizer:
             o, buckets, r = part.optim, part.buckets, part.reducer
             params = [b.full for b in buckets] + [b.shard_param for b in buckets if b.shard_param is not None]
             grads = [t for t in r.full + r.shard if t is not None]
-            staging = [t for t in o.host_grad if t is not None]
-            states = [t for kind in (o.exp_avg, o.exp_avg_sq, o.decay_mask) for t in kind if t is not None]
-            states += [m for m, own in zip(o.master, o.master_is_param) if not own]
-            states += getattr(o, "own_tensors", lambda: [])()
+            staging, states = o.staging_tensors(), o.state_tensors()
             host = (states + staging if self.offload_optimizer else []) \
                 + ([b.shard_param for b in buckets if b.shard_param is not None] if self.offload_params else [])
             for kind, ts in (("params", params), ("grads", grads + staging), ("optimizer", states), ("host", host)):

@@ -13,13 +13,13 @@ import torch
 from torch import Tensor, nn
 
 from megazero.parallel.comm import Comm
-from megazero.parallel.zero.adamw import ShardedAdamW
 from megazero.parallel.zero.checkpoint import ZeroCheckpoint
 from megazero.parallel.zero.finalize import GradFinalizer
 from megazero.parallel.zero.gather import ParamGatherer
 from megazero.parallel.zero.grads import GradReducer
 from megazero.parallel.zero.layout import Bucket, BucketLayout
 from megazero.parallel.zero.policy import StagePolicy
+from megazero.parallel.zero.update import Update
 
 
 class Partition:
@@ -28,11 +28,10 @@ class Partition:
                  bucket_mb: float, device: torch.device, param_device: torch.device,
                  initial_value: Optional[Callable[[nn.Parameter], Tensor]], reshard_after_forward: bool,
                  overlap_param_gather: bool, max_in_flight: int,
-                 make_optim: Callable[[BucketLayout, Comm], ShardedAdamW]):
+                 make_optim: Callable[[BucketLayout, Comm], Update]):
         """``comm``: the group this partition's gradients are reduced and its states sharded over; ``tied``: the
         group that sums tied copies (the embedding group); ``tp``: the tensor-parallel group; ``make_optim``:
-        the update on this rank's share (``ShardedAdamW`` or one keeping its states), from the layout and
-        ``comm``."""
+        the update on this rank's share (``parallel.zero.update.Update``), from the layout and ``comm``."""
         self.name, self.comm, self.policy = name, comm, policy
         self.layout = BucketLayout(chunks, policy, comm.size, comm.rank, dtype, grad_dtype, bucket_mb, device,
                                    param_device, select=select)

@@ -17,7 +17,7 @@ from megazero.errors import UserError
 from megazero.data.tokenizer import train_tokenizer
 from tests.hostile import assert_one_line, run_process
 from tests.runs import ROOT, write_corpus
-from tests.data.test_data import _one_line_error
+from tests.hostile import one_line_error
 
 SEQ = 8
 WEIGHTS = [0.7, 0.2, 0.1]
@@ -123,7 +123,7 @@ def test_index_files_are_written_once_and_memory_mapped(tmp_path: Path) -> None:
         np.save(f, np.full_like(arr, 2 ** 31))
     with pytest.raises(UserError) as e:
         _blend(sizes, [0.5, 0.5], IndexFiles(tmp_path, False)).train_sample_ids(positions)
-    _one_line_error(e, str(tmp_path / "indices"), "delete")
+    one_line_error(e, str(tmp_path / "indices"), "delete")
     again = _blend(sizes, [0.5, 0.5], IndexFiles(tmp_path, write=True))  # the builder checks, rebuilds
     again.order.prebuild(3 * sum(sizes))
     assert shuffle[0].read_bytes() == first
@@ -143,11 +143,11 @@ def test_a_source_too_small_for_one_sequence_is_named() -> None:
     with pytest.raises(UserError) as e:
         GPTSamples([_source(100, 0), (np.arange(5, dtype=np.uint16), np.array([0, 5], dtype=np.uint64))], SEQ,
                    0, "100,0", labels=["big.jsonl", "tiny.jsonl"])
-    _one_line_error(e, "tiny.jsonl", "too small", "model.seq_len 8")
+    one_line_error(e, "tiny.jsonl", "too small", "model.seq_len 8")
     assert "big.jsonl" not in str(e.value)
     with pytest.raises(UserError) as e:  # a weight so small it would get no position of a period
         GPTSamples([_source(100, 0), _source(100, 1)], SEQ, 0, "100,0", weights=[1.0, 1e-9], labels=["a", "b"])
-    _one_line_error(e, "b: weight 1e-09", "never be drawn")
+    one_line_error(e, "b: weight 1e-09", "never be drawn")
     samples = GPTSamples([_source(100, 0), _source(100, 1)], SEQ, 0, "100,0", weights=[1e308, 1e308])
     assert samples.order.counts.tolist() == [BLOCK // 2, BLOCK // 2]  # finite weights whose sum is not
 
@@ -166,7 +166,7 @@ def test_a_source_too_small_for_one_sequence_is_named() -> None:
 def test_bad_blend_entries_are_one_line(paths: str, needles: list[str]) -> None:
     with pytest.raises(UserError) as e:
         load_config(ROOT / "configs" / "tiny.yaml", [f"data.paths={paths}"])
-    _one_line_error(e, *needles)
+    one_line_error(e, *needles)
 
 
 def test_bad_weight_exits_2_without_a_traceback(tmp_path: Path) -> None:

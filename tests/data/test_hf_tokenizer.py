@@ -23,7 +23,8 @@ from megazero.data.tokenizer import Tokenizer
 from megazero.errors import UserError
 from tests.hostile import assert_one_line, run_process
 from tests.runs import ROOT, small_overrides
-from tests.data.test_data import SEQ, _cat, _cfg, _counts, _one_line_error, _streams, _text, _windows
+from tests.data.test_data import SEQ, _cat, _cfg, _counts, _streams, _text, _windows
+from tests.hostile import one_line_error
 
 EOT = "<|endoftext|>"
 
@@ -150,7 +151,7 @@ def test_build_data_tokenises_with_the_json_and_caches_by_its_bytes(corpus: Path
 def test_vocabulary_larger_than_the_model(corpus: Path, hf_json: Path, tmp_path: Path) -> None:
     with pytest.raises(UserError) as e:
         build_data(_cfg([corpus], hf_json, tmp_path / "cache"), 399, SEQ, 0, True, lambda: None)
-    _one_line_error(e, "data.tokenizer", str(hf_json), "400", "model.vocab_size 399")
+    one_line_error(e, "data.tokenizer", str(hf_json), "400", "model.vocab_size 399")
 
 
 def test_bad_tokenizer_files_are_one_line(corpus: Path, hf_json: Path, tmp_path: Path) -> None:
@@ -168,16 +169,16 @@ def test_bad_tokenizer_files_are_one_line(corpus: Path, hf_json: Path, tmp_path:
         path.write_bytes(content)
         with pytest.raises(UserError) as e:
             build_data(_cfg([corpus], path, tmp_path / "cache"), 512, SEQ, 0, True, lambda: None)
-        _one_line_error(e, "data.tokenizer", str(path), "tokenizer.json")
+        one_line_error(e, "data.tokenizer", str(path), "tokenizer.json")
     # Files that load but cannot serve: no end-of-text token, and an unknown word with no <unk> to map it to.
     no_eos = _word_level(tmp_path / "no_eos.json", {"<unk>": 0, "a": 1})
     with pytest.raises(UserError) as e:
         build_data(_cfg([corpus], no_eos, tmp_path / "cache"), 512, SEQ, 0, True, lambda: None)
-    _one_line_error(e, "data.tokenizer", str(no_eos), "end-of-text", EOT)
+    one_line_error(e, "data.tokenizer", str(no_eos), "end-of-text", EOT)
     no_unk = _word_level(tmp_path / "no_unk.json", {"a": 0}, added=(EOT,))
     with pytest.raises(UserError) as e:
         build_data(_cfg([corpus], no_unk, tmp_path / "cache"), 512, SEQ, 0, True, lambda: None)
-    _one_line_error(e, str(no_unk), "cannot encode")
+    one_line_error(e, str(no_unk), "cannot encode")
 
 
 def test_cli_bad_tokenizer_json_exits_2_with_one_line(corpus: Path, tmp_path: Path) -> None:

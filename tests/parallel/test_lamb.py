@@ -12,6 +12,7 @@ import torch
 
 from megazero.config.load import load_config
 from megazero.config.schema import OptimConfig, ZeroConfig
+from megazero.parallel.zero.registry import LambSection
 from megazero.engine.build import make_zero
 from megazero.parallel.topology import Grid
 from tests.runs import ROOT, steps_recording_gradients
@@ -52,7 +53,7 @@ def test_two_steps_equal_lamb_from_the_paper(stage):
     model = build_gpt(cfg, 0, tp=grid.tp_comm)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     decays = {n: p.dim() >= 2 for n, p in model.named_parameters()}
-    optim = OptimConfig(name="lamb", beta1=BETAS[0], beta2=BETAS[1], eps=EPS)
+    optim = OptimConfig(name="lamb", lamb=LambSection(beta1=BETAS[0], beta2=BETAS[1], eps=EPS))
     zero, grads = steps_recording_gradients(
         model, grid, lambda: make_zero([model], grid, ZeroConfig(stage=stage, bucket_mb=0.01,  # several buckets
                                                            reshard_after_forward=True), "fp32", WD,
@@ -93,10 +94,10 @@ def test_an_unknown_optimizer_is_one_line(tmp_path, capsys):
     sets = small_overrides(write_corpus(tmp_path / "text"), tmp_path / "cache", tmp_path / "run", steps=1)
     code, _, err = call(pretrain_main, _argv(sets + ["optim.name=sgd"]), capsys)
     assert_one_line(code, err, "optim.name", "sgd", "adamw | lamb")
-    code, _, err = call(pretrain_main, _argv(sets + ["optim.beta2=1.0"]), capsys)
-    assert_one_line(code, err, "optim.beta2", "[0, 1)")
-    code, _, err = call(pretrain_main, _argv(sets + ["optim.eps=0"]), capsys)  # 0/0 where a gradient stayed 0
-    assert_one_line(code, err, "optim.eps", ">= 1e-30")
+    code, _, err = call(pretrain_main, _argv(sets + ["optim.lamb.beta2=1.0"]), capsys)
+    assert_one_line(code, err, "optim.lamb.beta2", "[0, 1)")
+    code, _, err = call(pretrain_main, _argv(sets + ["optim.lamb.eps=0"]), capsys)  # 0/0 where a gradient stayed 0
+    assert_one_line(code, err, "optim.lamb.eps", ">= 1e-30")
 
 
 def test_simulate_runs_lamb(tmp_path, capsys):

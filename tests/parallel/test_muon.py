@@ -16,6 +16,7 @@ import torch
 from megazero.kernels.newton_schulz import newton_schulz, newton_schulz_flops
 from megazero.config.load import load_config
 from megazero.config.schema import OptimConfig, ZeroConfig
+from megazero.parallel.zero.registry import MuonSection
 from megazero.engine.build import make_zero
 from megazero.parallel.topology import Grid
 from tests.runs import ROOT, steps_recording_gradients
@@ -84,7 +85,8 @@ def test_steps_equal_muon_from_the_paper(arch, stage):
     matrices = {n for n, p in model.named_parameters() if n.startswith("layers.") and p.dim() == 2}
     assert len(matrices) >= 8 and any(not n.startswith("layers.") and p.dim() == 2
                                       for n, p in model.named_parameters())  # the embedding stays on AdamW
-    optim = OptimConfig(name="muon", beta1=BETAS[0], beta2=BETAS[1], eps=EPS, momentum=MU, adamw_lr=ADAMW_LR)
+    optim = OptimConfig(name="muon", muon=MuonSection(beta1=BETAS[0], beta2=BETAS[1], eps=EPS, momentum=MU,
+                                                        adamw_lr=ADAMW_LR))
     zero, grads = steps_recording_gradients(
         model, grid, lambda: make_zero([model], grid, ZeroConfig(stage=stage, bucket_mb=0.01,  # several buckets
                                                            reshard_after_forward=True), "fp32", WD,
@@ -114,12 +116,12 @@ def test_bad_muon_settings_are_one_line(tmp_path, capsys):
     muon = sets + ["optim.name=muon"]
     code, _, err = call(pretrain_main, _argv(muon + ["zero.stage=1", "zero.offload_optimizer=cpu"]), capsys)
     assert_one_line(code, err, "zero.offload_optimizer", "optim.name=muon")
-    code, _, err = call(pretrain_main, _argv(muon + ["optim.momentum=1.0"]), capsys)
-    assert_one_line(code, err, "optim.momentum", "[0, 1)")
-    code, _, err = call(pretrain_main, _argv(muon + ["optim.ns_steps=0"]), capsys)
-    assert_one_line(code, err, "optim.ns_steps", ">= 1")
-    code, _, err = call(pretrain_main, _argv(muon + ["optim.adamw_lr=-1"]), capsys)
-    assert_one_line(code, err, "optim.adamw_lr", ">= 0")
+    code, _, err = call(pretrain_main, _argv(muon + ["optim.muon.momentum=1.0"]), capsys)
+    assert_one_line(code, err, "optim.muon.momentum", "[0, 1)")
+    code, _, err = call(pretrain_main, _argv(muon + ["optim.muon.ns_steps=0"]), capsys)
+    assert_one_line(code, err, "optim.muon.ns_steps", ">= 1")
+    code, _, err = call(pretrain_main, _argv(muon + ["optim.muon.adamw_lr=-1"]), capsys)
+    assert_one_line(code, err, "optim.muon.adamw_lr", ">= 0")
 
 
 def test_simulate_runs_muon(tmp_path, capsys):

@@ -43,6 +43,7 @@ def _microbatches(rank: int, step: int, vocab: int, seq_len: int) -> list[torch.
 def _ranks(rank, world):
     from megazero.config.load import load_config
     from megazero.config.schema import OptimConfig, ZeroConfig
+    from megazero.parallel.zero.registry import OnebitAdamSection
     from megazero.engine.build import make_executor, make_schedules, make_zero
     from megazero.engine.step import train_step
     from megazero.models.build import build_gpt
@@ -60,7 +61,8 @@ def _ranks(rank, world):
 
         for name, p in model.named_parameters():
             p.register_post_accumulate_grad_hook(lambda p, name=name: record(p, name))
-        optim = OptimConfig(name="onebit_adam", beta1=BETAS[0], beta2=BETAS[1], eps=EPS, freeze_step=FREEZE)
+        optim = OptimConfig(name="onebit_adam", onebit_adam=OnebitAdamSection(beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
+                                                                              freeze_step=FREEZE))
         zero = make_zero([model], grid, ZeroConfig(stage=stage, bucket_mb=0.02, reshard_after_forward=True),
                          "fp32", WD, torch.device("cpu"), optim=optim)
         executor = make_executor([model], grid, torch.device("cpu"), 2, cfg.seq_len, cfg.hidden, "fp32",

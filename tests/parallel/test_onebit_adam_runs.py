@@ -16,7 +16,7 @@ from tests.runs import assert_resume_exact, latest_checkpoint, read_metrics, ROO
 
 CONFIG = str(ROOT / "configs" / "tiny.yaml")
 STEPS, FREEZE, SAVED, EARLY, SIGNALLED = 10, 3, 6, 2, 6
-ONEBIT = {"optim.name": "onebit_adam", "optim.freeze_step": FREEZE, "train.lr": "2.0e-3", "zero.stage": 1,
+ONEBIT = {"optim.name": "onebit_adam", "optim.onebit_adam.freeze_step": FREEZE, "train.lr": "2.0e-3", "zero.stage": 1,
           "zero.bucket_mb": 0.02}
 TP2 = ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=2"]
 
@@ -34,7 +34,7 @@ def _ranks(rank, world, text, cache, base):
     saved = latest_checkpoint(base / "saved")
     run(CONFIG, _overrides(text, cache, base / "resumed", TP2 + [f"train.resume={saved}"]))
     refused = []
-    for extra in (["parallel.dp=4"], TP2 + [f"optim.freeze_step={FREEZE + 1}"]):
+    for extra in (["parallel.dp=4"], TP2 + [f"optim.onebit_adam.freeze_step={FREEZE + 1}"]):
         try:
             run(CONFIG, _overrides(text, cache, base / "refused", extra + [f"train.resume={saved}"]))
             refused.append(None)
@@ -118,7 +118,7 @@ def test_a_resume_past_the_warm_up_elsewhere_is_refused_in_one_line(runs):
         assert line is not None and "\n" not in line
     dp, freeze = refused[0]
     assert "parallel.dp is 2 there and 4 here" in dp and "error-feedback buffers are per rank" in dp, dp
-    assert f"optim.freeze_step is {FREEZE} there and {FREEZE + 1} here" in freeze, freeze
+    assert f"optim.onebit_adam.freeze_step is {FREEZE} there and {FREEZE + 1} here" in freeze, freeze
 
 
 def test_a_checkpoint_within_the_warm_up_continues_at_another_dp(runs):
@@ -142,7 +142,7 @@ def test_bad_settings_are_one_line(tmp_path, capsys):
         assert_one_line(code, err, "zero.stage", str(stage), "onebit_adam", "use 0 or 1")
     code, _, err = call(pretrain_main, _argv(sets + ["zero.offload_optimizer=cpu"]), capsys)
     assert_one_line(code, err, "zero.offload_optimizer", "cpu", "onebit_adam")
-    code, _, err = call(pretrain_main, _argv(sets + [f"optim.freeze_step={STEPS}"]), capsys)
-    assert_one_line(code, err, "optim.freeze_step", str(STEPS), f"train.steps={STEPS}")
-    code, _, err = call(pretrain_main, _argv(sets + ["optim.freeze_step=0"]), capsys)
-    assert_one_line(code, err, "optim.freeze_step", ">= 1")
+    code, _, err = call(pretrain_main, _argv(sets + [f"optim.onebit_adam.freeze_step={STEPS}"]), capsys)
+    assert_one_line(code, err, "optim.onebit_adam.freeze_step", str(STEPS), f"train.steps={STEPS}")
+    code, _, err = call(pretrain_main, _argv(sets + ["optim.onebit_adam.freeze_step=0"]), capsys)
+    assert_one_line(code, err, "optim.onebit_adam.freeze_step", ">= 1")

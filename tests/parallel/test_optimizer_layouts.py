@@ -25,7 +25,7 @@ STOP = 5  # the tp 2 x dp 2 run saves here; the dp 4 run continues from it
 OPTIMIZERS = {
     "lamb": {"optim.name": "lamb", "train.lr": "1.0e-2", "train.min_lr": "1.0e-3", "train.global_batch": 16},
     "muon": {"optim.name": "muon", "train.lr": "2.0e-2", "train.min_lr": "2.0e-3", "train.global_batch": 16,
-             "optim.adamw_lr": "4.0e-3"},
+             "optim.muon.adamw_lr": "4.0e-3"},
 }
 KEYS = {"lamb": ("loss", "grad_norm", "optim/trust_min", "optim/trust_max"),
         "muon": ("loss", "grad_norm", "optim/update_rms")}
@@ -109,12 +109,12 @@ def test_lamb_and_muon_move_off_adamw(runs, tmp_path):
 
 def _per_shard(rank, world, text, cache, folder):
     """Muon with each rank's tp shard taken for the whole matrix: no gather, Newton-Schulz per shard."""
-    import megazero.parallel.zero.optimizer as zero_optimizer
+    import megazero.parallel.zero.muon as zero_muon
     from megazero.parallel.comm import Comm
     from megazero.parallel.topology import Grid
     from megazero.parallel.zero.matrix_plan import StagePlace
 
-    zero_optimizer.StagePlace = lambda tp, cp, ep, experts, size: StagePlace(1, 1, 1, experts, 1)
+    zero_muon.StagePlace = lambda tp, cp, ep, experts, size: StagePlace(1, 1, 1, experts, 1)
     Grid.stage_comm = lambda self: Comm(None, "stage", self.counter)
     run(CONFIG, _overrides("muon", text, cache, folder, ["parallel.tp=2"]))
     return True

@@ -313,7 +313,7 @@ def test_stage3_creates_the_model_one_bucket_at_a_time():
         live.append(sum(storages.values()))
         return initial_tp_value(model, names[p], 7)
 
-    zero = ZeroOptimizer([model], grid, 3, "fp32", 1e-3, 0.1, device=torch.device("cpu"), initial_value=probe)
+    zero = ZeroOptimizer([model], grid, 3, "fp32", 0.1, device=torch.device("cpu"), initial_value=probe)
     assert len(live) == len(params)  # every parameter was created by the optimizer, none before
     biggest = max(b.numel for b in zero.buckets) * 4
     whole = sum(p.numel() for p in params.values()) * 4
@@ -340,7 +340,7 @@ def test_a_parameter_without_a_gradient_stops_the_step(stage, microbatches):
     ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
 
     def step(model, microbatches):
-        zero = ZeroOptimizer([model], grid, stage, "fp32", 1e-3, 0.1, device=torch.device("cpu"))
+        zero = ZeroOptimizer([model], grid, stage, "fp32", 0.1, device=torch.device("cpu"))
         mbs = [ids] * microbatches
         train_step(zero, *executor_for(model, grid, mbs), mbs, 1e-3, 1.0)
 
@@ -380,7 +380,7 @@ def test_bf16_gradients_accumulate_in_fp32(stage):
 
         for name, p in model.named_parameters():
             p.register_post_accumulate_grad_hook(lambda p, name=name: record(p, name))
-        zero = ZeroOptimizer([model], grid, stage, "bf16", 1e-3, 0.1, device=torch.device("cpu"),
+        zero = ZeroOptimizer([model], grid, stage, "bf16", 0.1, device=torch.device("cpu"),
                              grad_dtype=grad_dtype)
         mbs = list(ids)
         forward_backward(zero, *executor_for(model, grid, mbs), mbs)
@@ -405,7 +405,7 @@ def test_a_skipped_stage3_step_frees_what_it_gathered():
     cfg = load_config(TINY, ["parallel.tp=1", "parallel.pp=1", "model.layers=2"]).model
     grid = Grid.build(1, 1, 1, "cpu")
     model = build_gpt(cfg, 0, tp=grid.tp_comm)
-    zero = ZeroOptimizer([model], grid, 3, "fp16", 1e-3, 0.1, device=torch.device("cpu"))
+    zero = ZeroOptimizer([model], grid, 3, "fp16", 0.1, device=torch.device("cpu"))
     ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
     state = {"poison": False}
     model.layers["1"].register_forward_hook(lambda m, a, out: out * float("inf") if state["poison"] else None)

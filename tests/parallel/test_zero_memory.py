@@ -50,7 +50,7 @@ def _peaks(rank, world):
     for stage in (2, 3):
         model = build_gpt(cfg, 0, tp=grid.tp_comm)
         psi = sum(p.numel() for p in model.parameters())
-        zero = ZeroOptimizer([model], grid, stage, "fp32", 1e-3, 0.1, bucket_mb=BUCKET_MB,
+        zero = ZeroOptimizer([model], grid, stage, "fp32", 0.1, bucket_mb=BUCKET_MB,
                              device=torch.device("cpu"))
         bucket = max(b.numel for b in zero.buckets) * 4
         # the first m = 1 step warms up (first-touch pages, autograd's caches); then m = 1 twice, around the
@@ -119,7 +119,7 @@ def test_gradient_buckets_hold_at_most_bucket_mb_in_the_gradient_dtype(precision
         sizes = [b.numel * grad_bytes for b in layout.buckets if len(b.params) > 1]
         assert len(sizes) >= 2 and max(sizes) <= limit and all(b.numel % dp == 0 for b in layout.buckets), sizes
     for stage in (0, 2):
-        zero = ZeroOptimizer([model], grid, stage, precision, 1e-3, 0.1, bucket_mb=2.0, device=torch.device("cpu"))
+        zero = ZeroOptimizer([model], grid, stage, precision, 0.1, bucket_mb=2.0, device=torch.device("cpu"))
         assert zero.grad_dtype.itemsize == grad_bytes
         sizes = [b.numel * grad_bytes for b in zero.buckets if len(b.params) > 1]
         assert len(sizes) >= 2 and max(sizes) <= limit, (stage, sizes, limit)

@@ -20,7 +20,7 @@ from tests.runs import ROOT, assert_resume_exact, small_overrides, write_corpus
 STEPS, SAVED = 20, 10
 LLAMA = ["model.arch=llama", "model.kv_heads=2", "model.tie_embeddings=false"]
 CASES = {
-    "muon": ("tiny.yaml", {"optim.name": "muon", "train.lr": "2.0e-2", "optim.adamw_lr": "4.0e-3",
+    "muon": ("tiny.yaml", {"optim.name": "muon", "train.lr": "2.0e-2", "optim.muon.adamw_lr": "4.0e-3",
                            "zero.stage": 1, "zero.bucket_mb": 0.02},
              ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=2"]),
     "lamb": ("tiny.yaml", {"optim.name": "lamb", "train.lr": "1.0e-2", "zero.stage": 2, "zero.bucket_mb": 0.02},

@@ -15,7 +15,7 @@ from megazero.train.onebit_resume import check_onebit_layout, check_rank_state_s
 from tests.runs import ROOT
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
-ONEBIT = ["optim.name=onebit_adam", "optim.freeze_step=3", "train.steps=10", "parallel.tp=1", "parallel.pp=1",
+ONEBIT = ["optim.name=onebit_adam", "optim.onebit_adam.freeze_step=3", "train.steps=10", "parallel.tp=1", "parallel.pp=1",
           "parallel.sequence_parallel=false"]
 
 
@@ -29,9 +29,9 @@ def _here(*overrides: str):
 
 @pytest.mark.parametrize("here, named", [
     (["parallel.dp=1"], "parallel.dp is 2 there and 1 here"),
-    (["optim.beta2=0.99"], "optim.beta2 is 0.95 there and 0.99 here"),
-    (["optim.eps=1.0e-6"], "optim.eps is 1e-08 there and 1e-06 here"),
-    (["optim.freeze_step=4"], "optim.freeze_step is 3 there and 4 here"),
+    (["optim.onebit_adam.beta2=0.99"], "optim.onebit_adam.beta2 is 0.95 there and 0.99 here"),
+    (["optim.onebit_adam.eps=1.0e-6"], "optim.onebit_adam.eps is 1e-08 there and 1e-06 here"),
+    (["optim.onebit_adam.freeze_step=4"], "optim.onebit_adam.freeze_step is 3 there and 4 here"),
 ])
 def test_past_the_warm_up_a_change_is_refused_naming_it(here, named):
     with pytest.raises(UserError) as e:
@@ -40,7 +40,7 @@ def test_past_the_warm_up_a_change_is_refused_naming_it(here, named):
 
 
 def test_within_the_warm_up_another_dp_and_beta2_resume():
-    check_onebit_layout(Path("ckpt"), _meta(2), _here("parallel.dp=1", "optim.beta2=0.99"))
+    check_onebit_layout(Path("ckpt"), _meta(2), _here("parallel.dp=1", "optim.onebit_adam.beta2=0.99"))
 
 
 def test_a_checkpoint_without_the_error_feedback_is_refused_for_what_it_lacks():

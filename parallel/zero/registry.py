@@ -1,0 +1,131 @@
+"""The optimizers ZeRO can run, one row each: ``optim.name`` picks a row, ``optim.<name>.*`` is its section.
+
+A new optimizer is a file in ``parallel/zero/`` with a class that fulfils ``parallel.zero.update.Update`` and a
+factory, plus one row here. Everything that lists optimizers reads this table: the config's sections and their
+ranges, the valid names of ``optim.name`` and the refusal of the flat keys that moved (``megazero.config``), the
+engine's build, the planner's extra step work, what a checkpoint keeps per rank.
+
+This file imports neither torch nor an optimizer's file: loading a config stays torch-free
+(``tests/config/test_resolve.py``), so each section is declared beside its row and the factories import their
+file when first called. A section declares its keys with a comment each, the keys' bounds (``RANGES``: (min,
+max); ``PROBABILITY``: in [0, 1)), as ``megazero.config.ranges`` reads them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from megazero.parallel.zero.update import Update, UpdateContext
+
+_EPS = (1e-30, 1.0)  # 0 makes 0/0 of a gradient that has been 0 so far; past 1 it is plain momentum SGD
+_STEPS = 2 ** 31 - 1  # a step count: int32, as train.steps
+
+
+@dataclass(frozen=True)
+class Row:
+    """One optimizer: its name (``optim.name``), its config section (the dataclass of ``optim.<name>``), the factory
+    that builds one ZeRO partition's update from the section's values, and what else it declares."""
+
+    name: str
+    section: type
+    factory: Callable[[Any, "UpdateContext"], "Update"]
+    rank_state: bool = False  # keeps state per rank (Update.rank_state): a checkpoint stores it by global rank
+    offload: bool = True  # its states may live on the host (zero.offload_optimizer=cpu)
+    shards_grads: bool = True  # runs where ZeRO shards the gradients (stages 2-3)
+
+
+# ----- AdamW (parallel.zero.adamw) --------------------------------------------------------------------------------
+@dataclass
+class AdamWSection:
+    """``optim.adamw``: Loshchilov & Hutter's AdamW; the learning rate and the decay are train.*'s."""
+
+    beta1: float = 0.9  # the first moment's decay
+    beta2: float = 0.95  # the second moment's decay
+    eps: float = 1.0e-8  # added to sqrt(v): a gradient that stayed 0 moves by 0, not 0/0
+
+    RANGES = {"eps": _EPS}
+    PROBABILITY = ("beta1", "beta2")
+
+
+def _adamw(section: AdamWSection, ctx: "UpdateContext") -> "Update":
+    from megazero.parallel.zero.adamw import make_adamw
+
+    return make_adamw(section, ctx)
+
+
+# ----- LAMB (parallel.zero.lamb) ----------------------------------------------------------------------------------
+@dataclass
+class LambSection:
+    """``optim.lamb``: You et al.'s LAMB, AdamW's direction scaled per layer by the trust ratio."""
+
+    beta1: float = 0.9  # the first moment's decay
+    beta2: float = 0.95  # the second moment's decay
+    eps: float = 1.0e-8  # added to sqrt(v) before the trust ratio
+
+    RANGES = {"eps": _EPS}
+    PROBABILITY = ("beta1", "beta2")
+
+
+def _lamb(section: LambSection, ctx: "UpdateContext") -> "Update":
+    from megazero.parallel.zero.lamb import make_lamb
+
+    return make_lamb(section, ctx)
+
+
+# ----- Muon (parallel.zero.muon) ----------------------------------------------------------------------------------
+@dataclass
+class MuonSection:
+    """``optim.muon``: Newton-Schulz-orthogonalised momentum on the layers' matrices, AdamW on the rest."""
+
+    momentum: float = 0.95  # the matrices' momentum
+    nesterov: bool = True  # Nesterov's form of the momentum
+    ns_steps: int = 5  # Newton-Schulz steps per matrix and step
+    # the peak learning rate of the parameters AdamW keeps (embeddings, head, vectors), on train.lr's schedule;
+    # 0 is train.lr itself
+    adamw_lr: float = 0.0
+    beta1: float = 0.9  # the first moment's decay of the parameters AdamW keeps
+    beta2: float = 0.95  # the second moment's decay of the parameters AdamW keeps
+    eps: float = 1.0e-8  # AdamW's eps for the parameters it keeps
+
+    RANGES = {"ns_steps": (1, 100),  # 5 are published; each is three matmuls of the matrix's size
+              "adamw_lr": (0.0, 1e9),  # as train.lr
+              "eps": _EPS}
+    PROBABILITY = ("momentum", "beta1", "beta2")
+
+
+def _muon(section: MuonSection, ctx: "UpdateContext") -> "Update":
+    from megazero.parallel.zero.muon import make_muon
+
+    return make_muon(section, ctx)
+
+
+# ----- 1-bit Adam (parallel.zero.onebit_adam) ---------------------------------------------------------------------
+@dataclass
+class OnebitAdamSection:
+    """``optim.onebit_adam``: Tang et al.'s 1-bit Adam, AdamW's warm-up then a frozen variance and signs."""
+
+    beta1: float = 0.9  # the momentum's decay
+    beta2: float = 0.95  # the variance's decay (frozen after the warm-up)
+    eps: float = 1.0e-8  # added to sqrt(v); elements with sqrt(v_hat) <= eps are left out of the compression
+    # the last step of the full-precision AdamW warm-up; from the next one the variance is frozen and the momentum
+    # is all-reduced as signs (Tang et al. 2021 warm up for 15-25% of the run)
+    freeze_step: int = 1000
+
+    RANGES = {"eps": _EPS, "freeze_step": (1, _STEPS)}  # rules.py also keeps freeze_step below train.steps
+    PROBABILITY = ("beta1", "beta2")
+
+
+def _onebit_adam(section: OnebitAdamSection, ctx: "UpdateContext") -> "Update":
+    from megazero.parallel.zero.onebit_adam import make_onebit_adam
+
+    return make_onebit_adam(section, ctx)
+
+
+OPTIMIZERS: dict[str, Row] = {
+    "adamw": Row("adamw", AdamWSection, _adamw),
+    "lamb": Row("lamb", LambSection, _lamb),
+    "muon": Row("muon", MuonSection, _muon, offload=False),
+    "onebit_adam": Row("onebit_adam", OnebitAdamSection, _onebit_adam, rank_state=True, offload=False,
+                       shards_grads=False),
+}
