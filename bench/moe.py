@@ -199,9 +199,10 @@ def bench_layer(args: argparse.Namespace) -> list[str]:
 
 def _ep_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
     from megazero.parallel.topology import Grid
+    from megazero.parallel.dims import ParallelDims
 
     cfg = model_cfg(args)
-    grids = {name: Grid.build(tp=1, pp=1, dp=world, ep=ep) for name, ep in zip(EP, (1, world))}
+    grids = {name: Grid.build(ParallelDims(tp=1, ep=ep, pp=1, dp=world)) for name, ep in zip(EP, (1, world))}
     layers = {name: build_moe(cfg, g.ep_comm) for name, g in grids.items()}
     x, dy = _inputs(cfg, args.tokens // world, rank)
 

@@ -30,6 +30,7 @@ from megazero.engine.build import make_executor, make_schedules, make_zero  # no
 from megazero.engine.step import train_step  # noqa: E402
 from megazero.models.build import build_gpt  # noqa: E402
 from megazero.parallel.topology import Grid  # noqa: E402
+from megazero.parallel.dims import ParallelDims
 
 M = 2
 
@@ -53,7 +54,7 @@ def main() -> int:
     device = torch.device("cuda" if cuda else "cpu")
     cfg = ModelConfig(layers=args.layers, hidden=args.hidden, heads=args.heads, seq_len=args.seq,
                       vocab_size=args.vocab)
-    grid = Grid.build(1, 1, 1, device.type)
+    grid = Grid.build(ParallelDims(tp=1, pp=1, dp=1), device.type)
     model = build_gpt(cfg, 0, device=device, tp=grid.tp_comm)
     offloaded = ZeroConfig(stage=2, reshard_after_forward=True, offload_optimizer="cpu")
     zero = make_zero([model], grid, offloaded, "bf16", 0.1, device, adam_impl="fused")

@@ -43,6 +43,7 @@ from megazero.parallel.pipeline import partition_layers  # noqa: E402
 from megazero.parallel.schedule_analysis import simulate  # noqa: E402
 from megazero.parallel.schedules import build_schedule  # noqa: E402
 from megazero.parallel.topology import Grid  # noqa: E402
+from megazero.parallel.dims import ParallelDims
 from tests.dist import run_ranks  # noqa: E402
 
 WARMUP = 2
@@ -76,7 +77,7 @@ def _bench_rank(rank: int, world: int, args) -> dict:
     torch.set_num_threads(1)
     pp, m = args.pp, args.microbatches
     cfg = model_cfg(args)
-    grid = Grid.build(tp=1, pp=pp, dp=1, device_type="cpu")
+    grid = Grid.build(ParallelDims(tp=1, pp=pp, dp=1), "cpu")
     device = torch.device("cpu")
     gen = torch.Generator().manual_seed(DATA_SEED)
     batch = torch.randint(0, cfg.vocab_size, (m * args.micro_batch, cfg.seq_len + 1), generator=gen)

@@ -42,11 +42,11 @@ OFFLOADED = {"gpt13b_64", "gpt3_175b_1f1b"}  # also run once with the optimizer 
 
 
 def binding_ranks(cfg, every: bool) -> list[int]:
-    from megazero.parallel.topology import coords_to_rank
+    from megazero.parallel.dims import ParallelDims
 
     p = cfg.parallel
     stages = range(p.pp) if every else sorted({0, min(1, p.pp - 1), p.pp - 1})
-    return [coords_to_rank(s, 0, 0, p.tp, p.dp, 0, p.cp) for s in stages]
+    return [ParallelDims.of(p).rank(s) for s in stages]
 
 
 def run_case(name: str, path, overrides: list[str], every: bool) -> list[dict]:

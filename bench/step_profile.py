@@ -41,6 +41,7 @@ from megazero.config.load import load_config  # noqa: E402
 from megazero.config.resolve import resolve  # noqa: E402
 from megazero.train.trainer import Trainer  # noqa: E402
 from megazero.parallel.topology import Grid  # noqa: E402
+from megazero.parallel.dims import ParallelDims
 
 WARMUP, WINDOWS, WINDOW_STEPS, PROFILED = 5, 3, 20, 3
 GPT2_SMALL = ["model.layers=12", "model.hidden=768", "model.heads=12", "model.seq_len=1024",
@@ -97,7 +98,7 @@ def profile_set(config: str, sets: list[str], attention: str, adam: str, smoke: 
         device = torch.device(cfg.launch.device if cfg.launch.device != "auto" else
                               ("cuda" if torch.cuda.is_available() else "cpu"))
         resolve(cfg, 1, device.type)  # as pretrain.py's entry point does
-        trainer = Trainer(cfg, Grid.build(1, 1, 1, device.type), device)
+        trainer = Trainer(cfg, Grid.build(ParallelDims(tp=1, pp=1, dp=1), device.type), device)
         warmup, windows, window_steps, profiled = (1, 2, 2, 1) if smoke else (WARMUP, WINDOWS, WINDOW_STEPS, PROFILED)
         for _ in range(warmup):
             trainer.train_step()

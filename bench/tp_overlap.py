@@ -51,6 +51,7 @@ from megazero.config.schema import ModelConfig  # noqa: E402
 from megazero.models.build import build_gpt  # noqa: E402
 from megazero.parallel.comm import Comm  # noqa: E402
 from megazero.parallel.topology import Grid  # noqa: E402
+from megazero.parallel.dims import ParallelDims
 
 WARMUP = 3
 VOCAB, HEAD_DIM, MODEL_SEED, DATA_SEED = 1024, 64, 0, 1234
@@ -129,7 +130,7 @@ def _bench_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
         torch.device("cpu"))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    grid = Grid.build(world, 1, 1, device.type)
+    grid = Grid.build(ParallelDims(tp=world, pp=1, dp=1), device.type)
     cfg = _model_cfg(args)
     models = {on: build_gpt(cfg, MODEL_SEED, device=device, tp=grid.tp_comm, sequence_parallel=args.sequence_parallel,
                             tp_overlap=on) for on in (True, False)}
@@ -183,7 +184,7 @@ def _halves_alone(args: argparse.Namespace) -> float:
     torch.set_num_threads(args.threads)
     dist.init_process_group("fake", rank=0, world_size=args.tp, store=FakeStore())
     try:
-        grid = Grid.build(args.tp, 1, 1, "cpu")
+        grid = Grid.build(ParallelDims(tp=args.tp, pp=1, dp=1), "cpu")
         models = {on: build_gpt(_model_cfg(args), MODEL_SEED, tp=grid.tp_comm,
                                 sequence_parallel=args.sequence_parallel, tp_overlap=on) for on in (True, False)}
         x = torch.randint(0, VOCAB, (args.micro_batch, args.seq), generator=torch.Generator().manual_seed(DATA_SEED))

@@ -46,6 +46,7 @@ from megazero.engine.build import make_executor, make_schedules, make_zero  # no
 from bench.timing import timed_between_barriers  # noqa: E402
 from megazero.models.build import build_gpt  # noqa: E402
 from megazero.parallel.topology import Grid  # noqa: E402
+from megazero.parallel.dims import ParallelDims
 from megazero.engine.step import train_step  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 
@@ -173,7 +174,7 @@ def _max_diff(a: dict, b: dict) -> float:
 def _bench_rank(rank: int, world: int, steps: int, repeats: int, size: str) -> dict:
     _use(size)
     torch.set_num_threads(1)
-    grid = Grid.build(tp=1, pp=1, dp=world, device_type="cpu")
+    grid = Grid.build(ParallelDims(tp=1, pp=1, dp=world), "cpu")
     tokens = world * M * MICRO_BATCH * SEQ_LEN  # the global batch's tokens
     zeros, contenders, torch_bytes, impls, errors = {}, {}, {}, {}, {}
     for name, (stage, overlap) in STAGES.items():

@@ -21,48 +21,18 @@ from typing import Optional
 import torch.distributed as dist
 
 from megazero.parallel.comm import Comm, CommCounter
+from megazero.parallel.dims import Coords, ParallelDims
 
 
-def rank_to_coords(rank: int, tp: int, pp: int, dp: int, cp: int = 1) -> tuple[int, int, int, int]:
-    """(pp_rank, dp_rank, cp_rank, tp_rank) of a global rank."""
-    assert 0 <= rank < tp * pp * dp * cp, (rank, tp, pp, dp, cp)
-    return rank // (dp * cp * tp), (rank // (cp * tp)) % dp, (rank // tp) % cp, rank % tp
-
-
-def coords_to_rank(pp_rank: int, dp_rank: int, tp_rank: int, tp: int, dp: int, cp_rank: int = 0, cp: int = 1) -> int:
-    return ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
-
-
-DIMS = ("pp", "dp", "cp", "tp")
-
-
-def group_ranks(dim: str, tp: int, pp: int, dp: int, cp: int = 1) -> list[list[int]]:
-    """Every group of the given dimension, as lists of global ranks (what the mesh builds)."""
-    assert dim in DIMS, dim
-    groups: dict[tuple, list[int]] = {}
-    for r in range(tp * pp * dp * cp):
-        c = dict(zip(DIMS, rank_to_coords(r, tp, pp, dp, cp)))
-        key = tuple(v for k, v in c.items() if k != dim)
-        groups.setdefault(key, []).append(r)
-    return [sorted(g) for _, g in sorted(groups.items())]
-
-
-def embedding_group_ranks(tp: int, pp: int, dp: int, cp: int = 1) -> list[list[int]]:
-    """For each (dp, cp, tp) position, the first- and last-stage ranks that both hold the tied embedding."""
-    return [[coords_to_rank(0, d, t, tp, dp, c, cp), coords_to_rank(pp - 1, d, t, tp, dp, c, cp)]
-            for d in range(dp) for c in range(cp) for t in range(tp)]
-
-
-def new_embedding_group(tp: int, pp: int, dp: int, timeout: Optional[timedelta] = None,
-                        cp: int = 1) -> Optional[dist.ProcessGroup]:
+def new_embedding_group(dims: ParallelDims, timeout: Optional[timedelta] = None) -> Optional[dist.ProcessGroup]:
     """Megatron's embedding group: sums the two copies' gradients so the tied weights stay equal.
 
     Collective: every rank creates every group, and keeps its own.
     """
-    if pp == 1:
+    if dims.pp == 1:
         return None
     mine = None
-    for ranks in embedding_group_ranks(tp, pp, dp, cp):
+    for ranks in dims.embedding_groups():
         group = dist.new_group(ranks, timeout=timeout)
         if dist.get_rank() in ranks:
             mine = group
@@ -86,12 +56,8 @@ class Grid:
     experts': edp x cp.
     """
 
-    tp: int
-    pp: int
-    dp: int
+    dims: ParallelDims = field(default_factory=ParallelDims)
     rank: int = 0
-    ep: int = 1  # expert-parallel ranks, carved out of dp (dp_rank = edp_rank * ep + ep_rank)
-    cp: int = 1  # context-parallel ranks: each sample's sequence split over them (parallel.context)
     mesh: object = None
     tp_group: Optional[dist.ProcessGroup] = None
     dp_group: Optional[dist.ProcessGroup] = None
@@ -128,23 +94,22 @@ class Grid:
 
     @classmethod
     def single(cls) -> "Grid":
-        return cls(tp=1, pp=1, dp=1, rank=0)
+        return cls(ParallelDims(), rank=0)
 
     @classmethod
-    def build(cls, tp: int, pp: int, dp: int, device_type: str = "cpu", timeout: Optional[timedelta] = None,
-              ep: int = 1, cp: int = 1) -> "Grid":
+    def build(cls, dims: ParallelDims, device_type: str = "cpu", timeout: Optional[timedelta] = None) -> "Grid":
         """Build the DeviceMesh over the initialised default process group.
 
         ``timeout`` bounds the collectives of every group (launch.timeout_minutes): a group made without one
         gets torch's default (30 minutes on gloo, 10 on NCCL), not the world group's."""
         if not dist.is_initialized():
-            assert tp * pp * dp * cp == 1, "a multi-rank grid needs an initialised process group"
+            assert dims.world == 1, "a multi-rank grid needs an initialised process group"
             return cls.single()
         world = dist.get_world_size()
-        assert tp * pp * dp * cp == world, f"tp*pp*dp*cp={tp * pp * dp * cp} != world size {world}"
+        assert dims.world == world, f"{dims}: {dims.world} ranks != world size {world}"
         from torch.distributed.device_mesh import init_device_mesh
 
-        assert dp % ep == 0, f"parallel.ep={ep} must divide dp={dp}"
+        tp, pp, dp, ep, cp = dims.tp, dims.pp, dims.dp, dims.ep, dims.cp
         names = ("pp", "dp", "cp", "tp") if ep == 1 else ("pp", "edp", "ep", "cp", "tp")
         shape = (pp, dp, cp, tp) if ep == 1 else (pp, dp // ep, ep, cp, tp)
         override = None
@@ -163,9 +128,29 @@ class Grid:
                           grad_group=_mesh_groups(mesh, dp_dims + ("cp",), "dp_cp", override))
             if ep > 1:
                 groups.update(expert_grad_group=_mesh_groups(mesh, ("edp", "cp"), "edp_cp", override))
-        return cls(tp=tp, pp=pp, dp=dp, rank=dist.get_rank(), mesh=mesh, ep=ep, cp=cp,
-                   tp_group=mesh.get_group("tp"), pp_group=mesh.get_group("pp"),
-                   embed_group=new_embedding_group(tp, pp, dp, timeout, cp), timeout=timeout, **groups)
+        return cls(dims, rank=dist.get_rank(), mesh=mesh, tp_group=mesh.get_group("tp"),
+                   pp_group=mesh.get_group("pp"), embed_group=new_embedding_group(dims, timeout), timeout=timeout,
+                   **groups)
+
+    @property
+    def tp(self) -> int:
+        return self.dims.tp
+
+    @property
+    def pp(self) -> int:
+        return self.dims.pp
+
+    @property
+    def dp(self) -> int:
+        return self.dims.dp
+
+    @property
+    def ep(self) -> int:
+        return self.dims.ep
+
+    @property
+    def cp(self) -> int:
+        return self.dims.cp
 
     def tp_replica_comm(self, size: int) -> Comm:
         """This rank's group of ``size`` consecutive tp ranks: the ranks that hold one replicated k/v head when
@@ -176,7 +161,7 @@ class Grid:
         if size not in self.replica_comms:
             mine = None
             if size > 1 and dist.is_initialized():
-                for group in group_ranks("tp", self.tp, self.pp, self.dp, self.cp):
+                for group in self.dims.groups("tp"):
                     for start in range(0, self.tp, size):
                         made = dist.new_group(group[start:start + size], timeout=self.timeout)
                         if self.rank in group[start:start + size]:
@@ -203,12 +188,12 @@ class Grid:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp * self.cp
+        return self.dims.world
 
     @property
-    def coords(self) -> tuple[int, int, int, int]:
+    def coords(self) -> Coords:
         """(pp_rank, dp_rank, cp_rank, tp_rank)."""
-        return rank_to_coords(self.rank, self.tp, self.pp, self.dp, self.cp)
+        return self.dims.coords(self.rank)
 
     @property
     def pp_rank(self) -> int:
@@ -244,7 +229,7 @@ class Grid:
         return self.pp_rank == self.pp - 1
 
     def _stage_rank(self, pp_rank: int) -> int:
-        return coords_to_rank(pp_rank, self.dp_rank, self.tp_rank, self.tp, self.dp, self.cp_rank, self.cp)
+        return self.dims.rank(pp_rank, self.dp_rank, self.cp_rank, self.tp_rank)
 
     @property
     def prev_stage_rank(self) -> Optional[int]:
@@ -263,7 +248,7 @@ class Grid:
             rows = []
             for d in range(self.dp):
                 for c in range(self.cp):
-                    ranks = [coords_to_rank(p, d, t, self.tp, self.dp, c, self.cp) for t in range(self.tp)]
+                    ranks = [self.dims.rank(p, d, c, t) for t in range(self.tp)]
                     rows.append(f"dp{d}" + (f"cp{c}" if self.cp > 1 else "") + ":[%s]" % " ".join(map(str, ranks)))
             lines.append(f"  stage {p}: " + "  ".join(rows))
         lines.append(f"  this rank {self.rank}: pp={self.pp_rank} dp={self.dp_rank}"

@@ -162,10 +162,10 @@ def expert_axis(cfg: Config) -> Optional[Axis]:
 def rank_chunks(cfg: Config, rank: int) -> list[int]:
     """The virtual stages the rank's chunks run."""
     from megazero.parallel.schedules import virtual_stage
-    from megazero.parallel.topology import rank_to_coords
+    from megazero.parallel.dims import ParallelDims
 
     p = cfg.parallel
-    pp_rank = rank_to_coords(rank, p.tp, p.pp, p.dp, p.cp)[0]
+    pp_rank = ParallelDims.of(p).coords(rank).pp
     return [virtual_stage(pp_rank, c, p.pp) for c in range(p.virtual_stages)]
 
 

@@ -86,19 +86,20 @@ def simulate_rank(cfg: Config, rank: int, plan) -> RankResult:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from megazero.parallel.topology import Grid, rank_to_coords
+    from megazero.parallel.dims import ParallelDims
+    from megazero.parallel.topology import Grid
 
     p = cfg.parallel
     start = time.perf_counter()
     dist.init_process_group("fake", rank=rank, world_size=p.tp * p.pp * p.dp * p.cp, store=FakeStore())
     try:
-        grid = Grid.build(p.tp, p.pp, p.dp, "cpu", ep=p.ep, cp=p.cp)  # outside the fake mode: the mesh reads its ranks
+        grid = Grid.build(ParallelDims.of(p), "cpu")  # outside the fake mode: the mesh reads its ranks
         tracker = MemoryTracker()
         with FakeTensorMode(allow_non_fake_inputs=True):
             comm = measure(cfg, grid, torch.device("cpu"), tracker)
     finally:
         dist.destroy_process_group()
-    pp_rank = rank_to_coords(rank, p.tp, p.pp, p.dp, p.cp)[0]
+    pp_rank = ParallelDims.of(p).coords(rank).pp
     r = tracker.report()
     return RankResult(rank, pp_rank, r.peak_bytes, r.bytes, r.moment, r.host_peak_bytes, r.state_bytes,
                       comm, planned(cfg, plan.stages[pp_rank]), time.perf_counter() - start, r.build_peak_bytes)
@@ -131,7 +132,7 @@ def cpu_kernels(cfg: Config) -> None:
 
 def rank_classes(cfg: Config) -> list[int]:
     """One rank per memory class: the first rank (dp 0, tp 0) of every pipeline stage, or launch.rank."""
-    from megazero.parallel.topology import coords_to_rank
+    from megazero.parallel.dims import ParallelDims
 
     p = cfg.parallel
     world = p.tp * p.pp * p.dp * p.cp
@@ -140,7 +141,7 @@ def rank_classes(cfg: Config) -> list[int]:
             raise UserError(f"{cfg.source}: launch.rank={cfg.launch.rank} is invalid; the world has ranks 0 to "
                             f"{world - 1}")
         return [cfg.launch.rank]
-    return [coords_to_rank(s, 0, 0, p.tp, p.dp, 0, p.cp) for s in range(p.pp)]
+    return [ParallelDims.of(p).rank(s) for s in range(p.pp)]
 
 
 def memory_limit(cfg: Config) -> float:
@@ -188,13 +189,14 @@ def layer_activation_bytes(cfg: Config, tp_rank: int = 0) -> int:
 
     from megazero.models.build import build_gpt
     from megazero.models.llama import kv_replicas_needed
+    from megazero.parallel.dims import ParallelDims
     from megazero.parallel.topology import Grid
     from megazero.parallel.zero import DTYPES
 
     p, m, t = cfg.parallel, cfg.model, cfg.train
     dist.init_process_group("fake", rank=tp_rank, world_size=p.tp, store=FakeStore())
     try:
-        grid = Grid.build(p.tp, 1, 1, "cpu")
+        grid = Grid.build(ParallelDims(tp=p.tp, pp=1, dp=1), "cpu")
         kv_replicas = grid.tp_replica_comm(kv_replicas_needed(m, p.tp))
         held = []
         with FakeTensorMode(allow_non_fake_inputs=True):

@@ -17,10 +17,10 @@ from megazero.plan.stage_plan import make_plan
 
 def plan_stage(cfg: Config, rank: int) -> int:
     """The pipeline stage a rank runs."""
-    from megazero.parallel.topology import rank_to_coords
+    from megazero.parallel.dims import ParallelDims
 
     p = cfg.parallel
-    return rank_to_coords(rank, p.tp, p.pp, p.dp, p.cp)[0]
+    return ParallelDims.of(p).coords(rank).pp
 
 
 def run_simulation(cfg: Config, full: bool = False) -> int:

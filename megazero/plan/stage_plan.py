@@ -35,7 +35,7 @@ from megazero.models import arch
 from megazero.parallel.balance import balance_layers, rank_costs
 from megazero.parallel.pipeline import partition_layers
 from megazero.parallel.schedules import Action, virtual_stage
-from megazero.parallel.topology import coords_to_rank
+from megazero.parallel.dims import ParallelDims
 
 GB = 1e9
 
@@ -154,8 +154,8 @@ def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action], p
                          for vs in chunks) if m.activation_checkpointing else 0
     all_recomputed = sum(recomputed(vs) for vs in chunks) if m.activation_checkpointing else 0
     # a range, not a list: a search plans hundreds of layouts of up to a million ranks each
-    first = coords_to_rank(r, 0, 0, par.tp, par.dp, 0, par.cp)
-    last = coords_to_rank(r, par.dp - 1, par.tp - 1, par.tp, par.dp, par.cp - 1, par.cp)
+    dims = ParallelDims.of(par)
+    first, last = dims.rank(r), dims.rank(r, par.dp - 1, par.cp - 1, par.tp - 1)
     assert last - first + 1 == par.tp * par.dp * par.cp, (first, last, par.tp, par.dp, par.cp)  # contiguous
     return StagePlan(r, range(first, last + 1), [ranges[vs] for vs in chunks], psi, replicated, state, ckpt, full,
                      count, max(head), flops, gathered_bytes(cfg, chunks, ranges, psi, params),

@@ -33,6 +33,7 @@ def run(config_path: str, overrides: list[str]) -> list[dict]:
     from megazero.train.run_lock import lock_run
     from megazero.train.signals import StopSignals, StoppedEarly
     from megazero.parallel.topology import Grid
+    from megazero.parallel.dims import ParallelDims
 
     info = launch.process_info()
     local_world = launch.local_world_size()
@@ -61,9 +62,8 @@ def run(config_path: str, overrides: list[str]) -> list[dict]:
         created, grid, lock = False, None, None
         try:
             created = launch.init_distributed(info, device, cfg.launch.timeout_minutes)
-            grid = Grid.build(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, device.type,
-                              timedelta(minutes=cfg.launch.timeout_minutes), ep=cfg.parallel.ep,
-                              cp=cfg.parallel.cp)
+            grid = Grid.build(ParallelDims.of(cfg.parallel), device.type,
+                              timeout=timedelta(minutes=cfg.launch.timeout_minutes))
             lock = lock_run(cfg, grid)  # one run per log.dir: refused on every rank before the folder is used
             start = plan_start(cfg)  # continue, start afresh or refuse: decided from the folder, before any build
             launch.seed_everything(cfg.train.seed)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from megazero.config.schema import Config
 from megazero.errors import UserError
-from megazero.parallel.topology import Grid, coords_to_rank
+from megazero.parallel.topology import Grid
 
 LOCK_NAME = "run.lock"
 _HOLDER_WAIT_S = 1.0  # how long a refused run waits for a holder that has just locked to write its name
@@ -35,7 +35,7 @@ _HOLDER_WAIT_S = 1.0  # how long a refused run waits for a holder that has just 
 def writer_rank(grid: Grid) -> int:
     """The rank that writes the run's logs and commits its checkpoints: the last stage's first rank (it holds
     the loss)."""
-    return coords_to_rank(grid.pp - 1, 0, 0, grid.tp, grid.dp, 0, grid.cp)
+    return grid.dims.rank(grid.pp - 1)
 
 
 class RunLock:

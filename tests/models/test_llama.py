@@ -182,13 +182,14 @@ def _gathers_waited(rank, world):
     from megazero.engine.step import train_step
     from megazero.models.build import build_gpt
     from megazero.parallel.topology import Grid
+    from megazero.parallel.dims import ParallelDims
     from tests.runs import executor_for
 
     m = ModelConfig(arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab_size=512,
                     seq_len=16)
     resolve_arch(m)
     model = build_gpt(m, 0)
-    grid = Grid.build(1, 1, world, "cpu")
+    grid = Grid.build(ParallelDims(tp=1, pp=1, dp=world), "cpu")
     zero = make_zero([model], grid, ZeroConfig(stage=1, bucket_mb=0.02, reshard_after_forward=True), "fp32", 0.0)
     ids = torch.randint(0, 500, (2, 17), generator=torch.Generator().manual_seed(rank))
     pending, buckets = [], len(zero.buckets)

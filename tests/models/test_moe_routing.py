@@ -85,8 +85,9 @@ def _run_case(layer, xs: list[torch.Tensor]):
 
 def _edge_cases(rank, world):
     from megazero.parallel.topology import Grid
+    from megazero.parallel.dims import ParallelDims
 
-    grid = Grid.build(tp=1, pp=1, dp=world, ep=world)
+    grid = Grid.build(ParallelDims(tp=1, ep=world, pp=1, dp=world))
     results = {}
     for case, top_k in (("one_expert", 2), ("idle_expert", 2), ("all_experts", 8)):
         layer = _layer(top_k, grid.ep_comm, _steer(case))

@@ -15,6 +15,7 @@ from megazero.config.schema import OptimConfig, ZeroConfig
 from megazero.parallel.zero.registry import LambSection
 from megazero.engine.build import make_zero
 from megazero.parallel.topology import Grid
+from megazero.parallel.dims import ParallelDims
 from tests.runs import ROOT, steps_recording_gradients
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -49,7 +50,7 @@ def test_two_steps_equal_lamb_from_the_paper(stage):
     from megazero.models.build import build_gpt
 
     cfg = load_config(TINY, ["parallel.tp=1", "parallel.pp=1", "model.layers=2"]).model
-    grid = Grid.build(1, 1, 1, "cpu")
+    grid = Grid.build(ParallelDims(tp=1, pp=1, dp=1), "cpu")
     model = build_gpt(cfg, 0, tp=grid.tp_comm)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     decays = {n: p.dim() >= 2 for n, p in model.named_parameters()}
@@ -77,7 +78,7 @@ def test_adamw_reports_no_trust_ratio():
     from megazero.models.build import build_gpt
 
     cfg = load_config(TINY, ["parallel.tp=1", "parallel.pp=1", "model.layers=1"]).model
-    grid = Grid.build(1, 1, 1, "cpu")
+    grid = Grid.build(ParallelDims(tp=1, pp=1, dp=1), "cpu")
     zero = make_zero([build_gpt(cfg, 0, tp=grid.tp_comm)], grid, ZeroConfig(stage=0, reshard_after_forward=True),
                      "fp32", WD, torch.device("cpu"))
     assert zero.optimizer_record() == {}

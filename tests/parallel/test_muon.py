@@ -19,6 +19,7 @@ from megazero.config.schema import OptimConfig, ZeroConfig
 from megazero.parallel.zero.registry import MuonSection
 from megazero.engine.build import make_zero
 from megazero.parallel.topology import Grid
+from megazero.parallel.dims import ParallelDims
 from tests.runs import ROOT, steps_recording_gradients
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -79,7 +80,7 @@ def test_steps_equal_muon_from_the_paper(arch, stage):
 
     extra = ["model.arch=llama", "model.kv_heads=2", "model.tie_embeddings=false"] if arch == "llama" else []
     cfg = load_config(TINY, ["parallel.tp=1", "parallel.pp=1", "model.layers=2"] + extra).model
-    grid = Grid.build(1, 1, 1, "cpu")
+    grid = Grid.build(ParallelDims(tp=1, pp=1, dp=1), "cpu")
     model = build_gpt(cfg, 0, tp=grid.tp_comm)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     matrices = {n for n, p in model.named_parameters() if n.startswith("layers.") and p.dim() == 2}

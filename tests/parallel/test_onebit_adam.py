@@ -48,11 +48,12 @@ def _ranks(rank, world):
     from megazero.engine.step import train_step
     from megazero.models.build import build_gpt
     from megazero.parallel.topology import Grid
+    from megazero.parallel.dims import ParallelDims
 
     cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), SIZES).model
     out = []
     for stage in (0, 1):
-        grid = Grid.build(1, 1, world, "cpu")
+        grid = Grid.build(ParallelDims(tp=1, pp=1, dp=world), "cpu")
         model = build_gpt(cfg, 0, tp=grid.tp_comm)
         grads: list[dict] = []
 

@@ -132,10 +132,11 @@ def _train(rank: int, world: int, stage: int) -> dict:
     from megazero.engine.step import train_step
     from megazero.models.build import build_gpt
     from megazero.parallel.topology import Grid
+    from megazero.parallel.dims import ParallelDims
 
     OPTIMIZERS["toy_sgd"] = ROW  # a spawned rank imports the registry afresh: the row is registered here too
     cfg = load_config(TINY, ["parallel.tp=1", "parallel.pp=1", "model.layers=2", "model.seq_len=32"]).model
-    grid = Grid.build(1, 1, world, "cpu")
+    grid = Grid.build(ParallelDims(tp=1, pp=1, dp=world), "cpu")
     model = build_gpt(cfg, 0, tp=grid.tp_comm)
     zero = make_zero([model], grid, ZeroConfig(stage=stage, bucket_mb=0.01, reshard_after_forward=True), "fp32",
                      0.0, torch.device("cpu"), optim=TOY)  # the builder's path: the row's factory and section

@@ -20,6 +20,7 @@ from megazero.engine.step import forward_backward
 from megazero.models.build import build_gpt
 from megazero.parallel.schedules import batches
 from megazero.parallel.topology import Grid
+from megazero.parallel.dims import ParallelDims
 from tests.dist import run_ranks, start_ranks
 from tests.runs import ROOT, engine_for, read_metrics, small_overrides, write_corpus
 
@@ -45,7 +46,7 @@ def _gradient_checks(rank, world, text, cache, base):
     for name, extra in SCHEDULES.items():
         cfg = load_config(TINY, _overrides(text, cache, base / f"grad_{name}", extra + ["parallel.pp=4"]))
         resolve(cfg, world, "cpu")
-        grid = Grid.build(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, "cpu")
+        grid = Grid.build(ParallelDims(tp=cfg.parallel.tp, pp=cfg.parallel.pp, dp=cfg.parallel.dp), "cpu")
         data, engine = engine_for(cfg, grid, is_builder=rank == 0)
         mbs = data.train_microbatches(0, grid.dp_rank, grid.dp, cfg.train.micro_batch, cfg.train.global_batch)
         forward_backward(engine.zero, engine.executor, engine.schedule, mbs)
@@ -68,7 +69,7 @@ def _gradient_checks(rank, world, text, cache, base):
     # pp=2 x dp=2: the data-parallel reduction runs once per step, after the last microbatch
     cfg = load_config(TINY, _overrides(text, cache, base / "dp_once", ["parallel.pp=2"]))
     resolve(cfg, world, "cpu")
-    grid = Grid.build(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, "cpu")
+    grid = Grid.build(ParallelDims(tp=cfg.parallel.tp, pp=cfg.parallel.pp, dp=cfg.parallel.dp), "cpu")
     data, engine = engine_for(cfg, grid, is_builder=rank == 0)
     mbs = data.train_microbatches(0, grid.dp_rank, grid.dp, cfg.train.micro_batch, cfg.train.global_batch)
     grid.counter.reset()

@@ -20,6 +20,7 @@ from megazero.train.run import run
 from megazero.models.build import build_gpt
 from megazero.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megazero.parallel.topology import Grid
+from megazero.parallel.dims import ParallelDims
 from tests.dist import run_ranks
 from tests.runs import ROOT, read_metrics, small_overrides, write_corpus
 
@@ -88,7 +89,7 @@ def _collectives(model, comm, x, t, counter):
 
 
 def _model_checks(rank, world, tp, sp):
-    grid = Grid.build(tp, 1, world // tp, "cpu")
+    grid = Grid.build(ParallelDims(tp=tp, pp=1, dp=world // tp), "cpu")
     torch.manual_seed(0)
     out = {}
     cfg = CFG
@@ -141,7 +142,7 @@ def _model_checks(rank, world, tp, sp):
 
 
 def _cross_entropy_checks(rank, world):
-    grid = Grid.build(world, 1, 1, "cpu")
+    grid = Grid.build(ParallelDims(tp=world, pp=1, dp=1), "cpu")
     g = torch.Generator().manual_seed(3)
     real, padded = 203, 256  # padding ids >= 203 must take no probability mass
     logits = torch.randn(3, 5, padded, generator=g) * 4
@@ -165,7 +166,7 @@ def _cross_entropy_checks(rank, world):
 def _dropout_checks(rank, world):
     """Dropout: replicated activations draw identical masks on every tp rank (shared stream), and
     activation checkpointing replays the per-rank stream of sequence-parallel dropout."""
-    grid = Grid.build(2, 1, world // 2, "cpu")
+    grid = Grid.build(ParallelDims(tp=2, pp=1, dp=world // 2), "cpu")
     cfg = replace(CFG, dropout=0.1)
     x, t = _tokens(cfg, 1 + grid.dp_rank), _tokens(cfg, 2 + grid.dp_rank)
     out = {}

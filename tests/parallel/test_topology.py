@@ -3,7 +3,9 @@ import itertools
 
 import pytest
 
-from megazero.parallel.topology import Grid, coords_to_rank, group_ranks, rank_to_coords
+from megazero.parallel.topology import Grid
+
+from megazero.parallel.dims import ParallelDims
 
 
 def factorisations(n):
@@ -22,43 +24,43 @@ def test_rank_math_is_a_bijection_with_tp_fastest(tp, pp, dp, cp):
     world = tp * pp * dp * cp
     # Independent enumeration in Megatron order: pp slowest, then dp, then cp, then tp.
     expected = list(itertools.product(range(pp), range(dp), range(cp), range(tp)))
-    assert [rank_to_coords(r, tp, pp, dp, cp) for r in range(world)] == expected
+    assert [ParallelDims(tp=tp, cp=cp, pp=pp, dp=dp).coords(r) for r in range(world)] == expected
     for r in range(world):
-        p, d, c, t = rank_to_coords(r, tp, pp, dp, cp)
-        assert coords_to_rank(p, d, t, tp=tp, dp=dp, cp_rank=c, cp=cp) == r
+        p, d, c, t = ParallelDims(tp=tp, cp=cp, pp=pp, dp=dp).coords(r)
+        assert ParallelDims(tp=tp, cp=cp, dp=dp).rank(p, d, c, t) == r
 
 
 @pytest.mark.parametrize("tp,pp,dp,cp", SHAPES)
 def test_groups_partition_the_world(tp, pp, dp, cp):
     world = tp * pp * dp * cp
     for dim, size in (("tp", tp), ("dp", dp), ("pp", pp), ("cp", cp)):
-        groups = group_ranks(dim, tp, pp, dp, cp)
+        groups = ParallelDims(tp=tp, cp=cp, pp=pp, dp=dp).groups(dim)
         assert len(groups) == world // size
         assert sorted(r for g in groups for r in g) == list(range(world))
         for g in groups:
             assert len(g) == size
-            coords = [rank_to_coords(r, tp, pp, dp, cp) for r in g]
+            coords = [ParallelDims(tp=tp, cp=cp, pp=pp, dp=dp).coords(r) for r in g]
             # every coordinate but the group's own is shared inside a group
             keep = [i for i, d in enumerate(("pp", "dp", "cp", "tp")) if d != dim]
             assert len({tuple(c[i] for i in keep) for c in coords}) == 1
     if tp > 1:  # tp groups are contiguous ranks (one node)
-        assert all(g == list(range(g[0], g[0] + tp)) for g in group_ranks("tp", tp, pp, dp, cp))
+        assert all(g == list(range(g[0], g[0] + tp)) for g in ParallelDims(tp=tp, cp=cp, pp=pp, dp=dp).groups("tp"))
     if cp > 1:  # a cp group's ranks sit tp apart, inside one block of tp*cp consecutive ranks
-        assert all(g[-1] - g[0] == (cp - 1) * tp for g in group_ranks("cp", tp, pp, dp, cp))
+        assert all(g[-1] - g[0] == (cp - 1) * tp for g in ParallelDims(tp=tp, cp=cp, pp=pp, dp=dp).groups("cp"))
 
 
 @pytest.mark.parametrize("tp,pp,dp", [(2, 2, 2), (1, 4, 2), (4, 1, 1)])
 def test_neighbours_and_stage_flags(tp, pp, dp):
     for r in range(tp * pp * dp):
-        g = Grid(tp=tp, pp=pp, dp=dp, rank=r)
+        g = Grid(ParallelDims(tp=tp, pp=pp, dp=dp), rank=r)
         p, d, c, t = g.coords
         assert g.is_first_stage == (p == 0) and g.is_last_stage == (p == pp - 1)
         if p > 0:
-            assert rank_to_coords(g.prev_stage_rank, tp, pp, dp) == (p - 1, d, c, t)
+            assert ParallelDims(tp=tp, pp=pp, dp=dp).coords(g.prev_stage_rank) == (p - 1, d, c, t)
         else:
             assert g.prev_stage_rank is None
         if p < pp - 1:
-            assert rank_to_coords(g.next_stage_rank, tp, pp, dp) == (p + 1, d, c, t)
+            assert ParallelDims(tp=tp, pp=pp, dp=dp).coords(g.next_stage_rank) == (p + 1, d, c, t)
         else:
             assert g.next_stage_rank is None
         assert f"pp={pp} x dp={dp} x tp={tp}" in str(g)
@@ -71,7 +73,7 @@ def _mesh_groups(rank, world, tp, pp, dp):
     import torch
     import torch.distributed as dist
 
-    grid = Grid.build(tp, pp, dp, "cpu")
+    grid = Grid.build(ParallelDims(tp=tp, pp=pp, dp=dp), "cpu")
     out = {"coords": grid.coords}
     for dim in ("tp", "dp", "pp"):
         group = getattr(grid, f"{dim}_group")
@@ -83,7 +85,7 @@ def _mesh_groups(rank, world, tp, pp, dp):
         out[dim + "_sum"] = t.item()
     # context parallelism: (tp 2, dp 2, cp 2) and (dp 4 with ep 2, cp 2): cp, dp x cp and edp x cp groups
     for name, kwargs in (("cp", dict(tp=2, pp=1, dp=2, cp=2)), ("cp_ep", dict(tp=1, pp=1, dp=4, ep=2, cp=2))):
-        g = Grid.build(device_type="cpu", **kwargs)
+        g = Grid.build(ParallelDims(**kwargs), "cpu")
         out[name] = {"coords": g.coords}
         for comm in ("cp_comm", "dp_comm", "grad_comm", "expert_grad_comm", "pp_comm"):
             members = [None] * g.__dict__[comm].size

@@ -27,6 +27,7 @@ from megazero.train.run import run
 from megazero.models.build import build_gpt
 from megazero.models.llama import kv_replicas_needed
 from megazero.parallel.topology import Grid
+from megazero.parallel.dims import ParallelDims
 from tests.dist import run_ranks
 from tests.runs import ROOT, read_metrics, small_overrides, write_corpus
 
@@ -165,7 +166,7 @@ def _order(grid, timeline, sp):
 def _four_ranks(rank, world, text, cache, base):
     out = {}
     for tp in (4, 2):
-        grid = Grid.build(tp, 1, world // tp, "cpu")
+        grid = Grid.build(ParallelDims(tp=tp, pp=1, dp=world // tp), "cpu")
         out[tp] = _parity(grid, tp)
         if tp == 2:
             timeline = Timeline(grid.tp_comm)

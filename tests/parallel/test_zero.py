@@ -21,7 +21,8 @@ from megazero.config.resolve import resolve
 from megazero.train.run import run
 from megazero.engine.build import make_scaler
 from megazero.engine.step import forward_backward, train_step
-from megazero.parallel.topology import Grid, group_ranks, rank_to_coords
+from megazero.parallel.topology import Grid
+from megazero.parallel.dims import ParallelDims
 from tests.dist import run_ranks, start_ranks
 from tests.parallel.test_topology import _mesh_groups
 from tests.runs import ROOT, engine_for, executor_for, read_metrics, small_overrides, write_corpus
@@ -96,7 +97,7 @@ def _engine(text, cache, base, world, extra, **values):
     """(cfg, grid, data, engine) of a one-step run of these settings."""
     cfg = load_config(TINY, _over(text, cache, base / "probe", extra, steps=1, **values))
     resolve(cfg, world, "cpu")
-    grid = Grid.build(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, "cpu")
+    grid = Grid.build(ParallelDims(tp=cfg.parallel.tp, pp=cfg.parallel.pp, dp=cfg.parallel.dp), "cpu")
     return (cfg, grid, *engine_for(cfg, grid, is_builder=grid.rank == 0))
 
 
@@ -266,9 +267,9 @@ def test_device_mesh_groups_match_rank_math(runs):
     all-gather of the members and an all-reduce in each group), in the fixture's 8-rank spawn."""
     tp, pp, dp = 2, 2, 2
     for rank, res in enumerate(runs[3]):
-        assert res["coords"] == rank_to_coords(rank, tp, pp, dp)
+        assert res["coords"] == ParallelDims(tp=tp, pp=pp, dp=dp).coords(rank)
         for dim in ("tp", "dp", "pp"):
-            expected = next(g for g in group_ranks(dim, tp, pp, dp) if rank in g)
+            expected = next(g for g in ParallelDims(tp=tp, pp=pp, dp=dp).groups(dim) if rank in g)
             assert res[dim] == expected
             assert res[dim + "_sum"] == sum(expected)
         # tp 2 x dp 2 x cp 2: rank = (dp_rank * 2 + cp_rank) * 2 + tp_rank; gradients over dp x cp
@@ -300,7 +301,7 @@ def test_stage3_creates_the_model_one_bucket_at_a_time():
     from megazero.parallel.zero import ZeroOptimizer
 
     cfg = load_config(TINY, ["parallel.tp=1", "parallel.pp=1", "model.layers=4"]).model
-    grid = Grid.build(1, 1, 1, "cpu")
+    grid = Grid.build(ParallelDims(tp=1, pp=1, dp=1), "cpu")
     model = build_gpt(cfg, 7, tp=grid.tp_comm, materialise=False)
     params = dict(model.named_parameters())
     assert all(p.is_meta for p in params.values())
@@ -336,7 +337,7 @@ def test_a_parameter_without_a_gradient_stops_the_step(stage, microbatches):
     from megazero.parallel.zero import ZeroOptimizer
 
     cfg = load_config(TINY, ["parallel.tp=1", "parallel.pp=1", "model.layers=1"]).model
-    grid = Grid.build(1, 1, 1, "cpu")
+    grid = Grid.build(ParallelDims(tp=1, pp=1, dp=1), "cpu")
     ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
 
     def step(model, microbatches):
@@ -367,7 +368,7 @@ def test_bf16_gradients_accumulate_in_fp32(stage):
     from megazero.parallel.zero import ZeroOptimizer
 
     cfg = load_config(TINY, ["parallel.tp=1", "parallel.pp=1", "model.layers=1", "model.seq_len=32"]).model
-    grid = Grid.build(1, 1, 1, "cpu")
+    grid = Grid.build(ParallelDims(tp=1, pp=1, dp=1), "cpu")
     m = 32
     ids = torch.randint(0, cfg.vocab_size, (m, 1, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
     errors = {}
@@ -403,7 +404,7 @@ def test_a_skipped_stage3_step_frees_what_it_gathered():
     from megazero.parallel.zero import ZeroOptimizer
 
     cfg = load_config(TINY, ["parallel.tp=1", "parallel.pp=1", "model.layers=2"]).model
-    grid = Grid.build(1, 1, 1, "cpu")
+    grid = Grid.build(ParallelDims(tp=1, pp=1, dp=1), "cpu")
     model = build_gpt(cfg, 0, tp=grid.tp_comm)
     zero = ZeroOptimizer([model], grid, 3, "fp16", 0.1, device=torch.device("cpu"))
     ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))

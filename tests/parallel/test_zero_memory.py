@@ -17,6 +17,7 @@ import torch
 from megazero.config.load import load_config
 from megazero.engine.step import train_step
 from megazero.parallel.topology import Grid
+from megazero.parallel.dims import ParallelDims
 from tests.dist import run_ranks
 from tests.runs import ROOT, executor_for
 
@@ -44,7 +45,7 @@ def _peaks(rank, world):
     # 256 KiB, the small activations of this model left m = 1's peak varying by 10 MB from step to step)
     assert libc.mallopt(-3, 16 * 1024) == 1
     cfg = load_config(TINY, MODEL).model
-    grid = Grid.build(1, 1, world, "cpu")
+    grid = Grid.build(ParallelDims(tp=1, pp=1, dp=world), "cpu")
     gen = torch.Generator().manual_seed(rank)
     out = {}
     for stage in (2, 3):
@@ -108,7 +109,7 @@ def test_gradient_buckets_hold_at_most_bucket_mb_in_the_gradient_dtype(precision
     from megazero.parallel.zero import ZeroOptimizer
 
     cfg = load_config(TINY, MODEL[:2] + ["model.layers=2", "model.hidden=256", "model.heads=4"]).model
-    grid = Grid.build(1, 1, 1, "cpu")
+    grid = Grid.build(ParallelDims(tp=1, pp=1, dp=1), "cpu")
     model = build_gpt(cfg, 0, tp=grid.tp_comm)
     limit = 2.0 * 2 ** 20
     from megazero.parallel.zero import BucketLayout, StagePolicy

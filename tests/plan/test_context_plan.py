@@ -75,13 +75,14 @@ def _counted(cfg, mode: str) -> float:
 
     from megazero.parallel.context import context_attention
     from megazero.parallel.topology import Grid
+    from megazero.parallel.dims import ParallelDims
     from megazero.parallel.ulysses import ulysses_attention
 
     m, cp, b = cfg.model, cfg.parallel.cp, cfg.train.micro_batch
     local = m.seq_len // cp
     dist.init_process_group("fake", rank=0, world_size=cp, store=FakeStore())
     try:
-        grid = Grid.build(1, 1, 1, "cpu", cp=cp)
+        grid = Grid.build(ParallelDims(tp=1, cp=cp, pp=1, dp=1), "cpu")
         q = torch.randn(b, m.heads, local, m.head_width, dtype=torch.bfloat16, requires_grad=True)
         k, v = (torch.randn(b, m.kv_head_count, local, m.head_width, dtype=torch.bfloat16, requires_grad=True)
                 for _ in range(2))
@@ -106,6 +107,7 @@ def test_ulysses_keeps_its_exchanged_k_v_and_a_second_output():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from megazero.parallel.dims import ParallelDims
     from megazero.plan.tracker import MemoryTracker
     from megazero.parallel.context import context_attention
     from megazero.parallel.topology import Grid
@@ -116,7 +118,7 @@ def test_ulysses_keeps_its_exchanged_k_v_and_a_second_output():
     m, cp, b = cfg.model, 4, cfg.train.micro_batch
     dist.init_process_group("fake", rank=0, world_size=cp, store=FakeStore())
     try:
-        grid, held = Grid.build(1, 1, 1, "cpu", cp=cp), {}
+        grid, held = Grid.build(ParallelDims(tp=1, cp=cp, pp=1, dp=1), "cpu"), {}
         for attend in (context_attention, ulysses_attention):
             with FakeTensorMode(allow_non_fake_inputs=True):  # a tp rank's 4 heads and 1 k/v head
                 q, k, v = (torch.zeros(b, n, m.seq_len // cp, m.head_width, dtype=torch.bfloat16, requires_grad=True)

@@ -46,6 +46,7 @@ def _dp4_ep2(rank, world, text, cache, base):
     step's expert all-to-alls (calls and bytes leaving this rank) against the plan's."""
     from megazero.engine.step import train_step
     from megazero.parallel.topology import Grid
+    from megazero.parallel.dims import ParallelDims
     from tests.runs import engine_for
 
     out = {}
@@ -55,7 +56,7 @@ def _dp4_ep2(rank, world, text, cache, base):
             "model.moe.expert_hidden=96", "model.moe.dense_layers=1", "model.layers=3", "parallel.ep=2",
             f"zero.stage={stage}", "train.precision=bf16", "train.micro_batch=1", "train.global_batch=8"]
         cfg = resolve(load_config(ROOT / "configs" / "tiny.yaml", sets), world, "cpu")
-        grid = Grid.build(1, 1, world, "cpu", ep=2)
+        grid = Grid.build(ParallelDims(tp=1, ep=2, pp=1, dp=world), "cpu")
         data, engine = engine_for(cfg, grid, is_builder=grid.rank == 0)
         planned = make_plan(cfg).stages[0]
         grid.counter.reset()

@@ -55,12 +55,13 @@ def _measure_real(rank: int, world: int, layouts: dict) -> dict:
     from megazero.plan.tracker import MemoryTracker
     from megazero.plan.simulate import measure
     from megazero.parallel.topology import Grid
+    from megazero.parallel.dims import ParallelDims
 
     out = {}
     for name, overrides in layouts.items():
         cfg = _config(overrides, world)
         p = cfg.parallel
-        grid = Grid.build(p.tp, p.pp, p.dp, "cpu")
+        grid = Grid.build(ParallelDims(tp=p.tp, pp=p.pp, dp=p.dp), "cpu")
         tracker = MemoryTracker()
         measure(cfg, grid, torch.device("cpu"), tracker)
         r = tracker.report()

@@ -16,6 +16,7 @@ from megazero.costs import attention_flops_per_token, model_flops_per_token
 from megazero.train.run import run
 from megazero.train.trainer import Trainer
 from megazero.parallel.topology import Grid
+from megazero.parallel.dims import ParallelDims
 from tests.runs import ROOT, read_metrics, small_overrides, write_corpus
 
 CONFIG = str(ROOT / "configs" / "tiny.yaml")
@@ -58,7 +59,7 @@ def test_the_counted_flops_are_the_attention_the_mask_keeps(corpus, tmp_path, ma
         "model.seq_len": 256, "data.document_mask": str(masked).lower()})
     run(CONFIG, sets)
     cfg = resolve(load_config(CONFIG, sets), 1, "cpu")
-    data = Trainer(cfg, Grid.build(1, 1, 1, "cpu"), torch.device("cpu")).data
+    data = Trainer(cfg, Grid.build(ParallelDims(tp=1, pp=1, dp=1), "cpu"), torch.device("cpu")).data
     causal, attention = model_flops_per_token(cfg.model), attention_flops_per_token(cfg.model)
     assert 0 < attention < causal
     t = cfg.train

@@ -34,12 +34,13 @@ def _train_and_sample(rank: int, world: int, corpus, tmp) -> dict[int, int]:
     from megazero.train.run_dir import plan_start
     from megazero.train.trainer import Trainer
     from megazero.parallel.topology import Grid
+    from megazero.parallel.dims import ParallelDims
 
     sets = small_overrides(corpus, tmp / "cache", tmp / "run", steps=STEPS, **{
         "parallel.tp": 2, "parallel.sequence_parallel": "true", "train.micro_batch": 8, "train.global_batch": 8,
         "log.tensorboard": "false", "train.save_every": 0})
     cfg = resolve(load_config(str(ROOT / "configs" / "tiny.yaml"), sets), world, "cpu")
-    trainer = Trainer(cfg, Grid.build(2, 1, 1, "cpu"), torch.device("cpu"), is_builder=rank == 0)
+    trainer = Trainer(cfg, Grid.build(ParallelDims(tp=2, pp=1, dp=1), "cpu"), torch.device("cpu"), is_builder=rank == 0)
     rss: dict[int, int] = {}
     original = trainer.train_step
 

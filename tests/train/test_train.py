@@ -291,6 +291,7 @@ def test_an_fp32_resume_of_a_bf16_checkpoint_takes_the_fp32_master_weights(corpu
     from megazero.config.resolve import resolve
     from megazero.train.trainer import Trainer
     from megazero.parallel.topology import Grid
+    from megazero.parallel.dims import ParallelDims
 
     text, cache = corpus
     config = str(ROOT / "configs" / "tiny.yaml")
@@ -303,7 +304,7 @@ def test_an_fp32_resume_of_a_bf16_checkpoint_takes_the_fp32_master_weights(corpu
     for stage in (0, 3):
         cfg = resolve(load_config(config, small_overrides(text, cache, tmp_path / f"fp32-{stage}", steps=3,
                                                           **{"zero.stage": stage})), 1, "cpu")
-        trainer = Trainer(cfg, Grid.build(1, 1, 1, "cpu"), torch.device("cpu"))
+        trainer = Trainer(cfg, Grid.build(ParallelDims(tp=1, pp=1, dp=1), "cpu"), torch.device("cpu"))
         trainer.load(ckpt)
         for name, value in trainer.zero.full_parameters().items():
             master = masters[f"optim/{name}/master"]
