@@ -95,12 +95,13 @@ def simulate_class(cfg: Config, rank: int, plan, say: Callable[[str], None] = pr
     start = time.perf_counter()
     axes, chunks = choose_axes(cfg, rank), rank_chunks(cfg, rank)
     tell = progress or (lambda text: None)
+    steps = None if progress is None else (lambda text: progress(f"    rank {rank}: {text}"))
     while axes:
         runs, points = {}, design(axes)
         for n, x in enumerate(points, 1):
             counts = ", ".join(f"{a.count(xi)} {a.label(cfg, chunks)}" for a, xi in zip(axes, x))
             tell(f"  rank {rank}: simulation {n} of {len(points)} ({counts}) after {time.perf_counter() - start:.0f} s")
-            runs[x] = simulate_rank(variant(cfg, chunks, axes, x), rank, plan)
+            runs[x] = simulate_rank(variant(cfg, chunks, axes, x), rank, plan, steps)
         f = fit({x: figures(r) for x, r in runs.items()}, axes)
         base = runs[(0,) * len(axes)]
         moved = {i for x, r in runs.items() if r.moment != base.moment for i, xi in enumerate(x) if xi}
@@ -115,7 +116,7 @@ def simulate_class(cfg: Config, rank: int, plan, say: Callable[[str], None] = pr
             say(f"extrapolation, rank {rank}: {a.label(cfg, chunks)} simulated at the run's {a.count(a.real)}: {why}")
         axes = [a for i, a in enumerate(axes) if i not in failed]
     tell(f"  rank {rank}: simulating every layer and microbatch after {time.perf_counter() - start:.0f} s")
-    return replace(simulate_rank(cfg, rank, plan), seconds=time.perf_counter() - start)
+    return replace(simulate_rank(cfg, rank, plan, steps), seconds=time.perf_counter() - start)
 
 
 def _result(cfg: Config, plan, runs: dict, axes: list[Axis], chunks: list[int], f: Fit,

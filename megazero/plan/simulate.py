@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -62,9 +62,11 @@ class RankResult:
     extrapolated: str = ""  # how the figures were extrapolated from smaller steps (megazero.plan.extrapolate)
 
 
-def measure(cfg: Config, grid, device: torch.device, tracker: MemoryTracker, steps: int = STEPS) -> dict:
+def measure(cfg: Config, grid, device: torch.device, tracker: MemoryTracker, steps: int = STEPS,
+            progress: Optional[Callable[[str], None]] = None) -> dict:
     """Build this rank's trainer and run ``steps`` training steps under ``tracker``; returns the comm bytes
-    of the last step by group. The same function measures a real run (tests) and a simulated one."""
+    of the last step by group. The same function measures a real run (tests) and a simulated one.
+    ``progress`` hears a line now and then while it works (``tracker.watching``)."""
     from megazero.train.trainer import Trainer
 
     with tracker:
@@ -73,15 +75,16 @@ def measure(cfg: Config, grid, device: torch.device, tracker: MemoryTracker, ste
         # the steps' peak: the build's transients are not training memory, and on a CPU run offloaded states
         # are named host memory only now (on a GPU they are host tensors from the start)
         tracker.restart_peak("after the build")
-        with watching(tracker, trainer.executor, trainer.zero):
+        with watching(tracker, trainer.executor, trainer.zero, progress):
             for _ in range(steps):
                 grid.counter.reset()
                 trainer.train_step()
     return grid.counter.sent_bytes()
 
 
-def simulate_rank(cfg: Config, rank: int, plan) -> RankResult:
-    """One rank of the config's world, on fake tensors and the fake process group."""
+def simulate_rank(cfg: Config, rank: int, plan, progress: Optional[Callable[[str], None]] = None) -> RankResult:
+    """One rank of the config's world, on fake tensors and the fake process group; ``progress`` hears how far
+    its steps are now and then (``measure``)."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -95,7 +98,7 @@ def simulate_rank(cfg: Config, rank: int, plan) -> RankResult:
         grid = Grid.build(p.tp, p.pp, p.dp, "cpu", ep=p.ep, cp=p.cp)  # outside the fake mode: the mesh reads its ranks
         tracker = MemoryTracker()
         with FakeTensorMode(allow_non_fake_inputs=True):
-            comm = measure(cfg, grid, torch.device("cpu"), tracker)
+            comm = measure(cfg, grid, torch.device("cpu"), tracker, progress=progress)
     finally:
         dist.destroy_process_group()
     pp_rank = rank_to_coords(rank, p.tp, p.pp, p.dp, p.cp)[0]

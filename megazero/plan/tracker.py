@@ -22,10 +22,11 @@ the caching allocator's rounding and fragmentation) and Python objects.
 from __future__ import annotations
 
 import functools
+import time
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -35,6 +36,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 _DEVICE = torch.ops.prim.device.default
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm", "temporaries")
+PROGRESS_S = 15.0  # seconds between progress lines of a watched step
 
 
 @dataclass
@@ -198,12 +200,23 @@ class MemoryTracker(TorchDispatchMode):
 
 
 @contextmanager
-def watching(tracker: MemoryTracker, executor: Any, zero: Any) -> Iterator[None]:
+def watching(tracker: MemoryTracker, executor: Any, zero: Any,
+             progress: Optional[Callable[[str], None]] = None) -> Iterator[None]:
     """Give a trainer's parts their roles while the block runs, by wrapping these methods on the instances
     (never the classes): the pipeline executor's forward (activations), backward, receives (comm) and run
     (the step count and the schedule phase), and ZeroOptimizer's step, its gradient buffers (grads) and its
-    post-step gather (comm)."""
+    post-step gather (comm). ``progress`` hears how far the steps are, every ``PROGRESS_S`` seconds at most
+    (a simulated step of a large stage takes minutes)."""
     state = {"step": 0, "forwards": 0, "backwards": 0, "total": 0, "in_flight": 0}
+    started = said = time.perf_counter()
+
+    def tell() -> None:
+        nonlocal said
+        now = time.perf_counter()
+        if progress is not None and now - said >= PROGRESS_S:
+            said = now
+            progress(f"step {state['step']}: {state['forwards']} forwards and {state['backwards']} backwards of "
+                     f"{state['total']} done, after {now - started:.0f} s")
 
     def phase() -> str:
         if state["backwards"] == 0:
@@ -221,8 +234,11 @@ def watching(tracker: MemoryTracker, executor: Any, zero: Any) -> Iterator[None]
         chunk = f" (model chunk {a.chunk})" if len(executor.chunks) > 1 else ""
         moment = (f"step {state['step']}, {phase()}: forward of microbatch {a.mb}{chunk}, "
                   f"{state['in_flight']} microbatches in flight")
-        with tracker.acting("activations", moment):
-            return original(a, *args, **kwargs)
+        try:
+            with tracker.acting("activations", moment):
+                return original(a, *args, **kwargs)
+        finally:
+            tell()
 
     def backward(original, a, *args, **kwargs):
         state["backwards"] += 1
@@ -234,6 +250,7 @@ def watching(tracker: MemoryTracker, executor: Any, zero: Any) -> Iterator[None]
                 return original(a, *args, **kwargs)
         finally:
             state["in_flight"] -= 1
+            tell()
 
     def roled(role: Optional[str], moment: Optional[str] = None):
         def call(original, *args, **kwargs):

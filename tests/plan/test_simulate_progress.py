@@ -1,0 +1,44 @@
+"""A long simulation is seen working: progress lines from inside each simulated step (the issue's 138 s of
+silence at cp 1024), through simulate_class's per-simulation lines."""
+from __future__ import annotations
+
+
+def _cfg():
+    from megazero.config.load import load_config
+    from megazero.config.resolve import resolve
+
+    return resolve(load_config(None, ["model.layers=2", "model.hidden=32", "model.heads=2", "model.seq_len=16",
+                                      "model.vocab_size=128", "train.micro_batch=1", "train.global_batch=7",
+                                      "parallel.dp=1"]), 1, "cpu")
+
+
+def test_each_simulation_reports_its_steps_as_they_go(monkeypatch):
+    """With no wait between lines every forward and backward is reported, under the simulation that runs it:
+    3 simulations (3, 4 and 5 microbatches) of 2 steps, the counts rising to the step's microbatches."""
+    import megazero.plan.tracker as tracker
+    from megazero.plan.extrapolate import simulate_class
+    from megazero.plan.stage_plan import make_plan
+
+    monkeypatch.setattr(tracker, "PROGRESS_S", 0.0)
+    cfg = _cfg()
+    lines: list[str] = []
+    simulate_class(cfg, 0, make_plan(cfg), lines.append, lines.append)
+    heads = [i for i, line in enumerate(lines) if line.startswith("  rank 0: simulation ")]
+    assert len(heads) == 3, lines
+    for n, (i, j) in enumerate(zip(heads, heads[1:] + [len(lines)])):
+        m, got = 3 + n, lines[i + 1:j]
+        assert len(got) == 2 * 2 * m and all(line.startswith("    rank 0: step ") for line in got), (m, got)
+        for step in (1, 2):
+            last = got[2 * m * step - 1]
+            assert last.startswith(f"    rank 0: step {step}: {m} forwards and {m} backwards of {m} done, after"), got
+
+
+def test_progress_waits_between_lines():
+    """At the default wait a step of a few milliseconds says nothing."""
+    from megazero.plan.simulate import simulate_rank
+    from megazero.plan.stage_plan import make_plan
+
+    cfg = _cfg()
+    lines: list[str] = []
+    simulate_rank(cfg, 0, make_plan(cfg), lines.append)
+    assert lines == []
