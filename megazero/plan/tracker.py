@@ -37,6 +37,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 _DEVICE = torch.ops.prim.device.default
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm", "temporaries")
 PROGRESS_S = 15.0  # seconds between progress lines of a watched step
+TICK_OPS = 4096  # ops between a watched step's looks at the clock (one forward can take minutes: cp 1024's ring)
 
 
 @dataclass
@@ -75,6 +76,8 @@ class MemoryTracker(TorchDispatchMode):
         self.state_bytes: dict[str, int] = {}
         self.build_peak = 0  # the peak before restart_peak
         self._resize = None
+        self.ops = 0
+        self.tick: Optional[Callable[[], None]] = None  # called every TICK_OPS ops (``watching``'s progress)
 
     # ----- counting -----------------------------------------------------------------------------------------
     def _count(self, entry: _Storage, sign: int) -> None:
@@ -173,6 +176,9 @@ class MemoryTracker(TorchDispatchMode):
         if any(t is DTensor for t in types):  # let DTensor unwrap to the local ops, which are seen
             return NotImplemented
         out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        if self.tick is not None and self.ops % TICK_OPS == 0:
+            self.tick()
         if isinstance(out, torch.Tensor):  # the common case, without a pytree walk
             self._see(out)
         elif isinstance(out, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in out):
@@ -210,13 +216,14 @@ def watching(tracker: MemoryTracker, executor: Any, zero: Any,
     state = {"step": 0, "forwards": 0, "backwards": 0, "total": 0, "in_flight": 0}
     started = said = time.perf_counter()
 
-    def tell() -> None:
+    def tell(within: bool = False) -> None:
         nonlocal said
         now = time.perf_counter()
-        if progress is not None and now - said >= PROGRESS_S:
+        if progress is not None and now - said >= PROGRESS_S and state["forwards"]:
             said = now
-            progress(f"step {state['step']}: {state['forwards']} forwards and {state['backwards']} backwards of "
-                     f"{state['total']} done, after {now - started:.0f} s")
+            done = f"{state['forwards']} forwards and {state['backwards']} backwards of {state['total']}"
+            progress(f"at {tracker.moment} ({done} begun), after {now - started:.0f} s" if within else
+                     f"step {state['step']}: {done} done, after {now - started:.0f} s")
 
     def phase() -> str:
         if state["backwards"] == 0:
@@ -266,8 +273,10 @@ def watching(tracker: MemoryTracker, executor: Any, zero: Any,
                (zero.reducer, "_alloc", roled("grads")), (zero.gatherer, "after_step", roled("comm"))]
     for obj, name, how in wrapped:
         setattr(obj, name, functools.partial(how, getattr(obj, name)))
+    tracker.tick = functools.partial(tell, True) if progress is not None else None
     try:
         yield
     finally:
+        tracker.tick = None
         for obj, name, _ in wrapped:
             delattr(obj, name)

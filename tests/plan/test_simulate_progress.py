@@ -27,7 +27,8 @@ def test_each_simulation_reports_its_steps_as_they_go(monkeypatch):
     heads = [i for i, line in enumerate(lines) if line.startswith("  rank 0: simulation ")]
     assert len(heads) == 3, lines
     for n, (i, j) in enumerate(zip(heads, heads[1:] + [len(lines)])):
-        m, got = 3 + n, lines[i + 1:j]
+        m, got = 3 + n, [line for line in lines[i + 1:j] if " done, after " in line]
+        assert all(" begun), after " in line for line in lines[i + 1:j] if line not in got), lines[i + 1:j]
         assert len(got) == 2 + 2 * m and all(line.startswith("    rank 0: step ") for line in got), (m, got)
         assert got[1].startswith("    rank 0: step 1: 1 forwards and 1 backwards of 1 done, after"), got
         assert got[-1].startswith(f"    rank 0: step 2: {m} forwards and {m} backwards of {m} done, after"), got
@@ -42,3 +43,21 @@ def test_progress_waits_between_lines():
     lines: list[str] = []
     simulate_rank(cfg, 0, make_plan(cfg), lines.append)
     assert lines == []
+
+
+def test_a_long_forward_is_reported_while_it_runs(monkeypatch):
+    """A forward of many ops (one of cp 1024's ring layers runs minutes) says where it is every TICK_OPS ops,
+    before its own end is reported: here every op, each line naming the moment."""
+    import megazero.plan.tracker as tracker
+    from megazero.plan.simulate import simulate_rank
+    from megazero.plan.stage_plan import make_plan
+
+    monkeypatch.setattr(tracker, "PROGRESS_S", 0.0)
+    monkeypatch.setattr(tracker, "TICK_OPS", 1)
+    cfg = _cfg()
+    lines: list[str] = []
+    simulate_rank(cfg, 0, make_plan(cfg), lines.append)
+    first_done = next(i for i, line in enumerate(lines) if " done, after " in line)
+    assert first_done > 0 and lines[0].startswith(
+        "at step 1, forwards: forward of microbatch 0, 1 microbatches in flight (1 forwards and 0 backwards of 1 "
+        "begun), after "), lines[:3]
