@@ -71,7 +71,10 @@ def measure(cfg: Config, grid, device: torch.device, tracker: MemoryTracker, ste
     from megazero.train.trainer import Trainer
 
     with tracker:
+        if progress is not None:  # a stage of thousands of layers or ranks takes a while to build too
+            tracker.tick = _building(progress)
         trainer = Trainer(cfg, grid, device, data=TokenIds(cfg.model.seq_len))
+        tracker.tick = None
         tracker.name_state(trainer.zero)
         # the steps' peak: the build's transients are not training memory, and on a CPU run offloaded states
         # are named host memory only now (on a GPU they are host tensors from the start)
@@ -84,6 +87,21 @@ def measure(cfg: Config, grid, device: torch.device, tracker: MemoryTracker, ste
                 else:
                     trainer.train_step()
     return grid.counter.sent_bytes()
+
+
+def _building(progress: Callable[[str], None]) -> Callable[[], None]:
+    """A tracker tick that says the build is still going, every ``tracker.PROGRESS_S`` at most."""
+    from megazero.plan import tracker
+
+    begun = said = time.perf_counter()
+
+    def tick() -> None:
+        nonlocal said
+        now = time.perf_counter()
+        if now - said >= tracker.PROGRESS_S:
+            said = now
+            progress(f"building the stage, after {now - begun:.0f} s")
+    return tick
 
 
 def first_step(trainer) -> None:

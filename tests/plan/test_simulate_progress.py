@@ -47,7 +47,7 @@ def test_progress_waits_between_lines():
 
 def test_a_long_forward_is_reported_while_it_runs(monkeypatch):
     """A forward of many ops (one of cp 1024's ring layers runs minutes) says where it is every TICK_OPS ops,
-    before its own end is reported: here every op, each line naming the moment."""
+    before its own end is reported: here every op, each line naming the moment; so does the build before."""
     import megazero.plan.tracker as tracker
     from megazero.plan.simulate import simulate_rank
     from megazero.plan.stage_plan import make_plan
@@ -57,6 +57,9 @@ def test_a_long_forward_is_reported_while_it_runs(monkeypatch):
     cfg = _cfg()
     lines: list[str] = []
     simulate_rank(cfg, 0, make_plan(cfg), lines.append)
+    building = [line for line in lines if line.startswith("building the stage, after ")]
+    assert building and lines[:len(building)] == building, lines[:3]  # the build's ops, before the steps
+    lines = lines[len(building):]
     first_done = next(i for i, line in enumerate(lines) if " done, after " in line)
     assert first_done > 0 and lines[0].startswith(
         "at step 1, forwards: forward of microbatch 0, 1 microbatches in flight (1 forwards and 0 backwards of 1 "
