@@ -37,7 +37,7 @@ import torch  # noqa: E402
 
 from megazero.checkpoint.writer import CheckpointWriter  # noqa: E402
 from megazero.config.schema import ModelConfig  # noqa: E402
-from models.build import build_gpt  # noqa: E402
+from megazero.models.build import build_gpt  # noqa: E402
 
 
 def trainer_state(layers: int, hidden: int, vocab: int, device: torch.device) -> dict[str, torch.Tensor]:

@@ -59,9 +59,9 @@ import torch.distributed as dist  # noqa: E402
 
 from megazero.config.schema import ModelConfig  # noqa: E402
 from megazero.costs import layers_flops_per_token  # noqa: E402
-from models.build import build_gpt  # noqa: E402
-from parallel.comm import Comm  # noqa: E402
-from parallel.sequence import SequenceSplit  # noqa: E402
+from megazero.models.build import build_gpt  # noqa: E402
+from megazero.parallel.comm import Comm  # noqa: E402
+from megazero.parallel.sequence import SequenceSplit  # noqa: E402
 
 WARMUP = 3
 VOCAB, HEAD_DIM, MODEL_SEED, DATA_SEED = 512, 64, 0, 1234
@@ -77,7 +77,7 @@ class AttentionClock:
     per rank (``--threads 1``) keeps the work on this thread."""
 
     def __init__(self) -> None:
-        import parallel.context as ring
+        import megazero.parallel.context as ring
 
         self.seconds = 0.0
         for name in ("block_attention", "block_attention_backward"):
@@ -207,7 +207,7 @@ def _bench_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
 
 def _planned_pairs(chunk: int, cp: int, rank: int) -> int:
     """(query, key) pairs this rank's ring computes by its block plan (a causal block its lower triangle)."""
-    from parallel.context import _block_plan
+    from megazero.parallel.context import _block_plan
 
     pairs = 0
     for step in range(cp):

@@ -35,7 +35,7 @@ from typing import Callable, NamedTuple, Optional  # noqa: E402
 import torch  # noqa: E402
 from torch import Tensor  # noqa: E402
 
-from kernels.grouped import grouped_mm, grouped_mm_loop, grouped_mm_supported  # noqa: E402
+from megazero.kernels.grouped import grouped_mm, grouped_mm_loop, grouped_mm_supported  # noqa: E402
 
 NAMES = ("torch._grouped_mm", "loop", "padded bmm")
 WARMUP = 3

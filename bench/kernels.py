@@ -68,7 +68,7 @@ ERROR_FACTOR = 2.0
 def _contenders() -> dict[str, Callable]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from kernels.attend import attention
+    from megazero.kernels.attend import attention
 
     def sdpa(backend):
         def run(q, k, v):
@@ -165,7 +165,7 @@ def bench_adam(sz: Sizes) -> dict:
         share = "n/a" if gbs is None else f"{100 * gbs / copy_gbs:.0f}%"
         return f"| {what} | {bytes_per} | {fmt(ms, '.2f')} | {fmt(gbs)} | {share} |"
 
-    import kernels.adam as adam
+    import megazero.kernels.adam as adam
 
     master = torch.randn(n, device=device)
     grad = torch.randn(n, device=device, dtype=torch.bfloat16)
@@ -242,7 +242,7 @@ def timed(fn: Callable[[], object], device: torch.device) -> Optional[float]:
 def bench_documents(sz: Sizes, dtype: torch.dtype) -> None:
     """Prints one row: fwd+bwd ms of causal attention over packed documents (head dim 128, or the smoke's first),
     megazero with the document mask (skipping cross-document tiles) vs causal only vs SDPA with a boolean mask."""
-    from kernels.attend import attention
+    from megazero.kernels.attend import attention
 
     s = DOC_SEQ if sz.device.type == "cuda" else sz.seqs[0]
     per = DOC_TOKENS if sz.device.type == "cuda" else max(1, s // 4)

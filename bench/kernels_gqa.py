@@ -25,7 +25,7 @@ def bench_gqa(sz: Sizes, dtype: torch.dtype) -> dict:
     worst of O, dQ, dK, dV against SDPA math in fp32 on repeated k/v. Returns {(seq, name): (TFLOP/s, error)}."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from kernels.attend import attention
+    from megazero.kernels.attend import attention
 
     d, h, group = gqa_shape(sz)
     kv = h // group

@@ -47,11 +47,11 @@ import torch.nn.functional as F  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
 from megazero.config.schema import ModelConfig, MoeConfig  # noqa: E402
-from models.llama import SwiGLU  # noqa: E402
-from models.moe import MoE, route  # noqa: E402
-from models.split import Split  # noqa: E402
-from parallel.comm import Comm  # noqa: E402
-from parallel.tp_random import TPRandom  # noqa: E402
+from megazero.models.llama import SwiGLU  # noqa: E402
+from megazero.models.moe import MoE, route  # noqa: E402
+from megazero.models.split import Split  # noqa: E402
+from megazero.parallel.comm import Comm  # noqa: E402
+from megazero.parallel.tp_random import TPRandom  # noqa: E402
 
 WARMUP, SEED, STD = 3, 0, 0.02
 SECTIONS = ("layer", "ep", "grouped")
@@ -198,7 +198,7 @@ def bench_layer(args: argparse.Namespace) -> list[str]:
 
 
 def _ep_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
-    from parallel.topology import Grid
+    from megazero.parallel.topology import Grid
 
     cfg = model_cfg(args)
     grids = {name: Grid.build(tp=1, pp=1, dp=world, ep=ep) for name, ep in zip(EP, (1, world))}

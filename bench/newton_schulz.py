@@ -25,7 +25,7 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-from kernels.newton_schulz import newton_schulz, newton_schulz_flops  # noqa: E402
+from megazero.kernels.newton_schulz import newton_schulz, newton_schulz_flops  # noqa: E402
 
 WARMUP = 3
 # a 4096-wide model's square and MLP matrices (the 4096 x 4096 first), and Llama-8B's MLP shape

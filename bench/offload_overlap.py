@@ -28,8 +28,8 @@ import torch  # noqa: E402
 from megazero.config.schema import ModelConfig, ZeroConfig  # noqa: E402
 from megazero.engine.build import make_executor, make_schedules, make_zero  # noqa: E402
 from megazero.engine.step import train_step  # noqa: E402
-from models.build import build_gpt  # noqa: E402
-from parallel.topology import Grid  # noqa: E402
+from megazero.models.build import build_gpt  # noqa: E402
+from megazero.parallel.topology import Grid  # noqa: E402
 
 M = 2
 

@@ -49,8 +49,8 @@ from typing import Callable  # noqa: E402
 
 import torch  # noqa: E402
 
-from kernels.adam import adamw, adamw_step  # noqa: E402
-from kernels.adam_cpu import decay_runs  # noqa: E402
+from megazero.kernels.adam import adamw, adamw_step  # noqa: E402
+from megazero.kernels.adam_cpu import decay_runs  # noqa: E402
 
 HYPER = dict(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 BYTES_FP32, BYTES_BF16 = 28, 26
@@ -184,12 +184,12 @@ def bench_updates(name: str, steps: int, repeats: int, warmup: int) -> list[str]
     """LAMB (parallel.zero.lamb) and Muon (parallel.zero.muon) against megazero's AdamW (fused CPU kernel) and
     torch's fused AdamW, each on the same GPT's parameters, ZeRO stage 0 on one process: the update alone, from
     one fixed reduced gradient per bucket; and Muon's Newton-Schulz iterations alone, over the same matrices."""
-    from kernels.newton_schulz import newton_schulz, newton_schulz_flops
+    from megazero.kernels.newton_schulz import newton_schulz, newton_schulz_flops
     from megazero.config.load import load_config
     from megazero.config.schema import OptimConfig, ZeroConfig
     from megazero.engine.build import make_zero
-    from models.build import build_gpt
-    from parallel.topology import Grid
+    from megazero.models.build import build_gpt
+    from megazero.parallel.topology import Grid
 
     hidden, layers, vocab = PRESETS[name]
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [

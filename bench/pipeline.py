@@ -37,12 +37,12 @@ from megazero.config.schema import ModelConfig  # noqa: E402
 from megazero.config.resolve import resolve_arch  # noqa: E402
 from megazero.costs import pipeline_costs  # noqa: E402
 from megazero.engine.build import make_executor, make_schedules  # noqa: E402
-from models.build import build_gpt  # noqa: E402
-from parallel.balance import balance_layers  # noqa: E402
-from parallel.pipeline import partition_layers  # noqa: E402
-from parallel.schedule_analysis import simulate  # noqa: E402
-from parallel.schedules import build_schedule  # noqa: E402
-from parallel.topology import Grid  # noqa: E402
+from megazero.models.build import build_gpt  # noqa: E402
+from megazero.parallel.balance import balance_layers  # noqa: E402
+from megazero.parallel.pipeline import partition_layers  # noqa: E402
+from megazero.parallel.schedule_analysis import simulate  # noqa: E402
+from megazero.parallel.schedules import build_schedule  # noqa: E402
+from megazero.parallel.topology import Grid  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 
 WARMUP = 2

@@ -42,7 +42,7 @@ OFFLOADED = {"gpt13b_64", "gpt3_175b_1f1b"}  # also run once with the optimizer 
 
 
 def binding_ranks(cfg, every: bool) -> list[int]:
-    from parallel.topology import coords_to_rank
+    from megazero.parallel.topology import coords_to_rank
 
     p = cfg.parallel
     stages = range(p.pp) if every else sorted({0, min(1, p.pp - 1), p.pp - 1})

@@ -40,7 +40,7 @@ import torch  # noqa: E402
 from megazero.config.load import load_config  # noqa: E402
 from megazero.config.resolve import resolve  # noqa: E402
 from megazero.train.trainer import Trainer  # noqa: E402
-from parallel.topology import Grid  # noqa: E402
+from megazero.parallel.topology import Grid  # noqa: E402
 
 WARMUP, WINDOWS, WINDOW_STEPS, PROFILED = 5, 3, 20, 3
 GPT2_SMALL = ["model.layers=12", "model.hidden=768", "model.heads=12", "model.seq_len=1024",
@@ -74,7 +74,7 @@ def _device_kernels(trace_path: str) -> list[dict]:
 
 def launch_cost_us(impl: str, cfg, device: torch.device, calls: int = 50) -> float:
     """Host microseconds to enqueue one attention forward at the model's head shape, batch 1."""
-    from kernels.attend import attention
+    from megazero.kernels.attend import attention
 
     h, d, s = cfg.model.heads, cfg.model.head_width, cfg.model.seq_len
     q, k, v = (torch.randn(1, h, s, d, device=device, dtype=torch.bfloat16) for _ in range(3))

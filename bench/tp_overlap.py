@@ -48,9 +48,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megazero.config.schema import ModelConfig  # noqa: E402
-from models.build import build_gpt  # noqa: E402
-from parallel.comm import Comm  # noqa: E402
-from parallel.topology import Grid  # noqa: E402
+from megazero.models.build import build_gpt  # noqa: E402
+from megazero.parallel.comm import Comm  # noqa: E402
+from megazero.parallel.topology import Grid  # noqa: E402
 
 WARMUP = 3
 VOCAB, HEAD_DIM, MODEL_SEED, DATA_SEED = 1024, 64, 0, 1234

@@ -10,7 +10,7 @@ package itself loads neither torch nor triton.
 def resolve_kernels(kernels_cfg, device_type: str, head_dim: int | None = None) -> None:
     """Turn kernels.* = auto into the implementation this machine (and model: its attention head dim) runs;
     refuse 'triton' where it cannot (a UserError, one line naming the key and what is valid here)."""
-    from kernels import adam, attend
+    from megazero.kernels import adam, attend
 
     kernels_cfg.adam = adam.resolve_impl(kernels_cfg.adam, device_type)
     kernels_cfg.attention = attend.resolve_impl(kernels_cfg.attention, device_type, head_dim)

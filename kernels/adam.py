@@ -16,8 +16,8 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from kernels.adam_cpu import Run, adamw_step_fused
-from kernels.errors import UserError
+from megazero.kernels.adam_cpu import Run, adamw_step_fused
+from megazero.kernels.errors import UserError
 
 
 def adamw_step(master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, lr: float, beta1: float,

@@ -6,7 +6,7 @@ memory of the target, spills registers to local memory, and lowers ``tl.dot`` to
 asynchronous warpgroup MMA (``wgmma``) or to the older ``mma.sync``. That is how the autotune
 sets in ``kernels.attention_configs`` were chosen, and how the tests keep them valid.
 
-    python -m kernels.aot [--arch 90] [--head-dims 64,128] [--groups 1,4] [--docs] [--all]
+    python -m megazero.kernels.aot [--arch 90] [--head-dims 64,128] [--groups 1,4] [--docs] [--all]
 
 prints one line per (group, kernel, head dim, configuration); ``--all`` adds the wider grid the sets were
 picked from; ``--groups``, grouped-query (GQA) group sizes: compile-time constants of the kernels. Needs
@@ -23,8 +23,8 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 
-import kernels.flash_attention as FA
-from kernels.attention_configs import configs_for
+import megazero.kernels.flash_attention as FA
+from megazero.kernels.attention_configs import configs_for
 
 # Shared memory one block may use (dynamic, opt-in) on sm_90: 227 KB (CUDA C Programming Guide, "Compute
 # Capabilities", technical specifications per compute capability).

@@ -7,9 +7,9 @@ configurations, this check and the Triton release (its bundled ptxas and cuobjdu
 ``aot_sm90.json`` under a key hashed from exactly those; the test reads the stored rows when the key matches
 and compiles afresh when it does not (an edited kernel, another Triton). After editing a kernel:
 
-    python -m kernels.aot_check --write     # compile every job, store the report under the new key
+    python -m megazero.kernels.aot_check --write     # compile every job, store the report under the new key
 
-``python -m kernels.aot_check`` says whether the stored report is current.
+``python -m megazero.kernels.aot_check`` says whether the stored report is current.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from kernels.attention_configs import configs_for
+from megazero.kernels.attention_configs import configs_for
 
 HERE = Path(__file__).resolve().parent
 REPORT = HERE / "aot_sm90.json"
@@ -90,7 +90,7 @@ def compile_rows(jobs: list[Job], workers: int) -> list[dict]:
     """Each job compiled (``kernels.aot.describe``), in order, ``workers`` at a time."""
     from concurrent.futures import ProcessPoolExecutor
 
-    from kernels.aot import describe
+    from megazero.kernels.aot import describe
 
     with ProcessPoolExecutor(max_workers=max(1, workers)) as pool:
         return list(pool.map(describe, jobs))
@@ -114,7 +114,7 @@ def main() -> int:
             print(f"{REPORT}: {len(rows)} compiled jobs")
         return 0
     current = stored_rows(jobs) is not None
-    print(f"{REPORT}: {'current' if current else 'stale or missing: python -m kernels.aot_check --write'}")
+    print(f"{REPORT}: {'current' if current else 'stale or missing: python -m megazero.kernels.aot_check --write'}")
     return 0 if current else 1
 
 

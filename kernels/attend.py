@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.flash_attention import FlashAttention
-from kernels.flash_blocks import DTYPES, MAX_HEAD_DIM, _interpreting, supports_head_dim, triton
-from kernels.errors import UserError
+from megazero.kernels.flash_attention import FlashAttention
+from megazero.kernels.flash_blocks import DTYPES, MAX_HEAD_DIM, _interpreting, supports_head_dim, triton
+from megazero.kernels.errors import UserError
 
 
 def document_mask(documents: Tensor, causal: bool) -> Tensor:

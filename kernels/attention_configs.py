@@ -2,7 +2,7 @@
 
 Each is (BLOCK_M, BLOCK_N, num_warps, num_stages) for one kernel of ``kernels.flash_attention``
 ("fwd", "dkdv", "dq") and one head-dim class. A small set keeps the first step's autotuning short;
-``python -m kernels.aot`` compiles any configuration for sm_90 without a GPU and reports what it
+``python -m megazero.kernels.aot`` compiles any configuration for sm_90 without a GPU and reports what it
 would use there, which is how these were picked from a wider grid.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from types import MappingProxyType
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner tries, per kernel and head-dim class (head dims
-# up to 64 share the 64 set, larger ones the 128 set). Chosen by compiling a wider grid for sm_90 (``python -m kernels.aot``):
+# up to 64 share the 64 set, larger ones the 128 set). Chosen by compiling a wider grid for sm_90 (``python -m megazero.kernels.aot``):
 # every entry fits Hopper's 227 KB of shared memory per block, lowers tl.dot to wgmma and spills no
 # registers; tests/kernels/test_attention_compile.py keeps it so. Candidates that failed: 128x128 tiles at
 # 4 warps (spill), 3-4 stage pipelines of 128-wide K/V tiles at head dim 128 (> 227 KB); for the

@@ -33,9 +33,9 @@ from types import MappingProxyType
 import torch
 from torch import Tensor
 
-from kernels.attention_configs import configs_for, head_dim_class
-from kernels.flash_backward import _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel
-from kernels.flash_blocks import (LOG2E, _block_tile, _fwd_bounds, _interpreting, _jit, _keep, _key_block,
+from megazero.kernels.attention_configs import configs_for, head_dim_class
+from megazero.kernels.flash_backward import _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel
+from megazero.kernels.flash_blocks import (LOG2E, _block_tile, _fwd_bounds, _interpreting, _jit, _keep, _key_block,
                                    _query_key_runs, block_d, tl, triton)
 
 # Fixed (BLOCK_M, BLOCK_N) per kernel under the interpreter; uneven on purpose so the

@@ -21,7 +21,7 @@ and its gradients are 0).
 """
 from __future__ import annotations
 
-from kernels.flash_blocks import (DOC_SCAN, _block_tile, _doc_edges, _doc_tiles, _fwd_bounds, _jit, _keep, _key_block,
+from megazero.kernels.flash_blocks import (DOC_SCAN, _block_tile, _doc_edges, _doc_tiles, _fwd_bounds, _jit, _keep, _key_block,
                                    _lanes, _query_key_runs, tl)
 
 @_jit

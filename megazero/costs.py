@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from models import arch
-from parallel.balance import StageCosts
+from megazero.models import arch
+from megazero.parallel.balance import StageCosts
 
 # Memory-bound work as FLOPs-equivalents: the FLOPs a GPU would have done in the time it moves the bytes, its
 # dense peak over its memory bandwidth (H200: 989 TFLOP/s bf16, 67 fp32, over 4.8 TB/s; an H100's 3.35 TB/s

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from kernels.errors import UserError  # noqa: F401 (defined on the lowest floor: the kernels raise it too)
+from megazero.kernels.errors import UserError  # noqa: F401 (defined on the lowest floor: the kernels raise it too)
 
 SHOWN_CHARS = 60  # values echoed in messages are cut to about this many characters
 

@@ -14,8 +14,8 @@ from typing import Optional
 
 from torch import Tensor, nn
 
-from parallel.sequence import SequenceInfo
-from parallel.tp_overlap import Sublayer, overlapped_block
+from megazero.parallel.sequence import SequenceInfo
+from megazero.parallel.tp_overlap import Sublayer, overlapped_block
 
 
 class Block(nn.Module):

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.arch import expert_hidden, ffn_hidden, has_bias, head_dim, is_llama, moe_layer_count, tied
-from models.init import InitialValues, init_parameters
-from models.stage import GPT
+from megazero.models.arch import expert_hidden, ffn_hidden, has_bias, head_dim, is_llama, moe_layer_count, tied
+from megazero.models.init import InitialValues, init_parameters
+from megazero.models.stage import GPT
 
 PARALLEL_ATTRS = ("tp_split_dim", "tp_replicas", "sequence_parallel", "ep_split_dim", "reduce_group")  # marked
 

@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.arch import ffn_hidden, has_bias
-from models.split import Split
-from parallel.sequence import SequenceInfo
-from parallel.tp_overlap import Entry
-from parallel.tp_random import ShardedDropout
-from parallel.tensor import ColumnParallelLinear, RowParallelLinear, mark_sequence_parallel
+from megazero.models.arch import ffn_hidden, has_bias
+from megazero.models.split import Split
+from megazero.parallel.sequence import SequenceInfo
+from megazero.parallel.tp_overlap import Entry
+from megazero.parallel.tp_random import ShardedDropout
+from megazero.parallel.tensor import ColumnParallelLinear, RowParallelLinear, mark_sequence_parallel
 
 LN_EPS = 1e-5
 

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from models.stage import GPT
+from megazero.models.stage import GPT
 
 RESIDUAL_PROJECTIONS = ("attn.proj.weight", "mlp.fc2.weight", "mlp.down.weight", "mlp.shared.down.weight")
 NORMS = ("ln1", "ln2", "final_norm", "q_norm", "k_norm")

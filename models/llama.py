@@ -25,12 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.arch import ffn_hidden, has_bias, head_dim, is_llama
-from models.split import Split
-from parallel.sequence import SequenceInfo
-from parallel.tp_overlap import Entry
-from parallel.tp_random import ShardedDropout
-from parallel.tensor import (
+from megazero.models.arch import ffn_hidden, has_bias, head_dim, is_llama
+from megazero.models.split import Split
+from megazero.parallel.sequence import SequenceInfo
+from megazero.parallel.tp_overlap import Entry
+from megazero.parallel.tp_random import ShardedDropout
+from megazero.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
     column_parallel_linears,

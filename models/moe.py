@@ -36,13 +36,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels.grouped import grouped_mm
-from models.arch import ffn_hidden
-from models.llama import SwiGLU
-from models.split import Split
-from parallel.experts import combine, dispatch, is_fake, plan_dispatch
-from parallel.regions import gather_to_whole, split_to_sequence
-from parallel.tp_random import ShardedDropout
+from megazero.kernels.grouped import grouped_mm
+from megazero.models.arch import ffn_hidden
+from megazero.models.llama import SwiGLU
+from megazero.models.split import Split
+from megazero.parallel.experts import combine, dispatch, is_fake, plan_dispatch
+from megazero.parallel.regions import gather_to_whole, split_to_sequence
+from megazero.parallel.tp_random import ShardedDropout
 
 STATS = ("aux_loss", "z_loss", "dropped", "tokens")  # after the E per-expert counts in a layer's statistics
 

@@ -12,12 +12,12 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
-from models.arch import is_llama
-from models.block import Block
-from models.gpt2 import MLP, Attention, layer_norm
-from models.llama import LlamaAttention, SwiGLU, rms_norm
-from models.moe import MoE
-from models.split import Split
+from megazero.models.arch import is_llama
+from megazero.models.block import Block
+from megazero.models.gpt2 import MLP, Attention, layer_norm
+from megazero.models.llama import LlamaAttention, SwiGLU, rms_norm
+from megazero.models.moe import MoE
+from megazero.models.split import Split
 
 Part = Callable[[Any, Split], nn.Module]  # (model config, split) -> the module
 

@@ -10,13 +10,13 @@ from typing import Optional
 
 from torch import Tensor
 
-from kernels.attend import attention
-from parallel.comm import Comm
-from parallel.context import context_attention
-from parallel.sequence import SequenceInfo
-from parallel.tensor import tp_rank_and_size
-from parallel.tp_random import TPRandom
-from parallel.ulysses import ulysses_attention
+from megazero.kernels.attend import attention
+from megazero.parallel.comm import Comm
+from megazero.parallel.context import context_attention
+from megazero.parallel.sequence import SequenceInfo
+from megazero.parallel.tensor import tp_rank_and_size
+from megazero.parallel.tp_random import TPRandom
+from megazero.parallel.ulysses import ulysses_attention
 
 
 class AuxLossWeight:

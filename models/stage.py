@@ -29,15 +29,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from models.arch import tied
-from models.parts import parts_of
-from models.split import Split
-from parallel.comm import Comm
-from parallel.cross_entropy import mask_padded_vocab, vocab_parallel_cross_entropy
-from parallel.regions import copy_to_region
-from parallel.sequence import SequenceInfo
-from parallel.tp_random import ShardedDropout, TPRandom
-from parallel.tensor import (
+from megazero.models.arch import tied
+from megazero.models.parts import parts_of
+from megazero.models.split import Split
+from megazero.parallel.comm import Comm
+from megazero.parallel.cross_entropy import mask_padded_vocab, vocab_parallel_cross_entropy
+from megazero.parallel.regions import copy_to_region
+from megazero.parallel.sequence import SequenceInfo
+from megazero.parallel.tp_random import ShardedDropout, TPRandom
+from megazero.parallel.tensor import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
     mark_sequence_parallel,

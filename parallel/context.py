@@ -24,8 +24,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from parallel.comm import Comm
-from parallel.context_blocks import accumulator_dtype, block_attention, block_attention_backward, merge
+from megazero.parallel.comm import Comm
+from megazero.parallel.context_blocks import accumulator_dtype, block_attention, block_attention_backward, merge
 
 
 def head_tail_chunks(cp: int, rank: int) -> tuple[int, int]:

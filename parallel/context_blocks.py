@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kernels.flash_attention import flash_backward, flash_forward
+from megazero.kernels.flash_attention import flash_backward, flash_forward
 
 
 def _expand(k: Tensor, group: int) -> Tensor:

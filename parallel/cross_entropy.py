@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from parallel.comm import Comm
+from megazero.parallel.comm import Comm
 
 
 def mask_padded_vocab(logits_shard: Tensor, vocab_start: int, real_vocab_size: int) -> Tensor:

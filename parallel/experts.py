@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from parallel.comm import Comm
+from megazero.parallel.comm import Comm
 
 
 @dataclass

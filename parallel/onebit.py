@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from parallel.comm import Comm
+from megazero.parallel.comm import Comm
 
 _WEIGHTS = 2 ** torch.arange(8, dtype=torch.uint8)  # bit j of a byte is element j of its group of 8
 

@@ -23,10 +23,10 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from parallel.schedules import Action, events, peer, virtual_stage
-from parallel.sequence import SequenceSplit
-from parallel.topology import Grid
-from parallel.weight_grad import DeferredWeightGrad, backward_input
+from megazero.parallel.schedules import Action, events, peer, virtual_stage
+from megazero.parallel.sequence import SequenceSplit
+from megazero.parallel.topology import Grid
+from megazero.parallel.weight_grad import DeferredWeightGrad, backward_input
 
 
 def partition_layers(layers: int, stages: int, explicit: Sequence[int] = ()) -> list[range]:

@@ -29,7 +29,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from parallel.comm import SEQ_DIM, Comm, Pending
+from megazero.parallel.comm import SEQ_DIM, Comm, Pending
 
 
 class _CopyToRegion(torch.autograd.Function):

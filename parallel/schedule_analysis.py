@@ -5,7 +5,7 @@ executor (``parallel.pipeline``) without tensors or processes.
 """
 from __future__ import annotations
 
-from parallel.schedules import COMM, COMPUTE, Action, events, message, peer, virtual_stage
+from megazero.parallel.schedules import COMM, COMPUTE, Action, events, message, peer, virtual_stage
 
 
 def check_deadlock_free(sched: list[list[Action]], pp: int, overlap_p2p: bool = False) -> None:

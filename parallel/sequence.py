@@ -15,8 +15,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from parallel.comm import Comm
-from parallel.context import head_tail_split
+from megazero.parallel.comm import Comm
+from megazero.parallel.context import head_tail_split
 
 
 @dataclass

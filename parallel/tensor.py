@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from parallel.comm import SEQ_DIM, Comm, Pending
-from parallel.regions import (
+from megazero.parallel.comm import SEQ_DIM, Comm, Pending
+from megazero.parallel.regions import (
     copy_to_region,
     gather_from_region,
     reduce_from_region,
@@ -41,7 +41,7 @@ from parallel.regions import (
 )
 
 if TYPE_CHECKING:
-    from parallel.tp_overlap import Entry
+    from megazero.parallel.tp_overlap import Entry
 
 
 def tp_rank_and_size(tp: Optional[Comm]) -> tuple[int, int]:

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from parallel.comm import Comm, CommCounter
+from megazero.parallel.comm import Comm, CommCounter
 
 
 def rank_to_coords(rank: int, tp: int, pp: int, dp: int, cp: int = 1) -> tuple[int, int, int, int]:

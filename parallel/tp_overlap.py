@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
 
-from parallel.comm import SEQ_DIM, Pending
+from megazero.parallel.comm import SEQ_DIM, Pending
 
 
 class Sublayer(NamedTuple):

@@ -16,8 +16,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kernels.attend import attention
-from parallel.comm import Comm
+from megazero.kernels.attend import attention
+from megazero.parallel.comm import Comm
 
 
 def _exchange(blocks: Tensor, comm: Comm) -> Tensor:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from parallel.topology import Grid
+from megazero.parallel.topology import Grid
 
 
 def logical(local: Tensor, param: nn.Parameter, grid: Grid) -> Tensor:

@@ -10,7 +10,7 @@ from typing import Iterable, Optional
 
 from megazero.config.schema import AUTO, Config
 from megazero.errors import invalid
-from parallel.schedules import SCHEDULES
+from megazero.parallel.schedules import SCHEDULES
 
 # Allowed values and ranges, per key. A key absent here only needs the right type.
 _CHOICES = {

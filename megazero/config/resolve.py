@@ -24,8 +24,8 @@ from typing import Any, Callable, Optional, Protocol
 from megazero.config.rules import world_dp
 from megazero.config.schema import AUTO, Config, KernelsConfig, ModelConfig
 from megazero.costs import compute_device, pipeline_costs
-from models import arch
-from parallel.balance import balance_layers
+from megazero.models import arch
+from megazero.parallel.balance import balance_layers
 
 
 class Memo(Protocol):
@@ -93,7 +93,7 @@ def _resolve_kernels(cfg: Config, device_type: str, planned: bool) -> None:
     """kernels.* for the device. Planned, only the auto keys are resolved (by the same function, with the
     explicit ones standing in as torch, which every device runs): whether Triton can run is a question for
     the machine that runs."""
-    from kernels import resolve_kernels  # imports torch: only once the config is checked
+    from megazero.kernels import resolve_kernels  # imports torch: only once the config is checked
 
     k = cfg.kernels
     if not planned:

@@ -23,8 +23,8 @@ from megazero.config.context_rules import check_context
 from megazero.config.schema import AUTO, Config
 from megazero.data.samples import parse_split
 from megazero.errors import UserError, invalid
-from models import arch
-from parallel.schedules import schedule_constraint
+from megazero.models import arch
+from megazero.parallel.schedules import schedule_constraint
 
 
 _SCHEDULE_PASSES = 2 ** 20  # microbatches * pp * virtual_stages: a schedule lists ~6 actions per pass
@@ -124,7 +124,7 @@ def _check_zero(cfg: Config) -> None:
         _check_onebit(cfg)
     if z.offload_params != "cpu" and z.reshard_after_forward is not True:
         return
-    from parallel.zero.policy import StagePolicy
+    from megazero.parallel.zero.policy import StagePolicy
 
     shards_params = StagePolicy.of(z.stage).shard_params
     if z.offload_params == "cpu" and not shards_params:
@@ -140,7 +140,7 @@ def _check_onebit(cfg: Config) -> None:
     """1-bit Adam: its compressed phase reads every rank's whole local gradient (stages 0-1), keeps its states on
     the device, and starts within the run."""
     src, z, o = cfg.source, cfg.zero, cfg.optim
-    from parallel.zero.policy import StagePolicy
+    from megazero.parallel.zero.policy import StagePolicy
 
     if StagePolicy.of(z.stage).shard_grads:
         raise invalid(src, "zero.stage", z.stage, "is not supported with optim.name=onebit_adam: past its warm-up "

@@ -15,17 +15,17 @@ import torch
 from torch import Tensor, nn
 
 from megazero.config.schema import Config, OptimConfig, ZeroConfig
-from models.build import build_gpt
-from models.init import InitialValues, initial_tp_value
-from models.llama import kv_replicas_needed
-from parallel.loss_scale import LossScaler
-from parallel.pipeline import PipelineExecutor, partition_layers
-from parallel.sequence import SequenceSplit
-from parallel.schedules import Action, build_schedule, virtual_stage
-from parallel.topology import Grid
-from parallel.zero import DTYPES, ZeroOptimizer
-from parallel.zero.muon import MuonSettings
-from parallel.zero.policy import StagePolicy
+from megazero.models.build import build_gpt
+from megazero.models.init import InitialValues, initial_tp_value
+from megazero.models.llama import kv_replicas_needed
+from megazero.parallel.loss_scale import LossScaler
+from megazero.parallel.pipeline import PipelineExecutor, partition_layers
+from megazero.parallel.sequence import SequenceSplit
+from megazero.parallel.schedules import Action, build_schedule, virtual_stage
+from megazero.parallel.topology import Grid
+from megazero.parallel.zero import DTYPES, ZeroOptimizer
+from megazero.parallel.zero.muon import MuonSettings
+from megazero.parallel.zero.policy import StagePolicy
 
 
 @dataclass

@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from models.moe import STATS
-from parallel.comm import Comm
+from megazero.models.moe import STATS
+from megazero.parallel.comm import Comm
 
 
 @dataclass

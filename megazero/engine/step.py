@@ -14,11 +14,11 @@ import torch
 from torch import Tensor
 
 from megazero.engine.routers import RouterStats, balance_routers
-from parallel.loss_scale import LossScaler
-from parallel.host import host_values
-from parallel.pipeline import PipelineExecutor
-from parallel.schedules import Action
-from parallel.zero import ZeroOptimizer
+from megazero.parallel.loss_scale import LossScaler
+from megazero.parallel.host import host_values
+from megazero.parallel.pipeline import PipelineExecutor
+from megazero.parallel.schedules import Action
+from megazero.parallel.zero import ZeroOptimizer
 
 
 @dataclass

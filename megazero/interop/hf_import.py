@@ -39,7 +39,7 @@ from megazero.interop.hf_layout import (
     model_config,
     stacked_shape,
 )
-from models.init import expert_name, initial_tp_value
+from megazero.models.init import expert_name, initial_tp_value
 
 MAX_INDEX_BYTES = 64 << 20  # a sharded index names each tensor once: ~10 MB for the largest models
 MAX_SHARDS = 10_000

@@ -11,7 +11,7 @@ import math
 from fractions import Fraction
 from typing import Sequence
 
-from parallel.schedules import Action
+from megazero.parallel.schedules import Action
 
 LOGIT_BYTES = 4  # the cross entropy keeps a float32 softmax of this rank's vocabulary slice
 

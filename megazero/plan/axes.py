@@ -44,7 +44,7 @@ def layer_kind(cfg: Config, chunk: range, position: int) -> str:
     recomputed in backward where ``model.checkpoint_layers`` recomputes only the chunk's first layers. A
     model with blocks of several kinds (dense and mixture-of-experts) names them here, and ``variant``
     learns which config keys build fewer of each (it asserts the smaller chunks hold the kinds asked for)."""
-    from models.parts import parts_of
+    from megazero.models.parts import parts_of
 
     m = cfg.model
     moe = getattr(m, "moe", None)
@@ -56,7 +56,7 @@ def layer_kind(cfg: Config, chunk: range, position: int) -> str:
 
 
 def _ranges(cfg: Config) -> list[range]:
-    from parallel.pipeline import partition_layers
+    from megazero.parallel.pipeline import partition_layers
 
     p = cfg.parallel
     return partition_layers(cfg.model.layers, p.pp * p.virtual_stages, p.pp_layers)
@@ -103,7 +103,7 @@ def choose_axes(cfg: Config, rank: int) -> list[Axis]:
     """The axes worth extrapolating for this rank: each at least ``REACH`` steps from its real count. The
     microbatches from where this rank's own schedule repeats its steady state (``megazero.plan.periodic``:
     pp + 2 for zb1p, not the 2pp + 2 every rank of it needs)."""
-    from parallel.topology import rank_to_coords
+    from megazero.parallel.topology import rank_to_coords
 
     p, axes = cfg.parallel, []
     m = cfg.microbatches
@@ -145,8 +145,8 @@ def expert_axis(cfg: Config) -> Optional[Axis]:
 
 def rank_chunks(cfg: Config, rank: int) -> list[int]:
     """The virtual stages the rank's chunks run."""
-    from parallel.schedules import virtual_stage
-    from parallel.topology import rank_to_coords
+    from megazero.parallel.schedules import virtual_stage
+    from megazero.parallel.topology import rank_to_coords
 
     p = cfg.parallel
     pp_rank = rank_to_coords(rank, p.tp, p.pp, p.dp, p.cp)[0]

@@ -30,7 +30,7 @@ from megazero.costs import plan_attention_share
 from megazero.plan.cluster import Cluster
 from megazero.plan.links import Efficiency, all_to_all
 from megazero.plan.state_bytes import BYTES_PER_VALUE
-from parallel.ulysses import kv_heads_for
+from megazero.parallel.ulysses import kv_heads_for
 
 GRAD_BYTES = 4  # the ring's dK/dV travel in fp32 (parallel.context_blocks.accumulator_dtype)
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from megazero.config.schema import Config
 from megazero.plan.activations import activation_bytes_per_layer
 from megazero.plan.context import local_seq_len
-from models.arch import expert_hidden
+from megazero.models.arch import expert_hidden
 
 INDEX_BYTES = 8  # int64 token and sort indices per row
 FP32 = 4

@@ -18,7 +18,7 @@ from megazero.config.rules import validate
 from megazero.config.schema import Config
 from megazero.errors import UserError
 from megazero.plan.stage_plan import make_plan
-from parallel.zero.policy import StagePolicy
+from megazero.parallel.zero.policy import StagePolicy
 
 GB = 1e9
 # Layers one rank builds in a run: each is a Python module (~40 KB of host memory before any tensor) run in a

@@ -110,7 +110,7 @@ def parse_layout(text: str) -> dict:
 
 
 def _knob_value(key: str, value: str):
-    from parallel.schedules import SCHEDULES
+    from megazero.parallel.schedules import SCHEDULES
 
     named = {"schedule": SCHEDULES, "cp_mode": choices("parallel", "cp_mode")}
     if key in named:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from parallel.schedules import Action, build_schedule
+from megazero.parallel.schedules import Action, build_schedule
 
 
 class PlanMemo:

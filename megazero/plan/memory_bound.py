@@ -23,8 +23,8 @@ from megazero.plan.memo import PlanMemo
 from megazero.plan.params import ParamCounts
 from megazero.plan.stage_plan import Plan
 from megazero.plan.state_bytes import gathered_bytes, grad_buffer_bytes, rank_state_bytes
-from parallel.pipeline import partition_layers
-from parallel.schedules import virtual_stage
+from megazero.parallel.pipeline import partition_layers
+from megazero.parallel.schedules import virtual_stage
 
 PLANNED_DEVICE_TYPE = "cuda"
 

@@ -25,15 +25,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.newton_schulz import newton_schulz_flops
+from megazero.kernels.newton_schulz import newton_schulz_flops
 from megazero.config.schema import Config
 from megazero.plan.params import _planning_comm
-from models.arch import moe_layer_count
-from models.llama import kv_replicas_needed
-from models.stage import GPT
-from parallel.zero.declared import EXPERT, reduce_group
-from parallel.zero.muon import muon_matrices
-from parallel.zero.policy import StagePolicy
+from megazero.models.arch import moe_layer_count
+from megazero.models.llama import kv_replicas_needed
+from megazero.models.stage import GPT
+from megazero.parallel.zero.declared import EXPERT, reduce_group
+from megazero.parallel.zero.muon import muon_matrices
+from megazero.parallel.zero.policy import StagePolicy
 
 STATE_BYTES = 4  # fp32: momentum and update travel as the optimizer holds them
 # Newton-Schulz runs in fp32 without tensor cores: an H100/H200's 67 TFLOP/s of its 989 dense bf16

@@ -12,12 +12,12 @@ import torch
 
 from megazero.config.schema import Config
 from megazero.plan.memo import PlanMemo
-from models.arch import moe_layer_count
-from models.build import count_parameters
-from models.stage import GPT
-from models.llama import kv_replicas_needed
-from parallel.comm import Comm
-from parallel.zero.declared import EXPERT, reduce_group
+from megazero.models.arch import moe_layer_count
+from megazero.models.build import count_parameters
+from megazero.models.stage import GPT
+from megazero.models.llama import kv_replicas_needed
+from megazero.parallel.comm import Comm
+from megazero.parallel.zero.declared import EXPERT, reduce_group
 
 
 def _planning_comm(size: int, name: str = "tp") -> Comm:

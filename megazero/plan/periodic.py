@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Optional
 
-from parallel.schedules import Action, rank_schedule, schedule_constraint
+from megazero.parallel.schedules import Action, rank_schedule, schedule_constraint
 
 _HELD = (("recv_f", "F"), ("F", "B"), ("B", "W"), ("recv_b", "B"))  # (opens, closes): what a microbatch holds
 

@@ -32,7 +32,7 @@ from megazero.plan.fits import stage_bytes
 from megazero.plan.search import MEMORY_MARGIN, PLANNED_DEVICE  # a layout fits as in the search
 from megazero.plan.stage_plan import make_plan
 from megazero.plan.step_time import Constants, step_time
-from models.arch import ffn_hidden
+from megazero.models.arch import ffn_hidden
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "configs" / "gpt13b.yaml"

@@ -38,7 +38,7 @@ from megazero.plan.memo import PlanMemo
 from megazero.plan.memory_bound import MemoryBound, twin_key
 from megazero.plan.stage_plan import make_plan
 from megazero.plan.step_time import Constants, StepTime, step_time
-from parallel.zero.policy import StagePolicy
+from megazero.parallel.zero.policy import StagePolicy
 
 # The plan counts model states, ZeRO buffers and activations; the allocator's fragmentation and cached
 # blocks, the CUDA context (~0.5 GB), NCCL's buffers, cuBLAS workspaces and a step's temporaries are not in

@@ -132,7 +132,7 @@ def simulate_rank(cfg: Config, rank: int, plan, progress: Optional[Callable[[str
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from parallel.topology import Grid, rank_to_coords
+    from megazero.parallel.topology import Grid, rank_to_coords
 
     p = cfg.parallel
     start = time.perf_counter()
@@ -177,7 +177,7 @@ def cpu_kernels(cfg: Config) -> None:
 
 def rank_classes(cfg: Config) -> list[int]:
     """One rank per memory class: the first rank (dp 0, tp 0) of every pipeline stage, or launch.rank."""
-    from parallel.topology import coords_to_rank
+    from megazero.parallel.topology import coords_to_rank
 
     p = cfg.parallel
     world = p.tp * p.pp * p.dp * p.cp
@@ -232,10 +232,10 @@ def layer_activation_bytes(cfg: Config, tp_rank: int = 0) -> int:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from models.build import build_gpt
-    from models.llama import kv_replicas_needed
-    from parallel.topology import Grid
-    from parallel.zero import DTYPES
+    from megazero.models.build import build_gpt
+    from megazero.models.llama import kv_replicas_needed
+    from megazero.parallel.topology import Grid
+    from megazero.parallel.zero import DTYPES
 
     p, m, t = cfg.parallel, cfg.model, cfg.train
     dist.init_process_group("fake", rank=tp_rank, world_size=p.tp, store=FakeStore())

@@ -17,7 +17,7 @@ from megazero.plan.stage_plan import make_plan
 
 def plan_stage(cfg: Config, rank: int) -> int:
     """The pipeline stage a rank runs."""
-    from parallel.topology import rank_to_coords
+    from megazero.parallel.topology import rank_to_coords
 
     p = cfg.parallel
     return rank_to_coords(rank, p.tp, p.pp, p.dp, p.cp)[0]

@@ -31,11 +31,11 @@ from megazero.plan.memo import PlanMemo
 from megazero.plan.muon import MuonStep, muon_step
 from megazero.plan.params import ModelCounts, ParamCounts
 from megazero.plan.state_bytes import gathered_bytes, grad_buffer_bytes, rank_state_bytes
-from models import arch
-from parallel.balance import balance_layers, rank_costs
-from parallel.pipeline import partition_layers
-from parallel.schedules import Action, virtual_stage
-from parallel.topology import coords_to_rank
+from megazero.models import arch
+from megazero.parallel.balance import balance_layers, rank_costs
+from megazero.parallel.pipeline import partition_layers
+from megazero.parallel.schedules import Action, virtual_stage
+from megazero.parallel.topology import coords_to_rank
 
 GB = 1e9
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from megazero.config.schema import Config
-from parallel.zero.grads import grad_precision
-from models.arch import expert_hidden, moe_layer_count
-from parallel.zero.policy import StagePolicy
+from megazero.parallel.zero.grads import grad_precision
+from megazero.models.arch import expert_hidden, moe_layer_count
+from megazero.parallel.zero.policy import StagePolicy
 
 if TYPE_CHECKING:
     from megazero.plan.params import ParamCounts

@@ -56,8 +56,8 @@ from megazero.plan.links import all_to_all, group_link, nested_link, ring
 from megazero.plan.muon import FP32_SHARE
 from megazero.plan.stage_plan import Plan, make_plan
 from megazero.plan.state_bytes import grad_bytes_per_param
-from models.arch import expert_hidden, ffn_hidden, is_llama, moe_layer_count
-from parallel.zero.policy import StagePolicy
+from megazero.models.arch import expert_hidden, ffn_hidden, is_llama, moe_layer_count
+from megazero.parallel.zero.policy import StagePolicy
 
 ACT_BYTES = 2  # bf16 activations and parameters cross the links
 OPTIMIZER_BYTES = 32  # per parameter of a shard: fp32 master, m, v read and written, the gradient read, bf16 out

@@ -8,8 +8,8 @@ from megazero.plan.context import local_seq_len
 from megazero.plan.fits import stage_bytes
 from megazero.plan.stage_plan import GB, Plan, StageBalance
 from megazero.plan.state_bytes import BYTES_PER_VALUE, grad_bytes_per_param, optimizer_bytes_per_param
-from models.arch import expert_hidden, moe_layer_count
-from parallel.zero.policy import StagePolicy
+from megazero.models.arch import expert_hidden, moe_layer_count
+from megazero.parallel.zero.policy import StagePolicy
 
 
 def fmt_count(n: float) -> str:

@@ -18,9 +18,9 @@ from megazero.errors import NonFiniteStop, UserError
 from megazero.interop.hf_layout import model_config
 from megazero.train.onebit_resume import check_rank_state_stored
 from megazero.train.resume_changes import check_built_data, resume_record
-from parallel.loss_scale import LossScaler
-from parallel.topology import Grid
-from parallel.zero import ZeroOptimizer
+from megazero.parallel.loss_scale import LossScaler
+from megazero.parallel.topology import Grid
+from megazero.parallel.zero import ZeroOptimizer
 
 
 def state_tensors(zero: ZeroOptimizer, named_params: list[tuple[str, nn.Parameter]],

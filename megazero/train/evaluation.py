@@ -7,8 +7,8 @@ import torch
 
 from megazero.config.schema import Config
 from megazero.engine.build import Engine
-from parallel.host import host_values
-from parallel.topology import Grid
+from megazero.parallel.host import host_values
+from megazero.parallel.topology import Grid
 
 
 @torch.no_grad()

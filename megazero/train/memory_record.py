@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.train.metrics import memory_gb
-from parallel.zero import ZeroOptimizer
+from megazero.parallel.zero import ZeroOptimizer
 
 
 def memory_record(zero: ZeroOptimizer, device: torch.device) -> dict:

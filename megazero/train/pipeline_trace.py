@@ -8,8 +8,8 @@ import torch.distributed as dist
 
 from megazero.disk import replace_text, write_refusal
 from megazero.errors import UserError
-from parallel.pipeline import PipelineExecutor
-from parallel.topology import Grid
+from megazero.parallel.pipeline import PipelineExecutor
+from megazero.parallel.topology import Grid
 
 
 def write_pipeline_trace(executor: PipelineExecutor, grid: Grid, log_dir: str, trace: list, origin: object) -> None:

@@ -11,7 +11,7 @@ from megazero.config.schema import Config
 from megazero.data import GPTData, build_data
 from megazero.errors import UserError
 from megazero.train.signals import StoppedEarly
-from parallel.topology import Grid
+from megazero.parallel.topology import Grid
 
 
 def step_seed(seed: int, step: int, *coords: int) -> int:

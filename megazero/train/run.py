@@ -32,7 +32,7 @@ def run(config_path: str, overrides: list[str]) -> list[dict]:
     from megazero.train.run_dir import plan_start
     from megazero.train.run_lock import lock_run
     from megazero.train.signals import StopSignals, StoppedEarly
-    from parallel.topology import Grid
+    from megazero.parallel.topology import Grid
 
     info = launch.process_info()
     local_world = launch.local_world_size()

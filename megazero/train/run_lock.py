@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from megazero.config.schema import Config
 from megazero.errors import UserError
-from parallel.topology import Grid, coords_to_rank
+from megazero.parallel.topology import Grid, coords_to_rank
 
 LOCK_NAME = "run.lock"
 _HOLDER_WAIT_S = 1.0  # how long a refused run waits for a holder that has just locked to write its name

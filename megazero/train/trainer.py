@@ -36,9 +36,9 @@ from megazero.train.rank_data import load_data_everywhere, seed_step
 from megazero.train.run_dir import Start, clear_earlier_run
 from megazero.train.run_lock import writer_rank
 from megazero.train.signals import StopSignals, exit_code, signal_name
-from parallel.host import host_values
-from parallel.sequence import document_mask_share
-from parallel.topology import Grid
+from megazero.parallel.host import host_values
+from megazero.parallel.sequence import document_mask_share
+from megazero.parallel.topology import Grid
 
 HISTORY = 100  # step records fit() keeps and returns, the last ones (metrics.jsonl holds every logged step)
 

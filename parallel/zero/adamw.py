@@ -15,9 +15,9 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 
-from kernels.adam import adamw
-from kernels.adam_cpu import Run
-from parallel.zero.layout import Bucket, BucketLayout
+from megazero.kernels.adam import adamw
+from megazero.kernels.adam_cpu import Run
+from megazero.parallel.zero.layout import Bucket, BucketLayout
 
 NORM_PIECE = 2 ** 16  # elements per CPU norm piece (sq_norm)
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from parallel.comm import Comm
-from parallel.zero.adamw import ShardedAdamW
-from parallel.zero.layout import Bucket, BucketLayout
-from parallel.zero.policy import StagePolicy
+from megazero.parallel.comm import Comm
+from megazero.parallel.zero.adamw import ShardedAdamW
+from megazero.parallel.zero.layout import Bucket, BucketLayout
+from megazero.parallel.zero.policy import StagePolicy
 
 KINDS = ("param", "master", "exp_avg", "exp_avg_sq")
 

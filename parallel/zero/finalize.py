@@ -20,9 +20,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kernels.adam_cpu import Run
-from parallel.comm import Comm
-from parallel.zero.layout import Bucket
+from megazero.kernels.adam_cpu import Run
+from megazero.parallel.comm import Comm
+from megazero.parallel.zero.layout import Bucket
 
 # sequence-parallel runs at least this long are summed over tp in place, one all-reduce each: the scattered
 # short ones (norm scales) are gathered into one buffer, which for a bucket of experts' gradients (all of

@@ -20,9 +20,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from parallel.comm import Comm
-from parallel.zero.layout import Bucket, BucketLayout
-from parallel.zero.policy import StagePolicy
+from megazero.parallel.comm import Comm
+from megazero.parallel.zero.layout import Bucket, BucketLayout
+from megazero.parallel.zero.policy import StagePolicy
 
 
 class ParamGatherer:

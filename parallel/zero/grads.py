@@ -18,9 +18,9 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from parallel.comm import Comm
-from parallel.zero.layout import Bucket, BucketLayout
-from parallel.zero.policy import StagePolicy
+from megazero.parallel.comm import Comm
+from megazero.parallel.zero.layout import Bucket, BucketLayout
+from megazero.parallel.zero.policy import StagePolicy
 
 
 def grad_precision(precision: str, grad_dtype: str = "auto") -> str:

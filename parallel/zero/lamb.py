@@ -26,10 +26,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kernels.adam_cpu import Run
-from parallel.comm import Comm
-from parallel.zero.adamw import NORM_PIECE, ShardedAdamW
-from parallel.zero.layout import Bucket, BucketLayout, counted_on_tp_rank
+from megazero.kernels.adam_cpu import Run
+from megazero.parallel.comm import Comm
+from megazero.parallel.zero.adamw import NORM_PIECE, ShardedAdamW
+from megazero.parallel.zero.layout import Bucket, BucketLayout, counted_on_tp_rank
 
 
 class ShardedLamb(ShardedAdamW):

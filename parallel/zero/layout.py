@@ -17,9 +17,9 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from kernels.adam_cpu import Run
-from parallel.zero.declared import sharding_units, tied_parameters
-from parallel.zero.policy import StagePolicy
+from megazero.kernels.adam_cpu import Run
+from megazero.parallel.zero.declared import sharding_units, tied_parameters
+from megazero.parallel.zero.policy import StagePolicy
 
 
 @dataclass

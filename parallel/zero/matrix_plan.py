@@ -22,9 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from kernels.newton_schulz import newton_schulz_flops
-from parallel.zero.declared import DENSE, reduce_group
-from parallel.zero.layout import BucketLayout
+from megazero.kernels.newton_schulz import newton_schulz_flops
+from megazero.parallel.zero.declared import DENSE, reduce_group
+from megazero.parallel.zero.layout import BucketLayout
 
 Slice = tuple[int, int, int]  # (bucket index, start, end) in this rank's optimizer range of the bucket
 Span = tuple[int, int]  # [start, end) in an owner's assembled buffer of a matrix

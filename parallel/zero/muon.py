@@ -25,13 +25,13 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from kernels.adam_cpu import Run
-from kernels.newton_schulz import STEPS, newton_schulz
-from parallel.comm import Comm
-from parallel.zero.adamw import ShardedAdamW
-from parallel.zero.declared import sharding_units
-from parallel.zero.layout import Bucket, BucketLayout
-from parallel.zero.matrix_plan import Matrix, MatrixPlan, StagePlace, stage_matrices
+from megazero.kernels.adam_cpu import Run
+from megazero.kernels.newton_schulz import STEPS, newton_schulz
+from megazero.parallel.comm import Comm
+from megazero.parallel.zero.adamw import ShardedAdamW
+from megazero.parallel.zero.declared import sharding_units
+from megazero.parallel.zero.layout import Bucket, BucketLayout
+from megazero.parallel.zero.matrix_plan import Matrix, MatrixPlan, StagePlace, stage_matrices
 
 SCALE = 0.2  # Liu et al. 2025: O's RMS matched to AdamW's (~0.2-0.4 in practice)
 ADAMW_GROUP = 2 ** 22  # elements per group of the AdamW part's views: its temporaries stay under 16 MB

@@ -37,11 +37,11 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from kernels.adam_cpu import Run
-from parallel.comm import Comm
-from parallel.onebit import compressed_allreduce, group_counts, padded_length
-from parallel.zero.adamw import ShardedAdamW
-from parallel.zero.layout import Bucket, BucketLayout
+from megazero.kernels.adam_cpu import Run
+from megazero.parallel.comm import Comm
+from megazero.parallel.onebit import compressed_allreduce, group_counts, padded_length
+from megazero.parallel.zero.adamw import ShardedAdamW
+from megazero.parallel.zero.layout import Bucket, BucketLayout
 
 
 class ShardedOnebitAdam(ShardedAdamW):

@@ -25,19 +25,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from parallel.comm import Comm
-from parallel.host import host_values
-from parallel.topology import Grid
-from parallel.zero.declared import DENSE, EXPERT, reduce_group
-from parallel.zero.grads import grad_precision
-from parallel.zero.adamw import ShardedAdamW
-from parallel.zero.lamb import ShardedLamb
-from parallel.zero.layout import Bucket, BucketLayout
-from parallel.zero.matrix_plan import StagePlace
-from parallel.zero.muon import MuonSettings, ShardedMuon, muon_matrices
-from parallel.zero.onebit_adam import ShardedOnebitAdam
-from parallel.zero.partition import Partition
-from parallel.zero.policy import StagePolicy
+from megazero.parallel.comm import Comm
+from megazero.parallel.host import host_values
+from megazero.parallel.topology import Grid
+from megazero.parallel.zero.declared import DENSE, EXPERT, reduce_group
+from megazero.parallel.zero.grads import grad_precision
+from megazero.parallel.zero.adamw import ShardedAdamW
+from megazero.parallel.zero.lamb import ShardedLamb
+from megazero.parallel.zero.layout import Bucket, BucketLayout
+from megazero.parallel.zero.matrix_plan import StagePlace
+from megazero.parallel.zero.muon import MuonSettings, ShardedMuon, muon_matrices
+from megazero.parallel.zero.onebit_adam import ShardedOnebitAdam
+from megazero.parallel.zero.partition import Partition
+from megazero.parallel.zero.policy import StagePolicy
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

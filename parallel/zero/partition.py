@@ -12,14 +12,14 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from parallel.comm import Comm
-from parallel.zero.adamw import ShardedAdamW
-from parallel.zero.checkpoint import ZeroCheckpoint
-from parallel.zero.finalize import GradFinalizer
-from parallel.zero.gather import ParamGatherer
-from parallel.zero.grads import GradReducer
-from parallel.zero.layout import Bucket, BucketLayout
-from parallel.zero.policy import StagePolicy
+from megazero.parallel.comm import Comm
+from megazero.parallel.zero.adamw import ShardedAdamW
+from megazero.parallel.zero.checkpoint import ZeroCheckpoint
+from megazero.parallel.zero.finalize import GradFinalizer
+from megazero.parallel.zero.gather import ParamGatherer
+from megazero.parallel.zero.grads import GradReducer
+from megazero.parallel.zero.layout import Bucket, BucketLayout
+from megazero.parallel.zero.policy import StagePolicy
 
 
 class Partition:

@@ -12,7 +12,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 from megazero.interop.export import main, to_hf_state_dict, write_hf_folder  # noqa: E402
-from models.build import build_gpt  # noqa: E402
+from megazero.models.build import build_gpt  # noqa: E402
 
 import transformers  # noqa: E402  (a test dependency, installed by the Makefile)
 

@@ -27,7 +27,7 @@ from megazero.interop.export import main as export_main  # noqa: E402
 from megazero.interop.export import to_hf_state_dict, write_hf_folder  # noqa: E402
 from megazero.interop.hf_import import load_into, open_hf_model  # noqa: E402
 from megazero.interop.hf_layout import links  # noqa: E402
-from models.build import build_gpt  # noqa: E402
+from megazero.models.build import build_gpt  # noqa: E402
 
 VOCAB, SEQ = 300, 32
 LLAMA = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -40,8 +40,8 @@ from megazero.interop.export import export, to_hf_state_dict, write_hf_folder  #
 from megazero.interop.export import main as export_main  # noqa: E402
 from megazero.interop.hf_import import load_into, open_hf_model  # noqa: E402
 from megazero.train.run import run  # noqa: E402
-from models.build import build_gpt, count_parameters  # noqa: E402
-from models.moe import route  # noqa: E402
+from megazero.models.build import build_gpt, count_parameters  # noqa: E402
+from megazero.models.moe import route  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 from tests.hostile import assert_one_line, call, pretrain_main  # noqa: E402
 from tests.interop.test_hf_roundtrip import _tokenizer_json  # noqa: E402

@@ -29,7 +29,7 @@ from megazero.checkpoint.store import read_model_state  # noqa: E402
 from megazero.config.load import load_config  # noqa: E402
 from megazero.data import build_data  # noqa: E402
 from megazero.interop.export import export  # noqa: E402
-from models.build import build_gpt  # noqa: E402
+from megazero.models.build import build_gpt  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 from tests.interop.roundtrip_runs import CONFIG, KEYS, SEQ, STEPS, VOCAB, overrides, train  # noqa: E402
 from tests.runs import read_metrics, write_corpus  # noqa: E402

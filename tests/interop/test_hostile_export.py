@@ -22,7 +22,7 @@ from megazero.checkpoint import store as checkpoint
 from megazero.config.load import load_config
 from megazero.data.cache_plan import content_fingerprint
 from megazero.interop.export import main as export_main
-from models.build import build_gpt
+from megazero.models.build import build_gpt
 from tests.hostile import ROOT, assert_one_line, call
 
 VOCAB = 300

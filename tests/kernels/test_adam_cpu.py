@@ -1,7 +1,7 @@
 """The flat fused CPU AdamW (kernels.adam_cpu) against torch.optim.AdamW, and bench/optimizer.py --smoke.
 
 Expected values come from torch.optim.AdamW's single-tensor path (foreach=False) on separate tensors, or
-from kernels.adam.adamw_step for the model copy, never from the implementation under test.
+from megazero.kernels.adam.adamw_step for the model copy, never from the implementation under test.
 """
 import re
 import subprocess
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import adam_cpu
-from kernels.adam import adamw, adamw_step, resolve_impl
-from kernels.adam_cpu import adamw_step_fused, decay_runs
+from megazero.kernels import adam_cpu
+from megazero.kernels.adam import adamw, adamw_step, resolve_impl
+from megazero.kernels.adam_cpu import adamw_step_fused, decay_runs
 
 ROOT = Path(__file__).resolve().parents[2]
 # 2000 + 1000 + 231 + 1 + 17 = 3249 elements in four decay runs (the last two tensors make one), lengths not

@@ -15,8 +15,8 @@ import torch
 
 import triton  # noqa: E402,F401  (a test dependency, installed by the Makefile)
 
-from kernels import adam  # noqa: E402
-from kernels.adam import adamw, adamw_step, adamw_step_triton, resolve_impl, triton_available  # noqa: E402
+from megazero.kernels import adam  # noqa: E402
+from megazero.kernels.adam import adamw, adamw_step, adamw_step_triton, resolve_impl, triton_available  # noqa: E402
 from megazero.errors import UserError  # noqa: E402
 
 # 2000 + 1000 + 1 = 3001 elements: not a multiple of the kernel block, so the ragged tail is exercised.
@@ -104,7 +104,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 sys.path.insert(0, sys.argv[1])
-from kernels import adam
+from megazero.kernels import adam
 grad_dtype, copy_dtype, block, warps = sys.argv[2], sys.argv[3], 2048, 8
 copy_dtype = None if copy_dtype == "none" else copy_dtype
 sig = {"master_ptr": "*fp32", "grad_ptr": f"*{grad_dtype}", "exp_avg_ptr": "*fp32", "exp_avg_sq_ptr": "*fp32",

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels.aot_check import BAD, GQA_GROUP, GQA_KINDS, suite_jobs, stored_rows
+from megazero.kernels.aot_check import BAD, GQA_GROUP, GQA_KINDS, suite_jobs, stored_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 HOPPER_SHARED_BYTES = 227 * 1024  # per block, opt-in dynamic shared memory on sm_90 (CUDA programming guide)
@@ -46,7 +46,7 @@ def compiled(tmp_path_factory):
     rows = stored_rows(jobs)
     if rows is None:
         rows = _compile_now(tmp_path_factory.mktemp("triton-cache"))
-        print("kernels/aot_sm90.json is stale: python -m kernels.aot_check --write stores these rows")
+        print("kernels/aot_sm90.json is stale: python -m megazero.kernels.aot_check --write stores these rows")
     assert len(rows) == len(jobs)
     return rows[:-len(BAD)], rows[-len(BAD):]
 
@@ -57,7 +57,7 @@ def autotune_sets(compiled):
 
 
 def test_every_autotune_config_fits_hopper(autotune_sets):
-    from kernels.attention_configs import SMALL_CONFIG, SMALL_DOC_CONFIG, configs_for
+    from megazero.kernels.attention_configs import SMALL_CONFIG, SMALL_DOC_CONFIG, configs_for
 
     kinds = ("fwd", "dkdv", "dq", "dkdvq")
     expected = {(kind, d, tuple(c), 1, False, True) for kind in kinds for d in (64, 80, 128)  # 80: padded
@@ -95,7 +95,7 @@ def test_the_checks_reject_bad_configs(compiled):
     """The measurements can tell: a 4-warp 128x128 forward at head dim 128 spills, and 4 pipeline stages of
     128-wide K and V tiles need more than 227 KB. (Guards against, e.g., a stack size that always reads 0.)
     Compiled (or stored) with the autotune sets."""
-    from kernels.aot import compile_attention  # noqa: F401  (the module must import without a GPU)
+    from megazero.kernels.aot import compile_attention  # noqa: F401  (the module must import without a GPU)
 
     spilling, too_big = compiled[1]
     assert spilling["stack_bytes"] > 0

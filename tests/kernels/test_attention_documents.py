@@ -16,8 +16,8 @@ import torch
 import triton  # noqa: F401  (tests/conftest.py set TRITON_INTERPRET=1 before this import)
 from triton.runtime.interpreter import InterpretedFunction
 
-import kernels.attend as A
-import kernels.flash_attention as FA
+import megazero.kernels.attend as A
+import megazero.kernels.flash_attention as FA
 
 assert isinstance(FA._fwd_kernel, InterpretedFunction), "the kernel tests need TRITON_INTERPRET=1"
 

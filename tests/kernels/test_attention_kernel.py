@@ -17,9 +17,9 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 assert isinstance(triton.language.zeros, InterpretedFunction), "the kernel tests need TRITON_INTERPRET=1"
 
-import kernels.attend as A  # noqa: E402
-import kernels.flash_attention as FA  # noqa: E402
-import kernels.flash_blocks as FB  # noqa: E402
+import megazero.kernels.attend as A  # noqa: E402
+import megazero.kernels.flash_attention as FA  # noqa: E402
+import megazero.kernels.flash_blocks as FB  # noqa: E402
 from megazero.errors import UserError  # noqa: E402
 
 assert isinstance(FA._fwd_kernel, InterpretedFunction)

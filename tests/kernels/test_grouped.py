@@ -4,7 +4,7 @@ float64, strided rows, a broadcast output gradient, an empty group): it falls ba
 import pytest
 import torch
 
-from kernels.grouped import grouped_mm, grouped_mm_loop
+from megazero.kernels.grouped import grouped_mm, grouped_mm_loop
 
 CASES = {  # name: (dtype, in, out, sizes, how the input is laid out, the loss)
     "aligned": (torch.float32, 8, 16, [3, 0, 5], "rows", "random"),

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kernels import resolve_kernels
+from megazero.kernels import resolve_kernels
 from megazero.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,7 +20,7 @@ from megazero.errors import UserError  # noqa: E402
 from megazero.interop.export import to_hf_state_dict, write_hf_folder  # noqa: E402
 from megazero.interop.hf_import import load_into, open_hf_model  # noqa: E402
 from megazero.plan.activations import activation_bytes_per_layer  # noqa: E402
-from models.build import build_gpt, count_parameters  # noqa: E402
+from megazero.models.build import build_gpt, count_parameters  # noqa: E402
 
 VOCAB, SEQ = 300, 16
 OURS = ["model.arch=llama", "model.layers=2", "model.hidden=64", "model.heads=4", "model.kv_heads=2",

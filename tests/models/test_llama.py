@@ -22,7 +22,7 @@ from megazero.config.load import load_config
 from megazero.costs import flops_per_token, model_flops_per_token
 from megazero.plan.activations import activation_bytes_per_layer
 from megazero.train.run import run
-from models.build import count_parameters
+from megazero.models.build import count_parameters
 from tests.dist import run_ranks, start_ranks
 from tests.hostile import assert_one_line, call, pretrain_main
 from tests.runs import ROOT, read_metrics, small_overrides, write_corpus
@@ -180,8 +180,8 @@ def _gathers_waited(rank, world):
     from megazero.config.resolve import resolve_arch
     from megazero.engine.build import make_zero
     from megazero.engine.step import train_step
-    from models.build import build_gpt
-    from parallel.topology import Grid
+    from megazero.models.build import build_gpt
+    from megazero.parallel.topology import Grid
     from tests.runs import executor_for
 
     m = ModelConfig(arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab_size=512,

@@ -8,8 +8,8 @@ import torch
 from megazero.config.schema import ModelConfig
 import torch.nn.functional as F
 
-from models.build import build_gpt, count_parameters
-from parallel.cross_entropy import vocab_parallel_cross_entropy
+from megazero.models.build import build_gpt, count_parameters
+from megazero.parallel.cross_entropy import vocab_parallel_cross_entropy
 
 def Cfg(**overrides) -> ModelConfig:
     """A small model config; tests override what they exercise."""
@@ -278,7 +278,7 @@ def test_pipeline_stages_chain_to_the_whole_model():
 def test_layer_norm_returns_the_autocast_dtype():
     """CUDA autocast runs layer_norm in fp32 and returns fp32; the model's norm must hand bf16 to the tensor-parallel
     collectives that follow. An fp32 input under CPU autocast is the same situation (the norm computes in fp32)."""
-    from models.gpt2 import LayerNorm
+    from megazero.models.gpt2 import LayerNorm
 
     torch.manual_seed(0)
     x = torch.randn(2, 5, 16)

@@ -9,7 +9,7 @@ import pytest
 
 from megazero.config.schema import ModelConfig, MoeConfig
 from megazero.costs import model_flops_per_token
-from models.build import build_gpt, count_parameters
+from megazero.models.build import build_gpt, count_parameters
 from tests.runs import ROOT
 
 SHAPES = [

@@ -22,11 +22,11 @@ BASE = ["model.layers=2", "model.hidden=32", "model.heads=4", "model.kv_heads=2"
 
 def _layer(top_k: int, ep, bias: torch.Tensor | None = None, capacity: float = 0.0):
     """The MoE MLP of layer 0 with this ep group's share of the experts, values independent of the split."""
-    from models.init import initial_tp_value
-    from models.moe import MoE
-    from models.split import Split
-    from models.stage import mark_replicated
-    from parallel.tp_random import TPRandom
+    from megazero.models.init import initial_tp_value
+    from megazero.models.moe import MoE
+    from megazero.models.split import Split
+    from megazero.models.stage import mark_replicated
+    from megazero.parallel.tp_random import TPRandom
 
     cfg = load_config(LLAMA, BASE + [f"model.moe.top_k={top_k}", f"model.moe.capacity_factor={capacity}"]).model
     layer = MoE(cfg, Split(None, False, TPRandom(), ep=ep))
@@ -84,7 +84,7 @@ def _run_case(layer, xs: list[torch.Tensor]):
 
 
 def _edge_cases(rank, world):
-    from parallel.topology import Grid
+    from megazero.parallel.topology import Grid
 
     grid = Grid.build(tp=1, pp=1, dp=world, ep=world)
     results = {}
@@ -101,7 +101,7 @@ def _edge_cases(rank, world):
 
 
 def test_routing_edge_cases_through_the_ep4_dispatch():
-    from parallel.comm import Comm
+    from megazero.parallel.comm import Comm
 
     ranks = run_ranks(4, _edge_cases)
     for case, top_k in (("one_expert", 2), ("idle_expert", 2), ("all_experts", 8)):
@@ -129,8 +129,8 @@ def _check_dropped(per_rank: list[torch.Tensor]) -> None:
     """The capacity case at ep 4 drops 48 copies on each rank, and so does one process (ep 1) given all four
     ranks' tokens at once; the step's router record publishes the global count and its share."""
     from megazero.engine.routers import RouterStats, router_record
-    from models.moe import STATS
-    from parallel.comm import Comm
+    from megazero.models.moe import STATS
+    from megazero.parallel.comm import Comm
 
     where = 8 + STATS.index("dropped")
     assert [float(t[where]) for t in per_rank] == [DROPPED_PER_RANK] * 4
@@ -153,7 +153,7 @@ def test_the_bias_balances_a_router_that_favours_two_experts(tmp_path):
     from megazero.config.resolve import resolve
     from megazero.engine.build import build_engine
     from megazero.engine.step import train_step
-    from parallel.topology import Grid
+    from megazero.parallel.topology import Grid
 
     cfg = load_config(LLAMA, BASE + ["model.moe.top_k=2", "model.moe.router=sigmoid", "model.moe.dense_layers=1",
                                      "model.moe.bias_update_rate=0.001", "train.precision=fp32", "model.seq_len=32",
@@ -205,7 +205,7 @@ def _engine_losses(sets: list[str], steps: int = 2) -> list[float]:
     from megazero.config.resolve import resolve
     from megazero.engine.build import build_engine
     from megazero.engine.step import train_step
-    from parallel.topology import Grid
+    from megazero.parallel.topology import Grid
 
     cfg = load_config(LLAMA, BASE + ["train.precision=fp32", "train.global_batch=4", "train.micro_batch=2",
                                      "zero.stage=0"] + sets)
@@ -237,10 +237,10 @@ def test_the_shared_experts_are_dropped_out_once_and_their_down_projection_is_sc
     zeroed, each element of the output in training is 0 or 1/(1-p) times its value without dropout (twice
     dropped, it was 0 or 1/(1-p)^2). The shared down projection is a residual projection: std/sqrt(2L), as the
     routed and the dense ones."""
-    from models.init import initial_value
-    from models.moe import MoE
-    from models.split import Split
-    from parallel.tp_random import TPRandom
+    from megazero.models.init import initial_value
+    from megazero.models.moe import MoE
+    from megazero.models.split import Split
+    from megazero.parallel.tp_random import TPRandom
 
     cfg = load_config(LLAMA, BASE + ["model.moe.shared_experts=1", "model.dropout=0.5", "model.moe.top_k=2"]).model
     layer = MoE(cfg, Split(None, False, TPRandom()))

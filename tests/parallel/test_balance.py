@@ -12,8 +12,8 @@ from megazero.config.load import load_config
 from megazero.config.resolve import resolve, resolve_arch
 from megazero.costs import flops_per_token, model_flops_per_token, model_shape
 from megazero.errors import UserError
-from parallel.balance import StageCosts, balance_layers, rank_costs
-from parallel.pipeline import partition_layers
+from megazero.parallel.balance import StageCosts, balance_layers, rank_costs
+from megazero.parallel.pipeline import partition_layers
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from parallel.context import context_attention, head_tail_join, head_tail_positions, head_tail_split
+from megazero.parallel.context import context_attention, head_tail_join, head_tail_positions, head_tail_split
 from tests.dist import run_ranks
 
 # (batch, heads, kv heads, sequence, head dim, impl, dtype, tolerance): grouped-query with fewer k/v heads than
@@ -27,7 +27,7 @@ def _ring(rank, world):
     """Each case's output and input gradients, this rank's head-tail parts (numpy for the queue)."""
     import torch.distributed as dist
 
-    from parallel.comm import Comm, CommCounter
+    from megazero.parallel.comm import Comm, CommCounter
 
     counter = CommCounter()
     comm = Comm(dist.group.WORLD, "cp", counter)
@@ -76,7 +76,7 @@ def test_the_ring_block_plan_gives_every_rank_the_same_attention_work():
     """The (query, key) pairs each rank's ring actually computes (its block plan, causal blocks counting their
     lower triangle): at cp 4 the busiest rank is within 5% of the least busy (the issue's bound; the
     head-tail plan makes them equal), and together they cover the causal mask exactly once."""
-    from parallel.context import _block_plan
+    from megazero.parallel.context import _block_plan
 
     seq, cp = 64, 4
     chunk = seq // (2 * cp)

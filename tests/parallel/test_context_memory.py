@@ -10,8 +10,8 @@ import torch
 
 from megazero.config.load import load_config
 from megazero.plan.tracker import MemoryTracker
-from models.build import build_gpt
-from parallel.sequence import SequenceSplit
+from megazero.models.build import build_gpt
+from megazero.parallel.sequence import SequenceSplit
 from tests.dist import run_ranks
 from tests.runs import ROOT
 
@@ -22,7 +22,7 @@ SETS = ["parallel.pp=1", "parallel.tp=1", "parallel.sequence_parallel=false", "m
 
 def _kept_bytes(cp_comm=None) -> int:
     """Bytes the block's forward leaves alive for backward, on this rank (its input and weights excluded)."""
-    from parallel.comm import Comm
+    from megazero.parallel.comm import Comm
 
     cp = cp_comm if cp_comm is not None else Comm(None, "cp")
     cfg = load_config(ROOT / "configs" / "tiny-llama.yaml", SETS).model
@@ -43,7 +43,7 @@ def _kept_bytes(cp_comm=None) -> int:
 def _four(rank, world):
     import torch.distributed as dist
 
-    from parallel.comm import Comm
+    from megazero.parallel.comm import Comm
 
     return _kept_bytes(Comm(dist.group.WORLD, "cp"))
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from megazero.config.load import load_config
-from models.build import build_gpt
-from parallel.context import head_tail_split
-from parallel.sequence import SequenceSplit
+from megazero.models.build import build_gpt
+from megazero.parallel.context import head_tail_split
+from megazero.parallel.sequence import SequenceSplit
 from tests.dist import run_ranks
 from tests.runs import ROOT
 
@@ -51,7 +51,7 @@ def _alone(model, row: torch.Tensor) -> torch.Tensor:
 
 def _losses(arch: str, impl: str, cp_comm=None, cp_mode: str = "ring", masked: bool = True):
     """(this rank's packed per-token losses, the alone losses in this rank's order)."""
-    from parallel.comm import Comm
+    from megazero.parallel.comm import Comm
 
     cp = cp_comm if cp_comm is not None else Comm(None, "cp")
     model = build_gpt(_model_cfg(arch), 7, attention_impl=impl, cp=cp, cp_mode=cp_mode)
@@ -77,7 +77,7 @@ def test_a_masked_sample_is_its_documents_alone(arch, impl):
 def _two_ranks(rank, world):
     import torch.distributed as dist
 
-    from parallel.comm import Comm
+    from megazero.parallel.comm import Comm
 
     comm = Comm(dist.group.WORLD, "cp")
     out = {}

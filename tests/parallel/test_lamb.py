@@ -13,7 +13,7 @@ import torch
 from megazero.config.load import load_config
 from megazero.config.schema import OptimConfig, ZeroConfig
 from megazero.engine.build import make_zero
-from parallel.topology import Grid
+from megazero.parallel.topology import Grid
 from tests.runs import ROOT, steps_recording_gradients
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -45,7 +45,7 @@ def _lamb_reference(w: dict, grads: list[dict], decays: dict) -> tuple[dict, lis
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_two_steps_equal_lamb_from_the_paper(stage):
-    from models.build import build_gpt
+    from megazero.models.build import build_gpt
 
     cfg = load_config(TINY, ["parallel.tp=1", "parallel.pp=1", "model.layers=2"]).model
     grid = Grid.build(1, 1, 1, "cpu")
@@ -73,7 +73,7 @@ def test_two_steps_equal_lamb_from_the_paper(stage):
 
 
 def test_adamw_reports_no_trust_ratio():
-    from models.build import build_gpt
+    from megazero.models.build import build_gpt
 
     cfg = load_config(TINY, ["parallel.tp=1", "parallel.pp=1", "model.layers=1"]).model
     grid = Grid.build(1, 1, 1, "cpu")

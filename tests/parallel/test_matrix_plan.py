@@ -12,16 +12,16 @@ import threading
 import pytest
 import torch
 
-from kernels.newton_schulz import newton_schulz_flops
+from megazero.kernels.newton_schulz import newton_schulz_flops
 from megazero.config.load import load_config
 from megazero.plan.muon import STATE_BYTES, muon_step
 from megazero.plan.params import _planning_comm
-from models.stage import GPT
-from parallel.zero.declared import DENSE, EXPERT, reduce_group
-from parallel.zero.layout import BucketLayout
-from parallel.zero.matrix_plan import MatrixPlan, StagePlace, stage_matrices
-from parallel.zero.muon import muon_matrices
-from parallel.zero.policy import StagePolicy
+from megazero.models.stage import GPT
+from megazero.parallel.zero.declared import DENSE, EXPERT, reduce_group
+from megazero.parallel.zero.layout import BucketLayout
+from megazero.parallel.zero.matrix_plan import MatrixPlan, StagePlace, stage_matrices
+from megazero.parallel.zero.muon import muon_matrices
+from megazero.parallel.zero.policy import StagePolicy
 from tests.runs import ROOT
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -158,7 +158,7 @@ def test_owners_assemble_the_logical_matrix_and_holders_get_their_pieces(name, m
     them: rows, columns, replicas, one expert each); the real gather, assembly and scatter of ShardedMuon run
     over threads, with Newton-Schulz replaced by a recorder: each owner sees exactly its logical matrix, and
     every holder gets back exactly its own pieces, scaled."""
-    import parallel.zero.muon as muon
+    import megazero.parallel.zero.muon as muon
 
     overrides, tp, dp, ep, stage, experts = CASES[name]
     cfg, plans, layouts = _stage(overrides, tp, dp, ep, stage, experts)

@@ -13,11 +13,11 @@ import math
 import pytest
 import torch
 
-from kernels.newton_schulz import newton_schulz, newton_schulz_flops
+from megazero.kernels.newton_schulz import newton_schulz, newton_schulz_flops
 from megazero.config.load import load_config
 from megazero.config.schema import OptimConfig, ZeroConfig
 from megazero.engine.build import make_zero
-from parallel.topology import Grid
+from megazero.parallel.topology import Grid
 from tests.runs import ROOT, steps_recording_gradients
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -74,7 +74,7 @@ def _muon_reference(w: dict, grads: list[dict], matrices: set) -> dict:
 
 @pytest.mark.parametrize("arch,stage", [("gpt2", 0), ("llama", 3)])
 def test_steps_equal_muon_from_the_paper(arch, stage):
-    from models.build import build_gpt
+    from megazero.models.build import build_gpt
 
     extra = ["model.arch=llama", "model.kv_heads=2", "model.tie_embeddings=false"] if arch == "llama" else []
     cfg = load_config(TINY, ["parallel.tp=1", "parallel.pp=1", "model.layers=2"] + extra).model

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from parallel.onebit import pack_signs, padded_length, unpack_signs
+from megazero.parallel.onebit import pack_signs, padded_length, unpack_signs
 from tests.dist import run_ranks
 
 WORLD, N, CALLS = 4, padded_length(1000, 4), 20
@@ -57,8 +57,8 @@ SERIES = (None, _live(), _two_groups())
 def _ranks(rank, world):
     import torch.distributed as dist
 
-    from parallel.comm import Comm, CommCounter
-    from parallel.onebit import compressed_allreduce
+    from megazero.parallel.comm import Comm, CommCounter
+    from megazero.parallel.onebit import compressed_allreduce
 
     counter = CommCounter()
     comm = Comm(dist.group.WORLD, "dp", counter)
@@ -143,8 +143,8 @@ def _check(results, groups) -> None:
 def test_a_groups_values_do_not_depend_on_the_other_groups():
     """Two 'tp ranks' whose buckets hold the same group-2 elements (a replicated norm) among different group-1
     elements (their own shards): group 2's output and errors come out bit-identical on both, over 20 calls."""
-    from parallel.comm import Comm
-    from parallel.onebit import compressed_allreduce
+    from megazero.parallel.comm import Comm
+    from megazero.parallel.onebit import compressed_allreduce
 
     groups = _two_groups()
     second = groups == 2

@@ -45,8 +45,8 @@ def _ranks(rank, world):
     from megazero.config.schema import OptimConfig, ZeroConfig
     from megazero.engine.build import make_executor, make_schedules, make_zero
     from megazero.engine.step import train_step
-    from models.build import build_gpt
-    from parallel.topology import Grid
+    from megazero.models.build import build_gpt
+    from megazero.parallel.topology import Grid
 
     cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), SIZES).model
     out = []
@@ -106,8 +106,8 @@ def _reduced_gradients(zero, grid, stage: int) -> dict:
 
 
 def _initial(cfg) -> dict:
-    from models.build import build_gpt
-    from parallel.topology import Grid
+    from megazero.models.build import build_gpt
+    from megazero.parallel.topology import Grid
 
     return {n: p.detach().clone() for n, p in build_gpt(cfg, 0, tp=Grid.single().tp_comm).named_parameters()}
 

@@ -115,10 +115,10 @@ def test_lamb_and_muon_move_off_adamw(runs, tmp_path):
 
 def _per_shard(rank, world, text, cache, folder):
     """Muon with each rank's tp shard taken for the whole matrix: no gather, Newton-Schulz per shard."""
-    import parallel.zero.optimizer as zero_optimizer
-    from parallel.comm import Comm
-    from parallel.topology import Grid
-    from parallel.zero.matrix_plan import StagePlace
+    import megazero.parallel.zero.optimizer as zero_optimizer
+    from megazero.parallel.comm import Comm
+    from megazero.parallel.topology import Grid
+    from megazero.parallel.zero.matrix_plan import StagePlace
 
     zero_optimizer.StagePlace = lambda tp, cp, ep, experts, size: StagePlace(1, 1, 1, experts, 1)
     Grid.stage_comm = lambda self: Comm(None, "stage", self.counter)

@@ -17,9 +17,9 @@ from megazero.config.load import load_config
 from megazero.config.resolve import resolve
 from megazero.train.run import run
 from megazero.engine.step import forward_backward
-from models.build import build_gpt
-from parallel.schedules import batches
-from parallel.topology import Grid
+from megazero.models.build import build_gpt
+from megazero.parallel.schedules import batches
+from megazero.parallel.topology import Grid
 from tests.dist import run_ranks, start_ranks
 from tests.runs import ROOT, engine_for, read_metrics, small_overrides, write_corpus
 

@@ -3,9 +3,9 @@ from collections import Counter
 
 import pytest
 
-from parallel.pipeline import partition_layers
-from parallel.schedule_analysis import check_deadlock_free, simulate
-from parallel.schedules import (
+from megazero.parallel.pipeline import partition_layers
+from megazero.parallel.schedule_analysis import check_deadlock_free, simulate
+from megazero.parallel.schedules import (
     COMM,
     Action,
     build_schedule,

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from megazero.checkpoint import store as checkpoint
 from megazero.config.schema import ModelConfig
 from megazero.train.run import run
-from models.build import build_gpt
-from parallel.cross_entropy import vocab_parallel_cross_entropy
-from parallel.topology import Grid
+from megazero.models.build import build_gpt
+from megazero.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megazero.parallel.topology import Grid
 from tests.dist import run_ranks
 from tests.runs import ROOT, read_metrics, small_overrides, write_corpus
 

@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from parallel.topology import Grid, coords_to_rank, group_ranks, rank_to_coords
+from megazero.parallel.topology import Grid, coords_to_rank, group_ranks, rank_to_coords
 
 
 def factorisations(n):

@@ -24,9 +24,9 @@ import torch.distributed as dist
 from bench.tp_overlap import Timeline
 from megazero.config.schema import ModelConfig
 from megazero.train.run import run
-from models.build import build_gpt
-from models.llama import kv_replicas_needed
-from parallel.topology import Grid
+from megazero.models.build import build_gpt
+from megazero.models.llama import kv_replicas_needed
+from megazero.parallel.topology import Grid
 from tests.dist import run_ranks
 from tests.runs import ROOT, read_metrics, small_overrides, write_corpus
 

@@ -21,7 +21,7 @@ from megazero.config.resolve import resolve
 from megazero.train.run import run
 from megazero.engine.build import make_scaler
 from megazero.engine.step import forward_backward, train_step
-from parallel.topology import Grid, group_ranks, rank_to_coords
+from megazero.parallel.topology import Grid, group_ranks, rank_to_coords
 from tests.dist import run_ranks, start_ranks
 from tests.parallel.test_topology import _mesh_groups
 from tests.runs import ROOT, engine_for, executor_for, read_metrics, small_overrides, write_corpus
@@ -295,9 +295,9 @@ def test_stage3_creates_the_model_one_bucket_at_a_time():
     """ZeRO-3 builds the model on the meta device and creates the parameters bucket by bucket (DeepSpeed's
     zero.Init): while it creates any parameter, the only parameter storage alive is the bucket being filled, not
     the whole stage. Values are the same as an eagerly built model's."""
-    from models.build import build_gpt
-    from models.init import initial_tp_value
-    from parallel.zero import ZeroOptimizer
+    from megazero.models.build import build_gpt
+    from megazero.models.init import initial_tp_value
+    from megazero.parallel.zero import ZeroOptimizer
 
     cfg = load_config(TINY, ["parallel.tp=1", "parallel.pp=1", "model.layers=4"]).model
     grid = Grid.build(1, 1, 1, "cpu")
@@ -332,8 +332,8 @@ def test_a_parameter_without_a_gradient_stops_the_step(stage, microbatches):
     leave its bucket unreduced and the dp ranks drifting apart in silence. The step must refuse instead, and a
     frozen parameter is refused when the optimizer is built. (Stage 3 with a second microbatch fails earlier,
     in that backward: the layer it never saw finish was not gathered again.)"""
-    from models.build import build_gpt
-    from parallel.zero import ZeroOptimizer
+    from megazero.models.build import build_gpt
+    from megazero.parallel.zero import ZeroOptimizer
 
     cfg = load_config(TINY, ["parallel.tp=1", "parallel.pp=1", "model.layers=1"]).model
     grid = Grid.build(1, 1, 1, "cpu")
@@ -363,8 +363,8 @@ def test_bf16_gradients_accumulate_in_fp32(stage):
     Reference: the same per-microbatch bf16 gradients summed in float64. fp32 sums are ~1e-7 relative off
     (bound 1e-5); the bf16 sums (grad_dtype=model) must show the drift (> 1e-3), or the test tells nothing. At seq
 32 (CPU bf16 is emulated: the length sets the time, m the drift) they measured 9e-9 and 8.6e-3."""
-    from models.build import build_gpt
-    from parallel.zero import ZeroOptimizer
+    from megazero.models.build import build_gpt
+    from megazero.parallel.zero import ZeroOptimizer
 
     cfg = load_config(TINY, ["parallel.tp=1", "parallel.pp=1", "model.layers=1", "model.seq_len=32"]).model
     grid = Grid.build(1, 1, 1, "cpu")
@@ -399,8 +399,8 @@ def test_bf16_gradients_accumulate_in_fp32(stage):
 def test_a_skipped_stage3_step_frees_what_it_gathered():
     """An fp16 overflow skips the step; under stage 3 it must still free the gathered root (embeddings, final
     norm), or the next step starts with it held twice over (gathered, and gathered again for forward)."""
-    from models.build import build_gpt
-    from parallel.zero import ZeroOptimizer
+    from megazero.models.build import build_gpt
+    from megazero.parallel.zero import ZeroOptimizer
 
     cfg = load_config(TINY, ["parallel.tp=1", "parallel.pp=1", "model.layers=2"]).model
     grid = Grid.build(1, 1, 1, "cpu")

@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 
 from megazero.config.schema import ModelConfig
-from models.block import Block
-from models.build import build_gpt
-from parallel.zero.layout import BucketLayout
-from parallel.zero.policy import StagePolicy
+from megazero.models.block import Block
+from megazero.models.build import build_gpt
+from megazero.parallel.zero.layout import BucketLayout
+from megazero.parallel.zero.policy import StagePolicy
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT2 = dict(layers=4, hidden=64, heads=4, seq_len=32, vocab_size=300, ffn_hidden=256)

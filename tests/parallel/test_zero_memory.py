@@ -16,7 +16,7 @@ import torch
 
 from megazero.config.load import load_config
 from megazero.engine.step import train_step
-from parallel.topology import Grid
+from megazero.parallel.topology import Grid
 from tests.dist import run_ranks
 from tests.runs import ROOT, executor_for
 
@@ -35,8 +35,8 @@ def _status(key: str) -> int:
 
 
 def _peaks(rank, world):
-    from models.build import build_gpt
-    from parallel.zero import ZeroOptimizer
+    from megazero.models.build import build_gpt
+    from megazero.parallel.zero import ZeroOptimizer
 
     libc = ctypes.CDLL("libc.so.6")
     # a fixed mmap threshold (M_MMAP_THRESHOLD = -3): buffers of 16 KiB and up are mapped on allocation and
@@ -104,14 +104,14 @@ def test_peak_gradient_bytes_do_not_grow_with_microbatches(peaks, stage):
 def test_gradient_buckets_hold_at_most_bucket_mb_in_the_gradient_dtype(precision, grad_bytes):
     """Buckets are cut in the gradient dtype's bytes (bf16 gradients accumulate in fp32: 4 bytes each), padding
     included; only a single parameter larger than bucket_mb may make a bucket of its own that is larger."""
-    from models.build import build_gpt
-    from parallel.zero import ZeroOptimizer
+    from megazero.models.build import build_gpt
+    from megazero.parallel.zero import ZeroOptimizer
 
     cfg = load_config(TINY, MODEL[:2] + ["model.layers=2", "model.hidden=256", "model.heads=4"]).model
     grid = Grid.build(1, 1, 1, "cpu")
     model = build_gpt(cfg, 0, tp=grid.tp_comm)
     limit = 2.0 * 2 ** 20
-    from parallel.zero import BucketLayout, StagePolicy
+    from megazero.parallel.zero import BucketLayout, StagePolicy
 
     grad_dtype = torch.float32 if grad_bytes == 4 else torch.float16
     for dp in (7, 8):  # padding to a multiple of dp counts too (no process group needed for the layout)

@@ -9,7 +9,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from parallel.zero.adamw import NORM_PIECE, ShardedAdamW
+from megazero.parallel.zero.adamw import NORM_PIECE, ShardedAdamW
 
 
 class _Ops(TorchDispatchMode):

@@ -73,9 +73,9 @@ def _counted(cfg, mode: str) -> float:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from parallel.context import context_attention
-    from parallel.topology import Grid
-    from parallel.ulysses import ulysses_attention
+    from megazero.parallel.context import context_attention
+    from megazero.parallel.topology import Grid
+    from megazero.parallel.ulysses import ulysses_attention
 
     m, cp, b = cfg.model, cfg.parallel.cp, cfg.train.micro_batch
     local = m.seq_len // cp
@@ -107,9 +107,9 @@ def test_ulysses_keeps_its_exchanged_k_v_and_a_second_output():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from megazero.plan.tracker import MemoryTracker
-    from parallel.context import context_attention
-    from parallel.topology import Grid
-    from parallel.ulysses import ulysses_attention
+    from megazero.parallel.context import context_attention
+    from megazero.parallel.topology import Grid
+    from megazero.parallel.ulysses import ulysses_attention
 
     cfg = small(8, "parallel.tp=2", "parallel.dp=1", "parallel.cp=4", "parallel.cp_mode=all_to_all")
     assert ulysses_kept_bytes(small(8, "parallel.tp=2", "parallel.dp=1", "parallel.cp=4")) == 0

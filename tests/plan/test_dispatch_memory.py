@@ -52,9 +52,9 @@ def _config(experts: int, precision: str, ep: int) -> Config:
 
 def _measure(cfg: Config, ep_comm=None, seed: int = 0) -> tuple[int, int]:
     """(peak bytes of the layer's forward, bytes it keeps for backward) of the dispatch's rows, one microbatch."""
-    from models.moe import MoE
-    from models.split import Split
-    from parallel.tp_random import TPRandom
+    from megazero.models.moe import MoE
+    from megazero.models.split import Split
+    from megazero.parallel.tp_random import TPRandom
 
     dtype = torch.float32 if cfg.train.precision == "fp32" else torch.bfloat16
     torch.manual_seed(0)  # the same router and experts on every rank
@@ -91,7 +91,7 @@ def test_dispatch_buffers_match_the_plan_and_do_not_grow_with_experts(precision)
 def _ep_rank(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from parallel.comm import Comm
+    from megazero.parallel.comm import Comm
 
     torch.set_num_threads(1)
     ep = Comm(dist.group.WORLD, "ep")

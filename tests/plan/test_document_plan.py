@@ -13,7 +13,7 @@ from megazero.costs import attention_flops_per_token, expected_document_share, m
 from megazero.plan.cluster import load_cluster
 from megazero.plan.stage_plan import make_plan
 from megazero.plan.step_time import step_time
-from parallel.sequence import document_mask_share
+from megazero.parallel.sequence import document_mask_share
 from tests.runs import ROOT
 
 SEQ = 8192

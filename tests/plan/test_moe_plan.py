@@ -14,7 +14,7 @@ from megazero.plan.cluster import load_cluster
 from megazero.plan.dispatch import dispatch_bytes
 from megazero.plan.stage_plan import make_plan
 from megazero.plan.step_time import step_time
-from models.build import count_parameters
+from megazero.models.build import count_parameters
 from tests.dist import run_ranks
 from tests.runs import ROOT, small_overrides, write_corpus
 
@@ -45,7 +45,7 @@ def _dp4_ep2(rank, world, text, cache, base):
     """At dp 4 x ep 2 (tp 1, pp 1), bf16: the model state each ZeRO stage keeps against the plan's, and one
     step's expert all-to-alls (calls and bytes leaving this rank) against the plan's."""
     from megazero.engine.step import train_step
-    from parallel.topology import Grid
+    from megazero.parallel.topology import Grid
     from tests.runs import engine_for
 
     out = {}

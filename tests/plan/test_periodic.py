@@ -6,7 +6,7 @@ import pytest
 
 from megazero.plan.activations import activation_peak, peak_microbatches
 from megazero.plan.periodic import periodic_microbatches, repeats_a_period, signature
-from parallel.schedules import build_schedule
+from megazero.parallel.schedules import build_schedule
 
 
 def test_zb1p_and_1f1b_ranks_repeat_sooner_than_every_rank_together():

@@ -16,9 +16,9 @@ from megazero.costs import model_flops_per_token
 from megazero.plan.activations import activation_bytes_per_layer, activation_peak, peak_microbatches, pipeline_bubble
 from megazero.plan.stage_plan import make_plan
 from megazero.plan.state_bytes import model_state_bytes
-from models.build import count_parameters
-from parallel.schedule_analysis import simulate
-from parallel.schedules import build_schedule
+from megazero.models.build import count_parameters
+from megazero.parallel.schedule_analysis import simulate
+from megazero.parallel.schedules import build_schedule
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT13B = ROOT / "configs" / "gpt13b.yaml"

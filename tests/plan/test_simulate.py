@@ -54,7 +54,7 @@ def _measure_real(rank: int, world: int, layouts: dict) -> dict:
 
     from megazero.plan.tracker import MemoryTracker
     from megazero.plan.simulate import measure
-    from parallel.topology import Grid
+    from megazero.parallel.topology import Grid
 
     out = {}
     for name, overrides in layouts.items():
@@ -110,7 +110,7 @@ def test_single_process_run_agrees_with_the_simulation():
 
     from megazero.plan.tracker import MemoryTracker
     from megazero.plan.simulate import measure
-    from parallel.topology import Grid
+    from megazero.parallel.topology import Grid
 
     cfg = _config(["parallel.dp=1"], 1)
     tracker = MemoryTracker()

@@ -34,7 +34,7 @@ def _fake_build(experts: int) -> tuple[int, int]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from megazero.plan.tracker import MemoryTracker
-    from models.build import build_gpt
+    from megazero.models.build import build_gpt
 
     counter, tracker = _Ops(), MemoryTracker()
     with FakeTensorMode(allow_non_fake_inputs=True), tracker, counter:
@@ -54,8 +54,8 @@ def test_fake_experts_are_built_in_ops_independent_of_their_count():
 def test_real_experts_are_each_drawn_by_their_own_name():
     """Real tensors: expert e of a stacked parameter is initial_value of its logical name, bit for bit (what
     layout invariance and an import rely on)."""
-    from models.build import build_gpt
-    from models.init import expert_name, initial_value
+    from megazero.models.build import build_gpt
+    from megazero.models.init import expert_name, initial_value
 
     cfg = _cfg(8)
     model = build_gpt(cfg.model, 1234)

@@ -15,7 +15,7 @@ from megazero.config.resolve import resolve
 from megazero.costs import attention_flops_per_token, model_flops_per_token
 from megazero.train.run import run
 from megazero.train.trainer import Trainer
-from parallel.topology import Grid
+from megazero.parallel.topology import Grid
 from tests.runs import ROOT, read_metrics, small_overrides, write_corpus
 
 CONFIG = str(ROOT / "configs" / "tiny.yaml")

@@ -33,7 +33,7 @@ def _train_and_sample(rank: int, world: int, corpus, tmp) -> dict[int, int]:
     from megazero.config.resolve import resolve
     from megazero.train.run_dir import plan_start
     from megazero.train.trainer import Trainer
-    from parallel.topology import Grid
+    from megazero.parallel.topology import Grid
 
     sets = small_overrides(corpus, tmp / "cache", tmp / "run", steps=STEPS, **{
         "parallel.tp": 2, "parallel.sequence_parallel": "true", "train.micro_batch": 8, "train.global_batch": 8,

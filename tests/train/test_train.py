@@ -290,7 +290,7 @@ def test_an_fp32_resume_of_a_bf16_checkpoint_takes_the_fp32_master_weights(corpu
     from megazero.config.load import load_config
     from megazero.config.resolve import resolve
     from megazero.train.trainer import Trainer
-    from parallel.topology import Grid
+    from megazero.parallel.topology import Grid
 
     text, cache = corpus
     config = str(ROOT / "configs" / "tiny.yaml")
@@ -317,7 +317,7 @@ def test_export_of_a_trained_checkpoint_gives_megazero_logits(corpus, tmp_path):
     from transformers import GPT2LMHeadModel
 
     from megazero.config.load import load_config
-    from models.build import build_gpt
+    from megazero.models.build import build_gpt
 
     text, cache = corpus
     overrides = small_overrides(text, cache, tmp_path / "run", steps=3, **{"model.bias": "false"})
