@@ -225,21 +225,22 @@ def build_schedule(name: str, pp: int, m: int, v: int = 1, forward_only: bool = 
     ahead of the compute before the one that reads them (interleaved always posts ahead)."""
     problem = schedule_constraint(name, pp, m, v)
     assert problem is None, problem
-    out = []
-    for rank in range(pp):
-        order = _compute_order(name, pp, rank, m, v)
-        if forward_only:
-            out.append(_with_comms(rank, pp, v, [o for o in order if o[0] == "F"]))
-        elif overlap_p2p and v == 1:
-            out.append(_with_overlapped_comms(rank, pp, order))
-        elif name == "interleaved":
-            fwd = [(mb, c) for k, mb, c in order if k == "F"]
-            bwd = [(mb, c) for k, mb, c in order if k == "B"]
-            warmup = _interleaved_warmup(pp, rank, m, v)
-            out.append(_with_prefetched_comms(rank, pp, v, fwd, bwd, warmup))
-        else:
-            out.append(_with_comms(rank, pp, v, order))
-    return out
+    return [rank_schedule(name, pp, rank, m, v, forward_only, overlap_p2p) for rank in range(pp)]
+
+
+def rank_schedule(name: str, pp: int, rank: int, m: int, v: int = 1, forward_only: bool = False,
+                  overlap_p2p: bool = False) -> list[Action]:
+    """One rank's actions of :func:`build_schedule` (a rank's simulation lists its own only)."""
+    order = _compute_order(name, pp, rank, m, v)
+    if forward_only:
+        return _with_comms(rank, pp, v, [o for o in order if o[0] == "F"])
+    if overlap_p2p and v == 1:
+        return _with_overlapped_comms(rank, pp, order)
+    if name == "interleaved":
+        fwd = [(mb, c) for k, mb, c in order if k == "F"]
+        bwd = [(mb, c) for k, mb, c in order if k == "B"]
+        return _with_prefetched_comms(rank, pp, v, fwd, bwd, _interleaved_warmup(pp, rank, m, v))
+    return _with_comms(rank, pp, v, order)
 
 
 def peer(action: Action, rank: int, pp: int) -> tuple[int, int]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -62,26 +62,72 @@ class RankResult:
     extrapolated: str = ""  # how the figures were extrapolated from smaller steps (megazero.plan.extrapolate)
 
 
-def measure(cfg: Config, grid, device: torch.device, tracker: MemoryTracker, steps: int = STEPS) -> dict:
+def measure(cfg: Config, grid, device: torch.device, tracker: MemoryTracker, steps: int = STEPS,
+            progress: Optional[Callable[[str], None]] = None) -> dict:
     """Build this rank's trainer and run ``steps`` training steps under ``tracker``; returns the comm bytes
-    of the last step by group. The same function measures a real run (tests) and a simulated one."""
+    of the last step by group. The same function measures a real run (tests) and a simulated one.
+    The steps before the last are ``first_step``'s, over the fewest microbatches; ``progress`` hears a line now
+    and then while it works (``tracker.watching``)."""
     from megazero.train.trainer import Trainer
 
     with tracker:
+        if progress is not None:  # a stage of thousands of layers or ranks takes a while to build too
+            tracker.tick = _building(progress)
         trainer = Trainer(cfg, grid, device, data=TokenIds(cfg.model.seq_len))
+        tracker.tick = None
         tracker.name_state(trainer.zero)
         # the steps' peak: the build's transients are not training memory, and on a CPU run offloaded states
         # are named host memory only now (on a GPU they are host tensors from the start)
         tracker.restart_peak("after the build")
-        with watching(tracker, trainer.executor, trainer.zero):
-            for _ in range(steps):
+        with watching(tracker, trainer.executor, trainer.zero, progress):
+            for n in range(steps):
                 grid.counter.reset()
-                trainer.train_step()
+                if n < steps - 1:
+                    first_step(trainer)
+                else:
+                    trainer.train_step()
     return grid.counter.sent_bytes()
 
 
-def simulate_rank(cfg: Config, rank: int, plan) -> RankResult:
-    """One rank of the config's world, on fake tensors and the fake process group."""
+def _building(progress: Callable[[str], None]) -> Callable[[], None]:
+    """A tracker tick that says the build is still going, every ``tracker.PROGRESS_S`` at most."""
+    from megazero.plan import tracker
+
+    begun = said = time.perf_counter()
+
+    def tick() -> None:
+        nonlocal said
+        now = time.perf_counter()
+        if now - said >= tracker.PROGRESS_S:
+            said = now
+            progress(f"building the stage, after {now - begun:.0f} s")
+    return tick
+
+
+def first_step(trainer) -> None:
+    """A step over the fewest microbatches the schedule takes (1; pp interleaved): what a first step makes
+    for the next (the optimizer's moments, the gradient buffers, the post-step gather's staging) does not
+    depend on the microbatches, and the next step holds all of it beside the same activations, so its peak
+    is the run's. A simulated microbatch costs its ops (seconds at full size): this halves the steps' cost."""
+    from megazero.engine.build import make_schedules
+    from megazero.engine.step import train_step
+    from megazero.train.lr_schedule import lr_at
+
+    cfg, grid, t, p = trainer.cfg, trainer.grid, trainer.cfg.train, trainer.cfg.parallel
+    m = p.pp if p.schedule == "interleaved" else 1
+    schedule, _ = make_schedules(p.schedule, grid, m, p.virtual_stages, p.overlap_p2p)
+    microbatches = trainer.data.train_microbatches(0, grid.dp_rank, grid.dp, t.micro_batch,
+                                                   m * t.micro_batch * grid.dp)
+    for chunk in trainer.chunks:
+        chunk.train()
+    lr = lr_at(trainer.zero.step_count, t.lr, t.min_lr, t.warmup_steps, t.steps)
+    result = train_step(trainer.zero, trainer.executor, schedule, microbatches, lr, t.grad_clip, trainer.scaler)
+    trainer.routers = result.routers  # held into the next step, as Trainer.train_step holds them
+
+
+def simulate_rank(cfg: Config, rank: int, plan, progress: Optional[Callable[[str], None]] = None) -> RankResult:
+    """One rank of the config's world, on fake tensors and the fake process group; ``progress`` hears how far
+    its steps are now and then (``measure``)."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -96,7 +142,7 @@ def simulate_rank(cfg: Config, rank: int, plan) -> RankResult:
         grid = Grid.build(ParallelDims.of(p), "cpu")  # outside the fake mode: the mesh reads its ranks
         tracker = MemoryTracker()
         with FakeTensorMode(allow_non_fake_inputs=True):
-            comm = measure(cfg, grid, torch.device("cpu"), tracker)
+            comm = measure(cfg, grid, torch.device("cpu"), tracker, progress=progress)
     finally:
         dist.destroy_process_group()
     pp_rank = ParallelDims.of(p).coords(rank).pp

@@ -48,7 +48,8 @@ def run_simulation(cfg: Config, full: bool = False) -> int:
         say = lambda text: print(text, flush=True)  # noqa: E731
         say(f"rank class {n} of {len(classes)}: rank {rank} (pipeline stage {plan_stage(cfg, rank)}), after "
             f"{time.perf_counter() - start:.0f} s")
-        r = simulate_rank(cfg, rank, plan) if full else simulate_class(cfg, rank, plan, say, say)
+        r = (simulate_rank(cfg, rank, plan, lambda text: say(f"    rank {rank}: {text}")) if full else
+             simulate_class(cfg, rank, plan, say, say))
         r.fits = r.peak_bytes <= limit
         results.append(r)
         print("\n".join(format_result(r, limit)), flush=True)

@@ -22,10 +22,11 @@ the caching allocator's rounding and fragmentation) and Python objects.
 from __future__ import annotations
 
 import functools
+import time
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -35,6 +36,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 _DEVICE = torch.ops.prim.device.default
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm", "temporaries")
+PROGRESS_S = 15.0  # seconds between progress lines of a watched step
+TICK_OPS = 4096  # ops between a watched step's looks at the clock (one forward can take minutes: cp 1024's ring)
 
 
 @dataclass
@@ -73,6 +76,8 @@ class MemoryTracker(TorchDispatchMode):
         self.state_bytes: dict[str, int] = {}
         self.build_peak = 0  # the peak before restart_peak
         self._resize = None
+        self.ops = 0
+        self.tick: Optional[Callable[[], None]] = None  # called every TICK_OPS ops (``watching``'s progress)
 
     # ----- counting -----------------------------------------------------------------------------------------
     def _count(self, entry: _Storage, sign: int) -> None:
@@ -171,6 +176,9 @@ class MemoryTracker(TorchDispatchMode):
         if any(t is DTensor for t in types):  # let DTensor unwrap to the local ops, which are seen
             return NotImplemented
         out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        if self.tick is not None and self.ops % TICK_OPS == 0:
+            self.tick()
         if isinstance(out, torch.Tensor):  # the common case, without a pytree walk
             self._see(out)
         elif isinstance(out, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in out):
@@ -198,12 +206,24 @@ class MemoryTracker(TorchDispatchMode):
 
 
 @contextmanager
-def watching(tracker: MemoryTracker, executor: Any, zero: Any) -> Iterator[None]:
+def watching(tracker: MemoryTracker, executor: Any, zero: Any,
+             progress: Optional[Callable[[str], None]] = None) -> Iterator[None]:
     """Give a trainer's parts their roles while the block runs, by wrapping these methods on the instances
     (never the classes): the pipeline executor's forward (activations), backward, receives (comm) and run
     (the step count and the schedule phase), and ZeroOptimizer's step, its gradient buffers (grads) and its
-    post-step gather (comm)."""
+    post-step gather (comm). ``progress`` hears how far the steps are, every ``PROGRESS_S`` seconds at most
+    (a simulated step of a large stage takes minutes)."""
     state = {"step": 0, "forwards": 0, "backwards": 0, "total": 0, "in_flight": 0}
+    started = said = time.perf_counter()
+
+    def tell(within: bool = False) -> None:
+        nonlocal said
+        now = time.perf_counter()
+        if progress is not None and now - said >= PROGRESS_S and state["forwards"]:
+            said = now
+            done = f"{state['forwards']} forwards and {state['backwards']} backwards of {state['total']}"
+            progress(f"at {tracker.moment} ({done} begun), after {now - started:.0f} s" if within else
+                     f"step {state['step']}: {done} done, after {now - started:.0f} s")
 
     def phase() -> str:
         if state["backwards"] == 0:
@@ -221,8 +241,11 @@ def watching(tracker: MemoryTracker, executor: Any, zero: Any) -> Iterator[None]
         chunk = f" (model chunk {a.chunk})" if len(executor.chunks) > 1 else ""
         moment = (f"step {state['step']}, {phase()}: forward of microbatch {a.mb}{chunk}, "
                   f"{state['in_flight']} microbatches in flight")
-        with tracker.acting("activations", moment):
-            return original(a, *args, **kwargs)
+        try:
+            with tracker.acting("activations", moment):
+                return original(a, *args, **kwargs)
+        finally:
+            tell()
 
     def backward(original, a, *args, **kwargs):
         state["backwards"] += 1
@@ -234,6 +257,7 @@ def watching(tracker: MemoryTracker, executor: Any, zero: Any) -> Iterator[None]
                 return original(a, *args, **kwargs)
         finally:
             state["in_flight"] -= 1
+            tell()
 
     def roled(role: Optional[str], moment: Optional[str] = None):
         def call(original, *args, **kwargs):
@@ -249,8 +273,10 @@ def watching(tracker: MemoryTracker, executor: Any, zero: Any) -> Iterator[None]
                (zero.reducer, "_alloc", roled("grads")), (zero.gatherer, "after_step", roled("comm"))]
     for obj, name, how in wrapped:
         setattr(obj, name, functools.partial(how, getattr(obj, name)))
+    tracker.tick = functools.partial(tell, True) if progress is not None else None
     try:
         yield
     finally:
+        tracker.tick = None
         for obj, name, _ in wrapped:
             delattr(obj, name)

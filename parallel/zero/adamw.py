@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
 
 from megazero.kernels.adam import adamw
 from megazero.kernels.adam_cpu import Run
@@ -30,6 +31,11 @@ def make_adamw(section: "AdamWSection", ctx: "UpdateContext") -> "ShardedAdamW":
     impl = ctx.adam_impl if ctx.state_device == ctx.device else "fused"
     return ShardedAdamW(ctx.layout, ctx.device, ctx.state_device, impl, ctx.weight_decay,
                         (section.beta1, section.beta2), section.eps, ctx.grad_dtype)
+
+
+def _shapes_only(tensors: list[Tensor]) -> bool:
+    """Tensors without values (fake or meta): only their shapes and bytes matter."""
+    return any(isinstance(t, FakeTensor) or t.is_meta for t in tensors)
 
 
 class ShardedAdamW:
@@ -144,7 +150,10 @@ class ShardedAdamW:
 
         On the CPU a run is cut into pieces of at most NORM_PIECE elements: torch's CPU norm accumulates in
         order in float32, off by ~1e-5 relative over 10^5 elements and ~3e-4 over 10^7, so a norm would depend
-        on how the buckets are cut (the layout); per piece it is off by ~2e-7, and the pieces add in float64."""
+        on how the buckets are cut (the layout); per piece it is off by ~2e-7, and the pieces add in float64.
+        Fake tensors (``--simulate``) take one norm per run: thousands of pieces would be thousands of fake ops
+        (seconds a step at 10^9 elements) for the same shapes; the weights and the stacked norms keep the
+        pieces' sizes, so only the norm's own transient scalars differ (4 bytes a piece)."""
         piece = NORM_PIECE if self.device.type == "cpu" else None
         runs = [(g, lo, min(lo + piece, z) if piece else z)
                 for g, bucket_runs in zip(grads, counted) for a, z, _ in bucket_runs
@@ -158,7 +167,11 @@ class ShardedAdamW:
         # one fused, multi-threaded pass over every run, with no full-size temporaries; the runs that do not
         # count (tp-replicated copies off tp rank 0, the tied copy) are weighted 0, so a nan or inf there still
         # makes the norm non-finite and skips the step
-        norms = torch.stack(torch._foreach_norm([g[a:z] for g, a, z in runs], 2, dtype=torch.float32))
+        if _shapes_only(grads):  # fake tensors: no sums to keep in order; one norm per run, the pieces' shapes
+            whole = [g[a:z] for g, bucket_runs in zip(grads, counted) for a, z, _ in bucket_runs]
+            norms = torch.stack(torch._foreach_norm(whole, 2, dtype=torch.float32)).new_empty(len(runs))
+        else:
+            norms = torch.stack(torch._foreach_norm([g[a:z] for g, a, z in runs], 2, dtype=torch.float32))
         return (norms.double().square() * self.norm_weights[key]).sum().float()
 
     def first_nonfinite(self, grads: list[Tensor]) -> Optional[str]:

@@ -84,7 +84,8 @@ def _moe(local: int):
 def _compare(local: int, counts: list[int]) -> None:
     """The expert axis at ``counts``, and every figure within TOLERANCE of the peak (of itself for the bytes
     sent) of simulating every expert: the increments per expert are constant along one dispatch path."""
-    from megazero.plan.extrapolate import EXPERTS, TOLERANCE, choose_axes, figures, simulate_class
+    from megazero.plan.axes import EXPERTS, choose_axes
+    from megazero.plan.extrapolate import TOLERANCE, figures, simulate_class
     from megazero.plan.simulate import simulate_rank
     from megazero.plan.stage_plan import make_plan
 

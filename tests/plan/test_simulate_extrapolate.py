@@ -5,20 +5,22 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.hostile import ROOT, call, pretrain_main
 
 # configs/tiny.yaml (tp 2 with sequence parallelism x pp 2 x dp 2) at 7 layers per stage and 9 microbatches per
-# rank: the smallest counts an axis is taken at (6 microbatches at pp 2; 4 layers: first, 2 middle, last) plus
-# the three it steps through. The last stage (head and logits), ZeRO-3 (the gathered layer, buckets in
+# rank: past the smallest counts an axis is taken at (3 microbatches on the last 1F1B stage, where its schedule
+# repeats; 4 layers: first, 2 middle, last) and the three it steps through. The last stage (head and logits), ZeRO-3 (the gathered layer, buckets in
 # flight), the first layer of each stage recomputed (two kinds: the other middle ones keep their activations);
 # the tp sends have a microbatch x layer term.
 SETS = ["model.layers=14", "train.global_batch=36", "parallel.world_size=8", "zero.stage=3",
         "model.activation_checkpointing=true", "model.checkpoint_layers=1", "launch.rank=4", "launch.memory_gb=80"]
 
 
-def _simulate(capsys, tmp_path, *mode: str) -> tuple[str, dict]:
+def _simulate(capsys, tmp_path, *mode: str, sets: list[str] = SETS) -> tuple[str, dict]:
     code, out, err = call(pretrain_main, ["--config", str(ROOT / "configs/tiny.yaml"), "--simulate", *mode,
-                                          "--set", f"log.dir={tmp_path}"] + [a for s in SETS for a in ("--set", s)],
+                                          "--set", f"log.dir={tmp_path}"] + [a for s in sets for a in ("--set", s)],
                           capsys)
     assert code == 0, err[-3000:]
     return out, json.loads((tmp_path / "simulate.json").read_text())["ranks"][0]
@@ -30,9 +32,14 @@ def test_extrapolated_figures_equal_the_full_simulation(capsys, tmp_path):
     both counts); the bytes sent to 1e-12 relative (float sums of ring factors)."""
     out, got = _simulate(capsys, tmp_path / "auto")
     full_out, want = _simulate(capsys, tmp_path / "full", "full")
-    assert ("extrapolated linearly from 6, 7 and 8 microbatches to 9 and from 3, 4 and 5 MLP kept layers per stage "
+    assert ("extrapolated linearly from 3, 4 and 5 microbatches to 9 and from 3, 4 and 5 MLP kept layers per stage "
             "to 6 (6 simulations); each increment constant to 0.000% of the peak") in out, out
     assert "extrapolated linearly" not in full_out and "extrapolation," not in out, (full_out, out)
+    _same(got, want)
+
+
+def _same(got: dict, want: dict) -> None:
+    """simulate.json's figures equal: bytes exactly, the bytes sent to 1e-12 relative."""
     comm, want_comm = got.pop("comm_bytes"), want.pop("comm_bytes")
     assert comm.keys() == want_comm.keys() and all(
         abs(comm[g] - want_comm[g]) <= 1e-12 * want_comm[g] for g in comm), (comm, want_comm)
@@ -41,11 +48,28 @@ def test_extrapolated_figures_equal_the_full_simulation(capsys, tmp_path):
     assert got == want
 
 
+@pytest.mark.parametrize("rank, low", [(0, 6), (8, 7)])
+def test_zb1p_ranks_are_extrapolated_from_their_own_periodic_schedule(capsys, tmp_path, rank, low):
+    """zb1p at pp 4 repeats (F, B, W) on every rank from pp + 2 = 6 microbatches (7 on the middle ranks with
+    tiny.yaml's overlapped receives), not the 2pp + 2 = 10 every rank together needs (megazero.plan.periodic):
+    10 microbatches are simulated at 6, 7 and 8 (7, 8 and 9), and every figure equals ``--simulate full``'s
+    as above. The first stage (embedding, no receives) and a middle one (receives both ways, its W's deferred
+    by its rank), ZeRO-1, at 2 layers a stage."""
+    sets = ["model.layers=8", "parallel.pp=4", "parallel.schedule=zb1p", "train.global_batch=40",
+            "parallel.world_size=16", "zero.stage=1", f"launch.rank={rank}", "launch.memory_gb=80"]
+    out, got = _simulate(capsys, tmp_path / "auto", sets=sets)
+    _, want = _simulate(capsys, tmp_path / "full", "full", sets=sets)
+    assert (f"extrapolated linearly from {low}, {low + 1} and {low + 2} microbatches to 10 (3 simulations); each "
+            f"increment constant to 0.000% of the peak") in out, out[-2000:]
+    _same(got, want)
+
+
 def test_the_fit_is_exact_on_affine_figures_and_sees_a_changed_increment():
     """Two axes (microbatches, layers) with a cross term, as the bytes sent have: the fit gives the real point
     exactly and no deviation; an increment that grows on one axis shows on that axis only, as the
     difference carried to the real count over the peak."""
-    from megazero.plan.extrapolate import Axis, design, fit
+    from megazero.plan.axes import Axis
+    from megazero.plan.extrapolate import design, fit
 
     axes = [Axis(None, 6, 1, 122), Axis("MLP", 4, 1, 16)]  # 6 to 128 microbatches, 4 to 20 layers
 
@@ -69,7 +93,7 @@ def test_smaller_chunks_keep_their_kinds_of_layers():
     under interleaving."""
     from megazero.config.load import load_config
     from megazero.config.resolve import resolve
-    from megazero.plan.extrapolate import _middle, choose_axes, layer_kind, rank_chunks, variant
+    from megazero.plan.axes import _middle, choose_axes, layer_kind, rank_chunks, variant
 
     cfg = resolve(load_config(None, ["model.layers=40", "model.hidden=64", "model.heads=4", "model.vocab_size=512",
                                      "parallel.pp=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2",
@@ -104,7 +128,7 @@ def test_an_axis_whose_increments_differ_is_simulated_in_full(monkeypatch):
                                      "model.vocab_size=128", "train.micro_batch=1", "train.global_batch=7",
                                      "parallel.dp=1"]), 1, "cpu")
     plan = make_plan(cfg)
-    assert [a.kind for a in extrapolate.choose_axes(cfg, 0)] == [None]  # 4, 5 and 6 microbatches to 7
+    assert [a.kind for a in extrapolate.choose_axes(cfg, 0)] == [None]  # 3, 4 and 5 microbatches to 7
     monkeypatch.setattr(extrapolate, "TOLERANCE", -1.0)
     said = []
     got = extrapolate.simulate_class(cfg, 0, plan, said.append)
