@@ -1,14 +1,17 @@
 """The model's section of the config: ``model.*`` and ``model.moe.*``, beside the models that read them.
 
 ``megazero.config.schema`` lists these dataclasses in its SECTIONS table (each field's comment is its line in
-docs/config.md)
+docs/config.md); what ``model.arch`` names is its spec (:attr:`ModelConfig.spec`, ``models.registry``).
 Nothing here imports torch.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Union
+from typing import TYPE_CHECKING, Union
+
+if TYPE_CHECKING:
+    from megazero.models.spec import ModelSpec
 
 # a value fixed later: by resolve (parallel.dp, parallel.pp_layers, zero.reshard_after_forward, kernels.*) or
 # at launch
@@ -107,3 +110,10 @@ class ModelConfig:
         """k/v heads: ``kv_heads``, or every head (multi-head attention) when unset."""
         return self.kv_heads or self.heads
 
+    @property
+    def spec(self) -> "ModelSpec":
+        """The architecture's spec (``models.registry``): its modules, what auto means for its keys, its counts,
+        Hugging Face tables and rules. Imported when asked, so the modules that read a config need no registry."""
+        from megazero.models.registry import spec_of
+
+        return spec_of(self)
