@@ -6,10 +6,14 @@ the same way everywhere. Pure arithmetic on a model config: no torch, nothing al
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from megazero.models import arch
+from megazero.models.config import ModelConfig
 from megazero.parallel.balance import StageCosts
+
+if TYPE_CHECKING:
+    from megazero.config.schema import Config
 
 # Memory-bound work as FLOPs-equivalents: the FLOPs a GPU would have done in the time it moves the bytes, its
 # dense peak over its memory bandwidth (H200: 989 TFLOP/s bf16, 67 fp32, over 4.8 TB/s; an H100's 3.35 TB/s
@@ -55,14 +59,14 @@ def flops_per_token(layers: int, hidden: int, ffn_hidden: int, seq_len: int, voc
     return 6.0 * matmul_params + 12.0 * layers * seq_len * q
 
 
-def model_shape(model_cfg: Any) -> dict:
+def model_shape(model_cfg: ModelConfig) -> dict:
     """The keyword arguments of :func:`flops_per_token` that depend on the architecture."""
     m = model_cfg
     d = arch.head_dim(m)
-    return {"kv_hidden": m.kv_head_count * d, "mlp_matrices": 3 if arch.is_llama(m) else 2, "q_hidden": m.heads * d}
+    return {"kv_hidden": m.kv_head_count * d, "mlp_matrices": m.spec.mlp_matrices, "q_hidden": m.heads * d}
 
 
-def moe_active_ffn(model_cfg: Any) -> int:
+def moe_active_ffn(model_cfg: ModelConfig) -> int:
     """The SwiGLU width one token passes through in a mixture-of-experts layer: its top_k routed experts and the
     shared ones, (top_k + shared_experts) · expert_hidden. Only these count in FLOPs and MFU (active parameters),
     not the E - top_k experts a token skips."""
@@ -70,7 +74,7 @@ def moe_active_ffn(model_cfg: Any) -> int:
     return (m.moe.top_k + m.moe.shared_experts) * arch.expert_hidden(m)
 
 
-def layers_flops_per_token(model_cfg: Any, layer_ids: range, seq_len: int | None = None,
+def layers_flops_per_token(model_cfg: ModelConfig, layer_ids: range, seq_len: int | None = None,
                            attention_share: float = 1.0) -> float:
     """Training FLOPs per token of these layers (no head): the dense ones at the model's ffn width, the
     mixtures of experts at their active width plus their router (``seq_len``: the attention products' length,
@@ -86,13 +90,13 @@ def layers_flops_per_token(model_cfg: Any, layer_ids: range, seq_len: int | None
     return out
 
 
-def head_flops_per_token(model_cfg: Any) -> float:
+def head_flops_per_token(model_cfg: ModelConfig) -> float:
     """Training FLOPs per token of the output head (V·h)."""
     m = model_cfg
     return flops_per_token(0, m.hidden, arch.ffn_hidden(m), m.seq_len, m.padded_vocab, **model_shape(m))
 
 
-def model_flops_per_token(model_cfg: Any, attention_share: float = 1.0) -> float:
+def model_flops_per_token(model_cfg: ModelConfig, attention_share: float = 1.0) -> float:
     """The whole model's training FLOPs per token (every layer and the head), as throughput and MFU count: active
     parameters only under a mixture of experts; the attention scaled by ``attention_share`` (document masks)."""
     m = model_cfg
@@ -117,20 +121,20 @@ def expected_document_share(document_tokens: int, seq_len: int) -> float:
     return kept / (s * (s + 1) / 2)
 
 
-def plan_attention_share(cfg: Any) -> float:
+def plan_attention_share(cfg: Config) -> float:
     """:func:`expected_document_share` of a config: data.document_tokens under data.document_mask, else 1."""
     d = cfg.data
     return expected_document_share(d.document_tokens, cfg.model.seq_len) if d.document_mask else 1.0
 
 
-def attention_flops_per_token(model_cfg: Any) -> float:
+def attention_flops_per_token(model_cfg: ModelConfig) -> float:
     """The attention score and value products' part of :func:`model_flops_per_token`, 12·L·s·q: what document
     masking scales down (:func:`parallel.sequence.document_mask_share`)."""
     m = model_cfg
     return layers_flops_per_token(m, range(m.layers)) - layers_flops_per_token(m, range(m.layers), seq_len=0)
 
 
-def pipeline_costs(m: Any, tp: int = 1, precision: str = "fp32", device: str = "cuda") -> StageCosts:
+def pipeline_costs(m: ModelConfig, tp: int = 1, precision: str = "fp32", device: str = "cuda") -> StageCosts:
     """What one rank computes per token (parallel.balance): a transformer layer and the output head from the
     FLOPs formula, plus as FLOPs-equivalents of their memory traffic the layer's elementwise work, the cross
     entropy over this rank's V/tp logits and the embedding lookup. ``m``: a model config (auto keys resolved
@@ -143,7 +147,7 @@ def pipeline_costs(m: Any, tp: int = 1, precision: str = "fp32", device: str = "
     else:
         per_byte = FLOPS_PER_BYTE_FP32 if precision == "fp32" else FLOPS_PER_BYTE_16BIT
     value_bytes = 4 if precision == "fp32" else 2
-    mlp_inputs = 2 if arch.is_llama(m) else 1
+    mlp_inputs = m.spec.mlp_inputs
 
     def layer_cost(ffn: int, router: int) -> float:
         matmuls = flops_per_token(1, m.hidden, ffn, m.seq_len, 0, router=router, **model_shape(m)) / tp

@@ -6,7 +6,7 @@ The block that holds them is ``models.block.Block``; the learned position table 
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,9 @@ from megazero.parallel.sequence import SequenceInfo
 from megazero.parallel.tp_overlap import Entry
 from megazero.parallel.tp_random import ShardedDropout
 from megazero.parallel.tensor import ColumnParallelLinear, RowParallelLinear, mark_sequence_parallel
+
+if TYPE_CHECKING:
+    from megazero.models.config import ModelConfig
 
 LN_EPS = 1e-5
 
@@ -38,7 +41,7 @@ class LayerNorm(nn.LayerNorm):
         return y
 
 
-def layer_norm(cfg: Any, par: Split) -> LayerNorm:
+def layer_norm(cfg: ModelConfig, par: Split) -> LayerNorm:
     norm = LayerNorm(cfg.hidden, eps=getattr(cfg, "norm_eps", LN_EPS), bias=has_bias(cfg))
     if par.sp:
         mark_sequence_parallel(norm)
@@ -48,7 +51,7 @@ def layer_norm(cfg: Any, par: Split) -> LayerNorm:
 class Attention(nn.Module):
     """Causal multi-head self-attention; this tp rank computes heads/tp whole heads."""
 
-    def __init__(self, cfg: Any, par: Split):
+    def __init__(self, cfg: ModelConfig, par: Split):
         super().__init__()
         assert cfg.hidden % cfg.heads == 0 and cfg.heads % par.size == 0, (cfg.hidden, cfg.heads, par.size)
         self.local_heads = cfg.heads // par.size
@@ -78,7 +81,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """fc2(gelu(fc1 x)) with the tanh approximation GPT-2 uses: fc1 column-parallel, fc2 row-parallel."""
 
-    def __init__(self, cfg: Any, par: Split):
+    def __init__(self, cfg: ModelConfig, par: Split):
         super().__init__()
         self.fc1 = ColumnParallelLinear(cfg.hidden, ffn_hidden(cfg), has_bias(cfg), par.tp, sequence_parallel=par.sp)
         self.fc2 = RowParallelLinear(ffn_hidden(cfg), cfg.hidden, has_bias(cfg), par.tp, sequence_parallel=par.sp)

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import Tensor
 
 from megazero.models.stage import GPT
+
+if TYPE_CHECKING:
+    from megazero.models.config import ModelConfig
 
 RESIDUAL_PROJECTIONS = ("attn.proj.weight", "mlp.fc2.weight", "mlp.down.weight", "mlp.shared.down.weight")
 NORMS = ("ln1", "ln2", "final_norm", "q_norm", "k_norm")
@@ -26,7 +29,7 @@ def _generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
-def initial_value(name: str, full_shape: tuple[int, ...], seed: int, cfg: Any) -> Tensor:
+def initial_value(name: str, full_shape: tuple[int, ...], seed: int, cfg: ModelConfig) -> Tensor:
     """The full (unsharded) float32 initial value of the parameter called ``name``.
 
     GPT-2 scheme: N(0, init_std) for weights and embeddings, residual output

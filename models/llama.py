@@ -19,13 +19,13 @@ own heads, so the weights' gradients are partial over tp and summed over it, as 
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megazero.models.arch import ffn_hidden, has_bias, head_dim, is_llama
+from megazero.models.arch import ffn_hidden, has_bias, head_dim
 from megazero.models.split import Split
 from megazero.parallel.sequence import SequenceInfo
 from megazero.parallel.tp_overlap import Entry
@@ -36,6 +36,9 @@ from megazero.parallel.tensor import (
     column_parallel_linears,
     mark_sequence_parallel,
 )
+
+if TYPE_CHECKING:
+    from megazero.models.config import ModelConfig
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -79,7 +82,7 @@ class RMSNorm(nn.Module):
         return y.to(torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype)
 
 
-def rms_norm(cfg: Any, par: Split) -> RMSNorm:
+def rms_norm(cfg: ModelConfig, par: Split) -> RMSNorm:
     norm = RMSNorm(cfg.hidden, cfg.norm_eps)
     if par.sp:
         mark_sequence_parallel(norm)
@@ -110,7 +113,7 @@ def rotary_tables(seq: int, head_dim: int, theta: float, device: torch.device,
     return emb.cos(), emb.sin()
 
 
-def rope_scaling(cfg: Any) -> tuple[float, float, float, int] | None:
+def rope_scaling(cfg: ModelConfig) -> tuple[float, float, float, int] | None:
     """``rotary_tables``' scaling from the config's rope keys (None without ``model.rope_scaling``)."""
     if getattr(cfg, "rope_scaling", "none") != "llama3":
         return None
@@ -128,7 +131,7 @@ class LlamaAttention(nn.Module):
     """Causal grouped-query self-attention with rotary positions; this tp rank computes heads/tp query heads
     and the k/v heads they read."""
 
-    def __init__(self, cfg: Any, par: Split):
+    def __init__(self, cfg: ModelConfig, par: Split):
         super().__init__()
         tp, kv = par.size, cfg.kv_head_count
         assert cfg.heads % tp == 0 and cfg.heads % kv == 0 and (kv % tp == 0 or tp % kv == 0), (cfg.heads, kv, tp)
@@ -181,7 +184,7 @@ class LlamaAttention(nn.Module):
 class SwiGLU(nn.Module):
     """down(silu(gate x) * up x) (Shazeer 2020): gate and up column-parallel, down row-parallel."""
 
-    def __init__(self, cfg: Any, par: Split, width: Optional[int] = None):
+    def __init__(self, cfg: ModelConfig, par: Split, width: Optional[int] = None):
         """width: the hidden width (default the model's ffn_hidden; a mixture of experts' shared experts)."""
         super().__init__()
         h, f, sp, bias = cfg.hidden, width or ffn_hidden(cfg), par.sp, has_bias(cfg)
@@ -201,8 +204,8 @@ class SwiGLU(nn.Module):
         return self.down.partial(y) if entry is not None else self.dropout(self.down(y))
 
 
-def kv_replicas_needed(cfg: Any, tp: int) -> int:
+def kv_replicas_needed(cfg: ModelConfig, tp: int) -> int:
     """How many tp ranks hold each k/v head: tp/kv_heads when there are fewer k/v heads than ranks, else 1."""
-    kv = cfg.kv_head_count if is_llama(cfg) else cfg.heads
+    kv = cfg.kv_head_count if cfg.spec.grouped_query else cfg.heads
     return tp // kv if kv < tp else 1
 

@@ -30,7 +30,7 @@ executor sets.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,9 @@ from megazero.models.split import Split
 from megazero.parallel.experts import combine, dispatch, is_fake, plan_dispatch
 from megazero.parallel.regions import gather_to_whole, split_to_sequence
 from megazero.parallel.tp_random import ShardedDropout
+
+if TYPE_CHECKING:
+    from megazero.models.config import ModelConfig
 
 STATS = ("aux_loss", "z_loss", "dropped", "tokens")  # after the E per-expert counts in a layer's statistics
 
@@ -71,7 +74,7 @@ def _count(chosen: Tensor, experts: int) -> Tensor:
 class Router(nn.Module):
     """Logits (tokens, E) from a replicated (E, h) weight; the sigmoid router's selection bias is a buffer."""
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         moe = cfg.moe
         self.weight = nn.Parameter(torch.empty(moe.experts, cfg.hidden))
@@ -98,7 +101,7 @@ def route(logits: Tensor, moe: Any, bias: Optional[Tensor]) -> tuple[Tensor, Ten
 class GroupedExperts(nn.Module):
     """This ep rank's experts [first, first + local): their SwiGLUs as grouped matmuls over sorted rows."""
 
-    def __init__(self, cfg: Any, par: Split):
+    def __init__(self, cfg: ModelConfig, par: Split):
         super().__init__()
         moe, h = cfg.moe, cfg.hidden
         f = moe.expert_hidden or ffn_hidden(cfg)
@@ -136,7 +139,7 @@ class GroupedExperts(nn.Module):
 class MoE(nn.Module):
     """The mixture-of-experts MLP of one layer (``forward(x)``: (b, s or s/tp, h) -> the same)."""
 
-    def __init__(self, cfg: Any, par: Split):
+    def __init__(self, cfg: ModelConfig, par: Split):
         super().__init__()
         self.moe, self.seq_len = cfg.moe, cfg.seq_len
         self.tp, self.sp, self.ep = par.tp if par.size > 1 else None, par.sp, par.ep

@@ -22,7 +22,7 @@ gradient norm: ``tied_parameters()`` says which copy counts.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +44,9 @@ from megazero.parallel.tensor import (
     sequence_gathered_linear,
 )
 
+if TYPE_CHECKING:
+    from megazero.models.config import ModelConfig
+
 
 class TiedParameter(NamedTuple):
     """A parameter whose gradient is summed with another stage's copy (over the embedding group)."""
@@ -56,7 +59,7 @@ class TiedParameter(NamedTuple):
 class Embedding(nn.Module):
     """Token (vocab-parallel) and, on the first stage, learned position embeddings."""
 
-    def __init__(self, cfg: Any, par: Split, positions: bool):
+    def __init__(self, cfg: ModelConfig, par: Split, positions: bool):
         super().__init__()
         self.tokens = VocabParallelEmbedding(cfg.padded_vocab, cfg.hidden, par.tp, sequence_parallel=par.sp)
         self.positions = nn.Embedding(cfg.seq_len, cfg.hidden) if positions else None
@@ -77,7 +80,7 @@ class GPT(nn.Module):
 
     def __init__(
         self,
-        cfg: Any,
+        cfg: ModelConfig,
         tp: Optional[Comm] = None,
         layer_ids: range | None = None,
         first_stage: bool = True,
@@ -105,7 +108,7 @@ class GPT(nn.Module):
 
         parts = parts_of(cfg)
         self.tied = tied(cfg)
-        positions = first_stage and parts.positions
+        positions = first_stage and cfg.spec.learned_positions
         self.embed = Embedding(cfg, self.par, positions) if first_stage or (last_stage and self.tied) else None
         self.embed_dropout = ShardedDropout(cfg.dropout, self.rng, split=self.par.sp) if first_stage else None
         self.layers = nn.ModuleDict({str(i): parts.block(cfg, self.par, i) for i in self.layer_ids})

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from megazero.models.registry import spec_named
+
 ROPE_SCALING_KEYS = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_positions")
 
 
@@ -51,22 +53,28 @@ def moe_differences(there: Any, here: Any) -> list[tuple[str, Any, Any]]:
 
 def architecture_differences(there: Mapping[str, Any], here: Any) -> list[tuple[str, Any, Any]]:
     """(key, there, here) for every key of ``there`` whose value differs from the model config ``here``;
-    ``model.moe`` as one (``moe.KEY``, there, here) per differing key. GPT-2 has no rotary positions, and
-    unscaled rotary positions do not use the scaling's parameters, so those keys are not compared where they
-    mean nothing."""
+    ``model.moe`` as one (``moe.KEY``, there, here) per differing key. GPT-2 has no rotary positions (its spec says
+    so), and unscaled rotary positions do not use the scaling's parameters, so those keys are not compared where
+    they mean nothing."""
     out = []
     for key, theirs in there.items():
         ours = _value(here, key)
         if key == "moe":
             out += moe_differences(moe_architecture(theirs, there.get("ffn_hidden")), ours)
             continue
-        if key.startswith("rope_") and here.arch == there.get("arch", here.arch) == "gpt2":
+        if key.startswith("rope_") and not _rotary(here.arch) and not _rotary(there.get("arch", here.arch)):
             continue
         if key in ROPE_SCALING_KEYS and here.rope_scaling == "none":
             continue  # a scaled side also differs in rope_scaling, which is compared
         if theirs != ours:
             out.append((key, theirs, ours))
     return out
+
+
+def _rotary(arch: Any) -> bool:
+    """Whether the architecture named ``arch`` has rotary positions (an unknown name: assumed so, compared)."""
+    spec = spec_named(arch)
+    return spec is None or spec.rotary
 
 
 def model_differences(there: Any, here: Any, keys: tuple[str, ...]) -> list[tuple[str, Any, Any]]:

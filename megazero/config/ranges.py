@@ -10,12 +10,13 @@ from typing import Iterable, Optional
 
 from megazero.config.schema import AUTO, Config
 from megazero.errors import invalid
+from megazero.models.registry import SPECS
 from megazero.parallel.schedules import SCHEDULES
 from megazero.parallel.zero.registry import OPTIMIZERS
 
 # Allowed values and ranges, per key. A key absent here only needs the right type.
 _CHOICES = {
-    ("model", "arch"): ("gpt2", "llama"),
+    ("model", "arch"): tuple(SPECS),  # models.registry: one row per architecture
     ("model", "rope_scaling"): ("none", "llama3"),
     ("train", "precision"): ("fp32", "bf16", "fp16", "auto"),
     ("zero", "stage"): (0, 1, 2, 3),

@@ -28,8 +28,8 @@ HEADER = """# Configuration reference
 Every key of a run's YAML file, by section, with its default, its valid values and what it does. A key is set in
 the file (`section: {key: value}`) or on the command line (`--set section.key=value`); an unknown key, a value
 of the wrong type or out of range is refused in one line naming it. This page is written from the schema's
-dataclasses (`megazero/config/schema.py`) by `python -m megazero.config.reference --write`; a test keeps the
-two equal.
+dataclasses (`megazero/config/schema.py`; the `model` sections' are in `models/config.py`) by
+`python -m megazero.config.reference --write`; a test keeps the two equal.
 """
 
 

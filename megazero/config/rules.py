@@ -20,7 +20,7 @@ from typing import Optional
 from megazero.config.data_paths import entry_path
 from megazero.config.ranges import MAX_WORLD, check_ranges
 from megazero.config.context_rules import check_context
-from megazero.config.schema import AUTO, Config
+from megazero.config.schema import AUTO, Config, ModelConfig
 from megazero.data.samples import parse_split
 from megazero.errors import UserError, invalid
 from megazero.models import arch
@@ -67,44 +67,32 @@ def validate(cfg: Config) -> None:
 
 
 def _check_model_rules(cfg: Config, src: str) -> None:
-    """How the model's keys constrain each other (heads, k/v heads, rotary scaling, recomputation)."""
+    """How the model's keys constrain each other (heads, k/v heads, rotary scaling, recomputation), then what its
+    architecture cannot build (its spec's rules: ``ModelSpec.rules``)."""
     m = cfg.model
-    if m.head_dim is not None and m.arch != "llama" and m.head_dim * m.heads != m.hidden:
-        raise invalid(src, "model.head_dim", m.head_dim, f"sets a head width other than model.hidden / model.heads, "
-                      f"which only llama's attention has; unset it for {m.arch}")
     if m.hidden % m.heads and m.head_dim is None:
         raise invalid(src, "model.heads", m.heads, f"must divide model.hidden={m.hidden} (or set model.head_dim)")
     if m.heads % m.kv_head_count:
         raise invalid(src, "model.kv_heads", m.kv_heads, f"must divide model.heads={m.heads} (query heads per k/v "
                       f"head, grouped-query attention)")
-    if m.arch == "gpt2" and m.kv_head_count != m.heads:
-        raise invalid(src, "model.kv_heads", m.kv_heads, f"grouped-query attention needs model.arch=llama; gpt2: "
-                      f"unset or {m.heads}")
     if m.rope_scaling != "none" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
         raise invalid(src, "model.rope_high_freq_factor", m.rope_high_freq_factor,
                       f"must be > model.rope_low_freq_factor={m.rope_low_freq_factor} (the band between is blended)")
-    if m.rope_scaling != "none" and m.arch != "llama":
-        raise invalid(src, "model.rope_scaling", m.rope_scaling, "scales rotary positions, which only llama has")
-    if m.qk_norm and m.arch != "llama":
-        raise invalid(src, "model.qk_norm", m.qk_norm, "normalises the heads of llama's q and k; false for gpt2")
-    if m.arch == "llama" and m.head_width % 2:
-        key, value = ("model.head_dim", m.head_dim) if m.head_dim else ("model.heads", m.heads)
-        raise invalid(src, key, value, f"makes an odd head dim {m.head_width}" + ("" if m.head_dim else
-                      " (model.hidden / model.heads)") + "; rotary embeddings rotate pairs of features")
+    for refusal in m.spec.rules(m):
+        raise invalid(src, refusal.key, refusal.value, refusal.why)
     if m.checkpoint_layers and not m.activation_checkpointing:
         raise invalid(src, "model.checkpoint_layers", m.checkpoint_layers,
                       "recomputes layers only with model.activation_checkpointing=true; 0 without it")
     _check_moe_model(m, src)
 
 
-def _check_moe_model(m, src: str) -> None:
-    """model.moe: llama's MLP replaced; k of E experts per token; at least one layer a mixture of experts."""
+def _check_moe_model(m: ModelConfig, src: str) -> None:
+    """model.moe (its architecture's spec allows it): k of E experts per token; at least one layer a mixture of
+    experts."""
     moe = m.moe
     if not moe.experts:
         return
-    if m.arch != "llama":
-        raise invalid(src, "model.moe.experts", moe.experts, f"mixtures of experts need model.arch=llama (got "
-                      f"{m.arch}); set model.moe.experts=0 for a dense {m.arch}")
+    assert m.spec.experts, m.arch  # the spec's rules refuse experts where it has none
     if moe.top_k > moe.experts:
         raise invalid(src, "model.moe.top_k", moe.top_k, f"must be <= model.moe.experts={moe.experts}")
     if moe.dense_layers >= m.layers:

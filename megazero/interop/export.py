@@ -67,57 +67,17 @@ def to_hf_state_dict(state: Mapping[str, Tensor], model_cfg: Any,
     for name, link in table.items():
         out.update(hf_tensors(state[name], link, m))
     dtype = state["embed.tokens.weight"].dtype
-    if m.arch == "gpt2" and not m.bias:  # HF's GPT-2 always adds biases: zeros compute the same
+    if m.spec.hf.zero_biases and not m.bias:  # HF's GPT-2 always adds biases: zeros compute the same
         full = links(dataclasses.replace(m, bias=True))
         out.update({link.hf: torch.zeros(hf_shape(link, m), dtype=dtype) for name, link in full.items()
                     if name not in table})
     out = {k: v.detach().cpu().contiguous().clone() for k, v in out.items()}
     ids = {"bos_token_id": None, "eos_token_id": None, **(special_ids or {})}
-    config = _gpt2_config(m) if kind == "gpt2" else _llama_config(m, kind)
+    config = m.spec.hf.config(m, kind)
     config.update(architectures=[HF_ARCHITECTURES[kind]], model_type=kind, vocab_size=m.vocab_size,
                   initializer_range=float(m.init_std), tie_word_embeddings=bool(m.tie_embeddings),
                   torch_dtype=str(dtype).removeprefix("torch."), **ids)
     return config, out
-
-
-def _gpt2_config(m: Any) -> dict:
-    return {"n_positions": m.seq_len, "n_ctx": m.seq_len, "n_embd": m.hidden, "n_layer": m.layers,
-            "n_head": m.heads, "n_inner": m.ffn_hidden, "activation_function": "gelu_new",
-            "layer_norm_epsilon": float(m.norm_eps), "resid_pdrop": float(m.dropout),
-            "embd_pdrop": float(m.dropout), "attn_pdrop": 0.0, "scale_attn_weights": True,
-            "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False}
-
-
-def _llama_config(m: Any, kind: str) -> dict:
-    """Llama's keys, and Qwen3's, Mixtral's or Qwen3-MoE's (``kind``). Unknown bos/eos ids are written as null:
-    left out, transformers would assume Llama 2's 1 and 2. rope_theta is written both ways: transformers 5 reads
-    rope_parameters, 4.x the top-level key. Attention is never windowed."""
-    theta = float(m.rope_theta)
-    scaling = None
-    if getattr(m, "rope_scaling", "none") == "llama3":  # Llama 3.1's long-context frequencies
-        scaling = {"rope_type": "llama3", "factor": float(m.rope_factor),
-                   "low_freq_factor": float(m.rope_low_freq_factor), "high_freq_factor": float(m.rope_high_freq_factor),
-                   "original_max_position_embeddings": int(m.rope_original_positions)}
-    out = {"hidden_size": m.hidden, "intermediate_size": m.ffn_hidden, "num_hidden_layers": m.layers,
-           "num_attention_heads": m.heads, "num_key_value_heads": m.kv_head_count, "head_dim": m.head_width,
-           "hidden_act": "silu", "max_position_embeddings": m.seq_len, "rms_norm_eps": float(m.norm_eps),
-           "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta, **(scaling or {})},
-           "rope_scaling": scaling, "attention_dropout": 0.0, "use_cache": True}
-    if kind == "llama":
-        return {**out, "attention_bias": bool(m.bias), "mlp_bias": bool(m.bias), "pretraining_tp": 1}
-    out["sliding_window"] = None
-    if kind in ("qwen3", "qwen3_moe"):
-        out.update(attention_bias=bool(m.bias), use_sliding_window=False, max_window_layers=m.layers)
-    if kind == "qwen3":
-        return out
-    moe = m.moe
-    width = moe.expert_hidden or m.ffn_hidden
-    out.update(num_experts_per_tok=moe.top_k, router_aux_loss_coef=float(moe.aux_loss), output_router_logits=False)
-    if kind == "mixtral":  # every layer a mixture of experts intermediate_size wide, the top k renormalised
-        return {**out, "intermediate_size": width, "num_local_experts": moe.experts, "router_jitter_noise": 0.0}
-    return {**out, "num_experts": moe.experts, "moe_intermediate_size": width, "decoder_sparse_step": 1,
-            "mlp_only_layers": [i for i in range(m.layers) if not moe.is_moe_layer(i)],
-            "norm_topk_prob": bool(moe.norm_topk_prob) and moe.top_k > 1}  # top-1: megazero's gate is the probability
 
 
 def capacity_warning(m: Any) -> Optional[str]:

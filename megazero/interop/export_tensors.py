@@ -44,8 +44,8 @@ def _unused_reason(name: str, m: Any) -> str:
         return f"model.moe (layer {i} is {what} there)"
     if ".attn.q_norm." in name or ".attn.k_norm." in name:
         return "model.qk_norm=false"
-    if name == "embed.positions.weight" and m.arch == "llama":
-        return "model.arch=llama (rotary positions, no position table)"
+    if name == "embed.positions.weight" and not m.spec.learned_positions:
+        return f"model.arch={m.arch} (rotary positions, no position table)"
     return f"model.arch={m.arch}"
 
 
@@ -66,7 +66,7 @@ def check_tensors(shapes: Mapping[str, tuple[int, ...]], m: Any, table: Mapping[
     if missing:
         more = f" ({len(missing)} missing)" if len(missing) > 1 else ""
         raise UserError(f"{where} has no tensor '{missing[0]}'{more}, which {_summary(m)} needs: it does not hold "
-                        f"a complete {'Llama' if m.arch == 'llama' else 'GPT'} model of that config")
+                        f"a complete {m.spec.model_name} model of that config")
     for name, link in table.items():
         shape = tuple(shapes[name])
         if link.kind == "vocab":

@@ -25,16 +25,18 @@ def _json_bytes(obj: Any) -> bytes:
     return (json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
 
 
-def tokenizer_files(path: str | Path, arch: str, seq_len: int, vocab_size: int, what: str = "tokenizer",
+def tokenizer_files(path: str | Path, sentencepiece_class: Optional[str], seq_len: int, vocab_size: int,
+                    what: str = "tokenizer",
                     fingerprint: Optional[str] = None) -> tuple[dict[str, bytes], dict[str, Optional[int]], str]:
     """(files to write beside the weights, bos/eos ids for config.json, a note or "") for the run's tokenizer.
 
     A tokenizer.json is copied as is, named for ``PreTrainedTokenizerFast``. A sentencepiece model becomes
-    tokenizer.model named for ``LlamaTokenizer`` (Llama only: transformers has no sentencepiece GPT-2
-    tokenizer), told whether the model adds a leading "▁" (megazero trains without it), so both give the
-    same ids. Neither adds BOS/EOS: megazero trained on documents joined by EOS alone. ``what`` names where the
-    path came from, for messages. ``fingerprint``: the content fingerprint the file must have
-    (``megazero.data.cache_plan.content_fingerprint``), None to take the file as it is.
+    tokenizer.model named for ``sentencepiece_class`` (the architecture's spec's ``hf.tokenizer_class``: Llama's
+    ``LlamaTokenizer``; None for GPT-2: transformers has no sentencepiece GPT-2 tokenizer), told whether the model
+    adds a leading "▁" (megazero trains without it), so both give the same ids. Neither adds BOS/EOS: megazero
+    trained on documents joined by EOS alone. ``what`` names where the path came from, for messages.
+    ``fingerprint``: the content fingerprint the file must have (``megazero.data.cache_plan.content_fingerprint``),
+    None to take the file as it is.
     """
     import sentencepiece as spm
 
@@ -64,11 +66,11 @@ def tokenizer_files(path: str | Path, arch: str, seq_len: int, vocab_size: int, 
     numbers = {"bos": sp.bos_id(), "eos": sp.eos_id(), "unk": sp.unk_id()}  # -1: the model has none
     ids = {f"{kind}_token_id": i if i >= 0 else None for kind, i in numbers.items() if kind != "unk"}
     files = {"tokenizer.model": data}
-    if arch != "llama":
+    if sentencepiece_class is None:
         return files, ids, (f"tokenizer {path} is a sentencepiece model, copied as tokenizer.model; transformers has "
                             "no GPT-2 tokenizer for it: load it with sentencepiece")
     prefix = "".join(sp.encode_as_pieces("a")).startswith("\u2581")
-    config = {"tokenizer_class": "LlamaTokenizer", **common, "add_prefix_space": prefix, "legacy": False,
+    config = {"tokenizer_class": sentencepiece_class, **common, "add_prefix_space": prefix, "legacy": False,
               **{f"{kind}_token": sp.id_to_piece(i) for kind, i in numbers.items() if i >= 0}}
     return {**files, "tokenizer_config.json": _json_bytes(config)}, ids, ""
 
@@ -92,7 +94,7 @@ def run_tokenizer(meta: Mapping[str, Any], where: Path, m: Any
     if not exists:
         return {}, {}, f"the run's tokenizer {value} is no longer there: none exported"
     try:
-        return tokenizer_files(value, m.arch, m.seq_len, m.vocab_size, "data.tokenizer",
+        return tokenizer_files(value, m.spec.hf.tokenizer_class, m.seq_len, m.vocab_size, "data.tokenizer",
                                meta.get("tokenizer_fingerprint"))
     except UserError as e:
         raise UserError(f"checkpoint {where}: {e}") from None

@@ -106,11 +106,7 @@ def _buffers(m: Any) -> frozenset[str]:
     """The tensors HF folders hold that are no parameters, by exact name (never read: megazero computes them):
     GPT-2's causal-mask buffers (``attn.bias``, ``attn.masked_bias``: older transformers saved them) and Llama's
     rotary inverse frequencies (older conversions: per layer, or once per model), under both name forms."""
-    if m.arch == "gpt2":
-        names = [f"transformer.h.{i}.attn.{b}" for i in range(m.layers) for b in ("bias", "masked_bias")]
-    else:
-        names = [f"model.layers.{i}.self_attn.rotary_emb.inv_freq" for i in range(m.layers)]
-        names.append("model.rotary_emb.inv_freq")
+    names = m.spec.hf.buffers(m)
     return frozenset(names + [n.split(".", 1)[1] for n in names])
 
 

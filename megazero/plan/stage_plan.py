@@ -116,7 +116,7 @@ def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action], p
     def layer(recompute: bool) -> int:
         return memo.call(activation_bytes_per_layer, seq, t.micro_batch, m.hidden, m.heads, par.tp, sp,
                          recompute, flash=True, precision=t.precision, ffn=m.ffn_hidden, kv_heads=m.kv_head_count,
-                         swiglu=arch.is_llama(m), head_dim=m.head_width) + ulysses_kept_bytes(cfg, recompute)
+                         swiglu=m.spec.gated_mlp, head_dim=m.head_width) + ulysses_kept_bytes(cfg, recompute)
 
     mixtures = {rec: moe_layer_activation_bytes(cfg, rec) + ulysses_kept_bytes(cfg, rec) if any(moe_in.values())
                 else 0 for rec in (False, True)}

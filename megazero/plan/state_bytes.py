@@ -117,7 +117,7 @@ def grad_buffer_bytes(cfg: Config, chunks: list[int], ranges: list[range], psi: 
             mlp = max(mlp, m.moe.shared_experts * fe * h)
             if not apart:  # the stacked experts (not split over tp) share the dense buckets
                 mlp = max(mlp, m.moe.experts * fe * h * t)
-        largest = max(mlp, (h if m.arch == "llama" else 3 * h) * h) // t  # MLP, or fused qkv / q
+        largest = max(mlp, (3 * h if m.spec.fused_qkv else h) * h) // t  # MLP, or fused qkv / q
         if any(vs in (0, last_vs) for vs in chunks):
             largest = max(largest, m.padded_vocab // t * h)
         largest = max(largest, int(z.bucket_mb * 2 ** 20) // g)

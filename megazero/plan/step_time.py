@@ -56,7 +56,7 @@ from megazero.plan.links import all_to_all, group_link, nested_link, ring
 from megazero.plan.muon import FP32_SHARE
 from megazero.plan.stage_plan import Plan, make_plan
 from megazero.plan.state_bytes import grad_bytes_per_param
-from megazero.models.arch import expert_hidden, ffn_hidden, is_llama, moe_layer_count
+from megazero.models.arch import expert_hidden, ffn_hidden, moe_layer_count
 from megazero.parallel.zero.policy import StagePolicy
 
 ACT_BYTES = 2  # bf16 activations and parameters cross the links
@@ -178,7 +178,7 @@ def _layer_activation_bytes(cfg: Config, c: Constants) -> int:
     return activation_bytes_per_layer(local_seq_len(cfg), cfg.train.micro_batch, m.hidden, m.heads, par.tp,
                                       par.sequence_parallel and par.tp > 1, False,
                                       flash=not c.materialised_scores, precision=cfg.train.precision,
-                                      ffn=m.ffn_hidden, kv_heads=m.kv_head_count, swiglu=is_llama(m),
+                                      ffn=m.ffn_hidden, kv_heads=m.kv_head_count, swiglu=m.spec.gated_mlp,
                                       head_dim=m.head_width)
 
 
