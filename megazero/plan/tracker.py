@@ -235,29 +235,28 @@ def watching(tracker: MemoryTracker, executor: Any, zero: Any,
                      total=sum(a.kind == "F" for a in actions))
         return original(actions, microbatches, forward_only)
 
-    def forward(original, a, *args, **kwargs):
-        state["forwards"] += 1
-        state["in_flight"] += 1
+    def acting(role: str, what: str, original, a, args, kwargs):
+        """``original`` run under ``role``, its moment naming the microbatch and the schedule's phase."""
         chunk = f" (model chunk {a.chunk})" if len(executor.chunks) > 1 else ""
-        moment = (f"step {state['step']}, {phase()}: forward of microbatch {a.mb}{chunk}, "
+        moment = (f"step {state['step']}, {phase()}: {what} of microbatch {a.mb}{chunk}, "
                   f"{state['in_flight']} microbatches in flight")
         try:
-            with tracker.acting("activations", moment):
+            with tracker.acting(role, moment):
                 return original(a, *args, **kwargs)
         finally:
             tell()
 
+    def forward(original, a, *args, **kwargs):
+        state["forwards"] += 1
+        state["in_flight"] += 1
+        return acting("activations", "forward", original, a, args, kwargs)
+
     def backward(original, a, *args, **kwargs):
         state["backwards"] += 1
-        chunk = f" (model chunk {a.chunk})" if len(executor.chunks) > 1 else ""
-        moment = (f"step {state['step']}, {phase()}: backward of microbatch {a.mb}{chunk}, "
-                  f"{state['in_flight']} microbatches in flight")
         try:
-            with tracker.acting("temporaries", moment):
-                return original(a, *args, **kwargs)
+            return acting("temporaries", "backward", original, a, args, kwargs)
         finally:
             state["in_flight"] -= 1
-            tell()
 
     def roled(role: Optional[str], moment: Optional[str] = None):
         def call(original, *args, **kwargs):

@@ -12,6 +12,7 @@ max); ``PROBABILITY``: in [0, 1)), as ``megazero.config.ranges`` reads them.
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -35,6 +36,14 @@ class Row:
     shards_grads: bool = True  # runs where ZeRO shards the gradients (stages 2-3)
 
 
+def _factory(module: str, name: str) -> Callable[[Any, "UpdateContext"], "Update"]:
+    """``parallel.zero.<module>.<name>``, imported when first called: the optimizers' files import torch."""
+    def build(section: Any, ctx: "UpdateContext") -> "Update":
+        return getattr(importlib.import_module(f"megazero.parallel.zero.{module}"), name)(section, ctx)
+
+    return build
+
+
 # ----- AdamW (parallel.zero.adamw) --------------------------------------------------------------------------------
 @dataclass
 class AdamWSection:
@@ -48,29 +57,10 @@ class AdamWSection:
     PROBABILITY = ("beta1", "beta2")
 
 
-def _adamw(section: AdamWSection, ctx: "UpdateContext") -> "Update":
-    from megazero.parallel.zero.adamw import make_adamw
-
-    return make_adamw(section, ctx)
-
-
 # ----- LAMB (parallel.zero.lamb) ----------------------------------------------------------------------------------
 @dataclass
-class LambSection:
-    """``optim.lamb``: You et al.'s LAMB, AdamW's direction scaled per layer by the trust ratio."""
-
-    beta1: float = 0.9  # the first moment's decay
-    beta2: float = 0.95  # the second moment's decay
-    eps: float = 1.0e-8  # added to sqrt(v) before the trust ratio
-
-    RANGES = {"eps": _EPS}
-    PROBABILITY = ("beta1", "beta2")
-
-
-def _lamb(section: LambSection, ctx: "UpdateContext") -> "Update":
-    from megazero.parallel.zero.lamb import make_lamb
-
-    return make_lamb(section, ctx)
+class LambSection(AdamWSection):
+    """``optim.lamb``: You et al.'s LAMB, AdamW's direction scaled per layer by the trust ratio (AdamW's keys)."""
 
 
 # ----- Muon (parallel.zero.muon) ----------------------------------------------------------------------------------
@@ -94,12 +84,6 @@ class MuonSection:
     PROBABILITY = ("momentum", "beta1", "beta2")
 
 
-def _muon(section: MuonSection, ctx: "UpdateContext") -> "Update":
-    from megazero.parallel.zero.muon import make_muon
-
-    return make_muon(section, ctx)
-
-
 # ----- 1-bit Adam (parallel.zero.onebit_adam) ---------------------------------------------------------------------
 @dataclass
 class OnebitAdamSection:
@@ -116,16 +100,10 @@ class OnebitAdamSection:
     PROBABILITY = ("beta1", "beta2")
 
 
-def _onebit_adam(section: OnebitAdamSection, ctx: "UpdateContext") -> "Update":
-    from megazero.parallel.zero.onebit_adam import make_onebit_adam
-
-    return make_onebit_adam(section, ctx)
-
-
 OPTIMIZERS: dict[str, Row] = {
-    "adamw": Row("adamw", AdamWSection, _adamw),
-    "lamb": Row("lamb", LambSection, _lamb),
-    "muon": Row("muon", MuonSection, _muon, offload=False),
-    "onebit_adam": Row("onebit_adam", OnebitAdamSection, _onebit_adam, rank_state=True, offload=False,
-                       shards_grads=False),
+    "adamw": Row("adamw", AdamWSection, _factory("adamw", "make_adamw")),
+    "lamb": Row("lamb", LambSection, _factory("lamb", "make_lamb")),
+    "muon": Row("muon", MuonSection, _factory("muon", "make_muon"), offload=False),
+    "onebit_adam": Row("onebit_adam", OnebitAdamSection, _factory("onebit_adam", "make_onebit_adam"),
+                       rank_state=True, offload=False, shards_grads=False),
 }
