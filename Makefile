@@ -32,8 +32,11 @@ pretrain: $(STAMP)
 	@# a second `make pretrain` continues the run where it stopped, or says it is finished
 	$(BIN)/torchrun --standalone --nproc-per-node $(NPROC) pretrain.py --config $(CONFIG) --set train.resume=auto
 
+# the whole suite over 2 workers, a test file each at a time (--dist loadfile: a module's runs, made once by its
+# fixture, are not made again on the other worker); one thread per worker, as test-fast
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=25 tests
+	OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE \
+	  $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25 tests
 
 # the inner loop: every test that starts no other process (tests/conftest.py marks the rest `spawns`), over 2
 # workers with one thread each (an idle OpenMP pool spinning beside the other worker would halve both)

@@ -33,3 +33,7 @@ def pytest_collection_modifyitems(config, items):
             texts[path] = any(s in source for s in SPAWNING)
         if texts[path]:
             item.add_marker(pytest.mark.spawns)
+    # the modules that start processes (the long ones) first, each module's tests kept together and in order:
+    # over `-n 2 --dist loadfile` the many short modules then fill the end, where one long module alone would
+    # leave the other worker idle
+    items.sort(key=lambda item: not texts[str(item.fspath)])
