@@ -113,7 +113,7 @@ def first_step(trainer) -> None:
     from megazero.engine.step import train_step
     from megazero.train.lr_schedule import lr_at
 
-    cfg, grid, t, p = trainer.cfg, trainer.grid, trainer.cfg.train, trainer.cfg.parallel
+    grid, t, p = trainer.grid, trainer.cfg.train, trainer.cfg.parallel
     m = p.pp if p.schedule == "interleaved" else 1
     schedule, _ = make_schedules(p.schedule, grid, m, p.virtual_stages, p.overlap_p2p)
     microbatches = trainer.data.train_microbatches(0, grid.dp_rank, grid.dp, t.micro_batch,
