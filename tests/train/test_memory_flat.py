@@ -1,7 +1,13 @@
 """A long run's host memory is flat: nothing kept per step grows with the step count (the communication
-counter adds up, step records are bounded, the pipeline's timeline is the last step's)."""
+counter adds up, step records are bounded, the pipeline's timeline is the last step's).
+
+Three measures, each for one class of leak: the bytes malloc holds for the program (a native leak: tensors or
+buffers kept from C++), Python's live objects (a Python leak: records kept per step), and the resident set (the
+acceptance statement itself). The resident set alone is a noisy measure: with one malloc arena per gloo thread,
+fragmentation moves it by up to ~0.6% over 450 steps on a loaded 2-core machine, a leak-free run included."""
 from __future__ import annotations
 
+import ctypes
 import os
 
 from tests.dist import run_ranks
@@ -10,15 +16,28 @@ from tests.runs import ROOT, small_overrides, write_corpus
 STEPS = 550
 RSS_FROM = 100  # the resident set after this step is the baseline (warm: caches, first-touch pages)
 OBJECTS_FROM = 300  # Python objects are counted here and after the last step
-# per step, what the bounds allow to stay alive: 1% of the resident set over 900 steps, 1000 objects over 500
-RSS_BOUND = 0.01 * (STEPS - RSS_FROM) / 900
+# per step, what the bounds allow to stay alive: 1% of malloc's bytes in use over 900 steps, 1000 objects over 500
+HEAP_BOUND = 0.01 * (STEPS - RSS_FROM) / 900
 OBJECTS_BOUND = 1000 * (STEPS - OBJECTS_FROM) // 500
+RSS_BOUND = 0.01  # the acceptance figure (1%) over these 450 steps, fragmentation's noise included
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+
+def _heap_bytes() -> int:
+    """Bytes malloc has handed out and not had back, in every arena and in mmap'd blocks (glibc >= 2.33):
+    unlike the resident set, free chunks stranded by fragmentation do not count."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = _MallInfo2
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
 
 
 def _rss_bytes() -> int:
     """Resident bytes after glibc returns its free heap pages: what is alive, less the allocator's slack."""
-    import ctypes
-
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -48,6 +67,7 @@ def _train_and_sample(rank: int, world: int, corpus, tmp) -> dict[int, int]:
         record = original()
         if trainer.step in (RSS_FROM, STEPS):
             rss[trainer.step] = _rss_bytes()
+            rss[f"heap{trainer.step}"] = _heap_bytes()
         if trainer.step in (OBJECTS_FROM, STEPS):  # Python objects alive at the same point of a step
             gc.collect()
             rss["objects"] = len(gc.get_objects()) - rss.get("objects", 0)
@@ -59,19 +79,22 @@ def _train_and_sample(rank: int, world: int, corpus, tmp) -> dict[int, int]:
     return rss
 
 
-def test_resident_memory_after_550_steps_is_within_half_a_percent_of_step_100(tmp_path):
+def test_memory_after_550_steps_is_flat_from_step_100(tmp_path):
     """550 steps of a tiny model at tp=2 with sequence parallelism (31 counted collectives a step) on 2 gloo
     ranks, every step logged. The acceptance bound is a resident set after step 1000 within 1% of the one after
-    step 100; at the same growth per step, the resident set after step 550 is within 0.5% of step 100's
-    (measured after glibc returns its free pages, the run grows ~0.1% by step 550 and ~0.2% by step 1000; the
-    old per-call counter, put back for the measure, grew 1.6% over those 900 steps and 0.8% over these 450). A
-    slow Python leak could hide under that bound, so Python's objects are counted too: at the same point of
-    step 550 and of step 300, after a collection, there may be at most 500 more (a correct run's count does not
-    move at all; the old counter added 31 records a step, 7,749 here). These are half the steps of the 1000-step
-    run this replaced (36 ms a step on two cores), with both bounds halved: the same growth per step fails
-    either."""
+    step 100.
+    - malloc's bytes in use after step 550 are within 0.5% of step 100's (1% over 900 steps at the same rate):
+      a correct run grows ~16 KB of its ~126 MB (0.01%), loaded machine or not; keeping 5 KB a step in C++, put
+      in for the measure, grows it 2.2 MB (1.7%).
+    - Python's objects at the same point of step 550 and of step 300, after a collection: at most 500 more (a
+      correct run's count does not move at all; the old per-call counter added 31 records a step, 7,749 here).
+    - The resident set after step 550 is within 1% of step 100's: measured after glibc returns its free pages, a
+      correct run grows 0.1-0.3% quiet and up to 0.56% on a loaded machine (the other test worker running); the
+      old counter grew 0.8% over these 450 steps, which the object count catches by a factor of 15."""
     corpus = write_corpus(tmp_path / "text")
     for rank, rss in enumerate(run_ranks(2, _train_and_sample, corpus, tmp_path, timeout=600)):
-        assert set(rss) == {RSS_FROM, STEPS, "objects"}
+        assert set(rss) == {RSS_FROM, STEPS, f"heap{RSS_FROM}", f"heap{STEPS}", "objects"}
+        heap_from, heap_to = rss[f"heap{RSS_FROM}"], rss[f"heap{STEPS}"]
+        assert heap_to < heap_from * (1 + HEAP_BOUND), (rank, heap_from / 2**20, heap_to / 2**20)
         assert rss[STEPS] < rss[RSS_FROM] * (1 + RSS_BOUND), (rank, rss[RSS_FROM] / 2**20, rss[STEPS] / 2**20)
         assert rss["objects"] < OBJECTS_BOUND, (rank, rss["objects"])
