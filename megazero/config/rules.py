@@ -25,6 +25,7 @@ from megazero.data.samples import parse_split
 from megazero.errors import UserError, invalid
 from megazero.models import arch
 from megazero.parallel.schedules import schedule_constraint
+from megazero.parallel.zero.registry import OPTIMIZERS
 
 
 _SCHEDULE_PASSES = 2 ** 20  # microbatches * pp * virtual_stages: a schedule lists ~6 actions per pass
@@ -105,11 +106,7 @@ def _check_zero(cfg: Config) -> None:
     kept after forward. What a stage shards is parallel.zero's StagePolicy (imported only for the keys that
     need it: it brings torch, which loading a config otherwise does without)."""
     src, z = cfg.source, cfg.zero
-    if cfg.optim.name == "muon" and z.offload_optimizer == "cpu":
-        raise invalid(src, "zero.offload_optimizer", "cpu", "is not supported with optim.name=muon (its Newton-Schulz "
-                      "iterations run on the device, on matrices gathered there); use none, or optim.name=adamw")
-    if cfg.optim.name == "onebit_adam":
-        _check_onebit(cfg)
+    _check_optimizer(cfg)
     if z.offload_params != "cpu" and z.reshard_after_forward is not True:
         return
     from megazero.parallel.zero.policy import StagePolicy
@@ -124,23 +121,25 @@ def _check_zero(cfg: Config) -> None:
                       "false (auto is false with a pipeline)")
 
 
-def _check_onebit(cfg: Config) -> None:
-    """1-bit Adam: its compressed phase reads every rank's whole local gradient (stages 0-1), keeps its states on
-    the device, and starts within the run."""
-    src, z, o = cfg.source, cfg.zero, cfg.optim
-    from megazero.parallel.zero.policy import StagePolicy
+def _check_optimizer(cfg: Config) -> None:
+    """What the optimizer's registry row declares: where its states may live, the ZeRO stages it runs at, the keys
+    of its section that name a step of the run."""
+    src, z, name = cfg.source, cfg.zero, cfg.optim.name
+    row = OPTIMIZERS[name]
+    if row.device_only and z.offload_optimizer == "cpu":
+        raise invalid(src, "zero.offload_optimizer", "cpu", f"is not supported with optim.name={name} "
+                      f"({row.device_only}); use none, or optim.name=adamw")
+    if row.whole_grads:
+        from megazero.parallel.zero.policy import StagePolicy
 
-    if StagePolicy.of(z.stage).shard_grads:
-        raise invalid(src, "zero.stage", z.stage, "is not supported with optim.name=onebit_adam: past its warm-up "
-                      "gradients are never reduced, so there is nothing to shard them into and every rank needs "
-                      "its whole local gradient; use 0 or 1")
-    if z.offload_optimizer == "cpu":
-        raise invalid(src, "zero.offload_optimizer", "cpu", "is not supported with optim.name=onebit_adam (its "
-                      "momentum is compressed and exchanged on the device); use none")
-    if o.onebit_adam.freeze_step >= cfg.train.steps:
-        raise invalid(src, "optim.onebit_adam.freeze_step", o.onebit_adam.freeze_step, f"is the warm-up's last step and must be < "
-                      f"train.steps={cfg.train.steps}, or the run never compresses; use optim.name=adamw for "
-                      f"a run without compression")
+        if StagePolicy.of(z.stage).shard_grads:
+            raise invalid(src, "zero.stage", z.stage, f"is not supported with optim.name={name}: "
+                          f"{row.whole_grads}; use 0 or 1")
+    section = getattr(cfg.optim, name)
+    for key, why in row.before_last_step:
+        if getattr(section, key) >= cfg.train.steps:
+            raise invalid(src, f"optim.{name}.{key}", getattr(section, key),
+                          f"must be < train.steps={cfg.train.steps}: it {why}")
 
 
 def _check_paths(cfg: Config) -> None:

@@ -27,6 +27,7 @@ import torch
 
 from megazero.kernels.newton_schulz import newton_schulz_flops
 from megazero.config.schema import Config
+from megazero.plan.optimizer_step import OptimizerStep
 from megazero.plan.params import _planning_comm
 from megazero.models.arch import moe_layer_count
 from megazero.models.llama import kv_replicas_needed
@@ -36,8 +37,8 @@ from megazero.parallel.zero.muon import muon_matrices
 from megazero.parallel.zero.policy import StagePolicy
 
 STATE_BYTES = 4  # fp32: momentum and update travel as the optimizer holds them
-# Newton-Schulz runs in fp32 without tensor cores: an H100/H200's 67 TFLOP/s of its 989 dense bf16
-FP32_SHARE = 67 / 989
+WHAT = ("fp32 momenta and updates (each matrix gathered whole to one owner and its update scattered back), and "
+        "Newton-Schulz on each owner")
 
 
 @dataclass(frozen=True)
@@ -77,24 +78,9 @@ def layer_matrices(cfg: Config, layer: int) -> LayerMatrices:
     return LayerMatrices(tuple(out))
 
 
-@dataclass(frozen=True)
-class MuonStep:
-    """A stage rank's Muon work per step."""
-
-    sent: int  # bytes a rank sends in the gathers and scatters (its own pieces included), on average
-    calls: int  # all-to-alls (two per round)
-    flops: float  # Newton-Schulz FLOPs on this rank
-    transient: int = 0  # bytes alive at once for the largest matrix: received, assembled, the iteration's
-
-    @staticmethod
-    def none() -> "MuonStep":
-        return MuonStep(0, 0, 0.0)
-
-
-def muon_step(cfg: Config, layers: list[range]) -> MuonStep:
-    """Muon's exchange and iterations for a stage holding ``layers`` (its chunks' layer ranges)."""
-    if cfg.optim.name != "muon":
-        return MuonStep.none()
+def muon_step(cfg: Config, layers: list[range]) -> OptimizerStep:
+    """Muon's exchange and iterations for a stage holding ``layers`` (its chunks' layer ranges): its registry
+    row's ``plan_step``."""
     m, par = cfg.model, cfg.parallel
     n_layers = sum(len(r) for r in layers)
     n_moe = sum(moe_layer_count(m, r) for r in layers)
@@ -120,4 +106,5 @@ def muon_step(cfg: Config, layers: list[range]) -> MuonStep:
     # the received pieces, the assembled matrix, X and the next X (m x n each), and X X^T, its square and the
     # polynomial (min(m, n)^2 each)
     transient = max((4 * r * c + 3 * min(r, c) ** 2 for kind, _ in kinds for r, c, _, _ in kind.matrices), default=0)
-    return MuonStep(STATE_BYTES * (gather + scatter) // ranks, 2 * rounds, flops, STATE_BYTES * transient)
+    return OptimizerStep(STATE_BYTES * (gather + scatter) // ranks, 2 * rounds, flops, STATE_BYTES * transient, WHAT,
+                         __name__)

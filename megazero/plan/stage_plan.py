@@ -28,7 +28,7 @@ from megazero.plan.activations import (LOGIT_BYTES, activation_bytes_per_layer, 
 from megazero.plan.context import local_seq_len, sent_bytes, ulysses_kept_bytes
 from megazero.plan.dispatch import DispatchBytes, all_to_all_bytes, dispatch_bytes, moe_layer_activation_bytes
 from megazero.plan.memo import PlanMemo
-from megazero.plan.muon import MuonStep, muon_step
+from megazero.plan.optimizer_step import OptimizerStep
 from megazero.plan.params import ModelCounts, ParamCounts
 from megazero.plan.state_bytes import gathered_bytes, grad_buffer_bytes, rank_state_bytes
 from megazero.models import arch
@@ -36,6 +36,7 @@ from megazero.parallel.balance import balance_layers, rank_costs
 from megazero.parallel.pipeline import partition_layers
 from megazero.parallel.schedules import Action, virtual_stage
 from megazero.parallel.dims import ParallelDims
+from megazero.parallel.zero.registry import OPTIMIZERS
 
 GB = 1e9
 
@@ -63,7 +64,8 @@ class StagePlan:
     dispatch: int = 0  # bytes: one such layer's dispatch buffers beyond what it keeps (its forward's working set)
     all_to_all: int = 0  # bytes sent to other ep ranks per step
     context: int = 0  # bytes sent to other cp ranks per step (megazero.plan.context)
-    muon: MuonStep = MuonStep.none()  # optim.name=muon: its exchange and Newton-Schulz (megazero.plan.muon)
+    # the optimizer's exchanges and FLOPs beyond the update, as its registry row counts them (Muon's: plan.muon)
+    optimizer_step: OptimizerStep = OptimizerStep.none()
 
 
 @dataclass(frozen=True)
@@ -163,7 +165,13 @@ def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action], p
                      moe_layers, dispatch_bytes(cfg).transient if moe_layers else 0,
                      all_to_all_bytes(cfg, moe_layers, moe_recomputed),
                      sent_bytes(cfg, sum(len(ranges[vs]) for vs in chunks), all_recomputed),
-                     muon_step(cfg, [ranges[vs] for vs in chunks]))
+                     optimizer_step(cfg, [ranges[vs] for vs in chunks]))
+
+
+def optimizer_step(cfg: Config, layers: list[range]) -> OptimizerStep:
+    """What ``optim.name``'s registry row says its step adds for a stage holding ``layers``."""
+    row = OPTIMIZERS[cfg.optim.name]
+    return row.plan_step(cfg, layers) if row.plan_step is not None else OptimizerStep.none()
 
 
 def make_plan(cfg: Config, memo: Optional[PlanMemo] = None) -> Plan:

@@ -53,7 +53,7 @@ from megazero.plan.context import cp_seconds, local_seq_len
 from megazero.plan.dispatch import moe_layer_activation_bytes
 from megazero.plan.fits import stage_bytes
 from megazero.plan.links import all_to_all, group_link, nested_link, ring
-from megazero.plan.muon import FP32_SHARE
+from megazero.plan.optimizer_step import FP32_SHARE
 from megazero.plan.stage_plan import Plan, make_plan
 from megazero.plan.state_bytes import grad_bytes_per_param
 from megazero.models.arch import expert_hidden, ffn_hidden, moe_layer_count
@@ -266,9 +266,10 @@ def step_time(cfg: Config, cluster: Cluster, c: Constants = Constants(), plan: O
     dp_comm = max(0.0, reduce - backward) + max(0.0, gather - gather_hide)
     shard = -(-params // grads) + -(-experts // (edp * cp)) if policy.shard_optimizer else params + experts
     optimizer = shard * OPTIMIZER_BYTES / hbm
-    if s.muon.calls:  # Muon: its matrices gathered and scattered over the stage's ranks, Newton-Schulz on each
-        optimizer += all_to_all(cluster, s.muon.sent, s.muon.calls, tp * cp * dp, 1, c) \
-            + s.muon.flops / (peak * FP32_SHARE)
+    extra = s.optimizer_step  # the optimizer's own exchanges over the stage's ranks and its fp32 FLOPs (Muon's)
+    if extra.calls:
+        optimizer += all_to_all(cluster, extra.sent, extra.calls, tp * cp * dp, 1, c)
+    optimizer += extra.flops / (peak * FP32_SHARE)
     total = stretched + p2p + dp_comm + optimizer
     memory = max(stage_bytes(cfg, st, "cuda") for st in plan.stages)
     return StepTime(worst["compute"], worst["recompute"], worst["tp_comm"], bubble, p2p, dp_comm, optimizer,

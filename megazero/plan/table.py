@@ -159,7 +159,7 @@ def format_plan(plan: Plan) -> str:
            f"activations frees them before it recomputes)" if m.checkpoint_layers else "") + "; the last stage adds fp32 logits "
         f"({last.logits / GB:.2f} GB per microbatch)",
     ] + (_moe_notes(plan) if moe else []) + ([_context_note(plan)] if context else []) \
-        + ([_muon_note(plan)] if cfg.optim.name == "muon" else []) + [
+        + _optimizer_note(plan, cfg.optim.name) + [
         "  * = what this config uses; total* = device model state + activations"
         + (" + gathered (ZeRO-3: the root and two layers whole, or the whole stage with "
            "zero.reshard_after_forward=false)" if gathers else "")
@@ -241,10 +241,13 @@ def _moe_notes(plan: Plan) -> list[str]:
     ]
 
 
-def _muon_note(plan) -> str:
-    """optim.name=muon: what its exchange sends and its iterations cost, on the busiest stage."""
-    s = max(plan.stages, key=lambda st: st.muon.sent)
-    return (f"  muon: per rank and step, {s.muon.sent / GB:.2f} GB of fp32 momenta and updates in {s.muon.calls} "
-            f"all-to-alls over its stage's {len(s.ranks)} ranks (each matrix gathered whole to one owner and its "
-            f"update scattered back), and {s.muon.flops / 1e12:.2f} TFLOP of Newton-Schulz (fp32), with "
-            f"{s.muon.transient / GB:.2f} GB alive at once for the largest matrix (not in total*); megazero.plan.muon")
+def _optimizer_note(plan, name: str) -> list[str]:
+    """The optimizer's extra step work (its registry row's plan_step), on the busiest stage; none for most."""
+    busiest = max(plan.stages, key=lambda st: (st.optimizer_step.sent, st.optimizer_step.flops))
+    s = busiest.optimizer_step
+    if not (s.calls or s.flops):
+        return []
+    return [f"  {name}: per rank and step, {s.sent / GB:.2f} GB in {s.calls} all-to-alls over its stage's "
+            f"{len(busiest.ranks)} "
+            f"ranks and {s.flops / 1e12:.2f} TFLOP (fp32): {s.what}; {s.transient / GB:.2f} GB alive at once for "
+            f"the largest piece (not in total*); {s.source}"]

@@ -40,7 +40,7 @@ from megazero.config.schema import Config
 from megazero.data.cache_plan import content_fingerprint
 from megazero.data.gpt_data import SourceStamp
 from megazero.errors import UserError
-from megazero.train.onebit_resume import check_onebit_layout
+from megazero.parallel.zero.registry import OPTIMIZERS
 
 _KEEP = "a resume keeps the tokenizer, since another gives the token ids other meanings"
 _REORDERED = ("the sample order after step {n} differs from the one the run started with (samples already trained "
@@ -67,8 +67,9 @@ def check_resume(path: Path, cfg: Config) -> None:
     if theirs != cfg.optim.name:
         raise UserError(f"checkpoint {path}: optim.name is {short(theirs)} there and {cfg.optim.name!r} here; a "
                         f"resume keeps the optimizer, whose states the checkpoint holds")
-    if cfg.optim.name == "onebit_adam":
-        check_onebit_layout(path, meta, cfg)
+    row = OPTIMIZERS[cfg.optim.name]
+    if row.resume_check is not None:  # what the optimizer's states assume of the layout and its keys
+        row.resume_check(path, meta, cfg)
     data = meta.get("config", {}).get("data")
     if isinstance(data, dict):
         _check_tokenizer(path, meta, data, cfg, _their_paths(meta, data), _our_paths(cfg))

@@ -3,7 +3,9 @@
 A new optimizer is a file in ``parallel/zero/`` with a class that fulfils ``parallel.zero.update.Update`` and a
 factory, plus one row here. Everything that lists optimizers reads this table: the config's sections and their
 ranges, the valid names of ``optim.name`` and the refusal of the flat keys that moved (``megazero.config``), the
-engine's build, the planner's extra step work, what a checkpoint keeps per rank.
+rules (where its states may live, which ZeRO stages it runs at, which of its keys name a step of the run), the
+engine's build, the planner's extra step work, what a checkpoint keeps per rank and what a resume demands.
+Nothing outside this file compares ``optim.name`` to a name.
 
 This file imports neither torch nor an optimizer's file: loading a config stays torch-free
 (``tests/config/test_resolve.py``), so each section is declared beside its row and the factories import their
@@ -14,9 +16,10 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:
+    from megazero.plan.optimizer_step import OptimizerStep
     from megazero.parallel.zero.update import Update, UpdateContext
 
 _EPS = (1e-30, 1.0)  # 0 makes 0/0 of a gradient that has been 0 so far; past 1 it is plain momentum SGD
@@ -32,16 +35,32 @@ class Row:
     section: type
     factory: Callable[[Any, "UpdateContext"], "Update"]
     rank_state: bool = False  # keeps state per rank (Update.rank_state): a checkpoint stores it by global rank
-    offload: bool = True  # its states may live on the host (zero.offload_optimizer=cpu)
-    shards_grads: bool = True  # runs where ZeRO shards the gradients (stages 2-3)
+    # why its states must stay on the device, '' where zero.offload_optimizer=cpu may keep them on the host
+    device_only: str = ""
+    # why it cannot run where ZeRO shards the gradients (stages 2-3), '' where it can
+    whole_grads: str = ""
+    # (key of its section, why): keys that name a step of the run, which must come before train.steps
+    before_last_step: tuple[tuple[str, str], ...] = ()
+    # (checkpoint path, its meta, this run's config): raises UserError where a resume cannot keep what the
+    # checkpoint's states assume; None: a same-named optimizer resumes at any layout
+    resume_check: Optional[Callable[[Any, dict, Any], None]] = None
+    # (config, a pipeline stage's layer ranges) -> the planner's figures of its extra work per step (exchanges,
+    # FLOPs beyond the elementwise update); None: none
+    plan_step: Optional[Callable[[Any, list], "OptimizerStep"]] = None
+
+
+def _lazy(module: str, name: str) -> Callable[..., Any]:
+    """``megazero.<module>.<name>``, imported when first called: the optimizers' files import torch, and loading a
+    config does without it."""
+    def call(*args: Any) -> Any:
+        return getattr(importlib.import_module(f"megazero.{module}"), name)(*args)
+
+    return call
 
 
 def _factory(module: str, name: str) -> Callable[[Any, "UpdateContext"], "Update"]:
-    """``parallel.zero.<module>.<name>``, imported when first called: the optimizers' files import torch."""
-    def build(section: Any, ctx: "UpdateContext") -> "Update":
-        return getattr(importlib.import_module(f"megazero.parallel.zero.{module}"), name)(section, ctx)
-
-    return build
+    """``parallel.zero.<module>.<name>``: the update's factory."""
+    return _lazy(f"parallel.zero.{module}", name)
 
 
 # ----- AdamW (parallel.zero.adamw) --------------------------------------------------------------------------------
@@ -103,7 +122,16 @@ class OnebitAdamSection:
 OPTIMIZERS: dict[str, Row] = {
     "adamw": Row("adamw", AdamWSection, _factory("adamw", "make_adamw")),
     "lamb": Row("lamb", LambSection, _factory("lamb", "make_lamb")),
-    "muon": Row("muon", MuonSection, _factory("muon", "make_muon"), offload=False),
+    "muon": Row("muon", MuonSection, _factory("muon", "make_muon"),
+                device_only="its Newton-Schulz iterations run on the device, on matrices gathered there",
+                plan_step=_lazy("plan.muon", "muon_step")),
     "onebit_adam": Row("onebit_adam", OnebitAdamSection, _factory("onebit_adam", "make_onebit_adam"),
-                       rank_state=True, offload=False, shards_grads=False),
+                       rank_state=True,
+                       device_only="its momentum is compressed and exchanged on the device",
+                       whole_grads="past its warm-up gradients are never reduced, so there is nothing to shard "
+                                   "them into and every rank needs its whole local gradient",
+                       before_last_step=(("freeze_step", "is the warm-up's last step, or the run never "
+                                                         "compresses; use optim.name=adamw for a run without "
+                                                         "compression"),),
+                       resume_check=_lazy("train.onebit_resume", "check_onebit_layout")),
 }

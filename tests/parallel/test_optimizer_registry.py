@@ -244,3 +244,74 @@ def test_a_registered_row_is_in_the_configuration_reference(monkeypatch):
     text = page()
     assert "## `optim.toy_sgd`" in text and "| `optim.toy_sgd.scale` |" in text, text[-1500:]
     assert "`onebit_adam` \\| `toy_sgd`" in text
+
+
+def test_the_rules_read_what_a_row_declares_not_its_name(monkeypatch):
+    """Where the states may live, which ZeRO stages run and which keys name a step come from the row: changing a
+    row's declarations changes the verdicts, and each refusal names the row's reason."""
+    from dataclasses import replace
+
+    onebit = ["optim.name=onebit_adam", "optim.onebit_adam.freeze_step=5", "train.steps=10"]
+    load_config(TINY, ["optim.name=lamb", "zero.offload_optimizer=cpu"])  # LAMB's row lets it move to the host
+    monkeypatch.setitem(OPTIMIZERS, "lamb", replace(OPTIMIZERS["lamb"], device_only="a toy reason to stay"))
+    with pytest.raises(UserError) as e:
+        load_config(TINY, ["optim.name=lamb", "zero.offload_optimizer=cpu"])
+    assert "zero.offload_optimizer" in str(e.value) and "a toy reason to stay" in str(e.value), str(e.value)
+    for sets, key in ((["zero.stage=2"], "zero.stage"), (["optim.onebit_adam.freeze_step=10"], "freeze_step"),
+                      (["zero.offload_optimizer=cpu"], "zero.offload_optimizer")):
+        with pytest.raises(UserError) as e:
+            load_config(TINY, onebit + sets)
+        assert key in str(e.value) and "\n" not in str(e.value), str(e.value)
+    monkeypatch.setitem(OPTIMIZERS, "onebit_adam", replace(OPTIMIZERS["onebit_adam"], device_only="", whole_grads="",
+                                                           before_last_step=()))
+    for sets in (["zero.stage=2"], ["optim.onebit_adam.freeze_step=10"], ["zero.offload_optimizer=cpu"]):
+        load_config(TINY, onebit + sets)  # the row no longer declares them: the rules no longer refuse
+
+
+def test_a_resume_and_the_planner_ask_the_row(monkeypatch):
+    """The resume check and the planner's extra step work are the row's: a row that declares them is called,
+    whatever its name (here AdamW's row, which declares neither)."""
+    from dataclasses import replace
+
+    import megazero.train.resume_changes as resume_changes
+    from megazero.config.resolve import resolve
+    from megazero.plan.optimizer_step import OptimizerStep
+    from megazero.plan.stage_plan import make_plan
+    from megazero.plan.table import format_plan
+
+    cfg = load_config(TINY, ["parallel.tp=1", "parallel.pp=1"])
+    meta = {"config": {"optim": {"name": "adamw"}}}
+    monkeypatch.setattr(resume_changes, "read_meta", lambda path: meta)
+    resume_changes.check_resume(Path("ckpt"), cfg)  # AdamW's row: no check
+    assert make_plan(resolve(cfg, 1, "cpu")).stages[0].optimizer_step == OptimizerStep.none()
+    seen = []
+
+    def refuse(path, their_meta, here):
+        seen.append((path, their_meta, here))
+        raise UserError(f"checkpoint {path}: a toy refusal")
+
+    toy = OptimizerStep(sent=3 * 2 ** 30, calls=4, flops=2e12, transient=2 ** 30, what="toy exchanges", source="toy")
+    monkeypatch.setitem(OPTIMIZERS, "adamw", replace(OPTIMIZERS["adamw"], resume_check=refuse,
+                                                     plan_step=lambda c, layers: toy))
+    with pytest.raises(UserError, match="a toy refusal"):
+        resume_changes.check_resume(Path("ckpt"), cfg)
+    assert seen == [(Path("ckpt"), meta, cfg)]
+    plan = make_plan(resolve(cfg, 1, "cpu"))
+    assert plan.stages[0].optimizer_step == toy
+    table = format_plan(plan)
+    assert "adamw: per rank and step, 3.22 GB in 4 all-to-alls" in table and "toy exchanges" in table, table[-1500:]
+
+
+def test_nothing_outside_the_registry_compares_the_optimizer_name_to_a_literal():
+    """What an optimizer needs is declared on its row; a comparison of ``optim.name`` with a name elsewhere is
+    the string switch the registry replaces (it missed a new optimizer the row would have named)."""
+    import re
+
+    compare = re.compile(r"optim\.name\s*(==|!=|in)\s*[(\[{]?\s*['\"]|['\"]\s*(==|!=)\s*\w*\.?optim\.name")
+    found = []
+    for folder in ("megazero", "models", "parallel", "kernels"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for i, line in enumerate(path.read_text().splitlines(), 1):
+                if compare.search(line):
+                    found.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert not found, "\n".join(found)
