@@ -105,7 +105,7 @@ class Plan:
 
 def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action], params: ParamCounts,
                 memo: PlanMemo) -> StagePlan:
-    m, par, t, z = cfg.model, cfg.parallel, cfg.train, cfg.zero
+    m, par, t = cfg.model, cfg.parallel, cfg.train
     v, last_vs = par.virtual_stages, par.pp * par.virtual_stages - 1
     chunks = [virtual_stage(r, c, par.pp) for c in range(v)]
     counts = [params.chunk_counts(ranges[vs], vs == 0, vs == last_vs) for vs in chunks]

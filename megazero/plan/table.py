@@ -127,7 +127,6 @@ def format_plan(plan: Plan) -> str:
     rows = []
     for s in plan.stages:
         ms = s.model_state
-        act = s.act_ckpt if ckpt else s.act_full
         state = [f"{ms[k] / GB:.2f}" for k in ("params", "grads", "optimizer", "device_total")]
         rows.append([str(s.pp_rank), ",".join(f"{r.start}-{r.stop - 1}" if len(r) > 1 else str(r.start)
                                               for r in s.layers),
