@@ -6,12 +6,13 @@ name. Pure arithmetic; megazero.plan.stage_plan assembles the per-stage figures.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Optional
 
 from megazero.config.schema import Config
 from megazero.parallel.zero.grads import grad_precision
 from megazero.models.arch import expert_hidden, moe_layer_count
 from megazero.parallel.zero.policy import StagePolicy
+from megazero.parallel.zero.registry import OPTIMIZERS
 
 if TYPE_CHECKING:
     from megazero.plan.params import ParamCounts
@@ -34,7 +35,8 @@ def grad_bytes_per_param(precision: str, grad_dtype: str = "auto") -> int:
 
 
 def model_state_bytes(psi: int, stage: int, dp: int, precision: str, offload_optimizer: str = "none",
-                      offload_params: str = "none", grad_dtype: str = "auto") -> dict[str, int]:
+                      offload_params: str = "none", grad_dtype: str = "auto",
+                      optimizer_states: Optional[Callable[[int, int, bool], int]] = None) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state one rank keeps, by ZeRO stage.
 
     Rajbhandari et al. SC'20, §3 / Figure 1: (2+2+K)Ψ without partitioning;
@@ -45,7 +47,8 @@ def model_state_bytes(psi: int, stage: int, dp: int, precision: str, offload_opt
     ceil(Ψ/dp) elements: the implementation pads the flat buffer to a multiple
     of dp. Offloaded kinds count in ``cpu_total`` instead of ``device_total``, with the offloaded
     optimizer's pinned gradient buffer (g bytes per element of its range); the per-kind keys give the
-    size wherever it lives.
+    size wherever it lives. ``optimizer_states``: the optimizer's registry row's ``state_bytes`` where its
+    states are not Adam's two moments (1-bit Adam keeps its momentum and error whole on every rank).
     """
     if stage not in ZERO_STAGES or dp < 1 or psi < 0:
         raise ValueError(f"stage={stage}, dp={dp}, psi={psi}: need stage 0..3, dp >= 1, psi >= 0")
@@ -58,6 +61,9 @@ def model_state_bytes(psi: int, stage: int, dp: int, precision: str, offload_opt
     params = shard * b if policy.shard_params else psi * b
     grads = shard * g if policy.shard_grads else psi * g
     optimizer = k * shard if policy.shard_optimizer else k * psi
+    if optimizer_states is not None:  # the row's states, and the masters on the shard as above
+        optimizer += optimizer_states(psi, dp, policy.shard_optimizer) - ADAM_STATE_BYTES * (
+            shard if policy.shard_optimizer else psi)
     # offloaded optimizer: its states and a pinned landing buffer for the gradients of its range
     staging = g * (shard if policy.shard_optimizer else psi) if offload_optimizer == "cpu" else 0
     cpu = (optimizer + staging if offload_optimizer == "cpu" else 0) + (params if offload_params == "cpu" else 0)
@@ -75,7 +81,7 @@ def rank_state_bytes(cfg: Config, psi: int, experts: int) -> tuple[dict[str, int
 
     def state(n: int, group: int) -> dict[str, int]:
         return model_state_bytes(n, z.stage, group, t.precision, z.offload_optimizer, z.offload_params,
-                                 z.grad_dtype)
+                                 z.grad_dtype, OPTIMIZERS[cfg.optim.name].state_bytes)
 
     whole = state(psi, p.dp * p.cp)
     if p.ep == 1 or not experts:

@@ -47,6 +47,22 @@ class Row:
     # (config, a pipeline stage's layer ranges) -> the planner's figures of its extra work per step (exchanges,
     # FLOPs beyond the elementwise update); None: none
     plan_step: Optional[Callable[[Any, list], "OptimizerStep"]] = None
+    # (elements of the partition, its group's size, whether ZeRO shards the states) -> the bytes of the states one
+    # rank keeps once the run is under way, fp32 masters aside (the planner's optimizer bytes): AdamW's two
+    # moments by default
+    state_bytes: Callable[[int, int, bool], int] = lambda whole, group, sharded: 8 * _share(whole, group, sharded)
+
+
+def _share(whole: int, group: int, sharded: bool) -> int:
+    """Elements of a partition of ``whole`` one rank keeps states for: its ZeRO shard (padded to the group) or all."""
+    return -(-whole // group) if sharded else whole
+
+
+def _onebit_state_bytes(whole: int, group: int, sharded: bool) -> int:
+    """1-bit Adam past its warm-up (``parallel.zero.onebit_adam``): the momentum whole on every rank (AdamW's first
+    moment is its slice), a scale-group byte and a worker error per element, the variance on the shard and the
+    server error on a 1/group chunk, whatever the stage."""
+    return (4 + 1 + 4) * whole + 4 * _share(whole, group, sharded) + 4 * -(-whole // group)
 
 
 def _lazy(module: str, name: str) -> Callable[..., Any]:
@@ -133,5 +149,6 @@ OPTIMIZERS: dict[str, Row] = {
                        before_last_step=(("freeze_step", "is the warm-up's last step, or the run never "
                                                          "compresses; use optim.name=adamw for a run without "
                                                          "compression"),),
-                       resume_check=_lazy("train.onebit_resume", "check_onebit_layout")),
+                       resume_check=_lazy("train.onebit_resume", "check_onebit_layout"),
+                       state_bytes=_onebit_state_bytes),
 }
