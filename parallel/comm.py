@@ -48,17 +48,18 @@ class CommCounter:
     totals: dict = field(default_factory=dict)  # (kind, group, tag, size) -> CommTotals
     last: Optional[str] = None
 
-    def add(self, kind: str, group: str, tensor: Tensor, tag: str, size: int = 1) -> None:
+    def add(self, kind: str, group: str, tensor: Tensor, tag: str, size: int = 1, times: int = 1) -> None:
+        """One call (``times`` alike: a simulated ring's step standing for others, parallel.context)."""
         key = (kind, group, tag, size)
         t = self.totals.get(key)
         if t is None:
             t = self.totals[key] = CommTotals()
         n = tensor.numel()
-        t.calls += 1
-        t.numel += n
-        t.bytes += n * tensor.element_size()
-        t.wire += ring_wire(kind, n, size)
-        t.wire_bytes += 0 if kind == "recv" else ring_wire(kind, n, size) * tensor.element_size()
+        t.calls += times
+        t.numel += n * times
+        t.bytes += n * tensor.element_size() * times
+        t.wire += ring_wire(kind, n, size) * times
+        t.wire_bytes += 0 if kind == "recv" else ring_wire(kind, n, size) * tensor.element_size() * times
         self.last = f"{group}.{kind}.{tag}"
 
     def reset(self) -> None:
@@ -105,16 +106,20 @@ class Comm:
         else:
             self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self._global: dict[int, int] = {}  # group rank -> global rank, for point-to-point ops
+        # --simulate on fake tensors: a ring over this group runs one step of each kind, each counted for the
+        # steps alike it stands for (parallel.context); a real group runs every step
+        self.sampled_rings = False
 
     def __repr__(self) -> str:
         return f"Comm({self.name}, rank {self.rank}/{self.size})"
 
-    def _record(self, kind: str, tensor: Tensor, tag: str) -> None:
+    def _record(self, kind: str, tensor: Tensor, tag: str, times: int = 1) -> None:
         if self.counter is not None:
-            self.counter.add(kind, self.name, tensor, tag, self.size)
+            self.counter.add(kind, self.name, tensor, tag, self.size, times)
 
-    def exchange(self, ops: Sequence[tuple[str, Tensor, int, str]]) -> list:
-        """Post a batch of point-to-point transfers at once (``batch_isend_irecv``), each counted.
+    def exchange(self, ops: Sequence[tuple[str, Tensor, int, str]], times: int = 1) -> list:
+        """Post a batch of point-to-point transfers at once (``batch_isend_irecv``), each counted (``times``
+        over: a simulated ring's step that stands for others alike).
 
         ``ops``: ("send" | "recv", tensor, peer, tag) in the order to post them, ``peer`` a rank of this
         group. Returns the work handles: waiting on one makes the device stream wait for its transfer (on
@@ -128,7 +133,7 @@ class Comm:
             assert kind in ("send", "recv") and 0 <= peer < self.size and peer != self.rank, (kind, peer, self)
             if peer not in self._global:
                 self._global[peer] = dist.get_global_rank(self.group, peer)
-            self._record(kind, tensor, tag)
+            self._record(kind, tensor, tag, times)
             p2p.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, self._global[peer],
                                   self.group))
         return dist.batch_isend_irecv(p2p)

@@ -64,19 +64,33 @@ def head_tail_join(parts: list[Tensor], dim: int) -> Tensor:
     return torch.cat(chunks, dim=dim)
 
 
-def _ring_steps(comm: Comm, kv: Tensor):
-    """Yield (step, source rank, k, v) around the ring, each next transfer posted before the step is used.
-    ``kv``: k and v stacked (2, b, kv_heads, s/cp, d), so that a hop is one send and one receive."""
+def ring_plan(cp: int, rank: int, sampled: bool) -> list[tuple[int, int]]:
+    """(step, how many steps it stands for) of the ring's walk. Every step, once each, on real tensors. Sampled
+    (``--simulate`` on fake tensors, ``Comm.sampled_rings``): one step of each kind, which hold the same shapes
+    and send the same bytes: the first (its own K/V, causal), the first from an earlier rank and the first from a
+    later one (``_block_plan``), and the last (nothing is sent on from it). A ring of 1,024 ranks is then 4
+    steps a layer, not 1,024 (the figures equal the full walk's: tests/plan/test_simulate_context.py)."""
+    if not sampled:
+        return [(step, 1) for step in range(cp)]
+    earlier = [s for s in range(1, cp - 1) if (rank - s) % cp < rank]  # steps 1..rank: an earlier rank's K/V
+    later = [s for s in range(1, cp - 1) if (rank - s) % cp > rank]
+    return sorted([(0, 1)] + [(g[0], len(g)) for g in (earlier, later) if g] + ([(cp - 1, 1)] if cp > 1 else []))
+
+
+def _ring_steps(comm: Comm, kv: Tensor, sampled: bool = False):
+    """Yield (step, source rank, k, v, steps it stands for) around the ring, each next transfer posted before
+    the step is used. ``kv``: k and v stacked (2, b, kv_heads, s/cp, d), so that a hop is one send and one
+    receive. ``sampled``: ``ring_plan``'s steps of each kind only."""
     cp, rank = comm.size, comm.rank
     cur = kv
     del kv  # the generator's frame would keep the first buffer alive beside cur and nxt
-    for step in range(cp):
+    for step, times in ring_plan(cp, rank, sampled):
         works, nxt = [], None
         if step < cp - 1:
             nxt = torch.empty_like(cur)
             works = comm.exchange([("send", cur, (rank + 1) % cp, "context_kv"),
-                                   ("recv", nxt, (rank - 1) % cp, "context_kv")])
-        yield step, (rank - step) % cp, cur[0], cur[1]
+                                   ("recv", nxt, (rank - 1) % cp, "context_kv")], times)
+        yield step, (rank - step) % cp, cur[0], cur[1], times
         for w in works:
             w.wait()
         if nxt is not None:
@@ -103,7 +117,8 @@ class RingAttention(torch.autograd.Function):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # gloo sends contiguous tensors only
         chunk = q.shape[2] // 2
         out = lse = None
-        for step, source, ck, cv in _ring_steps(comm, torch.stack([k, v])):
+        sampled = comm.sampled_rings and documents is None  # a document mask skips blocks by their documents
+        for step, source, ck, cv, _ in _ring_steps(comm, torch.stack([k, v]), sampled):
             for rows, keys, causal in _blocks(documents, step, source, comm.rank, chunk):
                 block_out, block_lse = block_attention(q[:, :, rows].contiguous(), ck[:, :, keys].contiguous(),
                                                        cv[:, :, keys].contiguous(), causal, impl,
@@ -131,7 +146,8 @@ class RingAttention(torch.autograd.Function):
         dq = torch.zeros_like(q, dtype=dtype)
         acc = None  # the (dk, dv) carried with the K/V this rank holds, or in flight to it, stacked as k and v
         pending: list = []
-        for step, source, ck, cv in _ring_steps(comm, torch.stack([k, v])):
+        sampled = comm.sampled_rings and ctx.documents is None
+        for step, source, ck, cv, times in _ring_steps(comm, torch.stack([k, v]), sampled):
             grads = []
             for rows, keys, causal in _blocks(ctx.documents, step, source, rank, chunk):
                 grads.append((rows, keys, block_attention_backward(
@@ -148,7 +164,7 @@ class RingAttention(torch.autograd.Function):
                 acc[1][:, :, keys] += bv
             incoming = torch.empty_like(acc)
             pending = comm.exchange([("send", acc, (rank + 1) % cp, "context_grad"),
-                                     ("recv", incoming, (rank - 1) % cp, "context_grad")])
+                                     ("recv", incoming, (rank - 1) % cp, "context_grad")], times)
             acc = incoming
         for w in pending:  # the last hop: each rank's own K/V gradients come home
             w.wait()

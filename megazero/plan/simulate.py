@@ -125,9 +125,11 @@ def first_step(trainer) -> None:
     trainer.routers = result.routers  # held into the next step, as Trainer.train_step holds them
 
 
-def simulate_rank(cfg: Config, rank: int, plan, progress: Optional[Callable[[str], None]] = None) -> RankResult:
+def simulate_rank(cfg: Config, rank: int, plan, progress: Optional[Callable[[str], None]] = None,
+                  sampled_rings: bool = True) -> RankResult:
     """One rank of the config's world, on fake tensors and the fake process group; ``progress`` hears how far
-    its steps are now and then (``measure``)."""
+    its steps are now and then (``measure``). ``sampled_rings``: a context-parallel ring runs one step of each
+    kind, counted for the steps alike (``parallel.context.ring_plan``; ``--simulate full``: every step)."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -140,6 +142,7 @@ def simulate_rank(cfg: Config, rank: int, plan, progress: Optional[Callable[[str
     dist.init_process_group("fake", rank=rank, world_size=p.tp * p.pp * p.dp * p.cp, store=FakeStore())
     try:
         grid = Grid.build(ParallelDims.of(p), "cpu")  # outside the fake mode: the mesh reads its ranks
+        grid.cp_comm.sampled_rings = sampled_rings
         tracker = MemoryTracker()
         with FakeTensorMode(allow_non_fake_inputs=True):
             comm = measure(cfg, grid, torch.device("cpu"), tracker, progress=progress)

@@ -39,7 +39,7 @@ def run_simulation(cfg: Config, full: bool = False) -> int:
     print(f"simulating {cfg.source}: world {p.tp * p.pp * p.dp * p.cp} = tp {p.tp} x pp {p.pp} x dp {p.dp}{cp}, "
           f"ZeRO stage {cfg.zero.stage}, {p.schedule}, {cfg.microbatches} microbatches, {STEPS} steps per rank, on "
           f"fake tensors and the fake process group" + ("" if full else "; extrapolated from fewer layers, "
-                                                    "microbatches and experts where exact (--simulate full: every one)"),
+                                                    "microbatches, experts and ring steps where exact (--simulate full: every one)"),
           flush=True)
     start = time.perf_counter()
     results = []
@@ -48,7 +48,7 @@ def run_simulation(cfg: Config, full: bool = False) -> int:
         say = lambda text: print(text, flush=True)  # noqa: E731
         say(f"rank class {n} of {len(classes)}: rank {rank} (pipeline stage {plan_stage(cfg, rank)}), after "
             f"{time.perf_counter() - start:.0f} s")
-        r = (simulate_rank(cfg, rank, plan, lambda text: say(f"    rank {rank}: {text}")) if full else
+        r = (simulate_rank(cfg, rank, plan, lambda text: say(f"    rank {rank}: {text}"), sampled_rings=False) if full else
              simulate_class(cfg, rank, plan, say, say))
         r.fits = r.peak_bytes <= limit
         results.append(r)
