@@ -19,24 +19,26 @@ _ONEBIT_LAYOUT = (("parallel", "tp"), ("parallel", "pp"), ("parallel", "dp"), ("
 
 def check_onebit_layout(path: Path, meta: dict, cfg: Config) -> None:
     """1-bit Adam past its warm-up holds error-feedback buffers per rank: a resume from there keeps the layout
-    and the warm-up's length (the frozen variance's bias correction)."""
+    and the warm-up's length (the frozen variance's bias correction). A checkpoint of the warm-up's last step
+    (``optimizer_step == freeze_step``) is still AdamW's: it resumes at any layout, and with a longer warm-up."""
     config, step = meta.get("config", {}), meta.get("optimizer_step", 0)
     # a checkpoint written with the flat keys (optim.freeze_step, ...) has them read as optim.onebit_adam's
     stored = sections_of(config["optim"]) if isinstance(config.get("optim"), dict) else {}
     optim = stored.get("onebit_adam") if isinstance(stored.get("onebit_adam"), dict) else {}
     mine = cfg.optim.onebit_adam
     theirs = optim.get("freeze_step", mine.freeze_step)
+    # up to the shorter warm-up's last step both runs took AdamW's steps alike; past it one of them compresses
     if not isinstance(theirs, int) or isinstance(theirs, bool) or \
-            (step >= min(theirs, mine.freeze_step) and theirs != mine.freeze_step):
+            (step > min(theirs, mine.freeze_step) and theirs != mine.freeze_step):
         raise UserError(f"checkpoint {path}: optim.onebit_adam.freeze_step is {short(theirs)} there and "
                         f"{mine.freeze_step} here, at optimizer step {step}; a resume past the warm-up "
                         f"keeps its length, which the frozen variance was bias-corrected by")
-    if step < theirs:
+    if step <= theirs:  # no compressed step has run: the states are AdamW's, the error buffers not yet made
         return
     for key in ("beta2", "eps"):  # the frozen variance's bias correction, and which elements are compressed
         if key in optim and optim[key] != getattr(mine, key):
             raise UserError(f"checkpoint {path}: optim.onebit_adam.{key} is {short(optim[key])} there and "
-                            f"{getattr(mine, key)!r} here, past 1-bit Adam's warm-up (optimizer step {step} >= "
+                            f"{getattr(mine, key)!r} here, past 1-bit Adam's warm-up (optimizer step {step} > "
                             f"optim.onebit_adam.freeze_step={theirs}); the frozen variance was bias-corrected by "
                             f"beta2 and the elements compressed chosen by eps: a resume keeps both")
     here = cfg.to_dict()
@@ -47,7 +49,7 @@ def check_onebit_layout(path: Path, meta: dict, cfg: Config) -> None:
             changed.append(f"{section}.{key} is {short(there_s[key])} there and {here_s.get(key)!r} here")
     if changed:
         raise UserError(f"checkpoint {path}: {', '.join(changed)}; a 1-bit Adam run past its warm-up (optimizer "
-                        f"step {step} >= optim.onebit_adam.freeze_step={theirs}) resumes at its own layout only, since its "
+                        f"step {step} > optim.onebit_adam.freeze_step={theirs}) resumes at its own layout only, since its "
                         f"error-feedback buffers are per rank")
 
 

@@ -148,9 +148,10 @@ class ShardedOnebitAdam(ShardedAdamW):
 
     def rank_state(self, step: int) -> dict[str, Tensor]:
         """This rank's error buffers by bucket ("<bucket>/worker", "<bucket>/server"), which a checkpoint keeps
-        per rank, as of optimizer step ``step``: none in the warm-up (they do not exist yet), else the buffers
-        (allocated, as zeros, where a load is to fill them)."""
-        if step < self.freeze_step:
+        per rank, as of optimizer step ``step``: none in the warm-up, its last step included (no compressed step
+        has run: they are zeros, made at the first), else the buffers (allocated, as zeros, where a load is to
+        fill them). A checkpoint of the warm-up's last step is then AdamW's, and resumes at any layout."""
+        if step <= self.freeze_step:
             return {}
         n = self.comm.size
         out = {}

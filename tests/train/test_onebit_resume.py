@@ -51,3 +51,15 @@ def test_a_checkpoint_without_the_error_feedback_is_refused_for_what_it_lacks():
     assert "\n" not in line and "no per-rank optimizer state" in line and "model config" not in line, line
     check_rank_state_stored(Path("ckpt"), wanted, {"model/x", "rank/1/dense/0/worker"})  # saved: loads
     check_rank_state_stored(Path("ckpt"), [], {"model/x"})  # nothing per rank asked for (the warm-up, AdamW)
+
+
+def test_the_warm_ups_last_step_resumes_at_another_layout_and_a_longer_warm_up():
+    """At optimizer step == freeze_step only AdamW's steps have run (the first compressed step is the next):
+    another dp and a longer warm-up resume (the same steps as a run that had them from the start); a shorter
+    warm-up, whose run would have compressed this step, is refused, as is a longer one a step later."""
+    check_onebit_layout(Path("ckpt"), _meta(3), _here("parallel.dp=1"))
+    check_onebit_layout(Path("ckpt"), _meta(3), _here("optim.onebit_adam.freeze_step=5"))
+    for step, freeze in ((3, 2), (4, 5)):
+        with pytest.raises(UserError) as e:
+            check_onebit_layout(Path("ckpt"), _meta(step), _here(f"optim.onebit_adam.freeze_step={freeze}"))
+        assert f"optim.onebit_adam.freeze_step is 3 there and {freeze} here" in str(e.value), str(e.value)
