@@ -19,6 +19,7 @@ from megazero.config.schema import Config
 from megazero.errors import UserError
 from megazero.plan.stage_plan import make_plan
 from megazero.parallel.zero.policy import StagePolicy
+from megazero.parallel.zero.registry import OPTIMIZERS
 
 GB = 1e9
 # Layers one rank builds in a run: each is a Python module (~40 KB of host memory before any tensor) run in a
@@ -116,7 +117,8 @@ def check_fits(cfg: Config, device: torch.device, rank: int, local_rank: int, lo
         except (UserError, ValueError, AssertionError):
             continue
     where = f"{device}" if device.type == "cuda" else f"this host ({len(ranks)} process{'es' * (len(ranks) > 1)})"
+    offload = "" if OPTIMIZERS[cfg.optim.name].device_only else ", offload (zero.offload_optimizer=cpu)"
     advice = f"fits with any of: {', '.join(helps)}" if helps else \
-        "no single knob fits; more ranks, offload (zero.offload_optimizer=cpu) or a smaller model"
+        f"no single knob fits; more ranks{offload} or a smaller model"
     raise UserError(f"{cfg.source}: the plan needs at least {need / GB:.2f} GB on {where} but {have / GB:.2f} GB "
                     f"is free (--dry-run shows the plan); {advice}")

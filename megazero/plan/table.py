@@ -7,9 +7,11 @@ from megazero.costs import plan_attention_share
 from megazero.plan.context import local_seq_len
 from megazero.plan.fits import stage_bytes
 from megazero.plan.stage_plan import GB, Plan, StageBalance
-from megazero.plan.state_bytes import BYTES_PER_VALUE, grad_bytes_per_param, optimizer_bytes_per_param
+from megazero.plan.state_bytes import (ADAM_STATE_BYTES, BYTES_PER_VALUE, grad_bytes_per_param,
+                                      optimizer_bytes_per_param)
 from megazero.models.arch import expert_hidden, moe_layer_count
 from megazero.parallel.zero.policy import StagePolicy
+from megazero.parallel.zero.registry import OPTIMIZERS
 
 
 def fmt_count(n: float) -> str:
@@ -144,12 +146,16 @@ def format_plan(plan: Plan) -> str:
                        f"{s.flops / 1e12:,.{1 if s.flops >= 1e13 else 4}f}"])
     lines += _table(header, rows, left=3)
     b, k = BYTES_PER_VALUE[t.precision], optimizer_bytes_per_param(t.precision)
+    states, per_element = "Adam moments", OPTIMIZERS[cfg.optim.name].state_bytes(10 ** 6, 1, False) / 10 ** 6
+    if per_element != ADAM_STATE_BYTES:  # the row's own states (1-bit Adam: its momentum and errors whole)
+        k = f"{k - ADAM_STATE_BYTES + per_element:g} (unsharded)"
+        states = f"{cfg.optim.name}'s states, its registry row's state_bytes"
     g = grad_bytes_per_param(t.precision, z.grad_dtype)
     last = plan.stages[-1]
     lines += [
         "",
         f"  model state: ZeRO stage {z.stage} over dp {par.dp}{f' x cp {par.cp}' if context else ''}, {b} B/param "
-        f"for params, {g} for grads, {k} B/param optimizer (Adam moments{' + fp32 master' if b != 4 else ''}); "
+        f"for params, {g} for grads, {k} B/param optimizer ({states}{' + fp32 master' if b != 4 else ''}); "
         "Rajbhandari et al. SC'20, Fig. 1",
         f"  activations: Korthikanti et al. 2022 §4 per layer, {'fp32' if b == 4 else '16-bit'}, flash attention "
         f"(no s x s scores), micro_batch {t.micro_batch}; x layers x microbatches held ('mb held', peak of the "

@@ -307,7 +307,11 @@ def test_nothing_outside_the_registry_compares_the_optimizer_name_to_a_literal()
     the string switch the registry replaces (it missed a new optimizer the row would have named)."""
     import re
 
-    compare = re.compile(r"optim\.name\s*(==|!=|in)\s*[(\[{]?\s*['\"]|['\"]\s*(==|!=)\s*\w*\.?optim\.name")
+    names = "|".join(OPTIMIZERS)
+    compare = re.compile(  # optim.name against any literal; any name (o.name, name, a match) against a row's name
+        rf"optim\.name\s*(==|!=|in)\s*[(\[{{]?\s*['\"]|['\"]\s*(==|!=)\s*\w*\.?optim\.name|"
+        rf"(==|!=)\s*['\"]({names})['\"]|['\"]({names})['\"]\s*(==|!=)|\bin\s*[(\[{{][^)\]}}]*['\"]({names})['\"]|"
+        rf"case\s*['\"]({names})['\"]")
     found = []
     for folder in ("megazero", "models", "parallel", "kernels"):
         for path in sorted((ROOT / folder).rglob("*.py")):
@@ -315,3 +319,21 @@ def test_nothing_outside_the_registry_compares_the_optimizer_name_to_a_literal()
                 if compare.search(line):
                     found.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+def test_the_fit_check_offers_offloading_only_where_the_row_allows_it():
+    """Out of memory with no knob that fits: offloading the optimizer is named as a way out for AdamW, not for an
+    optimizer whose row keeps its states on the device (the rules would refuse it)."""
+    import torch
+
+    from megazero.config.resolve import resolve
+    from megazero.plan.fits import check_fits
+
+    for name, offered in (("adamw", True), ("muon", False), ("onebit_adam", False)):
+        cfg = resolve(load_config(TINY, ["parallel.tp=1", "parallel.pp=1", "parallel.sequence_parallel=false",
+                                         f"optim.name={name}", "train.steps=10",
+                                         "optim.onebit_adam.freeze_step=5"]), 1, "cpu")
+        with pytest.raises(UserError) as e:
+            check_fits(cfg, torch.device("cpu"), 0, 0, 1, available=1000)
+        line = str(e.value)
+        assert "no single knob fits" in line and ("zero.offload_optimizer=cpu" in line) == offered, (name, line)

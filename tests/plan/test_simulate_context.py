@@ -36,14 +36,25 @@ def test_a_sampled_ring_stands_for_every_step_once(cp):
             assert all(x == shapes[0] for x in shapes), (cp, rank, s)
 
 
-def test_sampled_ring_figures_equal_the_full_walk(capsys, tmp_path):
+def test_sampled_ring_figures_equal_the_full_walk(capsys, tmp_path, monkeypatch):
     """configs/tiny.yaml as Llama (rotary tables over the whole sequence) at cp 8 and seq 1024, ZeRO-1 over
     dp 2 x cp 8, on rank 3 (earlier and later ranks' K/V both): the peak, its split, the states, the build and
     the bytes sent per group equal the full walk's (bytes exactly, the bytes sent to 1e-12)."""
     sets = ["model.arch=llama", "parallel.tp=1", "parallel.sequence_parallel=false", "parallel.pp=1",
             "parallel.dp=2", "parallel.cp=8", "parallel.world_size=16", "model.seq_len=1024", "zero.stage=1",
             "train.global_batch=8", "launch.rank=3", "launch.memory_gb=80"]
+    import megazero.parallel.context as context
+
+    walks = []
+
+    def recorded(cp: int, rank: int, sampled: bool):
+        walks.append(sampled)
+        return ring_plan(cp, rank, sampled)
+
+    monkeypatch.setattr(context, "ring_plan", recorded)
     _, got = _simulate(capsys, tmp_path / "sampled", sets=sets)
+    sampled, walks[:] = list(walks), []
     _, want = _simulate(capsys, tmp_path / "full", "full", sets=sets)
+    assert sampled and all(sampled) and walks and not any(walks), (sampled, walks)  # each walked as it says
     assert got["comm_bytes"]["cp"] > 0, got["comm_bytes"]
     _same(got, want)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 
 from tests.dist import run_ranks
 from tests.runs import ROOT, small_overrides, write_corpus
@@ -16,23 +17,33 @@ from tests.runs import ROOT, small_overrides, write_corpus
 STEPS = 550
 RSS_FROM = 100  # the resident set after this step is the baseline (warm: caches, first-touch pages)
 OBJECTS_FROM = 300  # Python objects are counted here and after the last step
+# Python's allocated blocks are counted here and after the last step: they still creep as caches fill (a correct
+# run adds ~270 from step 300 to 550, ~90 from 425), so over the last 125 steps, at most 2 a step
+BLOCKS_FROM, BLOCKS_BOUND = 425, 250
 # per step, what the bounds allow to stay alive: 1% of malloc's bytes in use over 900 steps, 1000 objects over 500
 HEAP_BOUND = 0.01 * (STEPS - RSS_FROM) / 900
 OBJECTS_BOUND = 1000 * (STEPS - OBJECTS_FROM) // 500
 RSS_BOUND = 0.01  # the acceptance figure (1%) over these 450 steps, fragmentation's noise included
 
 
+_MALLINFO_FIELDS = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
+
+
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+    _fields_ = [(name, ctypes.c_size_t) for name in _MALLINFO_FIELDS]
+
+
+class _MallInfo(ctypes.Structure):  # glibc < 2.33: int fields, which wrap past 2 GiB (a run here holds ~130 MB)
+    _fields_ = [(name, ctypes.c_int) for name in _MALLINFO_FIELDS]
 
 
 def _heap_bytes() -> int:
-    """Bytes malloc has handed out and not had back, in every arena and in mmap'd blocks (glibc >= 2.33):
-    unlike the resident set, free chunks stranded by fragmentation do not count."""
+    """Bytes malloc has handed out and not had back, in every arena and in mmap'd blocks: unlike the resident
+    set, free chunks stranded by fragmentation do not count."""
     libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = _MallInfo2
-    info = libc.mallinfo2()
+    call = libc.mallinfo2 if hasattr(libc, "mallinfo2") else libc.mallinfo
+    call.restype = _MallInfo2 if hasattr(libc, "mallinfo2") else _MallInfo
+    info = call()
     return info.uordblks + info.hblkhd
 
 
@@ -68,6 +79,9 @@ def _train_and_sample(rank: int, world: int, corpus, tmp) -> dict[int, int]:
         if trainer.step in (RSS_FROM, STEPS):
             rss[trainer.step] = _rss_bytes()
             rss[f"heap{trainer.step}"] = _heap_bytes()
+        if trainer.step in (BLOCKS_FROM, STEPS):  # every block Python's allocator holds (str, int: untracked)
+            gc.collect()
+            rss["blocks"] = sys.getallocatedblocks() - rss.get("blocks", 0)
         if trainer.step in (OBJECTS_FROM, STEPS):  # Python objects alive at the same point of a step
             gc.collect()
             rss["objects"] = len(gc.get_objects()) - rss.get("objects", 0)
@@ -88,13 +102,15 @@ def test_memory_after_550_steps_is_flat_from_step_100(tmp_path):
       in for the measure, grows it 2.2 MB (1.7%).
     - Python's objects at the same point of step 550 and of step 300, after a collection: at most 500 more (a
       correct run's count does not move at all; the old per-call counter added 31 records a step, 7,749 here).
+    - Python's allocated blocks, which count what the object list leaves out (str, bytes, int, float), from step
+      425 to 550: at most 250 more (a correct run adds ~90 as caches fill; 8 strings kept a step add 1,000).
     - The resident set after step 550 is within 1% of step 100's: measured after glibc returns its free pages, a
       correct run grows 0.1-0.3% quiet and up to 0.56% on a loaded machine (the other test worker running); the
       old counter grew 0.8% over these 450 steps, which the object count catches by a factor of 15."""
     corpus = write_corpus(tmp_path / "text")
     for rank, rss in enumerate(run_ranks(2, _train_and_sample, corpus, tmp_path, timeout=600)):
-        assert set(rss) == {RSS_FROM, STEPS, f"heap{RSS_FROM}", f"heap{STEPS}", "objects"}
+        assert set(rss) == {RSS_FROM, STEPS, f"heap{RSS_FROM}", f"heap{STEPS}", "objects", "blocks"}
         heap_from, heap_to = rss[f"heap{RSS_FROM}"], rss[f"heap{STEPS}"]
         assert heap_to < heap_from * (1 + HEAP_BOUND), (rank, heap_from / 2**20, heap_to / 2**20)
         assert rss[STEPS] < rss[RSS_FROM] * (1 + RSS_BOUND), (rank, rss[RSS_FROM] / 2**20, rss[STEPS] / 2**20)
-        assert rss["objects"] < OBJECTS_BOUND, (rank, rss["objects"])
+        assert rss["objects"] < OBJECTS_BOUND and rss["blocks"] < BLOCKS_BOUND, (rank, rss["objects"], rss["blocks"])
