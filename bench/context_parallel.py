@@ -104,10 +104,10 @@ class RingTimeline:
         self._exchange = comm.exchange
         comm.exchange = self._timed_exchange
 
-    def _timed_exchange(self, ops) -> list:
+    def _timed_exchange(self, ops, times: int = 1) -> list:
         rec = {"tag": ops[0][3], "bytes": sum(t.numel() * t.element_size() for kind, t, _, _ in ops if kind == "send"),
                "post": time.perf_counter(), "wait_start": None, "wait_end": None}
-        works = self._exchange(ops)
+        works = self._exchange(ops, times)
         rec["posted"] = time.perf_counter()
         self.records.append(rec)
         timed = _BatchWait(works, rec)
