@@ -62,7 +62,10 @@ class Embedding(nn.Module):
     def __init__(self, cfg: ModelConfig, par: Split, positions: bool):
         super().__init__()
         self.tokens = VocabParallelEmbedding(cfg.padded_vocab, cfg.hidden, par.tp, sequence_parallel=par.sp)
-        self.positions = nn.Embedding(cfg.seq_len, cfg.hidden) if positions else None
+        # given its (empty) weight, nn.Embedding skips its own init: models/init.py sets every value, and a
+        # random init on the meta device would import torch._dynamo (~1 s) in every process that plans
+        self.positions = nn.Embedding(cfg.seq_len, cfg.hidden, _weight=torch.empty(cfg.seq_len, cfg.hidden)) \
+            if positions else None
         if par.sp and positions:
             mark_sequence_parallel(self.positions)
 

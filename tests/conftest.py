@@ -37,3 +37,12 @@ def pytest_collection_modifyitems(config, items):
     # over `-n 2 --dist loadfile` the many short modules then fill the end, where one long module alone would
     # leave the other worker idle
     items.sort(key=lambda item: not texts[str(item.fspath)])
+
+
+def pytest_collection_finish(session):
+    """Every test module imported: none may have left a folder of the tree on sys.path, where it would shadow an
+    installed distribution for the whole process (bench/kernels.py hid Hugging Face's ``kernels`` from
+    transformers, failing every HF test that ran after it in the same worker)."""
+    folders = [Path(p).resolve() for p in sys.path if p and Path(p).is_dir()]
+    inside = [str(p) for p in folders if p.parent == ROOT and not p.name.startswith(".")]  # not .venv
+    assert not inside, f"a test module put a folder of the tree on sys.path: {inside}"

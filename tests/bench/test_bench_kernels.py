@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from bench.gpu_checks import SECTIONS  # as a module of the tree: bench/ on sys.path would shadow HF's `kernels`
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "kernels.py"
-sys.path.insert(0, str(ROOT / "bench"))
-
-from gpu_checks import SECTIONS  # noqa: E402
 
 # about equal halves of the lean smoke's CPU time, in seconds: ~16 + 27 + 14 and ~13 + 5 + 6 + 4 + 12 + 13
 HALVES = (("kernels", "train", "throughput"),

@@ -1,12 +1,6 @@
 """bench/step_profile.py's device-busy time counts overlapping kernels once (tests/bench/test_bench_kernels.py runs the
 script end to end, through gpu_checks.py --smoke)."""
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-
-from step_profile import _busy_union  # noqa: E402
+from bench.step_profile import _busy_union
 
 
 def test_busy_union_counts_overlaps_once():
