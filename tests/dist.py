@@ -65,7 +65,8 @@ def _entry(rank: int, world: int, port: int, env: dict, cwd: str, fn: Callable, 
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False)  # the caller's (start_ranks)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
         result = fn(rank, world, *args)
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -77,8 +78,9 @@ def _entry(rank: int, world: int, port: int, env: dict, cwd: str, fn: Callable, 
 class Ranks:
     """Ranks started by ``start_ranks``, running while the caller does other work."""
 
-    def __init__(self, world: int, procs: list, queue, timeout: float):
+    def __init__(self, world: int, procs: list, queue, timeout: float, store: Any):
         self.world, self.procs, self.queue, self.timeout = world, procs, queue, timeout
+        self.store = store  # the ranks' rendezvous, served from this process until they finish
 
     def results(self) -> list[Any]:
         """Wait for every rank; its fn's results ordered by rank. A failure on any rank raises with that rank's
@@ -101,15 +103,19 @@ class Ranks:
 def start_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0) -> Ranks:
     """Start fn(rank, world, *args) on `world` gloo ranks and return at once: a one-process run (world 1) beside
     a spawn of several uses the core that process would leave idle. Call ``results()`` to wait for them."""
+    import torch.distributed as dist
+
     ctx = _context()
     queue = ctx.Queue()
-    port = free_port()
+    # the rendezvous store listens here, on a port the kernel gives it and it keeps: a port found free and then
+    # bound by rank 0 could meanwhile be taken by another spawn (EADDRINUSE, seen with two workers spawning)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     env, cwd = dict(os.environ), os.getcwd()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, env, cwd, fn, args, queue), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(r, world, store.port, env, cwd, fn, args, queue), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
-    return Ranks(world, procs, queue, timeout)
+    return Ranks(world, procs, queue, timeout, store)
 
 
 def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0) -> list[Any]:
