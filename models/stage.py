@@ -34,7 +34,8 @@ from megazero.models.parts import parts_of
 from megazero.models.split import Split
 from megazero.parallel.comm import Comm
 from megazero.parallel.cross_entropy import mask_padded_vocab, vocab_parallel_cross_entropy
-from megazero.parallel.regions import copy_to_region
+from megazero.parallel.head_loss import chunked_head_cross_entropy
+from megazero.parallel.regions import copy_to_region, gather_from_sequence
 from megazero.parallel.sequence import SequenceInfo
 from megazero.parallel.tp_random import ShardedDropout, TPRandom
 from megazero.parallel.tensor import (
@@ -95,9 +96,11 @@ class GPT(nn.Module):
         ep: Optional[Comm] = None,
         cp: Optional[Comm] = None,
         cp_mode: str = "ring",
+        loss_chunk: int = 0,
     ):
         super().__init__()
         self.cfg = cfg
+        self.loss_chunk = loss_chunk  # > 0: the head and loss this many tokens at a time (parallel.head_loss)
         self.rng = TPRandom()
         self.par = Split(tp, sequence_parallel, self.rng, attention_impl, kv_replicas, tp_overlap, ep, cp, cp_mode)
         self.tp, self.tp_rank, self.tp_size = tp, self.par.rank, self.par.size
@@ -190,6 +193,8 @@ class GPT(nn.Module):
         if not self.last_stage:
             return x
         h = self.final_norm(x)
+        if targets is not None and self.loss_chunk:
+            return self._chunked_loss(h, targets)
         if self.head is not None:  # called as a module: ZeRO waits for its parameters' gather in its pre-hook
             logits, vocab_start = self.head(h), self.tp_rank * self.head.weight.shape[0]
         else:
@@ -202,6 +207,20 @@ class GPT(nn.Module):
         if targets is None:
             return mask_padded_vocab(logits, vocab_start, self.cfg.vocab_size)
         return vocab_parallel_cross_entropy(logits, targets, vocab_start, self.cfg.vocab_size, self.tp)
+
+    def _chunked_loss(self, h: Tensor, targets: Tensor) -> Tensor:
+        """The per-token loss without the microbatch's logits: the head's matmul and the loss a chunk of tokens
+        at a time, from the head's input as every tp rank sees it."""
+        def loss(whole: Tensor, weight: Tensor, vocab_start: int) -> Tensor:
+            return chunked_head_cross_entropy(whole, weight, targets, vocab_start, self.cfg.vocab_size, self.tp,
+                                              self.loss_chunk)
+
+        if self.head is not None:
+            start = self.tp_rank * self.head.weight.shape[0]
+            return self.head(h, consume=lambda whole, weight: loss(whole, weight, start))
+        tokens = self.embed.tokens
+        whole = gather_from_sequence(h, self.tp) if self.sequence_parallel else copy_to_region(h, self.tp)
+        return loss(whole, tokens.weight, tokens.vocab_start)
 
 
 def mark_replicated(model: nn.Module) -> None:

@@ -25,7 +25,7 @@ arithmetic that never touches torch.distributed.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,7 @@ from megazero.parallel.comm import SEQ_DIM, Comm, Pending
 from megazero.parallel.regions import (
     copy_to_region,
     gather_from_region,
+    gather_from_sequence,
     reduce_from_region,
     reduce_scatter_to_sequence,
     scatter_to_region,
@@ -128,8 +129,15 @@ class ColumnParallelLinear(nn.Module):
         for p in self.parameters():
             p.tp_replicas = n_replicas
 
-    def forward(self, x: Tensor, entry: Optional["Entry"] = None) -> Tensor:
-        return column_parallel_linears(x, [self], entry)[0]
+    def forward(self, x: Tensor, entry: Optional["Entry"] = None,
+                consume: Optional[Callable[[Tensor, Tensor], Tensor]] = None) -> Tensor:
+        """``consume(input, weight)``: returned instead of the output, from the input as every rank sees it and
+        this rank's weight (the chunked head loss: the output never whole), through the module for ZeRO's hooks."""
+        if consume is None:
+            return column_parallel_linears(x, [self], entry)[0]
+        assert entry is None and self.bias is None and self.replicas is None
+        whole = gather_from_sequence(x, self.tp) if self.sequence_parallel else copy_to_region(x, self.tp)
+        return consume(whole, self.weight)
 
     def weights(self) -> tuple[Tensor, Optional[Tensor]]:
         """(weight, bias) as the forward uses them: through the replica gradient sum when replicated."""

@@ -45,6 +45,7 @@ _MIN = {
     ("train", "weight_decay"): 0.0, ("train", "grad_clip"): 0.0, ("train", "seed"): 0,
     ("train", "eval_every"): 0, ("train", "eval_batches"): 1, ("train", "save_every"): 0,
     ("train", "keep_last"): 1, ("train", "exit_after"): 0, ("zero", "bucket_mb"): 0.001,
+    ("train", "loss_chunk_tokens"): 0,
     ("parallel", "world_size"): 0, ("log", "every"): 1, ("model", "init_std"): 0.0,
     ("log", "peak_tflops"): 1e-9, ("train", "max_skipped"): 1,
     ("launch", "memory_gb"): 0.0, ("launch", "rank"): -1,
@@ -86,6 +87,7 @@ _MAX = {
     ("train", "max_skipped"): _STEPS, ("log", "every"): _STEPS,
     ("train", "global_batch"): 2 ** 24,  # sequences per step: tokens per step (x seq_len) < 2^44
     ("train", "micro_batch"): 2 ** 16,  # sequences per forward; logits bound above
+    ("train", "loss_chunk_tokens"): 2 ** 36,  # at most a microbatch's tokens (micro_batch x seq_len) matter
     # validation tokens (global_batch * seq_len * eval_batches) divide a torch tensor: < 2^60
     ("train", "eval_batches"): 2 ** 16,
     # AdamW moves each weight by about lr per step, so past ~1 nothing trains; but a learning rate that

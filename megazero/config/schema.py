@@ -62,6 +62,9 @@ class TrainConfig:
     warmup_steps: int = 10  # steps of linear warm-up from 0 to lr
     weight_decay: float = 0.1  # decoupled (AdamW's), on matrices only: norms and biases do not decay
     grad_clip: float = 1.0  # the global gradient norm is clipped to this; 0 disables clipping
+    # > 0: the head's matmul and the loss this many tokens at a time, so only one chunk's logits exist, not the
+    # microbatch's (one more head matmul in backward: parallel/head_loss.py); 0: the microbatch's at once
+    loss_chunk_tokens: int = 0
     # fp32 | bf16 | fp16 | auto: bf16 where the device computes it natively (a GPU with bf16, a CPU with AMX),
     # else fp32 (megazero.config.resolve.precision_for; the run's first line says which and why)
     precision: str = "fp32"

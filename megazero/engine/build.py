@@ -126,7 +126,8 @@ def build_chunks(cfg: Config, grid: Grid, device: torch.device,
                                 first_stage=vs == 0, last_stage=vs == last_vs,
                                 sequence_parallel=par.sequence_parallel, attention_impl=cfg.kernels.attention,
                                 materialise=not lazy, kv_replicas=kv_replicas, tp_overlap=par.tp_overlap,
-                                ep=grid.ep_comm, cp=grid.cp_comm, cp_mode=par.cp_mode))
+                                ep=grid.ep_comm, cp=grid.cp_comm, cp_mode=par.cp_mode,
+                                loss_chunk=cfg.train.loss_chunk_tokens))
     return chunks
 
 

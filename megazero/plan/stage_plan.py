@@ -103,6 +103,15 @@ class Plan:
     dispatch: DispatchBytes = DispatchBytes(0, 0, 0, 0, 0)  # one mixture-of-experts layer and microbatch, per rank
 
 
+def logit_bytes(cfg: Config, tokens: int, width: int) -> int:
+    """The last stage's logits of one microbatch's ``tokens`` over ``width`` vocabulary rows: the fp32 softmax the
+    loss keeps for backward; chunked (``train.loss_chunk_tokens``), one chunk's logits while it is computed, fp32
+    and the matmul's dtype, and nothing kept (parallel/head_loss.py): the bound the memory tracker checks."""
+    chunk = cfg.train.loss_chunk_tokens
+    if not chunk:
+        return tokens * width * LOGIT_BYTES
+    return min(tokens, chunk) * width * (LOGIT_BYTES + (0 if cfg.train.precision == "fp32" else 2))
+
 def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action], params: ParamCounts,
                 memo: PlanMemo) -> StagePlan:
     m, par, t = cfg.model, cfg.parallel, cfg.train
@@ -134,7 +143,7 @@ def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action], p
     def largest(vs: int) -> int:  # the layer being recomputed holds its full set meanwhile: the larger kind
         return max(layer(False) if len(ranges[vs]) > moe_in[vs] else 0, mixture(False) if moe_in[vs] else 0)
 
-    logits = t.micro_batch * seq * (m.padded_vocab // par.tp) * LOGIT_BYTES
+    logits = logit_bytes(cfg, t.micro_batch * seq, m.padded_vocab // par.tp)
     head = [logits if vs == last_vs else 0 for vs in chunks]
     def recomputed(vs: int) -> int:  # model.checkpoint_layers: the first k layers of each chunk (0: all)
         return min(m.checkpoint_layers, len(ranges[vs])) if m.checkpoint_layers else len(ranges[vs])

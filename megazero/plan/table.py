@@ -162,7 +162,8 @@ def format_plan(plan: Plan) -> str:
         f"{par.schedule} schedule); act ckpt adds one layer being recomputed"
         + (f" where a chunk has no more than {m.checkpoint_layers} layers (one that keeps some layers' full "
            f"activations frees them before it recomputes)" if m.checkpoint_layers else "") + "; the last stage adds fp32 logits "
-        f"({last.logits / GB:.2f} GB per microbatch)",
+        + (f"({last.logits / GB:.2f} GB per microbatch)" if not t.loss_chunk_tokens else
+           f"of one chunk of {t.loss_chunk_tokens} tokens, while it is computed ({last.logits / GB:.2f} GB)"),
     ] + (_moe_notes(plan) if moe else []) + ([_context_note(plan)] if context else []) \
         + _optimizer_note(plan, cfg.optim.name) + [
         "  * = what this config uses; total* = device model state + activations"
