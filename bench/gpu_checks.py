@@ -1,5 +1,7 @@
 """Every check that needs a CUDA GPU, in one run: for a session that has one GPU for a few minutes.
 
+0. ``bench/mfu.py --compile``: one step of a Llama-3-shaped model (hidden 2048, 16 layers, vocab 128256, seq
+   4096, bf16) against the torchtitan-style peer, eager and compiled: tokens/s, MFU and the ratios.
 1. ``bench/kernels.py``: attention and AdamW kernel tables, bf16 errors, and the kernel targets.
 2. Training on the GPU, one process (configs/tiny.yaml at tp = pp = dp = 1, bf16):
    - ``torch``: kernels.attention = kernels.adam = torch (SDPA, torch AdamW), the reference curve;
@@ -63,7 +65,7 @@ BF16_LOSS_RTOL = 2e-2
 # Offloaded vs on-GPU optimizer: the same fp32 AdamW arithmetic, on the CPU by torch vs on the GPU by
 # Triton (FMA contraction may differ in the last bit): fp32-level differences, amplified through bf16.
 OFFLOAD_LOSS_RTOL = 2e-2
-SECTIONS = ("kernels", "train", "throughput", "profile", "longrun", "offload", "grouped_mm", "newton_schulz",
+SECTIONS = ("mfu", "kernels", "train", "throughput", "profile", "longrun", "offload", "grouped_mm", "newton_schulz",
             "pipeline", "tp_overlap")
 TINY_1GPU = ["parallel.tp=1", "parallel.sequence_parallel=false", "parallel.pp=1", "parallel.dp=1",
              "train.eval_every=0", "log.tensorboard=false", "train.precision=bf16"]
@@ -252,6 +254,12 @@ def main() -> int:
                          "torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')"], env)
     checks.note(f"Environment: {(version or '?').strip()}", "")
 
+    if "mfu" in only:  # 0. the step against the torchtitan-style peer: the figure everything else explains
+        mfu_cmd = [sys.executable, "bench/mfu.py"] + (["--toy"] if args.smoke else ["--compile"])
+        mfu_md = checks.run("bench/mfu.py", mfu_cmd, env, stdout=out / "mfu.md")
+        if mfu_md is not None:
+            rows = [line for line in mfu_md.splitlines() if line.startswith(("## ", "|"))]
+            checks.note("One training step against the torchtitan-style peer (bench/mfu.py, mfu.md):", *rows, "")
     if "kernels" in only:  # 1. kernels: tables straight into kernels.md as they are measured
         kernels_cmd = [sys.executable, "bench/kernels.py"] + (["--smoke"] if args.smoke else []) \
             + (["--seqs", args.seqs] if args.seqs else [])

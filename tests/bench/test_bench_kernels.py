@@ -19,7 +19,7 @@ SCRIPT = ROOT / "bench" / "kernels.py"
 
 # about equal halves of the lean smoke's CPU time, in seconds: ~16 + 27 + 14 and ~13 + 5 + 6 + 4 + 12 + 13
 HALVES = (("kernels", "train", "throughput"),
-          ("profile", "longrun", "offload", "grouped_mm", "newton_schulz", "pipeline", "tp_overlap"))
+          ("mfu", "profile", "longrun", "offload", "grouped_mm", "newton_schulz", "pipeline", "tp_overlap"))
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -104,9 +104,12 @@ def test_gpu_checks_smoke(gpu_checks_smoke):
     step runs, the loss comparisons are made, and only its four files are written."""
     summaries = [_passed(half) for half in gpu_checks_smoke]
     folders = [sorted(p.name for p in out.iterdir()) for _, _, out in gpu_checks_smoke]
-    assert folders == [["kernels.md", "log.txt", "summary.md"], ["log.txt", "profile.md", "summary.md"]], folders
+    assert folders == [["kernels.md", "log.txt", "summary.md"], ["log.txt", "mfu.md", "profile.md", "summary.md"]], \
+        folders
     assert all(s.startswith("# GPU checks (smoke, CPU): all checks passed") for s in summaries)
     summary = "\n".join(summaries)
+    # the step against the peer, first of all: its table in the summary
+    assert len(re.findall(r"^\| (megazero eager|peer eager) \| [0-9.]+ \|", summary, re.M)) == 2, summary
     kernels_md, profile_md = (gpu_checks_smoke[i][2] / name for i, name in ((0, "kernels.md"), (1, "profile.md")))
     assert len(re.findall(r"^- ok triton kernels follow torch kernels over 4 steps", summary, re.M)) == 1
     assert len(re.findall(r"^- ok (offloaded optimizer|ZeRO-3 offloaded) follows the on-device run", summary, re.M)) == 2
@@ -143,7 +146,7 @@ def test_gpu_checks_report_what_the_budget_left_out(tmp_path):
     assert proc.returncode == 1
     summary = (tmp_path / "summary.md").read_text()
     assert summary.startswith("# GPU checks (smoke, CPU): FAILED: environment: not run, the time budget is spent")
-    assert len(re.findall(r"^- FAILED .*: not run, the time budget is spent$", summary, re.M)) == 19  # every command of every section, the CPU-rank benchmarks included
+    assert len(re.findall(r"^- FAILED .*: not run, the time budget is spent$", summary, re.M)) == 20  # every command of every section, the CPU-rank benchmarks included
 
 
 def test_gpu_checks_lean_needs_smoke():
