@@ -12,6 +12,10 @@ are one chunk's: ``chunk`` tokens x V/tp, in the matmul's dtype and in fp32.
 Across the tensor-parallel group the statistics of all chunks are exchanged at once, as the unchunked loss
 exchanges them: one all-reduce (max) of the row maxima, one of [target logit, sum of exponentials] (each rank's
 sums rescaled to the global maximum first). The result equals the unchunked loss to fp32 rounding.
+
+Costs beside the third matmul: under sequence parallelism the head's input is kept gathered (b x s x h, small
+next to the logits it replaces); under zb1p the loss is one node that B and W both run whole
+(parallel/weight_grad.py cannot split a custom function), so its backward's matmuls run twice there.
 """
 from __future__ import annotations
 
@@ -60,8 +64,11 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
             stats[1, lo:hi] = logits.sub_(shift[lo:hi].unsqueeze(-1)).exp_().sum(dim=-1)
             del logits
         if tp is not None:
+            local_max = row_max.clone()
             tp.all_reduce(row_max, op=dist.ReduceOp.MAX, tag="loss")
-            stats[1].mul_((shift - row_max).exp_())  # each rank's sum taken to the global maximum
+            # each rank's sum taken to the global maximum; a slice of padding only (local -inf) adds 0, whatever
+            # the global maximum (exp(shift - max) could overflow against a sum of 0)
+            stats[1].mul_((local_max - row_max).exp_())
             tp.all_reduce(stats, tag="loss")
         target_logit, sum_exp = stats[0], stats[1]
         loss = (sum_exp.log() + row_max - target_logit).masked_fill(ignored, 0.0)
@@ -86,7 +93,10 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
             grad.scatter_add_(-1, local_t[lo:hi].unsqueeze(-1), -here[lo:hi].unsqueeze(-1).float())
             grad = grad.mul_(scale[lo:hi].unsqueeze(-1)).to(dtype)
             grad_rows[lo:hi] = grad.matmul(w)
-            grad_w.add_(grad.t().matmul(rows[lo:hi]))
+            if dtype == torch.float32:  # no weight-sized temporary
+                grad_w.addmm_(grad.t(), rows[lo:hi])
+            else:
+                grad_w.add_(grad.t().matmul(rows[lo:hi]))
             del logits, grad
         return grad_rows.view_as(h), grad_w.to(weight.dtype), None, None, None, None, None, None
 
@@ -105,8 +115,3 @@ def chunked_head_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, vocab
         h = h.to(torch.get_autocast_dtype(h.device.type))
     return _ChunkedHeadCrossEntropy.apply(h, weight, targets, vocab_start, real_vocab_size, tp, ignore_index,
                                           max(1, min(chunk, targets.numel())))
-
-
-def chunk_count(tokens: int, chunk: int) -> int:
-    """How many head matmuls one pass makes over ``tokens`` (the planner's figure)."""
-    return math.ceil(tokens / chunk)

@@ -144,7 +144,10 @@ def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action], p
         return max(layer(False) if len(ranges[vs]) > moe_in[vs] else 0, mixture(False) if moe_in[vs] else 0)
 
     logits = logit_bytes(cfg, t.micro_batch * seq, m.padded_vocab // par.tp)
-    head = [logits if vs == last_vs else 0 for vs in chunks]
+    # kept per microbatch in flight until its backward; chunked, nothing is kept and one chunk's logits exist
+    # while the loss or its backward runs: added once to the peaks below
+    chunked = bool(t.loss_chunk_tokens) and last_vs in chunks
+    head = [logits if vs == last_vs and not chunked else 0 for vs in chunks]
     def recomputed(vs: int) -> int:  # model.checkpoint_layers: the first k layers of each chunk (0: all)
         return min(m.checkpoint_layers, len(ranges[vs])) if m.checkpoint_layers else len(ranges[vs])
 
@@ -156,6 +159,8 @@ def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action], p
     # full activations (checkpoint_layers), those are freed by the time its first layers are recomputed
     if any(recomputed(vs) == len(ranges[vs]) for vs in chunks):
         ckpt += max(largest(vs) for vs in chunks if recomputed(vs) == len(ranges[vs]))
+    if chunked:
+        ckpt, full = ckpt + logits, full + logits
     moe_layers = sum(moe_in[vs] for vs in chunks)
     tokens = t.global_batch * m.seq_len // (par.dp * par.cp)  # this (dp, cp) rank's share
     per_token = sum(layers_flops_per_token(m, ranges[vs], attention_share=plan_attention_share(cfg)) for vs in chunks)
@@ -169,7 +174,7 @@ def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action], p
     first, last = dims.rank(r), dims.rank(r, par.dp - 1, par.cp - 1, par.tp - 1)
     assert last - first + 1 == par.tp * par.dp * par.cp, (first, last, par.tp, par.dp, par.cp)  # contiguous
     return StagePlan(r, range(first, last + 1), [ranges[vs] for vs in chunks], psi, replicated, state, ckpt, full,
-                     count, max(head), flops, gathered_bytes(cfg, chunks, ranges, psi, params),
+                     count, logits if last_vs in chunks else 0, flops, gathered_bytes(cfg, chunks, ranges, psi, params),
                      grad_buffer_bytes(cfg, chunks, ranges, psi, params, experts), experts, expert_state,
                      moe_layers, dispatch_bytes(cfg).transient if moe_layers else 0,
                      all_to_all_bytes(cfg, moe_layers, moe_recomputed),
