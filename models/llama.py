@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megazero.kernels.rms_norm import rms_norm_triton
 from megazero.models.arch import ffn_hidden, has_bias, head_dim
 from megazero.models.split import Split
 from megazero.parallel.sequence import SequenceInfo
@@ -71,19 +72,22 @@ class RMSNorm(nn.Module):
     Returns autocast's dtype under autocast (as ``models.gpt2.LayerNorm``, for the collectives that follow),
     else the input's."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, impl: str = "torch"):
         super().__init__()
-        self.eps = eps
+        self.eps, self.impl = eps, impl  # kernels.norm: the torch ops below, or one Triton kernel each way
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        y = _RMSNormFunction.apply(x, self.weight, self.eps)
+        if self.impl == "triton":
+            y = rms_norm_triton(x, self.weight, self.eps)
+        else:
+            y = _RMSNormFunction.apply(x, self.weight, self.eps)
         device = x.device.type
         return y.to(torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype)
 
 
 def rms_norm(cfg: ModelConfig, par: Split) -> RMSNorm:
-    norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+    norm = RMSNorm(cfg.hidden, cfg.norm_eps, par.norm_impl)
     if par.sp:
         mark_sequence_parallel(norm)
     return norm
@@ -151,7 +155,7 @@ class LlamaAttention(nn.Module):
         self.par = par
         self.q_norm = self.k_norm = None
         if getattr(cfg, "qk_norm", False):
-            self.q_norm, self.k_norm = RMSNorm(d, cfg.norm_eps), RMSNorm(d, cfg.norm_eps)
+            self.q_norm, self.k_norm = (RMSNorm(d, cfg.norm_eps, par.norm_impl) for _ in range(2))
             if tp > 1:  # this rank's heads only: partial gradients, summed over tp
                 mark_sequence_parallel(self.q_norm)
                 mark_sequence_parallel(self.k_norm)

@@ -35,7 +35,7 @@ class Split:
 
     def __init__(self, tp: Optional[Comm], sequence_parallel: bool, rng: TPRandom, attention_impl: str = "torch",
                  kv_replicas: Optional[Comm] = None, overlap: bool = False, ep: Optional[Comm] = None,
-                 cp: Optional[Comm] = None, cp_mode: str = "ring"):
+                 cp: Optional[Comm] = None, cp_mode: str = "ring", norm_impl: str = "torch"):
         self.tp = tp
         self.cp = cp if cp is not None else Comm(None, "cp")  # the ranks one sample's sequence is split over
         assert cp_mode in ("ring", "all_to_all"), cp_mode
@@ -43,6 +43,7 @@ class Split:
         self.ep = ep if ep is not None else Comm(None, "ep")  # the ranks a mixture of experts' experts split over
         self.aux_weight = AuxLossWeight()
         self.attention_impl = attention_impl
+        self.norm_impl = norm_impl  # kernels.norm, resolved: torch | triton
         self.rank, self.size = tp_rank_and_size(tp)
         self.sp = sequence_parallel and self.size > 1
         self.overlap = overlap and self.size > 1

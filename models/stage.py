@@ -97,12 +97,14 @@ class GPT(nn.Module):
         cp: Optional[Comm] = None,
         cp_mode: str = "ring",
         loss_chunk: int = 0,
+        norm_impl: str = "torch",
     ):
         super().__init__()
         self.cfg = cfg
         self.loss_chunk = loss_chunk  # > 0: the head and loss this many tokens at a time (parallel.head_loss)
         self.rng = TPRandom()
-        self.par = Split(tp, sequence_parallel, self.rng, attention_impl, kv_replicas, tp_overlap, ep, cp, cp_mode)
+        self.par = Split(tp, sequence_parallel, self.rng, attention_impl, kv_replicas, tp_overlap, ep, cp, cp_mode,
+                         norm_impl)
         self.tp, self.tp_rank, self.tp_size = tp, self.par.rank, self.par.size
         self.sequence_parallel = self.par.sp
         self.layer_ids = range(cfg.layers) if layer_ids is None else layer_ids

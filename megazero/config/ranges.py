@@ -25,6 +25,7 @@ _CHOICES = {
     ("zero", "grad_dtype"): ("auto", "fp32", "model"),
     ("kernels", "attention"): ("auto", "triton", "torch"),
     ("kernels", "adam"): ("auto", "fused", "triton", "torch"),
+    ("kernels", "norm"): ("auto", "triton", "torch"),
     ("launch", "device"): ("auto", "cpu", "cuda"),
     ("parallel", "schedule"): SCHEDULES,
     ("train", "on_nonfinite"): ("stop", "skip"),

@@ -127,7 +127,7 @@ def build_chunks(cfg: Config, grid: Grid, device: torch.device,
                                 sequence_parallel=par.sequence_parallel, attention_impl=cfg.kernels.attention,
                                 materialise=not lazy, kv_replicas=kv_replicas, tp_overlap=par.tp_overlap,
                                 ep=grid.ep_comm, cp=grid.cp_comm, cp_mode=par.cp_mode,
-                                loss_chunk=cfg.train.loss_chunk_tokens))
+                                loss_chunk=cfg.train.loss_chunk_tokens, norm_impl=cfg.kernels.norm))
     return chunks
 
 
