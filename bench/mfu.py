@@ -6,6 +6,7 @@ summed and divided by the step's tokens), AdamW (lr 3e-4, betas (0.9, 0.95), wei
 clipping at 1.0 and gradient accumulation over ``--microbatches``:
 
   megazero eager   megazero.engine.build + megazero.engine.step.train_step, one process (ZeRO-0, torch kernels)
+                   and, on a GPU, the same with kernels.norm=triton (the fused RMSNorm)
   peer eager       the model below, written as torchtitan writes its Llama: ``nn.Module`` blocks,
                    ``F.scaled_dot_product_attention(enable_gqa=True)``, ``torch.optim.AdamW(fused=True)``,
                    ``clip_grad_norm_(foreach=True)``, bf16 parameters on a GPU (fp32 on the CPU)
@@ -138,8 +139,8 @@ def peer_step(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, voc
     return step
 
 
-def megazero_step(size: tuple, device: torch.device, precision: str,
-                  microbatches: int) -> tuple[Callable[[list[Tensor]], float], object]:
+def megazero_step(size: tuple, device: torch.device, precision: str, microbatches: int,
+                  norm: str = "torch") -> tuple[Callable[[list[Tensor]], float], object]:
     """megazero's step over the same microbatches (its mean loss), and the resolved config."""
     layers, hidden, heads, kv_heads, ffn, vocab, seq, mb = size
     sets = ["model.arch=llama", f"model.layers={layers}", f"model.hidden={hidden}", f"model.heads={heads}",
@@ -149,6 +150,7 @@ def megazero_step(size: tuple, device: torch.device, precision: str,
             f"train.global_batch={mb * microbatches}", f"train.precision={precision}", f"train.lr={LR}",
             f"train.weight_decay={WD}", f"train.grad_clip={CLIP}", "parallel.tp=1", "parallel.pp=1",
             "parallel.dp=1", "parallel.sequence_parallel=false", "zero.stage=0", "kernels.attention=torch",
+            f"kernels.norm={norm}",
             f"kernels.adam={'fused' if device.type == 'cpu' else 'auto'}"]
     cfg = load_config(os.path.join(ROOT, "configs", "tiny-llama.yaml"), sets)
     resolve(cfg, 1, device.type)
@@ -190,6 +192,9 @@ def main() -> int:
     ours, cfg = megazero_step(size, device, precision, args.microbatches)
     contenders = {"megazero eager": ours,
                   "peer eager": peer_step(layers, hidden, heads, kv_heads, ffn, vocab, seq, device, dtype, False)}
+    if device.type == "cuda":  # the fused norm's measurement, which kernels.norm=auto waits for
+        contenders["megazero eager, Triton RMSNorm"] = megazero_step(size, device, precision, args.microbatches,
+                                                                     "triton")[0]
     if args.compile:
         contenders["peer compiled"] = peer_step(layers, hidden, heads, kv_heads, ffn, vocab, seq, device, dtype, True)
     gen = torch.Generator().manual_seed(1234)
