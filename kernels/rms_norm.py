@@ -34,8 +34,8 @@ def _interpreting() -> bool:
 
 
 def resolve_impl(impl: str, device_type: str) -> str:
-    """kernels.norm: auto is torch until a GPU measurement shows the kernel faster (bench/step_profile.py sets);
-    triton needs CUDA or Triton's interpreter."""
+    """kernels.norm (this kernel and kernels/layer_norm.py's): auto is torch until a GPU measurement shows the
+    kernels faster (bench/mfu.py's row); triton needs CUDA or Triton's interpreter."""
     if impl not in IMPLS:
         raise UserError(f"kernels.norm={impl!r} is invalid; valid: {', '.join(IMPLS)}")
     if impl == "triton" and (triton is None or (device_type != "cuda" and not _interpreting())):

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megazero.kernels.layer_norm import layer_norm_triton
 from megazero.models.arch import ffn_hidden, has_bias
 from megazero.models.split import Split
 from megazero.parallel.sequence import SequenceInfo
@@ -31,18 +32,27 @@ class LayerNorm(nn.LayerNorm):
     CUDA autocast computes layer_norm in fp32 (as it should) but also returns fp32, and the tensor-parallel
     collectives right after a norm (sequence parallelism's all-gather, the column-parallel input's backward
     all-reduce) would then move twice the bytes of a bf16 run. Megatron's fused norm returns the input
-    dtype; this returns the autocast dtype. Outside autocast it is nn.LayerNorm.
+    dtype; this returns the autocast dtype. Outside autocast it is nn.LayerNorm. ``impl`` (kernels.norm):
+    torch's layer_norm, or one Triton kernel each way (kernels/layer_norm.py).
     """
 
+    def __init__(self, *args, impl: str = "torch", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.impl = impl
+
     def forward(self, x: Tensor) -> Tensor:
+        device = x.device.type
+        if self.impl == "triton":  # float32 out: cast as torch's path comes out
+            y = layer_norm_triton(x, self.weight, self.bias, self.eps)
+            return y.to(torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype)
         y = super().forward(x)
-        if torch.is_autocast_enabled(x.device.type):
-            y = y.to(torch.get_autocast_dtype(x.device.type))
+        if torch.is_autocast_enabled(device):
+            y = y.to(torch.get_autocast_dtype(device))
         return y
 
 
 def layer_norm(cfg: ModelConfig, par: Split) -> LayerNorm:
-    norm = LayerNorm(cfg.hidden, eps=getattr(cfg, "norm_eps", LN_EPS), bias=has_bias(cfg))
+    norm = LayerNorm(cfg.hidden, eps=getattr(cfg, "norm_eps", LN_EPS), bias=has_bias(cfg), impl=par.norm_impl)
     if par.sp:
         mark_sequence_parallel(norm)
     return norm
