@@ -1,4 +1,4 @@
-"""Training with the Triton kernels (attention, AdamW and the norms) follows the torch fallback, step for step.
+"""Training with the Triton kernels (attention, AdamW, RMSNorm) follows the torch fallback, step for step.
 
 The kernels run in Triton's CPU interpreter, in this process: conftest sets
 TRITON_INTERPRET=1 before anything imports Triton (a subprocess per run only
@@ -71,15 +71,18 @@ def test_kernels_follow_the_torch_fallback(corpus, tmp_path, monkeypatch, arch):
 
     monkeypatch.setattr(llama, "rms_norm_triton", counted("norm", llama.rms_norm_triton))
     monkeypatch.setattr(gpt2, "layer_norm_triton", counted("norm", gpt2.layer_norm_triton))
+    norm = "triton" if arch == "llama" else "torch"
     for name, impl in (("torch", "torch"), ("triton", "triton")):
         run(TINY, small_overrides(text, cache, tmp_path / name, steps=STEPS, **extra)
-            + [f"kernels.attention={impl}", f"kernels.adam={impl}", f"kernels.norm={impl}"])
+            + [f"kernels.attention={impl}", f"kernels.adam={impl}",
+               f"kernels.norm={norm if impl == 'triton' else impl}"])
         if name == "torch":
             assert launches == {"attention": 0, "adam": 0, "norm": 0}, launches
     m = SHAPE["train.global_batch"] // SHAPE["train.micro_batch"]
     assert launches["attention"] == STEPS * m * SHAPE["model.layers"] and launches["adam"] >= STEPS, launches
-    # the norms (two a layer and the final one: Llama's RMSNorms, GPT-2's LayerNorms) run the norm kernels
-    assert launches["norm"] == STEPS * m * (2 * SHAPE["model.layers"] + 1), launches
+    # Llama's RMSNorms (two a layer and the final one) run the norm kernel; GPT-2's LayerNorm kernel is checked
+    # by tests/kernels/test_norm_kernels.py (each interpreted norm kernel doubles a run's time here)
+    assert launches["norm"] == (STEPS * m * (2 * SHAPE["model.layers"] + 1) if arch == "llama" else 0), launches
     ref, got = read_metrics(tmp_path / "torch"), read_metrics(tmp_path / "triton")
     assert len(ref) == len(got) == STEPS
     for a, b in zip(ref, got):
