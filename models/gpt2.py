@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megazero.kernels.layer_norm import layer_norm_triton
+from megazero.kernels.norm import layer_norm_triton
 from megazero.models.arch import ffn_hidden, has_bias
 from megazero.models.split import Split
 from megazero.parallel.sequence import SequenceInfo
@@ -33,7 +33,7 @@ class LayerNorm(nn.LayerNorm):
     collectives right after a norm (sequence parallelism's all-gather, the column-parallel input's backward
     all-reduce) would then move twice the bytes of a bf16 run. Megatron's fused norm returns the input
     dtype; this returns the autocast dtype. Outside autocast it is nn.LayerNorm. ``impl`` (kernels.norm):
-    torch's layer_norm, or one Triton kernel each way (kernels/layer_norm.py).
+    torch's layer_norm, or one Triton kernel each way (kernels/norm.py).
     """
 
     def __init__(self, *args, impl: str = "torch", **kwargs):

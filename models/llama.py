@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megazero.kernels.rms_norm import rms_norm_triton
+from megazero.kernels.norm import rms_norm_triton
 from megazero.models.arch import ffn_hidden, has_bias, head_dim
 from megazero.models.split import Split
 from megazero.parallel.sequence import SequenceInfo

@@ -122,8 +122,8 @@ class LogConfig:
 class KernelsConfig:
     attention: str = AUTO  # auto | triton | torch: auto = torch SDPA (cuDNN on Hopper: faster than the Triton kernel)
     adam: str = AUTO  # auto | fused | triton | torch: the optimizer step over flat buffers
-    # auto | triton | torch: the norms' forward and backward, one Triton kernel each (kernels/rms_norm.py,
-    # kernels/layer_norm.py) or torch's; auto = torch until a GPU measurement shows the kernels faster
+    # auto | triton | torch: the norms' forward and backward, one Triton kernel each (kernels/norm.py) or
+    # torch's; auto = torch until a GPU measurement shows the kernels faster
     norm: str = AUTO
 
 

@@ -1,4 +1,4 @@
-"""The Triton norms (megazero.kernels.rms_norm and layer_norm, under Triton's interpreter here) against the torch
+"""The Triton norms (megazero.kernels.norm, under Triton's interpreter here) against the torch
 paths (models.llama's _RMSNormFunction, torch's layer_norm) and float64: forward, input and parameter gradients.
 
 Tolerances: fp32, 1e-6 relative to the largest value (the issue's bound; both compute in float32, the kernel's
@@ -14,8 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from megazero.kernels.errors import UserError
-from megazero.kernels.layer_norm import layer_norm_triton
-from megazero.kernels.rms_norm import ROWS_PER_PROGRAM, resolve_impl, rms_norm_triton
+from megazero.kernels.norm import ROWS_PER_PROGRAM, layer_norm_triton, resolve_impl, rms_norm_triton
 from megazero.models.llama import RMSNorm, _RMSNormFunction
 
 
