@@ -16,7 +16,8 @@ from megazero.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megazero.parallel.head_loss import chunked_head_cross_entropy
 from megazero.plan.tracker import MemoryTracker
 from tests.dist import run_ranks
-from tests.runs import ROOT, assert_curves_match, read_metrics, small_overrides, write_corpus
+from tests.runs import (ROOT, assert_curves_match, assert_resume_exact, read_metrics, run_saved_and_resumed,
+                        small_overrides, write_corpus)
 
 B, S, H, VOCAB, PADDED = 2, 37, 16, 53, 64  # 11 padded rows: the last tp 4 slice is mostly padding
 TOL = 1e-6
@@ -145,20 +146,28 @@ LAYOUTS = [  # (name, reference, sets): the tied embedding under sequence parall
 ]
 
 
-def _train(rank, world, text, cache, base, layouts):
+def _train(rank, world, text, cache, base, layouts, resume=None):
+    """Each layout for 6 steps; ``resume``: (name, sets) stopped at step 3 and resumed at the same layout."""
     from megazero.train.run import run
 
     for name, extra in layouts:
         run(GPT2, small_overrides(text, cache, base / name, steps=6) + extra)
+    if resume is not None:
+        name, extra = resume
+        run_saved_and_resumed(GPT2, lambda log, sets: small_overrides(text, cache, log, steps=6) + sets,
+                              (base / f"{name}_saved", extra), (base / f"{name}_resumed", extra), 3)
     return True
 
 
 def test_training_with_chunks_follows_the_unchunked_run(tmp_path):
     """fp32, 6 steps: the loss and gradient norm within 1e-5 relative of the one-process unchunked run (the
-    layouts' bound, tests/runs.py); the one-process chunked run within 1e-6 (the loss's own bound, above)."""
+    layouts' bound, tests/runs.py); the one-process chunked run within 1e-6 (the loss's own bound, above). Llama
+    at tp2 x dp2 ZeRO-3, stopped at step 3 and resumed at its layout, equals its uninterrupted run bit for bit."""
     text, cache = write_corpus(tmp_path / "text"), tmp_path / "cache"
     _train(0, 1, text, cache, tmp_path, [("one", []), ("one_llama", LLAMA), ("one_chunked", CHUNK)])
-    run_ranks(4, _train, text, cache, tmp_path, [(name, sets + CHUNK) for name, _, sets in LAYOUTS])
+    z3 = next(sets for name, _, sets in LAYOUTS if name == "llama_tp2_dp2_z3") + CHUNK
+    run_ranks(4, _train, text, cache, tmp_path, [(name, sets + CHUNK) for name, _, sets in LAYOUTS], ("z3", z3))
+    assert_resume_exact(tmp_path / "llama_tp2_dp2_z3", tmp_path / "z3_resumed", 3, 6)
     records = {p.name: [r for r in read_metrics(p) if "loss" in r] for p in tmp_path.iterdir() if p.name != "text"
                and (p / "metrics.jsonl").exists()}
     assert_curves_match("one_chunked", records["one"], records["one_chunked"], rel=1e-6)
