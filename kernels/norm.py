@@ -41,7 +41,7 @@ def resolve_impl(impl: str, device_type: str) -> str:
     """kernels.norm: auto is torch until a GPU measurement shows the kernels faster (bench/mfu.py's row); triton
     needs CUDA or Triton's interpreter."""
     if impl not in IMPLS:
-        raise UserError(f"kernels.norm={impl!r} is invalid; valid: {', '.join(IMPLS)}")
+        raise UserError(f"kernels.norm={impl!r} is not a norm implementation; valid: {' | '.join(IMPLS)}")
     if impl == "triton" and (triton is None or (device_type != "cuda" and not _interpreting())):
         raise UserError(f"kernels.norm=triton needs a CUDA GPU with triton installed (this run is on {device_type}); "
                         "use kernels.norm=torch or auto")

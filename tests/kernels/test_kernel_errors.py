@@ -14,17 +14,20 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_refusal_is_a_one_line_user_error():
-    cfg = SimpleNamespace(adam="apex", attention="auto")
+    cfg = SimpleNamespace(adam="apex", norm="auto", attention="auto")
     with pytest.raises(UserError) as err:
         resolve_kernels(cfg, "cpu")
     assert str(err.value) == "kernels.adam='apex' is not an AdamW implementation; valid: auto | fused | torch | triton"
-    cfg = SimpleNamespace(adam="auto", attention="flash")
+    cfg = SimpleNamespace(adam="auto", norm="apex", attention="auto")
+    with pytest.raises(UserError, match=r"^kernels.norm='apex' is not a norm implementation; valid: auto \| torch \| triton$"):
+        resolve_kernels(cfg, "cpu")
+    cfg = SimpleNamespace(adam="auto", norm="auto", attention="flash")
     with pytest.raises(UserError, match=r"^kernels.attention='flash' is not an attention implementation; valid: "
                                         r"auto \| torch \| triton$"):
         resolve_kernels(cfg, "cpu")
-    cfg = SimpleNamespace(adam="auto", attention="auto")
+    cfg = SimpleNamespace(adam="auto", norm="auto", attention="auto")
     resolve_kernels(cfg, "cpu")  # what resolves passes through
-    assert (cfg.adam, cfg.attention) == ("fused", "torch")
+    assert (cfg.adam, cfg.norm, cfg.attention) == ("fused", "torch", "torch")
 
 
 def test_the_error_class_is_one_and_costs_no_torch():
