@@ -24,8 +24,8 @@ from typing import Any, Callable
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch._dynamo", "numpy", "pytest",
            "megazero.train.run", "megazero.train.trainer", "megazero.train.run_dir", "megazero.train.events",
            "megazero.checkpoint.store", "megazero.plan.stage_plan", "megazero.interop.hf_import",
-           "megazero.data.preprocess", "megazero.engine.build", "megazero.engine.step", "models.build",
-           "parallel.topology", "tests.runs"]
+           "megazero.data.preprocess", "megazero.engine.build", "megazero.engine.step", "megazero.models.build",
+           "megazero.parallel.topology", "tests.runs"]
 
 
 def free_port() -> int:
