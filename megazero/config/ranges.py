@@ -49,7 +49,7 @@ _MIN = {
     ("train", "loss_chunk_tokens"): 0,
     ("parallel", "world_size"): 0, ("log", "every"): 1, ("model", "init_std"): 0.0,
     ("log", "peak_tflops"): 1e-9, ("train", "max_skipped"): 1,
-    ("launch", "memory_gb"): 0.0, ("launch", "rank"): -1,
+    ("launch", "memory_gb"): 0.0, ("launch", "rank"): -1, ("launch", "cpu_threads"): 0,
     ("model.moe", "experts"): 0, ("model.moe", "top_k"): 1, ("model.moe", "expert_hidden"): 1,
     ("model.moe", "shared_experts"): 0, ("model.moe", "dense_layers"): 0, ("model.moe", "every"): 1,
     ("model.moe", "routed_scaling_factor"): 1e-6, ("model.moe", "bias_update_rate"): 0.0,
@@ -103,6 +103,7 @@ _MAX = {
     ("launch", "timeout_minutes"): 10080.0,  # a week; timedelta and NCCL's milliseconds hold it easily
     ("launch", "memory_gb"): 2.0 ** 40,  # a TB of TB; bytes stay exact in float64
     ("launch", "rank"): MAX_WORLD - 1,  # below the world size, checked once the world is known
+    ("launch", "cpu_threads"): 2 ** 16,  # torch takes an int; no node has more cores
     ("data", "document_tokens"): 2 ** 20,  # as model.seq_len: a document past the sample changes nothing
     ("model.moe", "experts"): 2 ** 16,  # DeepSeek-V3: 256; per-expert counts and biases are E-long vectors
     ("model.moe", "top_k"): 2 ** 16,  # at most experts, checked by the rules

@@ -148,6 +148,7 @@ class LaunchConfig:
     timeout_minutes: float = 30.0  # a collective that waits longer than this stops the run
     memory_gb: float = 0.0  # --simulate: the memory a rank may use (0: this machine's device, or its RAM)
     rank: int = -1  # --simulate: the one rank to simulate (-1: one rank of each memory class)
+    cpu_threads: int = 0  # intra-op threads per rank where the CPU computes (0: the node's cores over its ranks)
 
 
 @dataclass

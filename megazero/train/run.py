@@ -6,6 +6,7 @@ The entry points — a run, ``--dry-run`` and ``--simulate`` — are where the c
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 import signal
 from datetime import timedelta
 from pathlib import Path
@@ -52,13 +53,9 @@ def run(config_path: str, overrides: list[str]) -> list[dict]:
         if p.exists() and not p.is_file():
             raise UserError(f"{cfg.source}: log.dir={cfg.log.dir!r} holds {name}, which is not a file; move it away "
                             f"or choose another log.dir")
-    if device.type == "cpu" or "cpu" in (cfg.zero.offload_optimizer, cfg.zero.offload_params):
-        # the CPU computes (the model, or the offloaded AdamW): a fair share of the node's cores each, not
-        # torchrun's OMP_NUM_THREADS=1
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     check_fits(cfg, device, info.rank, info.local_rank, local_world)
     check_init_from(cfg)
-    with StopSignals() as stop:  # until the loop begins a stop signal ends the run at once: nothing to save yet
+    with _cpu_threads(cfg, device, local_world), StopSignals() as stop:  # until the loop begins a stop signal ends the run at once: nothing to save yet
         created, grid, lock = False, None, None
         try:
             created = launch.init_distributed(info, device, cfg.launch.timeout_minutes)
@@ -87,6 +84,22 @@ def run(config_path: str, overrides: list[str]) -> list[dict]:
                 lock.release()
             if created:
                 launch.shutdown()
+
+
+@contextmanager
+def _cpu_threads(cfg, device, local_world: int):
+    """Where the CPU computes (the model, or the offloaded AdamW), launch.cpu_threads intra-op threads per rank:
+    by default a fair share of the node's cores, not torchrun's OMP_NUM_THREADS=1. The caller's count comes back
+    when the run ends (a run started in-process leaves the process as it found it)."""
+    import torch
+
+    before = torch.get_num_threads()
+    if device.type == "cpu" or "cpu" in (cfg.zero.offload_optimizer, cfg.zero.offload_params):
+        torch.set_num_threads(cfg.launch.cpu_threads or max(1, (os.cpu_count() or 1) // local_world))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _as_run_error(e: RuntimeError, cfg, grid, rank: int) -> Exception:

@@ -382,3 +382,19 @@ def test_async_saves_equal_synchronous_saves(corpus, tmp_path):
         assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), a.name
     two, six = (checkpoint.read_model_state(p) for p in (background[0], background[2]))
     assert any(not torch.equal(two[k], six[k]) for k in two)  # the saves are of different states
+
+
+def test_a_run_computes_on_its_cpu_threads_and_gives_the_callers_back(corpus, tmp_path, monkeypatch):
+    """launch.cpu_threads is the run's intra-op thread count (0: the node's cores over its ranks); a run started
+    in-process leaves the caller's count as it was, so what runs after it is not oversubscribed."""
+    from megazero.train import trainer
+
+    seen = []
+    monkeypatch.setattr(trainer.Trainer, "fit", lambda self, start: seen.append(torch.get_num_threads()) or [])
+    text, cache = corpus
+    before = torch.get_num_threads()
+    for threads, folder in ((3, "three"), (0, "auto")):
+        run(str(ROOT / "configs" / "tiny.yaml"),
+            small_overrides(text, cache, tmp_path / folder, steps=1) + [f"launch.cpu_threads={threads}"])
+        assert torch.get_num_threads() == before
+    assert seen == [3, max(1, os.cpu_count() or 1)]  # one process: all of this node's cores
