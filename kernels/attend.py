@@ -6,7 +6,9 @@ torch`` in the config chooses, through :func:`resolve_impl`. The function is
 importable as ``kernels.attention``. Grouped-query attention (Ainslie et al.
 2023): k and v may have fewer heads than q, a divisor of them; q head i reads
 k/v head i // (q heads / kv heads), with no repeated copy of k or v. Document masks (packed samples):
-``documents`` gives each token's document id, and a token attends only to its own document.
+``documents`` gives each token's document id, and a token attends only to its own document; ``impl="blocks"``
+(what ``auto`` resolves to on the CPU under a document mask) runs it without a (seq, seq) tensor
+(``kernels.document_attention``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from megazero.kernels.document_attention import document_attention
 from megazero.kernels.flash_attention import FlashAttention
 from megazero.kernels.flash_blocks import DTYPES, MAX_HEAD_DIM, _interpreting, supports_head_dim, triton
 from megazero.kernels.errors import UserError
@@ -40,26 +43,30 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, impl: str = 
 
     k and v: (batch, kv_heads, seq, head_dim) with kv_heads dividing q's heads (grouped-query attention).
 
-    impl: "torch" (scaled_dot_product_attention) or "triton" (FlashAttention-2 above);
+    impl: "torch" (scaled_dot_product_attention), "triton" (FlashAttention-2 above) or "blocks" (the CPU: torch's
+    fused attention over query blocks, the same as "torch" without documents);
     :func:`resolve_impl` turns a config value ("auto" | "torch" | "triton") into one.
     dq_mode (triton): how the backward gets dQ, "separate" (deterministic) or "atomic"
     (see ``kernels.flash_backward``).
     documents: (batch, seq) integer document ids of a packed sample, non-decreasing along seq (self-attention:
     q and k are the same tokens); a token attends only to tokens of its own document. None: one document.
     "torch" builds a (batch, 1, seq, seq) boolean mask (:func:`document_mask`); "triton" skips the tiles of
-    no shared document (``kernels.flash_attention.flash_forward``).
+    no shared document (``kernels.flash_attention.flash_forward``); "blocks" keeps no tensor of (seq, seq).
     """
     if documents is not None and tuple(documents.shape) != (q.shape[0], q.shape[2]):
         raise ValueError(f"documents must be (batch, seq) = {(q.shape[0], q.shape[2])}, got "
                          f"{tuple(documents.shape)}")
-    if impl == "torch":
+    if impl == "blocks" and documents is not None:
+        assert causal, "document spans are causal"
+        return document_attention(q, k, v, documents.to(q.device))
+    if impl in ("torch", "blocks"):
         gqa = k.shape[1] != q.shape[1]
         if documents is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(documents.to(q.device), causal),
                                               enable_gqa=gqa)
     if impl != "triton":
-        raise ValueError(f"attention impl must be 'torch' or 'triton', got {impl!r}")
+        raise ValueError(f"attention impl must be 'torch', 'triton' or 'blocks', got {impl!r}")
     gqa_shapes = (q.dim() == k.dim() == 4 and k.shape == v.shape and k.shape[0] == q.shape[0]
                   and k.shape[2:] == q.shape[2:] and k.shape[1] >= 1 and q.shape[1] % k.shape[1] == 0)
     if not gqa_shapes or not supports_head_dim(q.shape[-1]):
@@ -81,17 +88,28 @@ def triton_available() -> bool:
     return triton is not None and (torch.cuda.is_available() or _interpreting())
 
 
-def resolve_impl(requested: str, device_type: str, head_dim: int | None = None) -> str:
-    """The attention impl for a run: "auto" -> "torch" (scaled_dot_product_attention) everywhere.
+def resolve_impl(requested: str, device_type: str, head_dim: int | None = None, documents: bool = False) -> str:
+    """The attention impl for a run. "auto" -> "torch" (scaled_dot_product_attention), but under a document mask
+    (``documents``) a path with no (seq, seq) mask: "blocks" on the CPU, "triton" on a GPU (it skips the tiles of
+    no shared document), "torch" with its dense mask only where Triton cannot run the head dim.
 
     On an H200 (torch 2.11, docs/benchmarks.md) SDPA picks its cuDNN backend, which ran 1.2-1.6x this
     kernel's forward+backward TFLOP/s at every measured size, and a GPT-2-small step 6-8% faster; the
     Triton kernel is there to be chosen ("triton"), not the default. "auto" never picks the interpreter
     either: it is for tests, orders of magnitude slower than SDPA.
     """
+    has_head_dim = head_dim is None or supports_head_dim(head_dim)
+    if requested == "auto" and documents:
+        if device_type == "cpu":
+            return "blocks"
+        return "triton" if triton is not None and device_type == "cuda" and has_head_dim else "torch"
     if requested in ("torch", "auto"):
         return "torch"
-    has_head_dim = head_dim is None or supports_head_dim(head_dim)
+    if requested == "blocks":
+        if device_type == "cpu":
+            return "blocks"
+        raise UserError(f"kernels.attention='blocks' runs torch's CPU attention op, this run is on {device_type}; "
+                        "valid here: auto | torch | triton")
     if requested == "triton":
         if not has_head_dim:
             raise UserError(f"kernels.attention='triton' supports head dims up to {MAX_HEAD_DIM} "
@@ -103,4 +121,4 @@ def resolve_impl(requested: str, device_type: str, head_dim: int | None = None) 
                                 "TRITON_INTERPRET=1 to run the kernels on the CPU interpreter); valid here: "
                                 "auto | torch")
     raise UserError(f"kernels.attention={requested!r} is not an attention implementation; valid: "
-                            "auto | torch | triton")
+                            "auto | torch | triton | blocks")

@@ -5,54 +5,22 @@ the partial results by their log-sum-exp, as FlashAttention does across key tile
 block may carry document ids (``data.document_mask``): query i sees key j only within its own document. A
 query row that sees no key of the block gets out 0 and lse −inf, which the merge treats as absent.
 
-``impl`` "torch" is torch's CPU flash-attention op (it returns the log-sum-exp and takes it back in its
-backward); with documents, the explicit masked softmax below (one block's scores at a time). "triton" is
+``impl`` "torch" (or "blocks") is torch's CPU flash-attention op (it returns the log-sum-exp and takes it back
+in its backward); with documents, the same op under the block's additive mask (``kernels.document_attention``:
+no block's scores are kept). "triton" is
 ``kernels.flash_attention``, whose forward and backward take the documents and skip fully masked tiles; on
 CUDA the blocks always run it (torch's CUDA attention ops that return the log-sum-exp are not plugged in).
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from megazero.kernels.document_attention import (expand_heads, fold_heads, masked_attention,
+                                                  masked_attention_backward, visible_bias)
 from megazero.kernels.flash_attention import flash_backward, flash_forward
-
-
-def _expand(k: Tensor, group: int) -> Tensor:
-    """Grouped-query k/v to the query heads, for the block ops that take equal heads (a local copy only)."""
-    return k if group == 1 else k.repeat_interleave(group, dim=1)
-
-
-def _fold(dk: Tensor, group: int) -> Tensor:
-    """The inverse of ``_expand`` for a gradient: each k/v head sums its group's query heads."""
-    if group == 1:
-        return dk
-    b, h, s, d = dk.shape
-    return dk.view(b, h // group, group, s, d).sum(2)
-
-
-def _visible(q_doc: Tensor, k_doc: Tensor, causal: bool) -> Tensor:
-    """(b, 1, sq, sk): which keys each query sees (the same document; earlier or itself when causal)."""
-    mask = q_doc[:, None, :, None] == k_doc[:, None, None, :]
-    if causal:
-        mask = mask & torch.ones(q_doc.shape[1], k_doc.shape[1], dtype=torch.bool, device=q_doc.device).tril()
-    return mask
-
-
-def _masked_scores(q: Tensor, k: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """Scaled scores with hidden keys at −inf, and each row's log-sum-exp (−inf where nothing is visible)."""
-    scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return scores, torch.logsumexp(scores, dim=-1)
-
-
-def _probabilities(scores: Tensor, lse: Tensor) -> Tensor:
-    """exp(scores − lse), 0 where the row sees nothing (lse −inf) or the key is hidden."""
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    return torch.exp(scores - safe.unsqueeze(-1))
 
 
 def block_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, impl: str, q_doc: Optional[Tensor] = None,
@@ -62,14 +30,12 @@ def block_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, impl: str, q_
     if impl == "triton" or q.device.type == "cuda":  # on CUDA the Triton kernel is the op that returns the lse
         docs = {} if q_doc is None else {"q_doc": q_doc, "k_doc": k_doc}
         return flash_forward(q, k, v, causal, **docs)[:2]
-    assert impl == "torch" and q.device.type == "cpu", f"ring attention blocks: impl {impl!r} on {q.device}"
+    assert impl in ("torch", "blocks") and q.device.type == "cpu", f"ring attention blocks: impl {impl!r} on {q.device}"
     group = q.shape[1] // k.shape[1]
     if q_doc is not None:
-        acc = accumulator_dtype(q.dtype)
-        scores, lse = _masked_scores(q.to(acc), _expand(k, group).to(acc), _visible(q_doc, k_doc, causal))
-        return (_probabilities(scores, lse) @ _expand(v, group).to(acc)).to(q.dtype), lse
+        return masked_attention(q, k, v, visible_bias(q_doc, k_doc, 0 if causal else None, q.dtype))
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, _expand(k, group), _expand(v, group), 0.0, causal)[:2]
+        q, expand_heads(k, group), expand_heads(v, group), 0.0, causal)[:2]
     return out, lse
 
 
@@ -81,21 +47,13 @@ def block_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out:
     if impl == "triton" or q.device.type == "cuda":
         docs = {} if q_doc is None else {"q_doc": q_doc, "k_doc": k_doc}
         return flash_backward(q, k, v, out, lse.float(), dout, causal, **docs)[:3]
-    group = q.shape[1] // k.shape[1]
     if q_doc is not None:
-        acc = accumulator_dtype(q.dtype)
-        q32, k32, v32 = q.to(acc), _expand(k, group).to(acc), _expand(v, group).to(acc)
-        do32 = dout.to(acc)
-        scores, _ = _masked_scores(q32, k32, _visible(q_doc, k_doc, causal))
-        p = _probabilities(scores, lse.to(acc))
-        dv = p.transpose(-1, -2) @ do32
-        dp = do32 @ v32.transpose(-1, -2)
-        ds = p * (dp - (do32 * out.to(acc)).sum(-1, keepdim=True)) * (1.0 / math.sqrt(q.shape[-1]))
-        dq, dk = ds @ k32, ds.transpose(-1, -2) @ q32
-        return dq.to(q.dtype), _fold(dk, group).to(k.dtype), _fold(dv, group).to(v.dtype)
+        return masked_attention_backward(dout, q, k, v, out, lse, visible_bias(q_doc, k_doc, 0 if causal else None,
+                                                                             q.dtype))
+    group = q.shape[1] // k.shape[1]
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, _expand(k, group), _expand(v, group), out, lse, 0.0, causal)
-    return dq, _fold(dk, group), _fold(dv, group)
+        dout, q, expand_heads(k, group), expand_heads(v, group), out, lse, 0.0, causal)
+    return dq, fold_heads(dk, group), fold_heads(dv, group)
 
 
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -23,7 +23,7 @@ _CHOICES = {
     ("zero", "offload_optimizer"): ("none", "cpu"),
     ("zero", "offload_params"): ("none", "cpu"),
     ("zero", "grad_dtype"): ("auto", "fp32", "model"),
-    ("kernels", "attention"): ("auto", "triton", "torch"),
+    ("kernels", "attention"): ("auto", "triton", "torch", "blocks"),
     ("kernels", "adam"): ("auto", "fused", "triton", "torch"),
     ("kernels", "norm"): ("auto", "triton", "torch"),
     ("launch", "device"): ("auto", "cpu", "cuda"),

@@ -97,11 +97,11 @@ def _resolve_kernels(cfg: Config, device_type: str, planned: bool) -> None:
 
     k = cfg.kernels
     if not planned:
-        resolve_kernels(k, device_type, cfg.model.head_width)
+        resolve_kernels(k, device_type, cfg.model.head_width, cfg.data.document_mask)
         return
     names = [f.name for f in dataclasses.fields(KernelsConfig)]
     probe = KernelsConfig(**{n: AUTO if getattr(k, n) == AUTO else "torch" for n in names})
-    resolve_kernels(probe, device_type, cfg.model.head_width)
+    resolve_kernels(probe, device_type, cfg.model.head_width, cfg.data.document_mask)
     for n in names:
         if getattr(k, n) == AUTO:
             setattr(k, n, getattr(probe, n))

@@ -120,7 +120,9 @@ class LogConfig:
 
 @dataclass
 class KernelsConfig:
-    attention: str = AUTO  # auto | triton | torch: auto = torch SDPA (cuDNN on Hopper: faster than the Triton kernel)
+    # auto | triton | torch | blocks: auto = torch SDPA (cuDNN on Hopper: faster than the Triton kernel); under
+    # data.document_mask a path with no (seq, seq) mask: blocks on the CPU, triton on a GPU
+    attention: str = AUTO
     adam: str = AUTO  # auto | fused | triton | torch: the optimizer step over flat buffers
     # auto | triton | torch: the norms' forward and backward, one Triton kernel each (kernels/norm.py) or
     # torch's; auto = torch until a GPU measurement shows the kernels faster

@@ -23,7 +23,7 @@ def test_a_refusal_is_a_one_line_user_error():
         resolve_kernels(cfg, "cpu")
     cfg = SimpleNamespace(adam="auto", norm="auto", attention="flash")
     with pytest.raises(UserError, match=r"^kernels.attention='flash' is not an attention implementation; valid: "
-                                        r"auto \| torch \| triton$"):
+                                        r"auto \| torch \| triton \| blocks$"):
         resolve_kernels(cfg, "cpu")
     cfg = SimpleNamespace(adam="auto", norm="auto", attention="auto")
     resolve_kernels(cfg, "cpu")  # what resolves passes through
