@@ -98,3 +98,23 @@ def pipeline_bubble(schedule: str, pp: int, m: int, v: int = 1) -> float:
         return (pp - 1) / (3 * m + pp - 1)
     chunks = v if schedule == "interleaved" else 1
     return (pp - 1) / (chunks * m + pp - 1)
+
+
+def attention_mask_bytes(cfg) -> int:
+    """The largest mask one attention call builds under ``data.document_mask``: a temporary of one layer at a
+    time, counted once in the peaks. kernels.attention=torch: the dense (micro_batch, 1, s, s) boolean mask and
+    the float copy SDPA makes of it (s the whole sequence, which Ulysses' all-to-all gives each rank); "blocks":
+    one block of query rows over at most the whole sequence; a cp ring on the CPU: one (s/2cp)² block mask;
+    triton: none (it reads the ids)."""
+    m, t, par, impl = cfg.model, cfg.train, cfg.parallel, cfg.kernels.attention
+    if not cfg.data.document_mask or impl == "triton":
+        return 0
+    value = 4 if t.precision == "fp32" else 2  # the float mask is in the attention's dtype
+    if par.cp > 1 and par.cp_mode == "ring":
+        chunk = m.seq_len // (2 * par.cp)
+        return t.micro_batch * chunk * chunk * value
+    if impl == "blocks":
+        from megazero.kernels.document_attention import BLOCK
+
+        return t.micro_batch * min(BLOCK, m.seq_len) * m.seq_len * value
+    return t.micro_batch * m.seq_len * m.seq_len * (1 + value)

@@ -23,8 +23,8 @@ from typing import Optional
 from megazero.config.schema import Config
 from megazero.costs import (compute_device, head_flops_per_token, layers_flops_per_token, model_flops_per_token,
                             pipeline_costs, plan_attention_share)
-from megazero.plan.activations import (LOGIT_BYTES, activation_bytes_per_layer, activation_peak, peak_microbatches,
-                                      pipeline_bubble)
+from megazero.plan.activations import (LOGIT_BYTES, activation_bytes_per_layer, activation_peak,
+                                      attention_mask_bytes, peak_microbatches, pipeline_bubble)
 from megazero.plan.context import local_seq_len, sent_bytes, ulysses_kept_bytes
 from megazero.plan.dispatch import DispatchBytes, all_to_all_bytes, dispatch_bytes, moe_layer_activation_bytes
 from megazero.plan.memo import PlanMemo
@@ -161,6 +161,8 @@ def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action], p
         ckpt += max(largest(vs) for vs in chunks if recomputed(vs) == len(ranges[vs]))
     if chunked:
         ckpt, full = ckpt + logits, full + logits
+    mask = attention_mask_bytes(cfg)  # one attention call's document mask, while it runs
+    ckpt, full = ckpt + mask, full + mask
     moe_layers = sum(moe_in[vs] for vs in chunks)
     tokens = t.global_batch * m.seq_len // (par.dp * par.cp)  # this (dp, cp) rank's share
     per_token = sum(layers_flops_per_token(m, ranges[vs], attention_share=plan_attention_share(cfg)) for vs in chunks)

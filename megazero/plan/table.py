@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from megazero.costs import plan_attention_share
+from megazero.plan.activations import attention_mask_bytes
 from megazero.plan.context import local_seq_len
 from megazero.plan.fits import stage_bytes
 from megazero.plan.stage_plan import GB, Plan, StageBalance
@@ -31,6 +32,18 @@ def _document_note(cfg) -> str:
         return "; document_mask: attention counted causal (set data.document_tokens to plan what the mask skips)"
     return (f"; document_mask: attention x {plan_attention_share(cfg):.4f}, the share of causal attention "
             f"documents of {d.document_tokens:,} tokens leave (megazero.costs.expected_document_share)")
+
+
+def _mask_note(cfg) -> list[str]:
+    """The document mask's bytes where the attention path builds one (added to the activation peaks)."""
+    mask = attention_mask_bytes(cfg)
+    if not mask:
+        return []
+    dense = cfg.kernels.attention == "torch" and not (cfg.parallel.cp > 1 and cfg.parallel.cp_mode == "ring")
+    return [f"  document mask: {mask / GB:.3f} GB per attention call, in the peaks"
+            + (f" (kernels.attention=torch: a dense (micro_batch, 1, {cfg.model.seq_len:,}, {cfg.model.seq_len:,}) "
+               "mask and SDPA's float copy; auto builds none of (s, s))" if dense else
+               f" (kernels.attention={cfg.kernels.attention}: one block's mask)")]
 
 
 def fmt_flops(x: float) -> str:
@@ -164,7 +177,7 @@ def format_plan(plan: Plan) -> str:
            f"activations frees them before it recomputes)" if m.checkpoint_layers else "") + "; the last stage adds fp32 logits "
         + (f"({last.logits / GB:.2f} GB per microbatch)" if not t.loss_chunk_tokens else
            f"of one chunk of {t.loss_chunk_tokens} tokens, while it is computed ({last.logits / GB:.2f} GB)"),
-    ] + (_moe_notes(plan) if moe else []) + ([_context_note(plan)] if context else []) \
+    ] + _mask_note(cfg) + (_moe_notes(plan) if moe else []) + ([_context_note(plan)] if context else []) \
         + _optimizer_note(plan, cfg.optim.name) + [
         "  * = what this config uses; total* = device model state + activations"
         + (" + gathered (ZeRO-3: the root and two layers whole, or the whole stage with "

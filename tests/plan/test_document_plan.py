@@ -61,3 +61,28 @@ def test_the_plan_counts_the_attention_the_documents_leave():
     t_causal, t_masked = step_time(causal, cluster, plan=p_causal), step_time(masked, cluster, plan=p_masked)
     assert t_masked.compute < t_causal.compute
     assert t_masked.cp_comm > t_causal.cp_comm
+
+
+def test_the_plan_counts_the_mask_the_attention_path_builds():
+    """The dense path's (micro_batch, 1, s, s) boolean mask and SDPA's bf16 copy of it (3 B a pair), one
+    attention call at a time, in both activation peaks and named by --dry-run's notes; the blocks path one
+    block's (256 x s) bf16 mask; triton none. cp 1 here: a cp ring's blocks are (s/2cp)^2."""
+    from megazero.plan.table import format_plan
+
+    def cfg(*sets: str):  # "blocks" runs on the CPU: planned for it, as the other paths are for CUDA
+        base = ["model.seq_len=8192", "parallel.tp=8", "parallel.pp=1", "parallel.cp=1", "parallel.dp=auto",
+                "train.global_batch=64", "train.micro_batch=1", *sets]
+        device = "cpu" if "kernels.attention=blocks" in sets else "cuda"
+        return resolve(load_config(ROOT / "configs" / "llama3-8b.yaml", base), 64, device)
+
+    plain = make_plan(cfg("kernels.attention=torch"))
+    for impl, mask in (("torch", SEQ * SEQ * 3), ("blocks", 256 * SEQ * 2), ("triton", 0)):
+        plan = make_plan(cfg("data.document_mask=true", f"kernels.attention={impl}"))
+        for got, want in zip(plan.stages, plain.stages):
+            assert (got.act_ckpt - want.act_ckpt, got.act_full - want.act_full) == (mask, mask), impl
+        note = [ln for ln in format_plan(plan).splitlines() if ln.startswith("  document mask:")]
+        assert note == ([] if not mask else [f"  document mask: {mask / 1e9:.3f} GB per attention call, in the "
+                                             "peaks" + (" (kernels.attention=torch: a dense (micro_batch, 1, 8,192, "
+                                                        "8,192) mask and SDPA's float copy; auto builds none of "
+                                                        "(s, s))" if impl == "torch" else
+                                                        " (kernels.attention=blocks: one block's mask)")]), impl
