@@ -76,6 +76,36 @@ def masked_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out
     return dq, fold_heads(dk, group), fold_heads(dv, group)
 
 
+def masked_rows(q: Tensor, k: Tensor, v: Tensor, q_doc: Tensor, k_doc: Tensor, causal: bool,
+                block: int = BLOCK) -> tuple[Tensor, Tensor]:
+    """``masked_attention`` of one block of a split attention (a cp ring's), ``block`` query rows at a time, so
+    that its mask is never larger than block x keys. ``causal``: q and k are the same positions."""
+    outs, lses = [], []
+    for r0 in range(0, q.shape[2], block):
+        r1 = min(q.shape[2], r0 + block)
+        bias = visible_bias(q_doc[:, r0:r1], k_doc, r0 if causal else None, q.dtype)
+        out, lse = masked_attention(q[:, :, r0:r1], k, v, bias)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, 2), torch.cat(lses, 2)
+
+
+def masked_rows_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_doc: Tensor,
+                         k_doc: Tensor, causal: bool, block: int = BLOCK) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward of ``masked_rows``: dq row block by row block, dk and dv summed over them in fp32."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    dqs, dk, dv = [], torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)
+    for r0 in range(0, q.shape[2], block):
+        r1 = min(q.shape[2], r0 + block)
+        bias = visible_bias(q_doc[:, r0:r1], k_doc, r0 if causal else None, q.dtype)
+        gq, gk, gv = masked_attention_backward(dout[:, :, r0:r1], q[:, :, r0:r1], k, v, out[:, :, r0:r1],
+                                               lse[:, :, r0:r1], bias)
+        dqs.append(gq)
+        dk += gk
+        dv += gv
+    return torch.cat(dqs, 2), dk.to(k.dtype), dv.to(v.dtype)
+
+
 class DocumentAttention(torch.autograd.Function):
     """Causal document-masked attention over query blocks and their key spans (module docstring)."""
 

@@ -6,8 +6,8 @@ block may carry document ids (``data.document_mask``): query i sees key j only w
 query row that sees no key of the block gets out 0 and lse −inf, which the merge treats as absent.
 
 ``impl`` "torch" (or "blocks") is torch's CPU flash-attention op (it returns the log-sum-exp and takes it back
-in its backward); with documents, the same op under the block's additive mask (``kernels.document_attention``:
-no block's scores are kept). "triton" is
+in its backward); with documents, the same op under the block's additive mask, a few hundred query rows at a
+time (``kernels.document_attention``: no block's scores are kept, and no mask of the whole block exists). "triton" is
 ``kernels.flash_attention``, whose forward and backward take the documents and skip fully masked tiles; on
 CUDA the blocks always run it (torch's CUDA attention ops that return the log-sum-exp are not plugged in).
 """
@@ -18,8 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from megazero.kernels.document_attention import (expand_heads, fold_heads, masked_attention,
-                                                  masked_attention_backward, visible_bias)
+from megazero.kernels.document_attention import expand_heads, fold_heads, masked_rows, masked_rows_backward
 from megazero.kernels.flash_attention import flash_backward, flash_forward
 
 
@@ -33,7 +32,7 @@ def block_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, impl: str, q_
     assert impl in ("torch", "blocks") and q.device.type == "cpu", f"ring attention blocks: impl {impl!r} on {q.device}"
     group = q.shape[1] // k.shape[1]
     if q_doc is not None:
-        return masked_attention(q, k, v, visible_bias(q_doc, k_doc, 0 if causal else None, q.dtype))
+        return masked_rows(q, k, v, q_doc, k_doc, causal)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, expand_heads(k, group), expand_heads(v, group), 0.0, causal)[:2]
     return out, lse
@@ -48,8 +47,7 @@ def block_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out:
         docs = {} if q_doc is None else {"q_doc": q_doc, "k_doc": k_doc}
         return flash_backward(q, k, v, out, lse.float(), dout, causal, **docs)[:3]
     if q_doc is not None:
-        return masked_attention_backward(dout, q, k, v, out, lse, visible_bias(q_doc, k_doc, 0 if causal else None,
-                                                                             q.dtype))
+        return masked_rows_backward(dout, q, k, v, out, lse, q_doc, k_doc, causal)
     group = q.shape[1] // k.shape[1]
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout, q, expand_heads(k, group), expand_heads(v, group), out, lse, 0.0, causal)

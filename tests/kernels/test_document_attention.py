@@ -128,3 +128,27 @@ def test_the_dense_mask_is_what_the_reference_uses():
     docs = torch.tensor([[0, 0, 1, 1]])
     assert document_mask(docs, True)[0, 0].tolist() == [[True, False, False, False], [True, True, False, False],
                                                         [False, False, True, False], [False, False, True, True]]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_ring_blocks_rows_in_blocks_equal_one_mask(causal):
+    """A cp ring's block (parallel.context_blocks) run 8 query rows at a time equals the one (rows x keys) mask,
+    float64, forward and backward, with grouped-query heads and rows that see no key of the block (out 0, lse
+    -inf: the ring's merge skips them)."""
+    from megazero.kernels.document_attention import (masked_attention, masked_attention_backward, masked_rows,
+                                                     masked_rows_backward, visible_bias)
+
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 20, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 20, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    q_doc = torch.tensor([[0] * 6 + [1] * 14, [2] * 20])  # row 1: no key of document 2 below
+    k_doc = torch.tensor([[0] * 10 + [1] * 10, [0] * 4 + [2] * 16]) if causal else torch.tensor([[1] * 20, [0] * 20])
+    bias = visible_bias(q_doc, k_doc, 0 if causal else None, q.dtype)
+    want_out, want_lse = masked_attention(q, k, v, bias)
+    out, lse = masked_rows(q, k, v, q_doc, k_doc, causal, block=8)
+    assert torch.isinf(want_lse).any() and not torch.isinf(want_lse).all()  # blind rows and seeing ones
+    torch.testing.assert_close((out, lse), (want_out, want_lse), rtol=1e-12, atol=1e-12)
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    want = masked_attention_backward(dout, q, k, v, want_out, want_lse, bias)
+    got = masked_rows_backward(dout, q, k, v, out, lse, q_doc, k_doc, causal, block=8)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
