@@ -58,6 +58,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, impl: str = 
                          f"{tuple(documents.shape)}")
     if impl == "blocks" and documents is not None:
         assert causal, "document spans are causal"
+        if torch.is_autocast_enabled(q.device.type):  # as SDPA would compute under autocast
+            dtype = torch.get_autocast_dtype(q.device.type)
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         return document_attention(q, k, v, documents.to(q.device))
     if impl in ("torch", "blocks"):
         gqa = k.shape[1] != q.shape[1]
@@ -102,7 +105,8 @@ def resolve_impl(requested: str, device_type: str, head_dim: int | None = None, 
     if requested == "auto" and documents:
         if device_type == "cpu":
             return "blocks"
-        return "triton" if triton is not None and device_type == "cuda" and has_head_dim else "torch"
+        # triton comes with torch's CUDA builds: a plan made on a host without it plans what the GPU runs
+        return "triton" if device_type == "cuda" and has_head_dim else "torch"
     if requested in ("torch", "auto"):
         return "torch"
     if requested == "blocks":

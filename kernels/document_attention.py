@@ -6,7 +6,8 @@ blocks of ``BLOCK`` rows; since documents are contiguous and attention is causal
 range, from the start of the first document it touches to its own last row (its *span*). Each block runs torch's
 fused CPU attention (FlashAttention's tiling, Dao et al. 2022 §3.1) over its span with a (block × span) additive
 mask, and the backward recomputes each mask, so what the pass keeps is q, k, v, the output and its log-sum-exp.
-The largest temporary is one block's mask: block × (block + the longest document) floats, at most block × s.
+A block's temporaries: its float mask and three boolean ones over block × span pairs, and its span of k/v copied
+and widened to the query heads (span: the block plus the longest document behind it, at most s).
 """
 from __future__ import annotations
 

@@ -113,6 +113,7 @@ class Comm:
     def __repr__(self) -> str:
         return f"Comm({self.name}, rank {self.rank}/{self.size})"
 
+    @torch.compiler.disable  # host bookkeeping: traced, its running totals would be guards that recompile per call
     def _record(self, kind: str, tensor: Tensor, tag: str, times: int = 1) -> None:
         if self.counter is not None:
             self.counter.add(kind, self.name, tensor, tag, self.size, times)

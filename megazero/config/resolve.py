@@ -21,7 +21,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
-from megazero.config.rules import world_dp
+from megazero.config.rules import TRITON_GRID_Y, world_dp
 from megazero.config.schema import AUTO, Config, KernelsConfig, ModelConfig
 from megazero.costs import compute_device, pipeline_costs
 from megazero.models import arch
@@ -96,15 +96,21 @@ def _resolve_kernels(cfg: Config, device_type: str, planned: bool) -> None:
     from megazero.kernels.choice import resolve_kernels  # imports torch: only once the config is checked
 
     k = cfg.kernels
+    auto_attention = k.attention == AUTO
     if not planned:
         resolve_kernels(k, device_type, cfg.model.head_width, cfg.data.document_mask)
-        return
-    names = [f.name for f in dataclasses.fields(KernelsConfig)]
-    probe = KernelsConfig(**{n: AUTO if getattr(k, n) == AUTO else "torch" for n in names})
-    resolve_kernels(probe, device_type, cfg.model.head_width, cfg.data.document_mask)
-    for n in names:
-        if getattr(k, n) == AUTO:
-            setattr(k, n, getattr(probe, n))
+    else:
+        names = [f.name for f in dataclasses.fields(KernelsConfig)]
+        probe = KernelsConfig(**{n: AUTO if getattr(k, n) == AUTO else "torch" for n in names})
+        resolve_kernels(probe, device_type, cfg.model.head_width, cfg.data.document_mask)
+        for n in names:
+            if getattr(k, n) == AUTO:
+                setattr(k, n, getattr(probe, n))
+    # auto chose Triton (a document mask on a GPU), but its grid cannot hold micro_batch*heads/tp programs
+    # (megazero.config.rules refuses an explicit request): SDPA with the dense mask instead
+    if auto_attention and k.attention == "triton" and \
+            cfg.train.micro_batch * cfg.model.heads // cfg.parallel.tp > TRITON_GRID_Y:
+        k.attention = "torch"
 
 
 def planned_world_size(cfg: Config, launcher_world: int) -> int:

@@ -29,7 +29,7 @@ from megazero.parallel.zero.registry import OPTIMIZERS
 
 
 _SCHEDULE_PASSES = 2 ** 20  # microbatches * pp * virtual_stages: a schedule lists ~6 actions per pass
-_TRITON_GRID_Y = 65535  # CUDA's limit on a grid's second axis: the Triton attention's batch * heads axis
+TRITON_GRID_Y = 65535  # CUDA's limit on a grid's second axis: the Triton attention's batch * heads axis
 
 
 def check_model(cfg: Config, source: Optional[str] = None) -> None:
@@ -51,11 +51,12 @@ def validate(cfg: Config) -> None:
     _check_tp(cfg)
     _check_pp(cfg)
     heads = t.micro_batch * cfg.model.heads // par.tp
-    if cfg.kernels.attention == "triton" and heads > _TRITON_GRID_Y:
+    if cfg.kernels.attention == "triton" and heads > TRITON_GRID_Y:
         raise invalid(src, "kernels.attention", "triton",
                       f"launches micro_batch*heads/tp = {heads} programs on one grid axis, above CUDA's "
-                      f"{_TRITON_GRID_Y}; lower train.micro_batch or use kernels.attention=auto")
+                      f"{TRITON_GRID_Y}; lower train.micro_batch or use kernels.attention=auto")
     _check_zero(cfg)
+    _check_compile(cfg)
     if t.min_lr > t.lr:
         raise invalid(src, "train.min_lr", t.min_lr, f"must be <= train.lr={t.lr}")
     if t.global_batch % t.micro_batch:
@@ -251,6 +252,22 @@ def _check_pp(cfg: Config) -> None:
     elif m.layers < stages:
         raise invalid(src, "model.layers", m.layers,
                       f"fewer layers than pipeline stages: needs >= parallel.pp*virtual_stages = {stages}")
+
+
+def _check_compile(cfg: Config) -> None:
+    """What train.compile cannot compose with (megazero.engine.compile_blocks), refused before a step."""
+    if not cfg.train.compile:
+        return
+    if cfg.parallel.schedule == "zb1p":
+        raise invalid(cfg.source, "train.compile", True,
+                      "with parallel.schedule=zb1p: a compiled block's backward is one autograd node, which "
+                      "zb1p cannot split into input and weight gradients (measured: wrong weight gradients); "
+                      "use 1f1b or interleaved, or train.compile=false")
+    if cfg.model.moe.experts:
+        raise invalid(cfg.source, "train.compile", True,
+                      f"with model.moe.experts={cfg.model.moe.experts}: the routed experts' grouped matmul "
+                      "(torch._grouped_mm) does not trace in fp32, and their token counts change every step; "
+                      "train.compile=false")
 
 
 def _check_microbatches(cfg: Config, dp: int) -> None:

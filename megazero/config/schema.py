@@ -65,6 +65,9 @@ class TrainConfig:
     # > 0: the head's matmul and the loss this many tokens at a time, so only one chunk's logits exist, not the
     # microbatch's (one more head matmul in backward: parallel/head_loss.py); 0: the microbatch's at once
     loss_chunk_tokens: int = 0
+    # each transformer block compiled by torch.compile (megazero/engine/compile_blocks.py; inductor's cache under
+    # .cache/): the first steps compile, the rest run the compiled code. Not with zb1p or mixtures of experts
+    compile: bool = False
     # fp32 | bf16 | fp16 | auto: bf16 where the device computes it natively (a GPU with bf16, a CPU with AMX),
     # else fp32 (megazero.config.resolve.precision_for; the run's first line says which and why)
     precision: str = "fp32"

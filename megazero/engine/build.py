@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor, nn
 
+from megazero.engine.compile_blocks import compile_blocks
 from megazero.config.schema import Config, OptimConfig, ZeroConfig
 from megazero.models.build import build_gpt
 from megazero.models.init import InitialValues, initial_tp_value
@@ -149,6 +150,8 @@ def build_engine(cfg: Config, grid: Grid, device: torch.device, overlap_param_ga
     torch.manual_seed(cfg.train.seed)
     values = initial_values(cfg)
     chunks = build_chunks(cfg, grid, device, values)
+    if cfg.train.compile:
+        compile_blocks(chunks)
     origin = {p: (m, n) for m in chunks for n, p in m.named_parameters()}
     t, par = cfg.train, cfg.parallel
     zero = make_zero(chunks, grid, cfg.zero, t.precision, t.weight_decay, device, cfg.kernels.adam,

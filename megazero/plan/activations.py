@@ -100,21 +100,25 @@ def pipeline_bubble(schedule: str, pp: int, m: int, v: int = 1) -> float:
     return (pp - 1) / (chunks * m + pp - 1)
 
 
-def attention_mask_bytes(cfg) -> int:
-    """The largest mask one attention call builds under ``data.document_mask``: a temporary of one layer at a
-    time, counted once in the peaks. kernels.attention=torch: the dense (micro_batch, 1, s, s) boolean mask and
-    the float copy SDPA makes of it (s the whole sequence, which Ulysses' all-to-all gives each rank); "blocks":
-    one block of query rows over at most the whole sequence; a cp ring on the CPU: one (s/2cp)² block mask;
-    triton: none (it reads the ids)."""
+def attention_mask_bytes(cfg) -> tuple[int, int]:
+    """(kept per layer and microbatch, temporary) bytes of the document mask an attention path builds under
+    ``data.document_mask``. kernels.attention=torch (at cp 1, or Ulysses' whole sequence per rank): SDPA saves
+    its float copy of the (micro_batch, 1, s, s) mask for backward in every layer not recomputed, and the
+    boolean mask exists while it is made. "blocks" and a cp ring on the CPU keep nothing: one block of up to
+    256 query rows holds its float mask and three boolean ones over its keys (at most the rank's whole
+    sequence), and the keys' k/v copied and widened to the query heads. Triton (and a ring on a GPU, which
+    always runs it) builds none: it reads the ids."""
     m, t, par, impl = cfg.model, cfg.train, cfg.parallel, cfg.kernels.attention
     if not cfg.data.document_mask or impl == "triton":
-        return 0
+        return 0, 0
     value = 4 if t.precision == "fp32" else 2  # the float mask is in the attention's dtype
-    if par.cp > 1 and par.cp_mode == "ring":
-        chunk = m.seq_len // (2 * par.cp)
-        return t.micro_batch * chunk * chunk * value
-    if impl == "blocks":
-        from megazero.kernels.document_attention import BLOCK
+    b, s = t.micro_batch, m.seq_len
+    ring = par.cp > 1 and par.cp_mode == "ring"
+    if impl == "torch" and not ring:
+        return b * s * s * value, b * s * s
+    from megazero.kernels.document_attention import BLOCK
 
-        return t.micro_batch * min(BLOCK, m.seq_len) * m.seq_len * value
-    return t.micro_batch * m.seq_len * m.seq_len * (1 + value)
+    keys = s // par.cp if ring else s  # a ring's first step: the rank's own two chunks
+    heads = m.heads // par.tp // (par.cp if par.cp > 1 and not ring else 1)
+    rows = min(BLOCK, keys)
+    return 0, b * rows * keys * (value + 3) + 2 * b * heads * keys * m.head_width * value

@@ -124,10 +124,13 @@ def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action], p
     moe_in = {vs: arch.moe_layer_count(m, ranges[vs]) for vs in chunks}
     seq = local_seq_len(cfg)  # a cp rank's part of every sequence
 
+    kept_mask, mask = attention_mask_bytes(cfg)  # a document mask: what a layer keeps of it, and its temporary
+
     def layer(recompute: bool) -> int:
         return memo.call(activation_bytes_per_layer, seq, t.micro_batch, m.hidden, m.heads, par.tp, sp,
                          recompute, flash=True, precision=t.precision, ffn=m.ffn_hidden, kv_heads=m.kv_head_count,
-                         swiglu=m.spec.gated_mlp, head_dim=m.head_width) + ulysses_kept_bytes(cfg, recompute)
+                         swiglu=m.spec.gated_mlp, head_dim=m.head_width) + ulysses_kept_bytes(cfg, recompute) \
+            + (0 if recompute else kept_mask)
 
     mixtures = {rec: moe_layer_activation_bytes(cfg, rec) + ulysses_kept_bytes(cfg, rec) if any(moe_in.values())
                 else 0 for rec in (False, True)}
@@ -161,8 +164,7 @@ def _stage_plan(cfg: Config, r: int, ranges: list[range], sched: list[Action], p
         ckpt += max(largest(vs) for vs in chunks if recomputed(vs) == len(ranges[vs]))
     if chunked:
         ckpt, full = ckpt + logits, full + logits
-    mask = attention_mask_bytes(cfg)  # one attention call's document mask, while it runs
-    ckpt, full = ckpt + mask, full + mask
+    ckpt, full = ckpt + mask, full + mask  # one attention call's, while it runs
     moe_layers = sum(moe_in[vs] for vs in chunks)
     tokens = t.global_batch * m.seq_len // (par.dp * par.cp)  # this (dp, cp) rank's share
     per_token = sum(layers_flops_per_token(m, ranges[vs], attention_share=plan_attention_share(cfg)) for vs in chunks)

@@ -35,15 +35,17 @@ def _document_note(cfg) -> str:
 
 
 def _mask_note(cfg) -> list[str]:
-    """The document mask's bytes where the attention path builds one (added to the activation peaks)."""
-    mask = attention_mask_bytes(cfg)
-    if not mask:
+    """The document mask's bytes where the attention path builds one (in the activation columns)."""
+    kept, temporary = attention_mask_bytes(cfg)
+    if not kept and not temporary:
         return []
-    dense = cfg.kernels.attention == "torch" and not (cfg.parallel.cp > 1 and cfg.parallel.cp_mode == "ring")
-    return [f"  document mask: {mask / GB:.3f} GB per attention call, in the peaks"
-            + (f" (kernels.attention=torch: a dense (micro_batch, 1, {cfg.model.seq_len:,}, {cfg.model.seq_len:,}) "
-               "mask and SDPA's float copy; auto builds none of (s, s))" if dense else
-               f" (kernels.attention={cfg.kernels.attention}: one block's mask)")]
+    if kept:
+        return [f"  document mask: kernels.attention=torch keeps a dense (micro_batch, 1, {cfg.model.seq_len:,}, "
+                f"{cfg.model.seq_len:,}) mask in each layer not recomputed ({kept / GB:.3f} GB a layer and "
+                f"microbatch) and builds a boolean one ({temporary / GB:.3f} GB) per call; auto builds none of "
+                "(s, s)"]
+    return [f"  document mask: kernels.attention={cfg.kernels.attention} keeps none; one block's mask and k/v "
+            f"copies while it runs ({temporary / GB:.3f} GB)"]
 
 
 def fmt_flops(x: float) -> str:

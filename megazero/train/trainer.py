@@ -27,6 +27,7 @@ from megazero.engine.step import train_step
 from megazero.errors import NonFiniteStop, Preempted
 from megazero.train.lr_schedule import lr_at
 from megazero.train.checkpoint_state import load_state, save_state
+from megazero.engine.compile_blocks import compiled_graphs
 from megazero.train.evaluation import evaluate
 from megazero.train.memory_record import memory_record
 from megazero.train.metrics import MetricsLogger, peak_tflops
@@ -100,6 +101,8 @@ class Trainer:
         self.consumed_samples += cfg.train.global_batch
         loss = host_values(loss_sum / self.tokens_per_step)[0] if grid.is_last_stage else float("nan")
         record = {"loss": loss, "lr": lr, "grad_norm": norm}
+        if cfg.train.compile:  # flat after the first steps; a rise is a recompilation
+            record["compiled_graphs"] = compiled_graphs()
         scaler = self.scaler
         if scaler.enabled:
             record["loss_scale"] = scaler.scale

@@ -137,7 +137,7 @@ def _ring_at_8192(rank, world):
 
 def test_at_seq_8192_the_mask_adds_to_a_cp2_ring_under_an_8th_of_the_dense_masks_memory():
     """The issue's case (1 sample of 8192 tokens, 4 heads of 64, documents of 100-2,000 tokens, fp32) split over
-    a cp 2 ring, whose blocks hold one (256 x 2048) mask at a time. Its working memory less the same ring's
+    a cp 2 ring, whose blocks hold one mask of 256 query rows (over at most the rank's 4096 keys) at a time. Its working memory less the same ring's
     without documents (what the mask costs) is under an eighth of the dense mask's path at cp 1 (measured: 4.8 MiB
     of 296). The ring's whole working memory is ~55 MiB, ~5.4x below: its double-buffered K/V and their
     gradients in flight (32 MiB here) grow with s, not s^2, and are there without documents too. The output
