@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megazero.kernels.fp8 import E4M3, E5M2, fp8_linear, scaled_matmul
 from megazero.parallel.comm import SEQ_DIM, Comm, Pending
 from megazero.parallel.regions import (
     copy_to_region,
@@ -128,6 +129,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _param((per_rank,), tp_split_dim=0) if bias else None
         for p in self.parameters():
             p.tp_replicas = n_replicas
+        self.fp8: Optional[str] = None  # train.fp8's recipe for this linear's GEMMs (megazero.engine.fp8_layers)
 
     def forward(self, x: Tensor, entry: Optional["Entry"] = None,
                 consume: Optional[Callable[[Tensor, Tensor], Tensor]] = None) -> Tensor:
@@ -147,6 +149,18 @@ class ColumnParallelLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, tp={self.tp_rank}/{self.tp_size}"
 
 
+def linear(x: Tensor, w: Tensor, b: Optional[Tensor], fp8: Optional[str] = None) -> Tensor:
+    """``F.linear``, or its FP8 GEMMs under a recipe (``kernels.fp8``)."""
+    return F.linear(x, w, b) if fp8 is None else fp8_linear(x, w, b, fp8)
+
+
+def _gemm(a: Tensor, b: Tensor, fp8: Optional[str], out_dtype: torch.dtype) -> Tensor:
+    """A backward GEMM, a gradient (a) times an activation or weight (b): in FP8 under a recipe."""
+    if fp8 is None:
+        return a.matmul(b)
+    return scaled_matmul(a.reshape(-1, a.shape[-1]), b, fp8, E5M2, E4M3, out_dtype).view(*a.shape[:-1], b.shape[-1])
+
+
 def column_parallel_linears(x: Tensor, linears: list[ColumnParallelLinear],
                             entry: Optional["Entry"] = None) -> list[Tensor]:
     """Several column-parallel linears of one input (q, k, v; SwiGLU's gate and up) with one collective.
@@ -161,11 +175,12 @@ def column_parallel_linears(x: Tensor, linears: list[ColumnParallelLinear],
     assert all(lin.tp is first.tp and lin.sequence_parallel == first.sequence_parallel for lin in linears)
     weights = [lin.weights() if entry is None else entry.weights(lin) for lin in linears]
     pending = None if entry is None else entry.pending
+    assert all(lin.fp8 == first.fp8 for lin in linears), "one recipe for the linears of one input"
     if first.sequence_parallel:
-        ys = sequence_gathered_linears(x, weights, first.tp, pending)
+        ys = sequence_gathered_linears(x, weights, first.tp, pending, first.fp8)
     else:
         x = copy_to_region(x, first.tp, pending)
-        ys = [F.linear(x, w, b) for w, b in weights]
+        ys = [linear(x, w, b, first.fp8) for w, b in weights]
     return [gather_from_region(y, lin.tp) if lin.gather_output else y for y, lin in zip(ys, linears)]
 
 
@@ -203,7 +218,7 @@ class _SequenceGatheredLinears(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, comm: Comm, pending: Optional[Pending], has_bias: tuple,
+    def forward(ctx, x: Tensor, comm: Comm, pending: Optional[Pending], has_bias: tuple, fp8: Optional[str],
                 *weights_and_biases: Tensor):
         device = x.device.type
         if torch.is_autocast_enabled(device):  # gather in the dtype the matmul will read, as autocast would cast
@@ -212,9 +227,9 @@ class _SequenceGatheredLinears(torch.autograd.Function):
         n = len(has_bias)
         weights, biases = weights_and_biases[:n], weights_and_biases[n:]
         ctx.save_for_backward(x, *weights)
-        ctx.comm, ctx.pending, ctx.has_bias = comm, pending, has_bias
+        ctx.comm, ctx.pending, ctx.has_bias, ctx.fp8 = comm, pending, has_bias, fp8
         # under autocast: the cached low-precision weight, as any linear
-        return tuple(F.linear(total, w, b if hb else None) for w, b, hb in zip(weights, biases, has_bias))
+        return tuple(linear(total, w, b if hb else None, fp8) for w, b, hb in zip(weights, biases, has_bias))
 
     @staticmethod
     def backward(ctx, *grads: Optional[Tensor]):
@@ -228,7 +243,7 @@ class _SequenceGatheredLinears(torch.autograd.Function):
         grad_total = None
         for g, w in zip(grads, weights):
             if g is not None:
-                part = g.matmul(w.to(g.dtype))
+                part = _gemm(g, w.to(g.dtype), ctx.fp8, g.dtype)
                 grad_total = part if grad_total is None else grad_total.add_(part)
         grad_moved = grad_total.movedim(SEQ_DIM, 0).contiguous()
         work.wait()
@@ -238,25 +253,27 @@ class _SequenceGatheredLinears(torch.autograd.Function):
         grad_weights, grad_biases = [], []
         for g, hb in zip(grads, ctx.has_bias):
             flat = None if g is None else g.reshape(-1, g.shape[-1])
-            grad_weights.append(None if flat is None else flat.t().matmul(total))  # autograd casts to the weight's
+            # autograd casts to the weight's dtype
+            grad_weights.append(None if flat is None else _gemm(flat.t(), total, ctx.fp8, flat.dtype))
             grad_biases.append(flat.sum(0) if hb and flat is not None else None)
         if ctx.pending is None:
             work.wait()
         else:  # once: zb1p's deferred weight gradients run this node again, and nobody waits for that
             ctx.pending.put(work)
             ctx.pending = None
-        return (grad_x.movedim(0, SEQ_DIM), None, None, None, *grad_weights, *grad_biases)
+        return (grad_x.movedim(0, SEQ_DIM), None, None, None, None, *grad_weights, *grad_biases)
 
 
 def sequence_gathered_linears(x: Tensor, weights: list[tuple[Tensor, Optional[Tensor]]],
-                              comm: Optional[Comm], pending: Optional[Pending] = None) -> list[Tensor]:
+                              comm: Optional[Comm], pending: Optional[Pending] = None,
+                              fp8: Optional[str] = None) -> list[Tensor]:
     """Column-parallel linears on one sequence-parallel input: gathers the sequence once, keeps only the shard."""
     if comm is None or comm.size == 1:
-        return [F.linear(x, w, b) for w, b in weights]
+        return [linear(x, w, b, fp8) for w, b in weights]
     has_bias = tuple(b is not None for _, b in weights)
     ws = [w for w, _ in weights]
     bs = [b if b is not None else x.new_empty(0) for _, b in weights]
-    return list(_SequenceGatheredLinears.apply(x, comm, pending, has_bias, *ws, *bs))
+    return list(_SequenceGatheredLinears.apply(x, comm, pending, has_bias, fp8, *ws, *bs))
 
 
 def sequence_gathered_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], comm: Optional[Comm]) -> Tensor:
@@ -283,6 +300,7 @@ class RowParallelLinear(nn.Module):
         per_rank = _divide(in_features, self.tp_size, "input features")
         self.weight = _param((out_features, per_rank), tp_split_dim=1)
         self.bias = _param((out_features,), None, self.sequence_parallel) if bias else None
+        self.fp8: Optional[str] = None  # as ColumnParallelLinear's
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.partial(x)
@@ -294,7 +312,7 @@ class RowParallelLinear(nn.Module):
         reduces them asynchronously)."""
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.tp)
-        return F.linear(x, self.weight)
+        return linear(x, self.weight, None, self.fp8)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, tp={self.tp_rank}/{self.tp_size}"

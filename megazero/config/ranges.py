@@ -24,6 +24,7 @@ _CHOICES = {
     ("zero", "offload_params"): ("none", "cpu"),
     ("zero", "grad_dtype"): ("auto", "fp32", "model"),
     ("kernels", "attention"): ("auto", "triton", "torch", "blocks"),
+    ("train", "fp8"): ("none", "tensorwise", "rowwise"),
     ("kernels", "adam"): ("auto", "fused", "triton", "torch"),
     ("kernels", "norm"): ("auto", "triton", "torch"),
     ("launch", "device"): ("auto", "cpu", "cuda"),

@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional, Protocol
 
 from megazero.config.rules import TRITON_GRID_Y, world_dp
 from megazero.config.schema import AUTO, Config, KernelsConfig, ModelConfig
+from megazero.errors import UserError
 from megazero.costs import compute_device, pipeline_costs
 from megazero.models import arch
 from megazero.parallel.balance import balance_layers
@@ -96,6 +97,13 @@ def _resolve_kernels(cfg: Config, device_type: str, planned: bool) -> None:
     from megazero.kernels.choice import resolve_kernels  # imports torch: only once the config is checked
 
     k = cfg.kernels
+    if cfg.train.fp8 != "none" and device_type == "cuda" and not planned:
+        import torch
+
+        if torch.cuda.get_device_capability() < (8, 9):
+            major, minor = torch.cuda.get_device_capability()
+            raise UserError(f"{cfg.source}: train.fp8={cfg.train.fp8!r} needs a GPU with FP8 matmuls (sm_89 or "
+                            f"later: Ada, Hopper), this one is sm_{major}{minor}; valid here: none")
     auto_attention = k.attention == AUTO
     if not planned:
         resolve_kernels(k, device_type, cfg.model.head_width, cfg.data.document_mask)

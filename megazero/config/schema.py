@@ -68,6 +68,9 @@ class TrainConfig:
     # each transformer block compiled by torch.compile (megazero/engine/compile_blocks.py; inductor's cache under
     # .cache/): the first steps compile, the rest run the compiled code. Not with zb1p or mixtures of experts
     compile: bool = False
+    # none | tensorwise | rowwise: the GEMMs of the blocks' linears (all but the first and last block's) in FP8
+    # with dynamic scaling, one scale per tensor or per row (kernels/fp8.py); a GPU needs sm_89 or later
+    fp8: str = "none"
     # fp32 | bf16 | fp16 | auto: bf16 where the device computes it natively (a GPU with bf16, a CPU with AMX),
     # else fp32 (megazero.config.resolve.precision_for; the run's first line says which and why)
     precision: str = "fp32"

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from megazero.engine.compile_blocks import compile_blocks
+from megazero.engine.fp8_layers import mark_fp8
 from megazero.config.schema import Config, OptimConfig, ZeroConfig
 from megazero.models.build import build_gpt
 from megazero.models.init import InitialValues, initial_tp_value
@@ -129,6 +130,7 @@ def build_chunks(cfg: Config, grid: Grid, device: torch.device,
                                 materialise=not lazy, kv_replicas=kv_replicas, tp_overlap=par.tp_overlap,
                                 ep=grid.ep_comm, cp=grid.cp_comm, cp_mode=par.cp_mode,
                                 loss_chunk=cfg.train.loss_chunk_tokens, norm_impl=cfg.kernels.norm))
+        mark_fp8(chunks[-1], cfg.train.fp8, cfg.model.layers)
     return chunks
 
 
