@@ -38,12 +38,8 @@ from megazero.parallel.head_loss import chunked_head_cross_entropy
 from megazero.parallel.regions import copy_to_region, gather_from_sequence
 from megazero.parallel.sequence import SequenceInfo
 from megazero.parallel.tp_random import ShardedDropout, TPRandom
-from megazero.parallel.tensor import (
-    ColumnParallelLinear,
-    VocabParallelEmbedding,
-    mark_sequence_parallel,
-    sequence_gathered_linear,
-)
+from megazero.parallel.sequence_linears import sequence_gathered_linear
+from megazero.parallel.tensor import ColumnParallelLinear, VocabParallelEmbedding, mark_sequence_parallel
 
 if TYPE_CHECKING:
     from megazero.models.config import ModelConfig

@@ -16,7 +16,7 @@ reduce_scatter_to_sequence reduce-scatter, seq dim all-gather, seq dim
 
 Each is the identity when the group has one rank (or is None). The
 column-parallel linears do gather_from_sequence's work themselves
-(``parallel.tensor.sequence_gathered_linear``), keeping only the shard for
+(``parallel.sequence_linears.sequence_gathered_linear``), keeping only the shard for
 backward. f and g sum in place, nothing cloned: their inputs are fresh matmul
 outputs and gradients that nothing else reads. A :class:`Pending` carries a
 collective launched in one autograd node to the later node that waits for it
