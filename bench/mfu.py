@@ -12,7 +12,8 @@ clipping at 1.0 and gradient accumulation over ``--microbatches``:
                    ``clip_grad_norm_(foreach=True)``, bf16 parameters on a GPU (fp32 on the CPU)
   peer compiled    the same with ``torch.compile`` per block (torchtitan's default), with ``--compile``
 
-megazero's compiled and FP8 rows wait for train.compile and train.fp8. A second table times one
+With ``--compile``: the peer compiled per block, megazero with train.compile and, on a GPU, with train.compile
+and train.fp8=rowwise (the blocks between the first and the last in FP8). A second table times one
 document-masked attention call (seq 8192 on a GPU, mean document 1,024 tokens): the path kernels.attention=auto
 takes against SDPA with the dense mask. Contenders alternate step by step
 (the order rotates) so all see the same machine noise; ``--repeats`` rounds of ``--steps`` timed steps after
@@ -45,6 +46,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
+from bench.document_attention import document_table  # noqa: E402
 from megazero.config.load import load_config  # noqa: E402
 from megazero.config.resolve import resolve  # noqa: E402
 from megazero.costs import model_flops_per_token  # noqa: E402
@@ -142,8 +144,9 @@ def peer_step(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, voc
 
 
 def megazero_step(size: tuple, device: torch.device, precision: str, microbatches: int,
-                  norm: str = "torch") -> tuple[Callable[[list[Tensor]], float], object]:
-    """megazero's step over the same microbatches (its mean loss), and the resolved config."""
+                  norm: str = "torch", extra: tuple = ()) -> tuple[Callable[[list[Tensor]], float], object]:
+    """megazero's step over the same microbatches (its mean loss), and the resolved config; ``extra``: more
+    --set overrides (train.compile, train.fp8)."""
     layers, hidden, heads, kv_heads, ffn, vocab, seq, mb = size
     sets = ["model.arch=llama", f"model.layers={layers}", f"model.hidden={hidden}", f"model.heads={heads}",
             f"model.kv_heads={kv_heads}", f"model.ffn_hidden={ffn}", f"model.vocab_size={vocab}",
@@ -153,7 +156,7 @@ def megazero_step(size: tuple, device: torch.device, precision: str, microbatche
             f"train.weight_decay={WD}", f"train.grad_clip={CLIP}", "parallel.tp=1", "parallel.pp=1",
             "parallel.dp=1", "parallel.sequence_parallel=false", "zero.stage=0", "kernels.attention=torch",
             f"kernels.norm={norm}",
-            f"kernels.adam={'fused' if device.type == 'cpu' else 'auto'}"]
+            f"kernels.adam={'fused' if device.type == 'cpu' else 'auto'}", *extra]
     cfg = load_config(os.path.join(ROOT, "configs", "tiny-llama.yaml"), sets)
     resolve(cfg, 1, device.type)
     engine = build_engine(cfg, Grid.build(ParallelDims(tp=1, pp=1, dp=1), device.type), device)
@@ -162,63 +165,6 @@ def megazero_step(size: tuple, device: torch.device, precision: str, microbatche
         result = train_step(engine.zero, engine.executor, engine.schedule, microbatches, LR, CLIP, engine.scaler)
         return result.loss_sum.item() / engine.tokens_per_step
     return step, cfg
-
-
-def document_table(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, seq: int,
-                   steps: int, repeats: int) -> None:
-    """One attention call's forward and backward under a document mask (documents of 512-1,535 tokens, mean
-    1,024): the path kernels.attention=auto takes against SDPA with the dense (1, 1, s, s) mask; the median of
-    ``repeats`` rounds' median step, tokens/s and the peak memory beyond q, k and v."""
-    from megazero.kernels.attend import attention, resolve_impl
-    from megazero.plan.tracker import MemoryTracker
-
-    gen = torch.Generator().manual_seed(0)
-    lengths: list[int] = []
-    while sum(lengths) < seq:
-        lengths.append(int(torch.randint(512, 1536, (1,), generator=gen)) if seq >= 4096 else 5 + len(lengths))
-    docs = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[:seq][None].to(device)
-    q = torch.randn(1, heads, seq, head_dim, generator=gen).to(device, dtype)
-    k, v = (torch.randn(1, kv_heads, seq, head_dim, generator=gen).to(device, dtype) for _ in range(2))
-    dout = torch.randn_like(q)
-    chosen = resolve_impl("auto", device.type, head_dim, documents=True)
-
-    def once(impl: str) -> float:
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        _sync(device)
-        t0 = time.perf_counter()
-        attention(*leaves, True, impl, documents=docs).backward(dout)
-        _sync(device)
-        return time.perf_counter() - t0
-
-    def peak(impl: str) -> int:
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            once(impl)
-            return torch.cuda.max_memory_allocated() - base
-        tracker = MemoryTracker()
-        with tracker:
-            tracker.restart_peak("step")
-            base = tracker.device_bytes
-            once(impl)
-            return tracker.report().peak_bytes - base
-
-    print(f"\n## Document-masked attention, one call forward + backward: seq {seq:,}, {heads}/{kv_heads} heads of "
-          f"{head_dim}, {len(lengths)} documents (mean {seq // len(lengths):,} tokens), {str(dtype)[6:]}\n")
-    print("| path | median s | rounds' medians | / dense | tokens/s | peak memory MiB |")
-    print("|---|---|---|---|---|---|")
-    paths = {f"auto ({chosen})": chosen, "torch, dense mask": "torch"}
-    rounds: dict[str, list[float]] = {name: [] for name in paths}
-    for name, impl in paths.items():
-        once(impl)  # warm-up
-    for _ in range(repeats):
-        for name, impl in paths.items():
-            rounds[name].append(statistics.median(once(impl) for _ in range(steps)))
-    dense = statistics.median(rounds["torch, dense mask"])
-    for name, impl in paths.items():
-        t = statistics.median(rounds[name])
-        print(f"| {name} | {t:.4f} | {' '.join(f'{r:.4f}' for r in rounds[name])} | {t / dense:.3f} | "
-              f"{seq / t:,.0f} | {peak(impl) / 2**20:,.1f} |")
 
 
 def _sync(device: torch.device) -> None:
@@ -256,6 +202,11 @@ def main() -> int:
                                                                      "triton")[0]
     if args.compile:
         contenders["peer compiled"] = peer_step(layers, hidden, heads, kv_heads, ffn, vocab, seq, device, dtype, True)
+        contenders["megazero compiled"] = megazero_step(size, device, precision, args.microbatches,
+                                                        extra=("train.compile=true",))[0]
+        if device.type == "cuda":  # FP8 GEMMs need sm_89+; the CPU runs them far slower than its fp32
+            contenders["megazero compiled + FP8 rowwise"] = megazero_step(
+                size, device, precision, args.microbatches, extra=("train.compile=true", "train.fp8=rowwise"))[0]
     gen = torch.Generator().manual_seed(1234)
 
     def batch() -> list[Tensor]:

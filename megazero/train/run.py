@@ -43,6 +43,9 @@ def run(config_path: str, overrides: list[str]) -> list[dict]:
     resolve(cfg, info.world_size, device.type)  # before any process group: a refusal is a config error
     if asked_precision == AUTO and info.rank == 0:
         print(f"train.precision=auto: {cfg.train.precision} ({precision_for(device.type)[1]})", flush=True)
+    if cfg.train.fp8 != "none" and cfg.model.moe.experts and info.rank == 0:
+        print(f"train.fp8={cfg.train.fp8}: the routed experts' grouped matmuls stay in {cfg.train.precision} "
+              "(torch._scaled_grouped_mm runs on CUDA only, where none of it has been tested)", flush=True)
     try:  # where checkpoints and logs go: a path that cannot be written is an input error, found now
         (Path(cfg.log.dir) / "checkpoints").mkdir(parents=True, exist_ok=True)
     except OSError as e:

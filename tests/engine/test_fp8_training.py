@@ -88,3 +88,14 @@ def test_a_gpu_without_fp8_is_one_line(monkeypatch):
                                         r"matmuls \(sm_89 or later: Ada, Hopper\), this one is sm_80; valid here: "
                                         r"none$"):
         resolve(cfg, 8, "cuda")
+
+
+def test_a_mixture_of_experts_says_its_experts_stay_in_16_bits(tmp_path, capsys):
+    text, cache = write_corpus(tmp_path / "text"), tmp_path / "cache"
+    over = small_overrides(text, cache, tmp_path / "moe", steps=1, **{**SHAPE, "model.moe.experts": 4,
+                                                                      "model.moe.top_k": 2,
+                                                                      "model.moe.expert_hidden": 32})
+    run(LLAMA, over + ["train.fp8=rowwise"])
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("train.fp8=")]
+    assert lines == ["train.fp8=rowwise: the routed experts' grouped matmuls stay in bf16 (torch._scaled_grouped_mm "
+                     "runs on CUDA only, where none of it has been tested)"], lines
