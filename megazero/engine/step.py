@@ -15,7 +15,6 @@ from torch import Tensor
 
 from megazero.engine.routers import RouterStats, balance_routers
 from megazero.parallel.loss_scale import LossScaler
-from megazero.parallel.host import host_values
 from megazero.parallel.pipeline import PipelineExecutor
 from megazero.parallel.schedules import Action
 from megazero.parallel.zero import ZeroOptimizer
@@ -28,6 +27,7 @@ class StepResult:
     skipped: bool  # not applied: a non-finite gradient or loss somewhere
     nonfinite_param: Optional[str]  # the first parameter with a non-finite gradient here (not under fp16)
     loss_nonfinite: bool  # some rank's loss was non-finite
+    flags: list[float]  # the caller's flags, agreed (MAX) over every rank, read on the host with the norm
     loss_total: Tensor  # the loss sum over the dp group (the global batch's, on the last pipeline stage)
     routers: Optional[RouterStats] = None  # the mixture-of-experts layers' load and losses (None: dense)
 
@@ -65,5 +65,6 @@ def train_step(zero: ZeroOptimizer, executor: PipelineExecutor, schedule: list[A
     routers = balance_routers(executor.chunks, zero.world, update=not skipped)
     if loss_work is not None:
         loss_work.wait()
-    return StepResult(loss_sum, norm, skipped, zero.nonfinite_param, bool(host_values(agreed[0])[0]), loss_total,
-                      routers)
+    agreed_host = zero.host_flags  # [some rank's loss non-finite, the caller's flags]: no wait of their own
+    return StepResult(loss_sum, norm, skipped, zero.nonfinite_param, bool(agreed_host[0]), agreed_host[1:],
+                      loss_total, routers)

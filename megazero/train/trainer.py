@@ -96,7 +96,7 @@ class Trainer:
         self.train_trace = (self.executor.trace, self.executor.trace_origin)  # the last training run's timeline
         self.routers = result.routers  # the last step's mixture-of-experts figures (None: a dense model)
         loss_sum, norm, skipped = result.loss_total, result.grad_norm, result.skipped
-        self.stop_agreed = int(host_values(flags)[0])
+        self.stop_agreed = int(result.flags[0])
         self.step += 1
         self.consumed_samples += cfg.train.global_batch
         loss = host_values(loss_sum / self.tokens_per_step)[0] if grid.is_last_stage else float("nan")

@@ -92,6 +92,7 @@ class ZeroOptimizer:
         self.layout, self.optim, self.finalize = dense.layout, dense.optim, dense.finalize
         self.gatherer, self.reducer, self.checkpoint = dense.gatherer, dense.reducer, dense.checkpoint
         self.nonfinite_param: Optional[str] = None  # named by a step skipped for a non-finite gradient
+        self.host_flags: list[float] = []  # the last step's agreed ``flags``, as read with its one host wait
         self._reduced = False
 
     @property
@@ -125,7 +126,8 @@ class ZeroOptimizer:
         non-finite ``loss`` (this rank's loss sum, if it holds one), skips the update on every rank; with
         ``locate_nonfinite`` ``nonfinite_param`` then names the first parameter (on this rank) with a
         non-finite gradient. ``flags`` are the caller's per-rank values (a stop request, say): reduced with
-        MAX over every rank in place, in the step's one world all-reduce, at no extra collective."""
+        MAX over every rank in place, in the step's one world all-reduce, at no extra collective, and read on the
+        host with the norm (``host_flags``): no second wait for the device."""
         assert self._reduced, "reduce() before step()"
         self._reduced = False
         self.nonfinite_param = None
@@ -149,7 +151,9 @@ class ZeroOptimizer:
         sumsq = torch.stack(sums).sum()
         self.grid.tp_comm.all_reduce(sumsq, tag="grad_norm")
         self.grid.pp_comm.all_reduce(sumsq, tag="grad_norm")
-        flag, root = host_values(torch.stack([agreed[0], sumsq.sqrt()]))  # the step's one wait for the device
+        # the step's one wait for the device: the agreed flags (the caller's too) and the norm, in one read
+        *agreed_host, root = host_values(torch.cat([agreed, sumsq.sqrt().reshape(1)]))
+        flag, self.host_flags = agreed_host[0], agreed_host[1:]
         norm = root * grad_scale
         if flag:
             if locate_nonfinite:  # rare path: say where
