@@ -12,16 +12,24 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
 from torch import nn
+
+from megazero.parallel.tp_random import ShardedDropout
 
 CACHE_DIR = Path(".cache") / "inductor"
 
 
 def compile_blocks(chunks: list[nn.Module]) -> None:
-    """Compile every block of this rank's model chunks in place."""
+    """Compile every block of this rank's model chunks in place. Dropout (p > 0) stays eager, a graph break
+    each: compiled, it would draw its masks from inductor's own generator, not the streams the eager run and
+    every other layout draw from (``parallel.tp_random``)."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE_DIR.resolve()))
     for chunk in chunks:
         for block in chunk.layers.values():
+            for module in block.modules():
+                if isinstance(module, ShardedDropout) and module.p > 0:
+                    module.forward = torch.compiler.disable(module.forward)
             block.compile()
 
 
