@@ -25,6 +25,7 @@ _CHOICES = {
     ("zero", "grad_dtype"): ("auto", "fp32", "model"),
     ("kernels", "attention"): ("auto", "triton", "torch", "blocks"),
     ("train", "fp8"): ("none", "tensorwise", "rowwise"),
+    ("log.wandb", "mode"): ("offline", "online"),
     ("kernels", "adam"): ("auto", "fused", "triton", "torch"),
     ("kernels", "norm"): ("auto", "triton", "torch"),
     ("launch", "device"): ("auto", "cpu", "cuda"),

@@ -114,6 +114,15 @@ class DataConfig:
 
 
 @dataclass
+class WandbConfig:
+    """``log.wandb``: the same scalars as TensorBoard to Weights & Biases (``pip install 'megazero[wandb]'``)."""
+
+    project: str = ""  # the W&B project; "" = off (nothing of wandb is imported)
+    name: str = ""  # the run's name; "" = the config's name
+    mode: str = "offline"  # offline (files under log.dir/wandb, `wandb sync` them later) | online
+
+
+@dataclass
 class LogConfig:
     dir: str = ""  # "" -> runs/<config name>
     every: int = 1  # steps between log lines (and TensorBoard points)
@@ -122,6 +131,7 @@ class LogConfig:
     peak_tflops: Union[float, str] = AUTO
     pipeline_trace: bool = False  # write pipeline_trace.json (Chrome trace / Perfetto) of the last step
     overwrite: bool = False  # a fresh run may replace an earlier run's checkpoints and logs in log.dir
+    wandb: WandbConfig = field(default_factory=WandbConfig)  # a mapping: log.wandb.project, ... (above)
 
 
 @dataclass

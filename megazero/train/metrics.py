@@ -11,7 +11,7 @@ import math
 import resource
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -131,8 +131,10 @@ class MetricsLogger:
     no partial file of its own behind: the staged metrics.jsonl, an event file that could not be started."""
 
     def __init__(self, log_dir: str | Path, total_steps: int, enabled: bool, tensorboard: bool = True,
-                 append: bool = False, start_step: int = 0):
+                 append: bool = False, start_step: int = 0, wandb: Optional[Callable[[], Any]] = None):
+        """``wandb``: opens the W&B run that receives the same scalars (``megazero.train.wandb_log``), or None."""
         self.enabled = enabled
+        self.wandb = None
         self.total_steps = total_steps
         self.dir = Path(log_dir)
         self.path = self.dir / "metrics.jsonl"
@@ -164,6 +166,8 @@ class MetricsLogger:
                 self.writer = events.EventFile(self.dir, purge_step=start_step + 1 if append else None)
         except OSError as e:
             raise self._refused(e, what, path, needs) from None
+        if wandb is not None:
+            self.wandb = wandb()
 
     def _refused(self, e: OSError, what: str, path: Path, needs: Optional[int]) -> UserError:
         """The one line for a write the disk refused (the files are closed: nothing more is written)."""
@@ -184,13 +188,14 @@ class MetricsLogger:
             self.file.flush()
         except OSError as e:
             raise self._refused(e, "metrics", self.path, len(line.encode())) from None
+        scalars = {_tb_tag(k): v for k, v in values.items() if isinstance(v, (int, float)) and math.isfinite(v)}
         if self.writer is not None:
-            scalars = {_tb_tag(k): v for k, v in values.items()
-                       if isinstance(v, (int, float)) and math.isfinite(v)}
             try:
                 self.writer.add_scalars(step, scalars)
             except OSError as e:
                 raise self._refused(e, "TensorBoard events", self.writer.path, None) from None
+        if self.wandb is not None:
+            self.wandb.log(step, scalars)
         self._console(step, values)
 
     def _console(self, step: int, v: dict) -> None:
@@ -223,6 +228,9 @@ class MetricsLogger:
     def close(self) -> None:
         """Close both files; a refused last write is one line (unless one was reported already)."""
         file, writer, self.file, self.writer = self.file, self.writer, None, None
+        if self.wandb is not None:
+            wandb, self.wandb = self.wandb, None
+            wandb.finish()
         try:
             if file is not None:
                 file.close()

@@ -37,6 +37,7 @@ from megazero.train.rank_data import load_data_everywhere, seed_step
 from megazero.train.run_dir import Start, clear_earlier_run
 from megazero.train.run_lock import writer_rank
 from megazero.train.signals import StopSignals, exit_code, signal_name
+from megazero.train.wandb_log import WandbRun
 from megazero.parallel.host import host_values
 from megazero.parallel.sequence import document_mask_share
 from megazero.parallel.topology import Grid
@@ -170,8 +171,10 @@ class Trainer:
                       f"raise train.steps to continue it, or start over with log.overwrite=true or another "
                       f"log.dir", flush=True)
             return []
+        resumed = start.resume is not None
+        wandb = (lambda: WandbRun(cfg, resumed)) if cfg.log.wandb.project else None
         logger = MetricsLogger(cfg.log.dir, cfg.train.steps, self.is_writer, cfg.log.tensorboard,
-                               append=start.resume is not None, start_step=self.step)
+                               append=resumed, start_step=self.step, wandb=wandb)
         if self.is_writer:
             print(f"{self.grid}\nlogs: {Path(cfg.log.dir).resolve()}  "
                   f"(tensorboard --logdir {cfg.log.dir})", flush=True)
