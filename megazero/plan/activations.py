@@ -104,7 +104,7 @@ def attention_mask_bytes(cfg) -> tuple[int, int]:
     """(kept per layer and microbatch, temporary) bytes of the document mask an attention path builds under
     ``data.document_mask``. kernels.attention=torch (at cp 1, or Ulysses' whole sequence per rank): SDPA saves
     its float copy of the (micro_batch, 1, s, s) mask for backward in every layer not recomputed, and the
-    boolean mask exists while it is made. "blocks" and a cp ring on the CPU keep nothing: one block of up to
+    boolean mask exists while it is made ("blocks" too, where s is one block). "blocks" and a cp ring on the CPU keep nothing: one block of up to
     256 query rows holds its float mask and three boolean ones over its keys (at most the rank's whole
     sequence), and the keys' k/v copied and widened to the query heads. Triton (and a ring on a GPU, which
     always runs it) builds none: it reads the ids."""
@@ -114,9 +114,10 @@ def attention_mask_bytes(cfg) -> tuple[int, int]:
     value = 4 if t.precision == "fp32" else 2  # the float mask is in the attention's dtype
     b, s = t.micro_batch, m.seq_len
     ring = par.cp > 1 and par.cp_mode == "ring"
-    if impl == "torch" and not ring:
-        return b * s * s * value, b * s * s
     from megazero.kernels.document_attention import BLOCK
+
+    if (impl == "torch" or s <= BLOCK) and not ring:  # blocks on one block's sequence is the dense path
+        return b * s * s * value, b * s * s
 
     keys = s // par.cp if ring else s  # a ring's first step: the rank's own two chunks
     heads = m.heads // par.tp // (par.cp if par.cp > 1 and not ring else 1)
