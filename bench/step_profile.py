@@ -107,7 +107,8 @@ def profile_set(config: str, sets: list[str], attention: str, adam: str, smoke: 
             _sync(device)
             t0 = time.perf_counter()
             for _ in range(window_steps):
-                trainer.train_step()  # ends in .item() on the loss: the device has finished the step
+                trainer.train_step()  # its one host read waits for the device mid-step; the last step's tail:
+            _sync(device)
             means.append((time.perf_counter() - t0) / window_steps * 1e3)
         wall = statistics.median(means)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])

@@ -45,6 +45,11 @@ from megazero.parallel.topology import Grid
 HISTORY = 100  # step records fit() keeps and returns, the last ones (metrics.jsonl holds every logged step)
 
 
+def _host_loss(loss) -> float:
+    """A step's loss as a number: read from the device once it is wanted (a float already off the last stage)."""
+    return loss if isinstance(loss, float) else host_values(loss)[0]
+
+
 class Trainer:
     """One rank's share of a run: its engine (``megazero.engine.build``), its data share, the loop's state."""
 
@@ -100,7 +105,9 @@ class Trainer:
         self.stop_agreed = int(result.flags[0])
         self.step += 1
         self.consumed_samples += cfg.train.global_batch
-        loss = host_values(loss_sum / self.tokens_per_step)[0] if grid.is_last_stage else float("nan")
+        # the loss stays on the device until it is logged (``_host_loss``): read now, it would make the host wait
+        # for the update before it queues the next step
+        loss = loss_sum / self.tokens_per_step if grid.is_last_stage else float("nan")
         record = {"loss": loss, "lr": lr, "grad_norm": norm}
         if cfg.train.compile:  # flat after the first steps; a rise is a recompilation
             record["compiled_graphs"] = compiled_graphs()
@@ -189,7 +196,10 @@ class Trainer:
             window_time, window_steps, window_flops = 0.0, 0, 0.0
             while self.step < stop_at:
                 t0 = time.perf_counter()
-                record = self.train_step()  # .item() on the loss waits for the device: the time is real
+                record = self.train_step()
+                logged = self.step % cfg.log.every == 0 or self.step == cfg.train.steps or self.stop_agreed
+                if logged:  # the loss read waits for the device: the window's time is then real
+                    record["loss"] = _host_loss(record["loss"])
                 window_time += time.perf_counter() - t0
                 window_steps += 1
                 window_flops += self.step_flops
@@ -198,7 +208,7 @@ class Trainer:
                 step = self.step
                 if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
                     record.update(self.evaluate())
-                if step % cfg.log.every == 0 or step == cfg.train.steps or self.stop_agreed:
+                if logged:
                     dt = window_time / window_steps
                     tflops = window_flops / window_time / self.grid.world_size / 1e12
                     record.update({"tokens_per_s": self.tokens_per_step / dt, "tflops": tflops,
@@ -233,4 +243,6 @@ class Trainer:
         if self.is_writer:
             print(f"done: {self.step} steps; metrics in {Path(cfg.log.dir) / 'metrics.jsonl'}, "
                   f"checkpoints in {self.ckpt_root}", flush=True)
-        return list(history)
+        pending = [r["loss"] for r in history if not isinstance(r["loss"], float)]  # the steps not logged
+        read = iter(host_values(torch.stack(pending)) if pending else [])  # in one read
+        return [{**r, "loss": r["loss"] if isinstance(r["loss"], float) else next(read)} for r in history]
