@@ -290,7 +290,8 @@ def main() -> int:
                                                                    if args.smoke else [])
         profile_md = checks.run("bench/step_profile.py", profile_cmd, env, stdout=out / "profile.md")
         if profile_md is not None:
-            walls = [line for line in profile_md.splitlines() if line.startswith(("### ", "- wall", "- device busy"))]
+            walls = [line for line in profile_md.splitlines()
+                     if line.startswith(("### ", "- wall", "- device busy", "- host syncs"))]
             checks.note("", "Step profile (bench/step_profile.py, profile.md):", *walls)
     if "offload" in only:  # 6. the offloaded optimizer's copies hidden behind the backward
         offload_cmd = [sys.executable, "bench/offload_overlap.py"] + (["--smoke"] if args.smoke else [])

@@ -136,11 +136,32 @@ def profile_set(config: str, sets: list[str], attention: str, adam: str, smoke: 
             lines.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
         lines.append(f"- enqueueing one attention forward (batch 1): {launch_cost_us(attention, cfg, device):.0f} us "
                      f"on the host")
+        lines.append(f"- host syncs per step: {host_syncs(trainer, device)} (a step not logged; its one is the "
+                     f"optimizer's read of the agreed flags and the norm)")
         del trainer, prof
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
         return lines
+
+
+def host_syncs(trainer, device: torch.device, steps: int = 3) -> str:
+    """Synchronisations per step that CUDA's sync debug mode reports (one warning each), over a few steps;
+    "n/a" on the CPU, where nothing synchronises (tests/engine/test_host_reads.py counts the reads there)."""
+    if device.type != "cuda":
+        return "n/a on the CPU"
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                trainer.train_step()
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return f"{sum('synchroniz' in str(w.message) for w in caught) / steps:g}"
 
 
 def main() -> int:
