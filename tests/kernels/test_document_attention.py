@@ -43,6 +43,22 @@ def _grads(impl, q, k, v, docs, dout, block=None):
     return out.detach(), q.grad, k.grad, v.grad
 
 
+def working_memory(fn, q, k, v, dout, docs):
+    """(the memory tracker's peak beyond q, k, v, dout and the documents, less the output and the three gradients,
+    which every path holds; those four) of ``fn(q, k, v)`` forward and backward."""
+    tracker = MemoryTracker()
+    with tracker:
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        tracker.name([*leaves, dout, docs], "params")
+        tracker.restart_peak("step")
+        base = tracker.device_bytes
+        out = fn(*leaves)
+        out.backward(dout)
+        peak = tracker.report().peak_bytes - base
+    got = (out.detach(), *(t.grad for t in leaves))
+    return peak - sum(t.numel() * t.element_size() for t in got), got
+
+
 def _scaled_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
@@ -81,22 +97,10 @@ def test_at_seq_8192_the_working_memory_is_over_8x_below_the_dense_masks():
     g = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(1, 4, s, 64, generator=g) for _ in range(4))
     docs = packed(1, s, 100, 2000, seed=0)
-    held = 4 * q.numel() * q.element_size()  # the output, dq, dk and dv
-
-    def working(impl):
-        tracker = MemoryTracker()
-        with tracker:
-            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            tracker.name([*leaves, dout, docs], "params")
-            tracker.restart_peak("step")
-            base = tracker.device_bytes
-            out = attention(*leaves, True, impl, documents=docs)
-            out.backward(dout)
-            peak = tracker.report().peak_bytes - base
-        return peak - held, (out.detach(), *(t.grad for t in leaves))
-
-    dense, want = working("torch")
-    blocks, got = working("blocks")
+    dense, want = working_memory(lambda q, k, v: attention(q, k, v, True, "torch", documents=docs), q, k, v, dout,
+                                 docs)
+    blocks, got = working_memory(lambda q, k, v: attention(q, k, v, True, "blocks", documents=docs), q, k, v,
+                                 dout, docs)
     assert dense >= 2 * s * s, dense  # the boolean mask and more: the dense path was measured
     print(f"working memory: dense {dense / 2**20:.1f} MiB, blocks {blocks / 2**20:.1f} MiB, {dense / blocks:.1f}x")
     assert blocks * 8 <= dense, (blocks, dense)

@@ -7,7 +7,6 @@ sum the same visible terms in another order (measured <= 1e-6 absolute, ~1e-7 re
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -105,8 +104,7 @@ def _ring_at_8192(rank, world):
     from megazero.kernels.attend import attention
     from megazero.parallel.comm import Comm
     from megazero.parallel.context import context_attention
-    from megazero.plan.tracker import MemoryTracker
-    from tests.kernels.test_document_attention import packed
+    from tests.kernels.test_document_attention import packed, working_memory
 
     s, comm = 8192, Comm(dist.group.WORLD, "cp")
     g = torch.Generator().manual_seed(0)
@@ -114,22 +112,10 @@ def _ring_at_8192(rank, world):
     docs = packed(1, s, 100, 2000, seed=0)
     mine = [head_tail_split(t, 2, world, rank).contiguous() for t in (q, k, v, dout)]
 
-    def working(fn, q, k, v, dout):
-        tracker = MemoryTracker()
-        with tracker:
-            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            tracker.name([*leaves, dout, docs], "params")
-            tracker.restart_peak("step")
-            base = tracker.device_bytes
-            out = fn(*leaves)
-            out.backward(dout)
-            peak = tracker.report().peak_bytes - base
-        got = (out.detach(), *(t.grad for t in leaves))
-        return peak - sum(t.numel() * t.element_size() for t in got), got
-
-    dense, want = working(lambda q, k, v: attention(q, k, v, True, "torch", documents=docs), q, k, v, dout)
-    ring, got = working(lambda q, k, v: context_attention(q, k, v, comm, "torch", docs, docs), *mine)
-    plain, _ = working(lambda q, k, v: context_attention(q, k, v, comm, "torch"), *mine)
+    dense, want = working_memory(lambda q, k, v: attention(q, k, v, True, "torch", documents=docs), q, k, v, dout,
+                                 docs)
+    ring, got = working_memory(lambda q, k, v: context_attention(q, k, v, comm, "torch", docs, docs), *mine, docs)
+    plain, _ = working_memory(lambda q, k, v: context_attention(q, k, v, comm, "torch"), *mine, docs)
     errors = [float((a - head_tail_split(w, 2, world, rank)).abs().max() / w.abs().max())
               for a, w in zip(got, want)]
     return dense, ring, plain, errors
