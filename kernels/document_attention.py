@@ -57,11 +57,11 @@ def fold_heads(dk: Tensor, group: int) -> Tensor:
 
 
 def masked_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
-    """(out, log-sum-exp in fp32 or wider) of one block under an additive mask; k/v may be grouped-query. A row that sees no
-    key comes out 0 with log-sum-exp −inf (the op itself reports 0)."""
+    """(out, log-sum-exp in fp32 or wider) of one block under an additive mask; k/v may be grouped-query. A row
+    that sees no key comes out 0 with log-sum-exp −inf (the op itself reports 0)."""
     group = q.shape[1] // k.shape[1]
-    out, lse = _forward(q.contiguous(), expand_heads(k, group).contiguous(), expand_heads(v, group).contiguous(), 0.0, False,
-                        attn_mask=bias)
+    out, lse = _forward(q.contiguous(), expand_heads(k, group).contiguous(), expand_heads(v, group).contiguous(),
+                        0.0, False, attn_mask=bias)
     blind = torch.isinf(bias).all(-1)  # (b, 1, sq)
     return out, lse.masked_fill(blind, float("-inf")) if bool(blind.any()) else lse
 

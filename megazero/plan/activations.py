@@ -104,10 +104,10 @@ def attention_mask_bytes(cfg) -> tuple[int, int]:
     """(kept per layer and microbatch, temporary) bytes of the document mask an attention path builds under
     ``data.document_mask``. kernels.attention=torch (at cp 1, or Ulysses' whole sequence per rank): SDPA saves
     its float copy of the (micro_batch, 1, s, s) mask for backward in every layer not recomputed, and the
-    boolean mask exists while it is made ("blocks" too, where s is one block). "blocks" and a cp ring on the CPU keep nothing: one block of up to
-    256 query rows holds its float mask and three boolean ones over its keys (at most the rank's whole
-    sequence), and the keys' k/v copied and widened to the query heads. Triton (and a ring on a GPU, which
-    always runs it) builds none: it reads the ids."""
+    boolean mask exists while it is made ("blocks" too, where s is one block). "blocks" and a cp ring on the
+    CPU keep nothing: one block of up to 256 query rows holds its float mask and three boolean ones over its
+    keys (at most the rank's whole sequence), and the keys' k/v copied and widened to the query heads. Triton
+    (and a ring on a GPU, which always runs it) builds none: it reads the ids."""
     m, t, par, impl = cfg.model, cfg.train, cfg.parallel, cfg.kernels.attention
     if not cfg.data.document_mask or impl == "triton":
         return 0, 0

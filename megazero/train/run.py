@@ -26,8 +26,6 @@ DRY_RUN_FOOTER = "dry run: nothing was allocated; no process group was started"
 def run(config_path: str, overrides: list[str]) -> list[dict]:
     """Train as the config says; static config errors surface before torch is even imported."""
     cfg = load_config(config_path, overrides)
-    import torch
-
     from megazero import launch
     from megazero.plan.fits import check_fits
     from megazero.train.run_dir import plan_start
@@ -58,7 +56,8 @@ def run(config_path: str, overrides: list[str]) -> list[dict]:
                             f"or choose another log.dir")
     check_fits(cfg, device, info.rank, info.local_rank, local_world)
     check_init_from(cfg)
-    with _cpu_threads(cfg, device, local_world), StopSignals() as stop:  # until the loop begins a stop signal ends the run at once: nothing to save yet
+    # until the loop begins a stop signal ends the run at once: nothing to save yet
+    with _cpu_threads(cfg, device, local_world), StopSignals() as stop:
         created, grid, lock = False, None, None
         try:
             created = launch.init_distributed(info, device, cfg.launch.timeout_minutes)

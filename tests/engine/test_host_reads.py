@@ -1,9 +1,10 @@
 """A training step reads the device from the host once: the optimizer's one wait (the agreed flags and the
-gradient norm, which decide whether and how far to step); a logged step reads its loss and memory figures too. On a GPU each read
-waits for the stream, and one after the update keeps the host from queueing the next step's work meanwhile. Counted here on
-the CPU, where every read goes through the same tensor methods: each call of the ones that copy a value to
-the host (``tolist``, ``item``, ``bool``, ``int``, ``float``, ``numpy``, ``cpu``, ``nonzero``) made from a
-step's start to the next's, after the first step (which builds what it caches)."""
+gradient norm, which decide whether and how far to step); a logged step reads its loss and memory figures
+too. On a GPU each read waits for the stream, and one after the update keeps the host from queueing the next
+step's work meanwhile. Counted here on the CPU, where every read goes through the same tensor methods: each
+call of the ones that copy a value to the host (``tolist``, ``item``, ``bool``, ``int``, ``float``,
+``numpy``, ``cpu``, ``nonzero``) made from a step's start to the next's, after the first step (which builds
+what it caches)."""
 from __future__ import annotations
 
 import collections

@@ -19,7 +19,8 @@ def test_a_refusal_is_a_one_line_user_error():
         resolve_kernels(cfg, "cpu")
     assert str(err.value) == "kernels.adam='apex' is not an AdamW implementation; valid: auto | fused | torch | triton"
     cfg = SimpleNamespace(adam="auto", norm="apex", attention="auto")
-    with pytest.raises(UserError, match=r"^kernels.norm='apex' is not a norm implementation; valid: auto \| torch \| triton$"):
+    with pytest.raises(UserError, match=r"^kernels.norm='apex' is not a norm implementation; valid: "
+                                        r"auto \| torch \| triton$"):
         resolve_kernels(cfg, "cpu")
     cfg = SimpleNamespace(adam="auto", norm="auto", attention="flash")
     with pytest.raises(UserError, match=r"^kernels.attention='flash' is not an attention implementation; valid: "

@@ -83,7 +83,8 @@ def test_kernels_norm_resolves_and_refuses_in_one_line(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(UserError, match=r"kernels.norm=triton needs a CUDA GPU"):
         resolve_impl("triton", "cpu")
-    with pytest.raises(UserError, match=r"^kernels.norm='fast' is not a norm implementation; valid: auto \| torch \| triton$"):
+    with pytest.raises(UserError, match=r"^kernels.norm='fast' is not a norm implementation; valid: "
+                                        r"auto \| torch \| triton$"):
         resolve_impl("fast", "cuda")
 
 

@@ -81,7 +81,8 @@ def _two_ranks(rank, world):
     comm = Comm(dist.group.WORLD, "cp")
     out = {}
     for arch, mode, impl in (("llama", "ring", "torch"), ("llama", "all_to_all", "torch"), ("gpt2", "ring", "torch"),
-                             ("llama", "ring", "triton"), ("llama", "ring", "blocks"), ("llama", "all_to_all", "blocks")):
+                             ("llama", "ring", "triton"), ("llama", "ring", "blocks"),
+                             ("llama", "all_to_all", "blocks")):
         packed, alone = _losses(arch, impl, comm, mode)
         out[(arch, mode, impl)] = float((packed - alone).abs().max())
     unmasked, alone = _losses("llama", "torch", comm, "ring", masked=False)
@@ -123,12 +124,13 @@ def _ring_at_8192(rank, world):
 
 def test_at_seq_8192_the_mask_adds_to_a_cp2_ring_under_an_8th_of_the_dense_masks_memory():
     """The issue's case (1 sample of 8192 tokens, 4 heads of 64, documents of 100-2,000 tokens, fp32) split over
-    a cp 2 ring, whose blocks hold one mask of 256 query rows (over at most the rank's 4096 keys) at a time. Its working memory less the same ring's
-    without documents (what the mask costs) is under an eighth of the dense mask's path at cp 1 (measured: 4.8 MiB
-    of 296). The ring's whole working memory is ~55 MiB, ~5.4x below: its double-buffered K/V and their
-    gradients in flight (32 MiB here) grow with s, not s^2, and are there without documents too. The output
-    within 1e-6 and the gradients within 1e-5 of their scale, as in tests/kernels/test_document_attention.py
-    (the ring also merges blocks by their log-sum-exp: measured <= 5e-8 and 5e-7)."""
+    a cp 2 ring, whose blocks hold one mask of 256 query rows (over at most the rank's 4096 keys) at a time.
+    Its working memory less the same ring's without documents (what the mask costs) is under an eighth of the
+    dense mask's path at cp 1 (measured: 4.8 MiB of 296). The ring's whole working memory is ~55 MiB, ~5.4x
+    below: its K/V and their gradients in flight grow with s, not s^2, and are there without documents too
+    (50.1 MiB). The output within 1e-6 and the gradients within 1e-5 of their scale, as in
+    tests/kernels/test_document_attention.py (the ring also merges blocks by their log-sum-exp: measured <= 5e-8
+    and 5e-7)."""
     for rank, (dense, ring, plain, errors) in enumerate(run_ranks(2, _ring_at_8192)):
         print(f"rank {rank}: working memory dense {dense / 2**20:.1f} MiB, ring {ring / 2**20:.1f} MiB, ring "
               f"without documents {plain / 2**20:.1f} MiB; errors {errors}")
