@@ -5,6 +5,10 @@ later ``train.resume``) continues the same run, and a fresh run in the folder st
 writes W&B's own files under ``log.dir/wandb`` (``wandb sync`` uploads them later) and needs no network.
 Nothing of wandb is imported unless ``log.wandb.project`` is set; a missing package is one line naming the
 extra that installs it. wandb itself keeps its service's debug logs under ``~/.cache/wandb``.
+
+``run.finish()`` returns once W&B has the run's exit; its service closes the run's files afterwards, on its
+own time. ``finish`` therefore also tears the service down (what W&B's exit hook does), so the files are whole
+when megazero's run returns and a resume in the same process does not meet the old run's closing stream.
 """
 from __future__ import annotations
 
@@ -38,4 +42,7 @@ class WandbRun:
         self.run.log(scalars, step=step)
 
     def finish(self) -> None:
+        import wandb
+
         self.run.finish()
+        wandb.teardown()  # waits for the service to close the run's files
