@@ -110,7 +110,7 @@ def test_a_failed_background_write_is_one_line_and_the_previous_stays_latest(tmp
 
 
 _KILLED_CHILD = """
-import sys, time, torch
+import os, sys, time, torch
 sys.path.insert(0, {root!r})
 from megazero.checkpoint.writer import CheckpointWriter, _StagedWriter
 
@@ -118,7 +118,7 @@ original = _StagedWriter.write_data
 
 def write_then_stall(self, plan, planner):  # the shards are on disk; DCP's .metadata and the commit are not
     done = original(self, plan, planner)
-    print("written", flush=True)
+    os.write(1, b"written\\n")  # one write: print's text and newline are two, and interleave across threads
     time.sleep(600)
     return done
 
@@ -130,7 +130,7 @@ _StagedWriter.write_data = write_then_stall
 state["model/w"].add_(1)
 writer.save(2, state, {{"consumed_samples": 16}}, "r")
 state["model/w"].add_(1)
-print("returned", flush=True)
+os.write(1, b"returned\\n")
 while True:  # training goes on, polling
     writer.poll()
     time.sleep(0.01)
