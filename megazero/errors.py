@@ -10,7 +10,8 @@ code   meaning
 =====  ==========================================================================
 0      the run finished (or stopped at ``train.exit_after``, saved)
 2      an input error (:class:`UserError`): config, data, checkpoint, environment
-3      the loss or the gradients went non-finite (:class:`NonFiniteStop`); not saved
+3      the loss or the gradients went non-finite (:class:`NonFiniteStop`), or the loss spiked
+       (:class:`LossSpikeStop`); not saved
 4      a collective did not complete within ``launch.timeout_minutes`` (:class:`CollectiveTimeout`)
 128+N  stopped by signal N (SIGTERM 143, SIGINT 130, SIGUSR1 138) after saving (:class:`Preempted`)
 =====  ==========================================================================
@@ -93,6 +94,13 @@ class RunStopped(Exception):
 class NonFiniteStop(RunStopped):
     """The loss or a gradient went non-finite (or too many updates in a row were skipped): the run stops
     before anything is saved, so the last good checkpoint stays the latest."""
+
+    exit_code = 3
+
+
+class LossSpikeStop(RunStopped):
+    """A loss far above the recent ones (train.on_spike) that the run does not, or cannot, roll back from:
+    it stops before saving, as for a non-finite loss."""
 
     exit_code = 3
 

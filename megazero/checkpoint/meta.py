@@ -27,6 +27,7 @@ MAX_META_BYTES = 16 << 20  # a real meta.json is a few KB; this bounds what a cr
 RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 FINGERPRINT = re.compile(r"[0-9a-f]{16}")
 MAX_PATH = 4096
+MAX_SPIKE_WINDOW = 100_000  # train.spike_window's bound: the window is stored in meta.json
 # what a resume needs beyond format and step; an export needs only the config
 RESUME_FIELDS = ("consumed_samples", "optimizer_step", "config")
 # the model keys an export and a resume cannot do without (checkpoints of every megazero version hold them)
@@ -128,6 +129,7 @@ def check_meta(where: Path, meta: Any, require: Iterable[str] = RESUME_FIELDS) -
     if "run_id" in meta and not (isinstance(meta["run_id"], str) and RUN_ID.fullmatch(meta["run_id"])):
         raise _bad(where, "run_id", meta["run_id"], "1-64 letters, digits, '-' or '_'")
     _data_record(where, meta)
+    _spike_record(where, meta)
     if "config" in meta:
         _config(where, meta["config"])
     return meta
@@ -142,6 +144,18 @@ def _data_record(where: Path, meta: dict) -> None:
     paths = meta.get("data_paths", [])
     if not isinstance(paths, list) or not all(isinstance(p, str) and 0 < len(p) <= MAX_PATH for p in paths):
         raise _bad(where, "data_paths", paths, f"a list of paths (each 1-{MAX_PATH} characters)")
+
+
+def _spike_record(where: Path, meta: dict) -> None:
+    """train.on_spike's state (megazero.train.loss_spikes): the window of recent losses, rollbacks made, global
+    batches skipped."""
+    window = meta.get("loss_window", [])
+    if not isinstance(window, list) or len(window) > MAX_SPIKE_WINDOW or not all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in window):
+        raise _bad(where, "loss_window", window, f"a list of at most {MAX_SPIKE_WINDOW} finite losses")
+    for field in ("rollbacks", "skipped_batches"):
+        if field in meta:
+            _int(where, meta, field, 0, INT_LIMIT)
 
 
 def _load_json(meta_file: Path) -> Any:

@@ -31,6 +31,7 @@ _CHOICES = {
     ("launch", "device"): ("auto", "cpu", "cuda"),
     ("parallel", "schedule"): SCHEDULES,
     ("train", "on_nonfinite"): ("stop", "skip"),
+    ("train", "on_spike"): ("none", "stop", "rollback"),
     ("train", "init_unused"): ("refuse", "drop"),
     ("train", "resume_changes"): ("warn", "allow"),
     ("model.moe", "router"): ("softmax", "sigmoid"),
@@ -51,6 +52,7 @@ _MIN = {
     ("train", "loss_chunk_tokens"): 0,
     ("parallel", "world_size"): 0, ("log", "every"): 1, ("model", "init_std"): 0.0,
     ("log", "peak_tflops"): 1e-9, ("train", "max_skipped"): 1,
+    ("train", "spike_window"): 2, ("train", "spike_z"): 1e-9, ("train", "max_rollbacks"): 0,
     ("launch", "memory_gb"): 0.0, ("launch", "rank"): -1, ("launch", "cpu_threads"): 0,
     ("model.moe", "experts"): 0, ("model.moe", "top_k"): 1, ("model.moe", "expert_hidden"): 1,
     ("model.moe", "shared_experts"): 0, ("model.moe", "dense_layers"): 0, ("model.moe", "every"): 1,
@@ -87,7 +89,9 @@ _MAX = {
     ("parallel", "virtual_stages"): 4096,  # pp * virtual_stages <= model.layers
     ("train", "steps"): _STEPS, ("train", "warmup_steps"): _STEPS, ("train", "eval_every"): _STEPS,
     ("train", "save_every"): _STEPS, ("train", "exit_after"): _STEPS, ("train", "keep_last"): _STEPS,
-    ("train", "max_skipped"): _STEPS, ("log", "every"): _STEPS,
+    ("train", "max_skipped"): _STEPS, ("log", "every"): _STEPS, ("train", "max_rollbacks"): _STEPS,
+    ("train", "spike_window"): 100_000,  # stored in each checkpoint's meta.json (checkpoint.meta.MAX_SPIKE_WINDOW)
+    ("train", "spike_z"): 1e6,  # past this no finite loss noise is a spike
     ("train", "global_batch"): 2 ** 24,  # sequences per step: tokens per step (x seq_len) < 2^44
     ("train", "micro_batch"): 2 ** 16,  # sequences per forward; logits bound above
     ("train", "loss_chunk_tokens"): 2 ** 36,  # at most a microbatch's tokens (micro_batch x seq_len) matter

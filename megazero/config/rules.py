@@ -20,6 +20,7 @@ from typing import Optional
 from megazero.config.data_paths import entry_path
 from megazero.config.ranges import MAX_WORLD, check_ranges
 from megazero.config.context_rules import check_context
+from megazero.config.recovery_rules import check_recovery
 from megazero.config.schema import AUTO, Config, ModelConfig
 from megazero.data.samples import parse_split
 from megazero.errors import UserError, invalid
@@ -57,6 +58,7 @@ def validate(cfg: Config) -> None:
                       f"{TRITON_GRID_Y}; lower train.micro_batch or use kernels.attention=auto")
     _check_zero(cfg)
     _check_compile(cfg)
+    check_recovery(cfg)
     if t.min_lr > t.lr:
         raise invalid(src, "train.min_lr", t.min_lr, f"must be <= train.lr={t.lr}")
     if t.global_batch % t.micro_batch:

@@ -83,6 +83,13 @@ class TrainConfig:
     exit_after: int = 0  # stop (and save) after this many steps of this job, e.g. for time-limited slots; 0 = never
     on_nonfinite: str = "stop"  # stop | skip: a non-finite loss or gradient norm stops the run, or skips the update
     max_skipped: int = 10  # consecutive skipped updates before the run stops (fp16: at the minimum loss scale)
+    # none | stop | rollback: a loss spike_z standard deviations above the mean of the last spike_window losses
+    # stops the run (exit 3), or rolls back to the newest checkpoint at or before step spike - spike_window and
+    # skips the global batches from there through the spike (megazero/train/loss_spikes.py)
+    on_spike: str = "none"
+    spike_window: int = 100  # PaLM rolled back ~100 steps before a spike; the window's std needs many steps
+    spike_z: float = 6.0  # a 6-sigma rise: about one false alarm in 10^9 steps of Gaussian noise
+    max_rollbacks: int = 5  # rollbacks in a run (resumes included) before a spike stops it
     async_save: bool = False  # write checkpoints in the background while training goes on
     init_from: str = ""  # a Hugging Face model folder (GPT-2 or Llama) the weights start from; optimizer fresh
     init_unused: str = "refuse"  # refuse | drop: tensors in init_from that the config does not use

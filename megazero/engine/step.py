@@ -30,6 +30,7 @@ class StepResult:
     flags: list[float]  # the caller's flags, agreed (MAX) over every rank, read on the host with the norm
     loss_total: Tensor  # the loss sum over the dp group (the global batch's, on the last pipeline stage)
     routers: Optional[RouterStats] = None  # the mixture-of-experts layers' load and losses (None: dense)
+    loss_agreed: Optional[float] = None  # with agree_loss: the global batch's loss sum, the same on every rank
 
 
 def forward_backward(zero: ZeroOptimizer, executor: PipelineExecutor, schedule: list[Action],
@@ -44,9 +45,11 @@ def forward_backward(zero: ZeroOptimizer, executor: PipelineExecutor, schedule: 
 
 def train_step(zero: ZeroOptimizer, executor: PipelineExecutor, schedule: list[Action], microbatches: list[Tensor],
                lr: float, max_norm: float, scaler: Optional[LossScaler] = None,
-               flags: Optional[Tensor] = None) -> StepResult:
+               flags: Optional[Tensor] = None, agree_loss: bool = False) -> StepResult:
     """One optimizer step over ``microbatches``. ``flags``: per-rank values agreed (MAX) over every rank in the
-    step's own all-reduce (see ``ZeroOptimizer.step``)."""
+    step's own all-reduce (see ``ZeroOptimizer.step``). ``agree_loss``: the global batch's loss sum joins them
+    (the last stage's; every other stage adds 0 and a loss is >= 0), for a decision every rank makes alike
+    (``train.on_spike``): its dp x cp sum then completes before the update rather than during it."""
     loss_sum = forward_backward(zero, executor, schedule, microbatches, scaler)
     # summed over dp x cp now, in flight during the update: after it, the dp group's queue holds the parameter
     # all-gathers that overlap the next forward, and nothing may wait behind them
@@ -56,15 +59,23 @@ def train_step(zero: ZeroOptimizer, executor: PipelineExecutor, schedule: list[A
     agreed = torch.isfinite(loss_sum).logical_not().float().reshape(1)  # and the caller's flags after it
     if flags is not None:
         agreed = torch.cat([agreed, flags.float().reshape(-1)])
+    if agree_loss:
+        if loss_work is not None:
+            loss_work.wait()
+            loss_work = None
+        agreed = torch.cat([agreed, loss_total.float().reshape(1)])
     norm, skipped = zero.step(lr, max_norm, grad_scale=1.0 / scaler.scale if fp16 else 1.0, loss=loss_sum,
                               flags=agreed, locate_nonfinite=not fp16)  # fp16 overflows are routine
     if flags is not None:
-        flags.copy_(agreed[1:].view_as(flags))
+        flags.copy_(agreed[1:1 + flags.numel()].view_as(flags))
     if scaler is not None:
         scaler.update(skipped)
     routers = balance_routers(executor.chunks, zero.world, update=not skipped)
     if loss_work is not None:
         loss_work.wait()
-    agreed_host = zero.host_flags  # [some rank's loss non-finite, the caller's flags]: no wait of their own
-    return StepResult(loss_sum, norm, skipped, zero.nonfinite_param, bool(agreed_host[0]), agreed_host[1:],
-                      loss_total, routers)
+    agreed_host = zero.host_flags  # [some rank's loss non-finite, the caller's flags, the loss]: no wait of
+    # their own
+    loss_agreed = agreed_host[-1] if agree_loss else None
+    caller = agreed_host[1:len(agreed_host) - int(agree_loss)]
+    return StepResult(loss_sum, norm, skipped, zero.nonfinite_param, bool(agreed_host[0]), caller, loss_total,
+                      routers, loss_agreed)

@@ -47,17 +47,18 @@ def state_tensors(zero: ZeroOptimizer, named_params: list[tuple[str, nn.Paramete
 def save_state(writer: CheckpointWriter, cfg: Config, zero: ZeroOptimizer,
                named_params: list[tuple[str, nn.Parameter]], grid: Grid, scaler: LossScaler, step: int,
                consumed_samples: int, data: Any, run_id: str, device: torch.device,
-               buffers: list[tuple[str, torch.Tensor]] = ()) -> Path:
+               buffers: list[tuple[str, torch.Tensor]] = (), extra_meta: Optional[dict] = None) -> Path:
     """Checkpoint this step (in the background with train.async_save). A state holding a non-finite value is
     never saved: keep_last would rotate the last good checkpoint away. ``data``: the run's ``GPTData``, whose
-    tokenizer and files as built are recorded (no file is read here)."""
+    tokenizer and files as built are recorded (no file is read here). ``extra_meta``: more of the run's
+    state for meta.json (train.on_spike's window and counts)."""
     tokenizer = getattr(data, "tokenizer_path", None)
     meta = {"consumed_samples": consumed_samples, "optimizer_step": zero.step_count,
             "tokenizer": str(Path(tokenizer).resolve()) if tokenizer is not None else None,
             "loss_scaler": scaler.state(),
             "config": cfg.to_dict(),
             **resume_record(cfg, getattr(data, "tokenizer_fingerprint", None), getattr(data, "stamps", ())),
-            "rng": "dropout streams are derived from (train.seed, step, grid coordinates)"}
+            "rng": "dropout streams are derived from (train.seed, step, grid coordinates)", **(extra_meta or {})}
     state, _ = state_tensors(zero, named_params, grid, [(n, t.clone()) for n, t in buffers])
     bad = torch.zeros((), device=device)
     for t in state.values():

@@ -24,7 +24,8 @@ from megazero.data import GPTData
 from megazero.engine.build import build_engine
 from megazero.engine.routers import router_record
 from megazero.engine.step import train_step
-from megazero.errors import NonFiniteStop, Preempted
+from megazero.errors import LossSpikeStop, NonFiniteStop, Preempted
+from megazero.train.loss_spikes import Spike, SpikeWatch
 from megazero.train.lr_schedule import lr_at
 from megazero.train.checkpoint_state import load_state, save_state
 from megazero.engine.compile_blocks import compiled_graphs
@@ -68,6 +69,9 @@ class Trainer:
         self.step = 0
         self.consumed_samples = 0
         self.guard = NonFiniteGuard(cfg.train.on_nonfinite, cfg.train.max_skipped, fp16=self.scaler.enabled)
+        t = cfg.train
+        self.spikes = SpikeWatch(t.on_spike, t.spike_window, t.spike_z, t.max_rollbacks)
+        self.spike_loss: Optional[float] = None  # the last step's loss as every rank agreed it (train.on_spike)
         self.stop_agreed = 0  # the stop signal some rank received (agreed at the last step), 0 for none
         self.is_writer = grid.rank == writer_rank(grid)
         self.ckpt_root = Path(cfg.log.dir) / "checkpoints"
@@ -98,11 +102,13 @@ class Trainer:
         flags = torch.tensor([float(self.stop.received or 0) if self.stop is not None else 0.0],
                              device=self.device)  # the signal's number: the agreed one is the largest received
         result = train_step(self.zero, self.executor, self.schedule, microbatches, lr, cfg.train.grad_clip,
-                            self.scaler, flags=flags)
+                            self.scaler, flags=flags, agree_loss=self.spikes.active)
         self.train_trace = (self.executor.trace, self.executor.trace_origin)  # the last training run's timeline
         self.routers = result.routers  # the last step's mixture-of-experts figures (None: a dense model)
         loss_sum, norm, skipped = result.loss_total, result.grad_norm, result.skipped
         self.stop_agreed = int(result.flags[0])
+        agreed = result.loss_agreed is not None and not skipped
+        self.spike_loss = result.loss_agreed / self.tokens_per_step if agreed else None
         self.step += 1
         self.consumed_samples += cfg.train.global_batch
         # the loss stays on the device until it is logged (``_host_loss``): read now, it would make the host wait
@@ -137,7 +143,8 @@ class Trainer:
     def save(self, writer: CheckpointWriter) -> Path:
         """Checkpoint this step; a non-finite state is refused (``megazero.train.checkpoint_state``)."""
         return save_state(writer, self.cfg, self.zero, self.named_params, self.grid, self.scaler, self.step,
-                          self.consumed_samples, self.data, self.run_id, self.device, self.engine.named_buffers)
+                          self.consumed_samples, self.data, self.run_id, self.device, self.engine.named_buffers,
+                          self.spikes.meta())
 
     def load(self, path: Path) -> Optional[str]:
         """Resume from a checkpoint of the same architecture, in any layout; returns the line that names the data
@@ -146,7 +153,28 @@ class Trainer:
                                    self.engine.named_buffers)
         self.step = int(meta["step"])
         self.consumed_samples = int(meta["consumed_samples"])
+        self.spikes.restore(meta)
         return changed
+
+    def roll_back(self, spike: Spike, writer: CheckpointWriter, logger: MetricsLogger) -> None:
+        """train.on_spike (``megazero.train.loss_spikes``): stop, or load the newest checkpoint from before the
+        spike's window, keep the sample offset past the spike (its batches and those before it since the
+        checkpoint are skipped) and save that at once, so a resume skips them too."""
+        logger.log(spike.step, {"loss": spike.loss, "spike_z": spike.z})
+        writer.wait()  # a save in flight is of a state from before the spike
+        target = [self.spikes.stop_or_target(spike, self.ckpt_root)]
+        if dist.is_initialized():  # rank 0's listing decides for every rank
+            dist.broadcast_object_list(target, src=0)
+        consumed, rollbacks, skipped = self.consumed_samples, self.spikes.rollbacks, self.spikes.skipped_batches
+        self.load(target[0])  # the state, the step and the window of losses as they were then
+        self.consumed_samples = consumed
+        self.spikes.rollbacks, self.spikes.skipped_batches = rollbacks, skipped
+        line = self.spikes.rolled_back(spike, self.step)
+        if self.is_writer:
+            print(f"warning: {line}", flush=True)
+        logger.log(spike.step, {"rolled_back_to": self.step, "skipped_batches": self.spikes.skipped_batches,
+                                "rollbacks": self.spikes.rollbacks})
+        self.save(writer)
 
     # ----- the loop ---------------------------------------------------------------------------
     def fit(self, start: Start) -> list[dict]:
@@ -197,6 +225,11 @@ class Trainer:
             while self.step < stop_at:
                 t0 = time.perf_counter()
                 record = self.train_step()
+                spike = self.spikes.check(self.step, self.spike_loss) if self.spike_loss is not None else None
+                if spike is not None:  # never saved: the spike's update is in the state
+                    self.roll_back(spike, writer, logger)
+                    window_time, window_steps, window_flops = 0.0, 0, 0.0
+                    continue
                 logged = self.step % cfg.log.every == 0 or self.step == cfg.train.steps or self.stop_agreed
                 if logged:  # the loss read waits for the device: the window's time is then real
                     record["loss"] = _host_loss(record["loss"])
@@ -228,7 +261,7 @@ class Trainer:
                     raise Preempted(f"step {self.step}: {signal_name(signum)} received; saved {saved} "
                                     f"(train.resume=auto continues from it)", exit_code(signum))
             writer.wait()
-        except (NonFiniteStop, Preempted):  # agreed by every rank: a write in flight is of a good state, finish it
+        except (NonFiniteStop, LossSpikeStop, Preempted):  # agreed by every rank: a write in flight is of a good state, finish it
             writer.close()
             raise
         except BaseException:  # its peers may be gone (a timeout, a lost rank): do not wait for a write in flight

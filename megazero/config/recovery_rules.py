@@ -1,0 +1,20 @@
+"""The rules of a run's own recovery (``train.on_spike``): what a rollback needs kept on disk."""
+from __future__ import annotations
+
+from megazero.config.schema import Config
+from megazero.errors import invalid
+
+
+def check_recovery(cfg: Config) -> None:
+    """A rollback goes to a checkpoint at or before step spike - spike_window: of the keep_last saves every
+    save_every steps, the oldest is at least (keep_last - 1) x save_every steps back, so that must reach it."""
+    t = cfg.train
+    if t.on_spike != "rollback":
+        return
+    reach = (t.keep_last - 1) * t.save_every
+    if reach < t.spike_window:
+        raise invalid(cfg.source, "train.on_spike", t.on_spike,
+                      f"rolls back to a checkpoint at least train.spike_window={t.spike_window} steps before the "
+                      f"spike, but (train.keep_last - 1) x train.save_every = ({t.keep_last} - 1) x {t.save_every} "
+                      f"= {reach} steps back is the oldest kept; raise train.keep_last or train.save_every, or "
+                      f"lower train.spike_window")
