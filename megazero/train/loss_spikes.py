@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from megazero.checkpoint.store import list_checkpoints
+from megazero.checkpoint.store import checkpoint_run_id, list_checkpoints
 from megazero.errors import LossSpikeStop
 
 
@@ -63,7 +63,7 @@ class SpikeWatch:
         self.losses.append(loss)
         return None
 
-    def stop_or_target(self, spike: Spike, ckpt_root: Path) -> Path:
+    def stop_or_target(self, spike: Spike, ckpt_root: Path, run_id: str) -> Path:
         """The checkpoint to roll back to, or the one-line stop (exit 3) when the policy, the rollbacks left or
         the checkpoints kept allow none. Nothing is saved either way: the spike's update is in the state."""
         said = spike.describe(self.losses.maxlen)
@@ -74,12 +74,11 @@ class SpikeWatch:
             raise LossSpikeStop(f"{said}; train.max_rollbacks={self.max_rollbacks} rollbacks already made, so "
                                 f"the run stops before saving")
         limit = spike.step - self.losses.maxlen
-        kept = {int(p.name[5:13]): p for p in list_checkpoints(ckpt_root)}
-        before = [s for s in kept if s <= limit]
-        if not before:
-            raise LossSpikeStop(f"{said}; no checkpoint at or before step {limit} (the spike's window) is left to "
-                                f"roll back to in {ckpt_root}; stopped before saving")
-        return kept[max(before)]
+        target = rollback_target(ckpt_root, run_id, limit)
+        if target is None:
+            raise LossSpikeStop(f"{said}; no checkpoint of this run at or before step {limit} (the spike's window) "
+                                f"is left to roll back to in {ckpt_root}; stopped before saving")
+        return target
 
     def rolled_back(self, spike: Spike, to_step: int) -> str:
         """Count a rollback from the spike to checkpoint ``to_step``; the line that reports it."""
@@ -101,3 +100,18 @@ class SpikeWatch:
         self.losses.extend(meta.get("loss_window", [])[-self.losses.maxlen:])
         self.rollbacks = meta.get("rollbacks", 0)
         self.skipped_batches = meta.get("skipped_batches", 0)
+
+
+def rollback_target(ckpt_root: Path, run_id: str, limit: int) -> Optional[Path]:
+    """The newest checkpoint at or before step ``limit`` on the line that led here: this run's (``run_id``),
+    and none that a later save of a lower step abandoned (a rollback's, or a resume's from an older one):
+    walking back from the checkpoint written last, each kept one is of a lower step than all kept after it."""
+    line, lowest = [], None
+    for path in reversed(list_checkpoints(ckpt_root)):  # newest written first
+        if checkpoint_run_id(path) != run_id:
+            continue
+        step = int(path.name[5:13])  # step_ + 8 digits (+ .tmp suffixes): list_checkpoints' names
+        if lowest is None or step < lowest:
+            line.append((step, path))
+            lowest = step
+    return max(((s, p) for s, p in line if s <= limit), default=(None, None))[1]

@@ -156,25 +156,33 @@ class Trainer:
         self.spikes.restore(meta)
         return changed
 
-    def roll_back(self, spike: Spike, writer: CheckpointWriter, logger: MetricsLogger) -> None:
+    def roll_back(self, spike: Spike, writer: CheckpointWriter, logger: MetricsLogger) -> Path:
         """train.on_spike (``megazero.train.loss_spikes``): stop, or load the newest checkpoint from before the
         spike's window, keep the sample offset past the spike (its batches and those before it since the
-        checkpoint are skipped) and save that at once, so a resume skips them too."""
+        checkpoint are skipped) and save that at once, so a resume skips them too; returns that save."""
         logger.log(spike.step, {"loss": spike.loss, "spike_z": spike.z})
         writer.wait()  # a save in flight is of a state from before the spike
-        target = [self.spikes.stop_or_target(spike, self.ckpt_root)]
-        if dist.is_initialized():  # rank 0's listing decides for every rank
-            dist.broadcast_object_list(target, src=0)
+        decided: list = [None]
+        if self.grid.rank == 0:  # rank 0's listing decides for every rank: a stop, or the checkpoint
+            try:
+                decided[0] = self.spikes.stop_or_target(spike, self.ckpt_root, self.run_id)
+            except LossSpikeStop as e:
+                decided[0] = e
+        if dist.is_initialized():
+            dist.broadcast_object_list(decided, src=0)
+        if isinstance(decided[0], LossSpikeStop):
+            raise decided[0]
         consumed, rollbacks, skipped = self.consumed_samples, self.spikes.rollbacks, self.spikes.skipped_batches
-        self.load(target[0])  # the state, the step and the window of losses as they were then
+        self.load(decided[0])  # the state, the step and the window of losses as they were then
         self.consumed_samples = consumed
         self.spikes.rollbacks, self.spikes.skipped_batches = rollbacks, skipped
+        self.guard.skipped_in_a_row = 0  # as a resume from that checkpoint would start
         line = self.spikes.rolled_back(spike, self.step)
         if self.is_writer:
             print(f"warning: {line}", flush=True)
         logger.log(spike.step, {"rolled_back_to": self.step, "skipped_batches": self.spikes.skipped_batches,
                                 "rollbacks": self.spikes.rollbacks})
-        self.save(writer)
+        return self.save(writer)
 
     # ----- the loop ---------------------------------------------------------------------------
     def fit(self, start: Start) -> list[dict]:
@@ -227,8 +235,13 @@ class Trainer:
                 record = self.train_step()
                 spike = self.spikes.check(self.step, self.spike_loss) if self.spike_loss is not None else None
                 if spike is not None:  # never saved: the spike's update is in the state
-                    self.roll_back(spike, writer, logger)
+                    saved = self.roll_back(spike, writer, logger)
                     window_time, window_steps, window_flops = 0.0, 0, 0.0
+                    if self.stop_agreed:  # a stop signal in the same step: the rolled-back save is the one
+                        writer.wait()
+                        signum = self.stop_agreed
+                        raise Preempted(f"step {self.step}: {signal_name(signum)} received; saved {saved} "
+                                        f"(train.resume=auto continues from it)", exit_code(signum))
                     continue
                 logged = self.step % cfg.log.every == 0 or self.step == cfg.train.steps or self.stop_agreed
                 if logged:  # the loss read waits for the device: the window's time is then real

@@ -145,6 +145,9 @@ class ShardedOnebitAdam(ShardedAdamW):
 
     def states_loaded(self) -> None:
         self.prepared = False  # the mask and the whole momentum are rebuilt from what was loaded
+        if self.step_count <= self.freeze_step:  # a state of the warm-up: no error feedback yet (a rollback into
+            self.worker = [None] * len(self.worker)  # it, in the same process, must not keep the later one's)
+            self.server = [None] * len(self.server)
 
     def rank_state(self, step: int) -> dict[str, Tensor]:
         """This rank's error buffers by bucket ("<bucket>/worker", "<bucket>/server"), which a checkpoint keeps

@@ -10,6 +10,7 @@ sums in another order: the curve within 1e-5 relative of one process (fp32 layou
 """
 from __future__ import annotations
 
+import json
 import statistics
 
 import pytest
@@ -19,7 +20,7 @@ from megazero.checkpoint.store import read_meta, read_model_state
 from megazero.config.load import load_config
 from megazero.data.gpt_data import GPTData
 from megazero.errors import LossSpikeStop, UserError
-from megazero.train.loss_spikes import SpikeWatch
+from megazero.train.loss_spikes import SpikeWatch, rollback_target
 from megazero.train.run import run
 from tests.dist import run_ranks
 from tests.runs import assert_curves_match, read_metrics, ROOT, small_overrides, write_corpus
@@ -120,6 +121,34 @@ def test_the_window_judges_only_when_full_and_never_a_non_finite_loss():
     window = [1.0, 50.0, 1.1]
     assert watch.check(5, 200.0).z == pytest.approx((200 - statistics.mean(window)) / statistics.stdev(window))
     assert watch.check(6, 60.0) is None and list(watch.losses) == [50.0, 1.1, 60.0]
+
+
+def test_the_rollback_target_is_on_this_runs_current_line(tmp_path):
+    """Saves in the order written: run A at 2, 4, 6, 8; another run's step 7; A rolled back to 4 and saved 4 and
+    6 again. At limit 8 the target is A's new 6: neither the abandoned 8 nor the other run's 7."""
+    for sequence, (step, run_id) in enumerate([(2, "A"), (8, "A"), (7, "B"), (4, "A"), (6, "A")], start=1):
+        folder = tmp_path / f"step_{step:08d}"
+        folder.mkdir()
+        (folder / "meta.json").write_text(json.dumps({"format": 1, "step": step, "sequence": sequence,
+                                                      "run_id": run_id}))
+    assert rollback_target(tmp_path, "A", 8).name == "step_00000006"
+    assert rollback_target(tmp_path, "A", 5).name == "step_00000004"
+    assert rollback_target(tmp_path, "A", 1) is None
+    assert rollback_target(tmp_path, "B", 8).name == "step_00000007"
+
+
+def test_a_spike_that_finds_no_checkpoint_before_its_window_stops_in_one_line(tmp_path, monkeypatch):
+    """A window of 8 (z 2.5: the poisoned loss stands 3.0 std above steps 4-11, measured; every clean step of
+    these 12 is below its window's mean) and saves every 5 steps: the spike at step 12 needs a checkpoint at or
+    before step 4, and only steps 5 and 10 exist. The config passes ((3 - 1) x 5 >= 8): on the cadence one is
+    kept, but not this early in the run."""
+    monkeypatch.setattr(GPTData, "train_microbatches", _data())
+    with pytest.raises(LossSpikeStop, match=rf"^step {POISONED}: .*; no checkpoint of this run at or before step 4 "
+                                            r"\(the spike's window\) is left to roll back to in .*; stopped before "
+                                            r"saving$"):
+        run(TINY, _overrides(tmp_path, "run", **{"train.on_spike": "rollback", "train.save_every": 5,
+                                                 "train.keep_last": 3, "train.spike_window": 8,
+                                                 "train.spike_z": 2.5}))
 
 
 @pytest.mark.parametrize("key, value, valid", [
