@@ -10,6 +10,7 @@ import os
 import re
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -111,14 +112,23 @@ def pick_device(requested: str, local_rank: int, local_world: int = 1) -> torch.
     return device
 
 
-def init_distributed(info: ProcessInfo, device: torch.device, timeout_minutes: float = 30.0) -> bool:
+def init_distributed(info: ProcessInfo, device: torch.device, timeout_minutes: float = 30.0,
+                     trace_dir: Optional[str] = None) -> bool:
     """Join the default process group; False when none was needed (world size 1) or one already exists.
 
     ``timeout_minutes`` bounds every collective (launch.timeout_minutes): a rank that stops taking part ends
-    the job then, instead of leaving the others waiting for ever."""
+    the job then, instead of leaving the others waiting for ever. On NCCL, torch's flight recorder keeps the
+    last collectives and dumps them on a timeout into ``trace_dir`` (``nccl_trace_rank_<r>``, beside
+    megazero.hang's records); what the environment sets already stays."""
     if info.world_size == 1 or dist.is_initialized():
         return False
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and trace_dir is not None:
+        os.makedirs(trace_dir, exist_ok=True)
+        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+        for name in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):  # newer and older torch
+            os.environ.setdefault(name, os.path.join(trace_dir, "nccl_trace_rank_"))
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     timeout = timedelta(minutes=timeout_minutes)
     # Under torchrun the agent hosts the store and keeps it across restarts (--max-restarts): without a prefix of

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megazero.parallel.op_log import OpLog
+
 SEQ_DIM = 1  # activations are (batch, seq, hidden)
 
 
@@ -47,6 +49,7 @@ class CommCounter:
 
     totals: dict = field(default_factory=dict)  # (kind, group, tag, size) -> CommTotals
     last: Optional[str] = None
+    ops: OpLog = field(default_factory=OpLog)  # the last operations one by one, for a hang's diagnosis
 
     def add(self, kind: str, group: str, tensor: Tensor, tag: str, size: int = 1, times: int = 1) -> None:
         """One call (``times`` alike: a simulated ring's step standing for others, parallel.context)."""
@@ -106,6 +109,7 @@ class Comm:
         else:
             self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self._global: dict[int, int] = {}  # group rank -> global rank, for point-to-point ops
+        self.members = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
         # --simulate on fake tensors: a ring over this group runs one step of each kind, each counted for the
         # steps alike it stands for (parallel.context); a real group runs every step
         self.sampled_rings = False
@@ -114,9 +118,20 @@ class Comm:
         return f"Comm({self.name}, rank {self.rank}/{self.size})"
 
     @torch.compiler.disable  # host bookkeeping: traced, its running totals would be guards that recompile per call
-    def _record(self, kind: str, tensor: Tensor, tag: str, times: int = 1) -> None:
-        if self.counter is not None:
-            self.counter.add(kind, self.name, tensor, tag, self.size, times)
+    def _record(self, kind: str, tensor: Tensor, tag: str, times: int = 1, blocking: bool = True,
+                peer: Optional[int] = None) -> Optional[dict]:
+        """Count the call; its op-log entry (blocking: mark it ``completed`` when the call returns), or None."""
+        if self.counter is None:
+            return None
+        self.counter.add(kind, self.name, tensor, tag, self.size, times)
+        return self.counter.ops.post(kind, self.name, self.members, tag, tensor.numel() * tensor.element_size(),
+                                     peer, blocking)
+
+    @staticmethod
+    @torch.compiler.disable
+    def _done(entry: Optional[dict]) -> None:
+        if entry is not None:
+            entry["state"] = "completed"
 
     def exchange(self, ops: Sequence[tuple[str, Tensor, int, str]], times: int = 1) -> list:
         """Post a batch of point-to-point transfers at once (``batch_isend_irecv``), each counted (``times``
@@ -134,7 +149,7 @@ class Comm:
             assert kind in ("send", "recv") and 0 <= peer < self.size and peer != self.rank, (kind, peer, self)
             if peer not in self._global:
                 self._global[peer] = dist.get_global_rank(self.group, peer)
-            self._record(kind, tensor, tag, times)
+            self._record(kind, tensor, tag, times, blocking=False, peer=self._global[peer])
             p2p.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, self._global[peer],
                                   self.group))
         return dist.batch_isend_irecv(p2p)
@@ -142,10 +157,11 @@ class Comm:
     def all_reduce(self, x: Tensor, op=dist.ReduceOp.SUM, tag: str = "activation", async_op: bool = False):
         """In place. Returns x, or the work handle with async_op (None at size 1)."""
         if self.size > 1:
-            self._record("all_reduce", x, tag)
+            entry = self._record("all_reduce", x, tag, blocking=not async_op)
             work = dist.all_reduce(x, op=op, group=self.group, async_op=async_op)
             if async_op:
                 return work
+            self._done(entry)
         return None if async_op else x
 
     def reduce_scatter_into(self, out: Tensor, x: Tensor, tag: str = "grad", async_op: bool = False):
@@ -153,27 +169,34 @@ class Comm:
         if self.size == 1:
             out.copy_(x)
             return None
-        self._record("reduce_scatter", x, tag)
+        entry = self._record("reduce_scatter", x, tag, blocking=not async_op)
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        return fn(out, x, group=self.group, async_op=async_op)
+        work = fn(out, x, group=self.group, async_op=async_op)
+        if not async_op:
+            self._done(entry)
+        return work
 
     def all_gather_into(self, out: Tensor, x: Tensor, tag: str = "param", async_op: bool = False):
         """out = every rank's x concatenated (dim 0); a work handle with async_op."""
         if self.size == 1:
             out.copy_(x)
             return None
-        self._record("all_gather", x, tag)
+        entry = self._record("all_gather", x, tag, blocking=not async_op)
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return fn(out, x, group=self.group, async_op=async_op)
+        work = fn(out, x, group=self.group, async_op=async_op)
+        if not async_op:
+            self._done(entry)
+        return work
 
     def all_gather(self, x: Tensor, dim: int, tag: str = "activation") -> Tensor:
         """Concatenate every rank's x along dim (rank order)."""
         if self.size == 1:
             return x
-        self._record("all_gather", x, tag)
+        entry = self._record("all_gather", x, tag)
         moved = x.movedim(dim, 0).contiguous()
         out = torch.empty((self.size * moved.shape[0],) + tuple(moved.shape[1:]), dtype=x.dtype, device=x.device)
         _all_gather_single(out, moved, self.group)
+        self._done(entry)
         return out.movedim(0, dim).contiguous()
 
     def reduce_scatter(self, x: Tensor, dim: int, tag: str = "activation") -> Tensor:
@@ -181,10 +204,11 @@ class Comm:
         if self.size == 1:
             return x
         assert x.shape[dim] % self.size == 0, (x.shape, dim, self.size)
-        self._record("reduce_scatter", x, tag)
+        entry = self._record("reduce_scatter", x, tag)
         moved = x.movedim(dim, 0).contiguous()
         out = torch.empty((moved.shape[0] // self.size,) + tuple(moved.shape[1:]), dtype=x.dtype, device=x.device)
         _reduce_scatter_single(out, moved, self.group)
+        self._done(entry)
         return out.movedim(0, dim).contiguous()
 
     def all_to_all(self, x: Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
@@ -193,9 +217,10 @@ class Comm:
         (uneven splits: ``all_to_all_single``). Counted as the rows that leave this rank."""
         if self.size == 1:
             return x
-        self._record("all_to_all", x[:x.shape[0] - in_splits[self.rank]], tag)
+        entry = self._record("all_to_all", x[:x.shape[0] - in_splits[self.rank]], tag)
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), list(out_splits), list(in_splits), group=self.group)
+        self._done(entry)
         return out
 
     def split(self, x: Tensor, dim: int) -> Tensor:

@@ -97,19 +97,26 @@ class PipelineExecutor:
         self.peak_held_bytes = 0
         self.trace_origin = self._stamp()
         in_flight: dict[int, tuple[list, list[Action], list[Tensor]]] = {}  # posted groups: works, ops, tensors
+        op_log = self.comm.counter.ops if self.comm.counter is not None else None  # the action, for a hang's record
         for ev in events(actions, self.overlap_p2p):
             start = self._stamp()
             if ev[0] == "post":
-                in_flight[ev[1]] = self._post(ev[2], inputs, outputs, grads, forward_only)
                 a, label = ev[2][0], "+".join(str(x) for x in ev[2])
+                if op_log is not None:
+                    op_log.action = label
+                in_flight[ev[1]] = self._post(ev[2], inputs, outputs, grads, forward_only)
             elif ev[0] == "wait":
                 works, items, _ = in_flight.pop(ev[1])
+                a, label = items[0], "wait " + "+".join(str(x) for x in items)
+                if op_log is not None:
+                    op_log.action = label
                 for work in works:
                     work.wait()
                 self._received(items, inputs, outputs, forward_only)
-                a, label = items[0], "wait " + "+".join(str(x) for x in items)
             else:
                 a = label = ev[1]
+                if op_log is not None:
+                    op_log.action = str(a)
                 if a.kind == "F":
                     total += self._forward(a, microbatches, inputs, outputs, forward_only)
                 elif a.kind == "W":
@@ -121,6 +128,8 @@ class PipelineExecutor:
                                self._stamp()))
             held = sum(t.numel() * t.element_size() for t in outputs.values())
             self.peak_held_bytes = max(self.peak_held_bytes, held)
+        if op_log is not None:
+            op_log.action = "after the pipeline"  # the step's reductions and update, or evaluation's end
         assert not in_flight, f"transfers never waited: {list(in_flight)[:4]}"
         assert not outputs or forward_only, f"outputs never consumed: {list(outputs)[:4]}"
         assert not deferred, f"weight gradients never taken: {list(deferred)[:4]}"

@@ -10,7 +10,8 @@ from contextlib import contextmanager
 import signal
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING
+import sys
+from typing import TYPE_CHECKING, Optional
 
 from megazero.config.load import load_config
 from megazero.config.resolve import planned_world_size, precision_for, resolve
@@ -60,7 +61,8 @@ def run(config_path: str, overrides: list[str]) -> list[dict]:
     with _cpu_threads(cfg, device, local_world), StopSignals() as stop:
         created, grid, lock = False, None, None
         try:
-            created = launch.init_distributed(info, device, cfg.launch.timeout_minutes)
+            created = launch.init_distributed(info, device, cfg.launch.timeout_minutes,
+                                              str(Path(cfg.log.dir) / "hang"))
             grid = Grid.build(ParallelDims.of(cfg.parallel), device.type,
                               timeout=timedelta(minutes=cfg.launch.timeout_minutes))
             lock = lock_run(cfg, grid)  # one run per log.dir: refused on every rank before the folder is used
@@ -125,9 +127,26 @@ def _as_run_error(e: RuntimeError, cfg, grid, rank: int) -> Exception:
     if "timed out" in text or "timeout" in text or "connection closed by peer" in text \
             or "connection reset by peer" in text:
         last = (grid.counter.last if grid is not None else None) or "the process-group start-up"
-        return CollectiveTimeout(f"rank {rank}: collective {last} did not complete: {first} (another rank stopped "
-                                 f"taking part or exited; launch.timeout_minutes={cfg.launch.timeout_minutes:g})")
+        timeout = CollectiveTimeout(f"rank {rank}: collective {last} did not complete: {first} (another rank "
+                                    f"stopped taking part or exited; launch.timeout_minutes="
+                                    f"{cfg.launch.timeout_minutes:g})")
+        if grid is not None and grid.world_size > 1:  # who waits on whom: every rank's record, one summary
+            timeout.summary = _hang_summary(cfg, grid, rank, str(timeout))
+        return timeout
     return e
+
+
+def _hang_summary(cfg, grid, rank: int, error: str) -> Optional[list[str]]:
+    """This rank's record in log.dir/hang, then the summary if this rank is the one to print it
+    (``megazero.hang``); a folder that cannot be written leaves only the one line."""
+    from megazero import hang
+
+    grace = min(20.0, max(5.0, cfg.launch.timeout_minutes * 60 / 4))  # the peers time out within a step
+    try:
+        hang.write_record(cfg.log.dir, rank, grid.world_size, grid.counter.ops, error)
+        return hang.report(cfg.log.dir, rank, grid.world_size, grace)
+    except OSError:
+        return None
 
 
 def cli(config_path: str, overrides: list[str], dry: bool, simulate: bool | str = False) -> int:
@@ -146,6 +165,8 @@ def cli(config_path: str, overrides: list[str], dry: bool, simulate: bool | str 
         return 2
     except CollectiveTimeout as e:  # the rank that saw it says so: the one that stopped may be rank 0
         _report(f"error: {e}", every_rank=True)
+        for line in getattr(e, "summary", None) or []:  # on the one rank that claimed the summary
+            print(line, file=sys.stderr, flush=True)
         return e.exit_code
     except RunStopped as e:
         _report(f"error: {e}" if e.is_error else f"stopped: {e}", stdout=not e.is_error)
@@ -163,7 +184,6 @@ def _report(line: str, every_node: bool = False, every_rank: bool = False, stdou
     """Print on rank 0; with every_node also on each other node's first process (an input only that node lacks,
     tagged with rank and host); with every_rank on any rank."""
     import socket
-    import sys
 
     def env_int(*names: str) -> int:
         for n in names:

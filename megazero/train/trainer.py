@@ -89,6 +89,7 @@ class Trainer:
         """One optimizer step on the next global batch; returns its record (loss, lr, grad_norm, ...)."""
         cfg, grid = self.cfg, self.grid
         seed_step(cfg.train.seed, self.step, grid, self.chunks)
+        grid.counter.ops.step = self.step + 1  # named in a hang's record (megazero.hang)
         # the schedule follows the updates made: a step skipped for an fp16 overflow does not advance it (as in
         # Megatron-LM and DeepSpeed), so early overflows do not eat the warmup
         lr = lr_at(self.zero.step_count, cfg.train.lr, cfg.train.min_lr, cfg.train.warmup_steps, cfg.train.steps)
