@@ -11,13 +11,14 @@ The Megatron f/g autograd functions built on a Comm are in ``parallel.regions``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from megazero.parallel.op_log import OpLog
+from megazero.parallel.step_clock import StepClock, TimedWork
 
 SEQ_DIM = 1  # activations are (batch, seq, hidden)
 
@@ -50,6 +51,7 @@ class CommCounter:
     totals: dict = field(default_factory=dict)  # (kind, group, tag, size) -> CommTotals
     last: Optional[str] = None
     ops: OpLog = field(default_factory=OpLog)  # the last operations one by one, for a hang's diagnosis
+    clock: StepClock = field(default_factory=StepClock)  # the time waited on them, for stragglers
 
     def add(self, kind: str, group: str, tensor: Tensor, tag: str, size: int = 1, times: int = 1) -> None:
         """One call (``times`` alike: a simulated ring's step standing for others, parallel.context)."""
@@ -119,19 +121,27 @@ class Comm:
 
     @torch.compiler.disable  # host bookkeeping: traced, its running totals would be guards that recompile per call
     def _record(self, kind: str, tensor: Tensor, tag: str, times: int = 1, blocking: bool = True,
-                peer: Optional[int] = None) -> Optional[dict]:
-        """Count the call; its op-log entry (blocking: mark it ``completed`` when the call returns), or None."""
+                peer: Optional[int] = None) -> Optional[tuple]:
+        """Count the call and log it; for a blocking call, what ``_done`` takes when it returns (its op-log entry
+        and the clock's mark: the call is a wait), else None."""
         if self.counter is None:
             return None
         self.counter.add(kind, self.name, tensor, tag, self.size, times)
-        return self.counter.ops.post(kind, self.name, self.members, tag, tensor.numel() * tensor.element_size(),
-                                     peer, blocking)
+        entry = self.counter.ops.post(kind, self.name, self.members, tag, tensor.numel() * tensor.element_size(),
+                                      peer, blocking)
+        return (entry, self.counter.clock.mark()) if blocking else None
 
-    @staticmethod
     @torch.compiler.disable
-    def _done(entry: Optional[dict]) -> None:
-        if entry is not None:
+    def _done(self, token: Optional[tuple]) -> None:
+        if token is not None:
+            entry, mark = token
             entry["state"] = "completed"
+            self.counter.clock.waited_since(mark)
+
+    @torch.compiler.disable
+    def _timed(self, work: Any) -> Any:
+        """An asynchronous call's work, whose wait the clock counts."""
+        return work if work is None or self.counter is None else TimedWork(work, self.counter.clock)
 
     def exchange(self, ops: Sequence[tuple[str, Tensor, int, str]], times: int = 1) -> list:
         """Post a batch of point-to-point transfers at once (``batch_isend_irecv``), each counted (``times``
@@ -152,16 +162,16 @@ class Comm:
             self._record(kind, tensor, tag, times, blocking=False, peer=self._global[peer])
             p2p.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, self._global[peer],
                                   self.group))
-        return dist.batch_isend_irecv(p2p)
+        return [self._timed(work) for work in dist.batch_isend_irecv(p2p)]
 
     def all_reduce(self, x: Tensor, op=dist.ReduceOp.SUM, tag: str = "activation", async_op: bool = False):
         """In place. Returns x, or the work handle with async_op (None at size 1)."""
         if self.size > 1:
-            entry = self._record("all_reduce", x, tag, blocking=not async_op)
+            token = self._record("all_reduce", x, tag, blocking=not async_op)
             work = dist.all_reduce(x, op=op, group=self.group, async_op=async_op)
             if async_op:
-                return work
-            self._done(entry)
+                return self._timed(work)
+            self._done(token)
         return None if async_op else x
 
     def reduce_scatter_into(self, out: Tensor, x: Tensor, tag: str = "grad", async_op: bool = False):
@@ -169,34 +179,36 @@ class Comm:
         if self.size == 1:
             out.copy_(x)
             return None
-        entry = self._record("reduce_scatter", x, tag, blocking=not async_op)
+        token = self._record("reduce_scatter", x, tag, blocking=not async_op)
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         work = fn(out, x, group=self.group, async_op=async_op)
         if not async_op:
-            self._done(entry)
-        return work
+            self._done(token)
+            return work
+        return self._timed(work)
 
     def all_gather_into(self, out: Tensor, x: Tensor, tag: str = "param", async_op: bool = False):
         """out = every rank's x concatenated (dim 0); a work handle with async_op."""
         if self.size == 1:
             out.copy_(x)
             return None
-        entry = self._record("all_gather", x, tag, blocking=not async_op)
+        token = self._record("all_gather", x, tag, blocking=not async_op)
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         work = fn(out, x, group=self.group, async_op=async_op)
         if not async_op:
-            self._done(entry)
-        return work
+            self._done(token)
+            return work
+        return self._timed(work)
 
     def all_gather(self, x: Tensor, dim: int, tag: str = "activation") -> Tensor:
         """Concatenate every rank's x along dim (rank order)."""
         if self.size == 1:
             return x
-        entry = self._record("all_gather", x, tag)
+        token = self._record("all_gather", x, tag)
         moved = x.movedim(dim, 0).contiguous()
         out = torch.empty((self.size * moved.shape[0],) + tuple(moved.shape[1:]), dtype=x.dtype, device=x.device)
         _all_gather_single(out, moved, self.group)
-        self._done(entry)
+        self._done(token)
         return out.movedim(0, dim).contiguous()
 
     def reduce_scatter(self, x: Tensor, dim: int, tag: str = "activation") -> Tensor:
@@ -204,11 +216,11 @@ class Comm:
         if self.size == 1:
             return x
         assert x.shape[dim] % self.size == 0, (x.shape, dim, self.size)
-        entry = self._record("reduce_scatter", x, tag)
+        token = self._record("reduce_scatter", x, tag)
         moved = x.movedim(dim, 0).contiguous()
         out = torch.empty((moved.shape[0] // self.size,) + tuple(moved.shape[1:]), dtype=x.dtype, device=x.device)
         _reduce_scatter_single(out, moved, self.group)
-        self._done(entry)
+        self._done(token)
         return out.movedim(0, dim).contiguous()
 
     def all_to_all(self, x: Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
@@ -217,10 +229,10 @@ class Comm:
         (uneven splits: ``all_to_all_single``). Counted as the rows that leave this rank."""
         if self.size == 1:
             return x
-        entry = self._record("all_to_all", x[:x.shape[0] - in_splits[self.rank]], tag)
+        token = self._record("all_to_all", x[:x.shape[0] - in_splits[self.rank]], tag)
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), list(out_splits), list(in_splits), group=self.group)
-        self._done(entry)
+        self._done(token)
         return out
 
     def split(self, x: Tensor, dim: int) -> Tensor:

@@ -53,6 +53,7 @@ _MIN = {
     ("parallel", "world_size"): 0, ("log", "every"): 1, ("model", "init_std"): 0.0,
     ("log", "peak_tflops"): 1e-9, ("train", "max_skipped"): 1,
     ("train", "spike_window"): 2, ("train", "spike_z"): 1e-9, ("train", "max_rollbacks"): 0,
+    ("train", "straggler_ratio"): 1.0, ("train", "straggler_logs"): 1,  # a ratio of exactly 1: recovery_rules
     ("launch", "memory_gb"): 0.0, ("launch", "rank"): -1, ("launch", "cpu_threads"): 0,
     ("model.moe", "experts"): 0, ("model.moe", "top_k"): 1, ("model.moe", "expert_hidden"): 1,
     ("model.moe", "shared_experts"): 0, ("model.moe", "dense_layers"): 0, ("model.moe", "every"): 1,
@@ -92,6 +93,7 @@ _MAX = {
     ("train", "max_skipped"): _STEPS, ("log", "every"): _STEPS, ("train", "max_rollbacks"): _STEPS,
     ("train", "spike_window"): 100_000,  # stored in each checkpoint's meta.json (checkpoint.meta.MAX_SPIKE_WINDOW)
     ("train", "spike_z"): 1e6,  # past this no finite loss noise is a spike
+    ("train", "straggler_ratio"): 1e6, ("train", "straggler_logs"): _STEPS,
     ("train", "global_batch"): 2 ** 24,  # sequences per step: tokens per step (x seq_len) < 2^44
     ("train", "micro_batch"): 2 ** 16,  # sequences per forward; logits bound above
     ("train", "loss_chunk_tokens"): 2 ** 36,  # at most a microbatch's tokens (micro_batch x seq_len) matter

@@ -1,4 +1,5 @@
-"""The rules of a run's own recovery (``train.on_spike``): what a rollback needs kept on disk."""
+"""The rules of a run's own watch and recovery: what a rollback needs kept on disk (``train.on_spike``), what
+names a straggler (``train.straggler_ratio``)."""
 from __future__ import annotations
 
 from megazero.config.schema import Config
@@ -9,6 +10,9 @@ def check_recovery(cfg: Config) -> None:
     """A rollback goes to a checkpoint at or before step spike - spike_window: of the keep_last saves every
     save_every steps, the oldest is at least (keep_last - 1) x save_every steps back, so that must reach it."""
     t = cfg.train
+    if t.straggler_ratio <= 1.0:
+        raise invalid(cfg.source, "train.straggler_ratio", t.straggler_ratio, "must be > 1 (a rank's compute time "
+                      "over the ranks' median: every rank is at 1 or below it, or above it)")
     if t.on_spike != "rollback":
         return
     reach = (t.keep_last - 1) * t.save_every

@@ -87,9 +87,12 @@ class TrainConfig:
     # stops the run (exit 3), or rolls back to the newest checkpoint at or before step spike - spike_window and
     # skips the global batches from there through the spike (megazero/train/loss_spikes.py)
     on_spike: str = "none"
-    spike_window: int = 100  # PaLM rolled back ~100 steps before a spike; the window's std needs many steps
-    spike_z: float = 6.0  # a 6-sigma rise: about one false alarm in 10^9 steps of Gaussian noise
+    spike_window: int = 100  # the recent losses a step's is judged against (PaLM rolled back ~100 steps)
+    spike_z: float = 6.0  # standard deviations above their mean that make a spike (Gaussian noise: ~1 in 10^9)
     max_rollbacks: int = 5  # rollbacks in a run (resumes included) before a spike stops it
+    # each logged step every rank's compute time (its step less its waits on communication) is compared:
+    straggler_ratio: float = 1.25  # a rank this many times the median for straggler_logs logs is named
+    straggler_logs: int = 3  # logs in a row above train.straggler_ratio before a rank is named in a warning
     async_save: bool = False  # write checkpoints in the background while training goes on
     init_from: str = ""  # a Hugging Face model folder (GPT-2 or Llama) the weights start from; optimizer fresh
     init_unused: str = "refuse"  # refuse | drop: tensors in init_from that the config does not use

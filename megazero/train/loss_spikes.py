@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import torch.distributed as dist
+
 from megazero.checkpoint.store import checkpoint_run_id, list_checkpoints
 from megazero.errors import LossSpikeStop
 
@@ -79,6 +81,21 @@ class SpikeWatch:
             raise LossSpikeStop(f"{said}; no checkpoint of this run at or before step {limit} (the spike's window) "
                                 f"is left to roll back to in {ckpt_root}; stopped before saving")
         return target
+
+    def decide(self, spike: Spike, ckpt_root: Path, run_id: str, rank: int) -> Path:
+        """``stop_or_target`` as rank 0 finds it, for every rank alike (a collective under torch.distributed):
+        no rank waits in a broadcast the others skipped because its listing of the folder differed."""
+        decided: list = [None]
+        if rank == 0:
+            try:
+                decided[0] = self.stop_or_target(spike, ckpt_root, run_id)
+            except LossSpikeStop as e:
+                decided[0] = e
+        if dist.is_initialized():
+            dist.broadcast_object_list(decided, src=0)
+        if isinstance(decided[0], LossSpikeStop):
+            raise decided[0]
+        return decided[0]
 
     def rolled_back(self, spike: Spike, to_step: int) -> str:
         """Count a rollback from the spike to checkpoint ``to_step``; the line that reports it."""

@@ -220,6 +220,8 @@ class MetricsLogger:
             parts.append(f"{v['tflops']:.3f} TFLOP/s")
         if "mfu" in v and math.isfinite(v["mfu"]):
             parts.append(f"mfu {100 * v['mfu']:.1f}%")
+        if "straggler/ratio" in v:  # every rank's compute time against the median: the slowest one
+            parts.append(f"slowest rank {v['straggler/slowest_rank']:.0f} {v['straggler/ratio']:.2f}x")
         if "moe/load_max_over_mean" in v:  # the worst layer's expert load, the layers' mean balance loss
             parts.append(f"moe load max/mean {v['moe/load_max_over_mean']:.2f} aux {v['moe/aux_loss']:.3f}")
         parts.append(f"eta {_fmt_time(eta)}")

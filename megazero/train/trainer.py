@@ -4,8 +4,8 @@ The loss of a step is the mean over every token of the global batch, whatever
 the layout: each microbatch's summed token loss is divided by the global
 token count before backward, and gradients are summed across data-parallel
 ranks. That makes a dp=k run follow the dp=1 run (DESIGN: layout invariance).
-The engine it drives is ``megazero.engine.build``'s; evaluation, checkpoint state, the pipeline trace and
-the memory record are their own modules beside this one.
+The engine it drives is ``megazero.engine.build``'s; evaluation, checkpoint state, the pipeline trace, the
+memory record, loss spikes and stragglers are their own modules beside this one.
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ from megazero.train.rank_data import load_data_everywhere, seed_step
 from megazero.train.run_dir import Start, clear_earlier_run
 from megazero.train.run_lock import writer_rank
 from megazero.train.signals import StopSignals, exit_code, signal_name
+from megazero.train.stragglers import StragglerWatch
 from megazero.train.wandb_log import WandbRun
 from megazero.parallel.host import host_values
 from megazero.parallel.sequence import document_mask_share
@@ -72,6 +73,8 @@ class Trainer:
         t = cfg.train
         self.spikes = SpikeWatch(t.on_spike, t.spike_window, t.spike_z, t.max_rollbacks)
         self.spike_loss: Optional[float] = None  # the last step's loss as every rank agreed it (train.on_spike)
+        self.stragglers = StragglerWatch(self.zero.world, t.straggler_ratio, t.straggler_logs, device)
+        self.compute_s, self.compute_steps = 0.0, 0  # this rank's compute time since the last log
         self.stop_agreed = 0  # the stop signal some rank received (agreed at the last step), 0 for none
         self.is_writer = grid.rank == writer_rank(grid)
         self.ckpt_root = Path(cfg.log.dir) / "checkpoints"
@@ -90,6 +93,10 @@ class Trainer:
         cfg, grid = self.cfg, self.grid
         seed_step(cfg.train.seed, self.step, grid, self.chunks)
         grid.counter.ops.step = self.step + 1  # named in a hang's record (megazero.hang)
+        # compute time (the step less its waits): every step on the CPU, where the host clock is free; on CUDA
+        # the steps that will be logged, whose events are read where the loss is
+        logs = (self.step + 1) % cfg.log.every == 0 or self.step + 1 == cfg.train.steps
+        grid.counter.clock.begin(self.device, on=self.device.type != "cuda" or logs)
         # the schedule follows the updates made: a step skipped for an fp16 overflow does not advance it (as in
         # Megatron-LM and DeepSpeed), so early overflows do not eat the warmup
         lr = lr_at(self.zero.step_count, cfg.train.lr, cfg.train.min_lr, cfg.train.warmup_steps, cfg.train.steps)
@@ -105,6 +112,9 @@ class Trainer:
         result = train_step(self.zero, self.executor, self.schedule, microbatches, lr, cfg.train.grad_clip,
                             self.scaler, flags=flags, agree_loss=self.spikes.active)
         self.train_trace = (self.executor.trace, self.executor.trace_origin)  # the last training run's timeline
+        compute = grid.counter.clock.end()
+        if compute is not None:
+            self.compute_s, self.compute_steps = self.compute_s + compute, self.compute_steps + 1
         self.routers = result.routers  # the last step's mixture-of-experts figures (None: a dense model)
         loss_sum, norm, skipped = result.loss_total, result.grad_norm, result.skipped
         self.stop_agreed = int(result.flags[0])
@@ -163,18 +173,9 @@ class Trainer:
         checkpoint are skipped) and save that at once, so a resume skips them too; returns that save."""
         logger.log(spike.step, {"loss": spike.loss, "spike_z": spike.z})
         writer.wait()  # a save in flight is of a state from before the spike
-        decided: list = [None]
-        if self.grid.rank == 0:  # rank 0's listing decides for every rank: a stop, or the checkpoint
-            try:
-                decided[0] = self.spikes.stop_or_target(spike, self.ckpt_root, self.run_id)
-            except LossSpikeStop as e:
-                decided[0] = e
-        if dist.is_initialized():
-            dist.broadcast_object_list(decided, src=0)
-        if isinstance(decided[0], LossSpikeStop):
-            raise decided[0]
+        target = self.spikes.decide(spike, self.ckpt_root, self.run_id, self.grid.rank)
         consumed, rollbacks, skipped = self.consumed_samples, self.spikes.rollbacks, self.spikes.skipped_batches
-        self.load(decided[0])  # the state, the step and the window of losses as they were then
+        self.load(target)  # the state, the step and the window of losses as they were then
         self.consumed_samples = consumed
         self.spikes.rollbacks, self.spikes.skipped_batches = rollbacks, skipped
         self.guard.skipped_in_a_row = 0  # as a resume from that checkpoint would start
@@ -184,6 +185,12 @@ class Trainer:
         logger.log(spike.step, {"rolled_back_to": self.step, "skipped_batches": self.spikes.skipped_batches,
                                 "rollbacks": self.spikes.rollbacks})
         return self.save(writer)
+
+    def _stop(self, writer: CheckpointWriter, saved: Path) -> None:
+        """The stop signal every rank agreed on, after its save: the run exits 128 + the signal."""
+        writer.wait()
+        raise Preempted(f"step {self.step}: {signal_name(self.stop_agreed)} received; saved {saved} "
+                        f"(train.resume=auto continues from it)", exit_code(self.stop_agreed))
 
     # ----- the loop ---------------------------------------------------------------------------
     def fit(self, start: Start) -> list[dict]:
@@ -239,10 +246,7 @@ class Trainer:
                     saved = self.roll_back(spike, writer, logger)
                     window_time, window_steps, window_flops = 0.0, 0, 0.0
                     if self.stop_agreed:  # a stop signal in the same step: the rolled-back save is the one
-                        writer.wait()
-                        signum = self.stop_agreed
-                        raise Preempted(f"step {self.step}: {signal_name(signum)} received; saved {saved} "
-                                        f"(train.resume=auto continues from it)", exit_code(signum))
+                        self._stop(writer, saved)
                     continue
                 logged = self.step % cfg.log.every == 0 or self.step == cfg.train.steps or self.stop_agreed
                 if logged:  # the loss read waits for the device: the window's time is then real
@@ -263,6 +267,11 @@ class Trainer:
                     record.update(memory_record(self.zero, self.device))
                     record.update(router_record(self.routers))
                     record.update(self.zero.optimizer_record())
+                    figures, warning = self.stragglers.observe(self.compute_s / max(self.compute_steps, 1))
+                    record.update(figures)
+                    self.compute_s, self.compute_steps = 0.0, 0
+                    if warning and self.is_writer:
+                        print(warning, flush=True)
                     logger.log(step, record)
                     window_time, window_steps, window_flops = 0.0, 0, 0.0
                 history.append({"step": step, **record})
@@ -270,12 +279,9 @@ class Trainer:
                         or self.stop_agreed:
                     saved = self.save(writer)
                 if self.stop_agreed and self.step < stop_at:
-                    writer.wait()
-                    signum = self.stop_agreed
-                    raise Preempted(f"step {self.step}: {signal_name(signum)} received; saved {saved} "
-                                    f"(train.resume=auto continues from it)", exit_code(signum))
+                    self._stop(writer, saved)
             writer.wait()
-        except (NonFiniteStop, LossSpikeStop, Preempted):  # agreed by every rank: a write in flight is of a good state, finish it
+        except (NonFiniteStop, LossSpikeStop, Preempted):  # agreed by every rank: a write in flight is good
             writer.close()
             raise
         except BaseException:  # its peers may be gone (a timeout, a lost rank): do not wait for a write in flight
