@@ -5,8 +5,9 @@ train.straggler_logs logs in a row is named.
 The slowed rank is slowed from outside the product: the test's own rank function wraps rank 2's forward with a
 50 ms sleep per microbatch (one microbatch a step at dp 4; the median compute time is 7-25 ms a step here, more
 on a loaded machine). With a 20 ms sleep the measured ratios were 2.2-3.7 on a quiet machine, 1.7-3.5 beside a
-second copy of the test, and down to 1.11 beside test-fast's two workers; the test asks for > 1.5. Its peers wait for it in the gradient all-reduce, so their step times are its own: only
-the waits set them apart. The unslowed run's four ranks share two cores with the suite's other worker, so
+second copy of the test, and down to 1.11 beside test-fast's two workers; with 50 ms, 3.9-7.9 (loaded and
+quiet); the test asks for > 1.5. Its peers wait for it in the gradient all-reduce, so their step times are its
+own: only the waits set them apart. The unslowed run's four ranks share two cores with the suite's other worker, so
 their compute times vary: measured ratios up to 1.26 quiet and 1.46 loaded (the same rank above the default
 1.25 in two logs of three once, loaded). Both runs therefore name at 1.5 over 3 logs: a cluster's GPUs differ
 by a few percent, a shared CPU's ranks by tens.
