@@ -25,6 +25,7 @@ from megazero.engine.build import build_engine
 from megazero.engine.routers import router_record
 from megazero.engine.step import train_step
 from megazero.errors import LossSpikeStop, NonFiniteStop, Preempted
+from megazero.train.layout_change import layout_change
 from megazero.train.loss_spikes import Spike, SpikeWatch
 from megazero.train.lr_schedule import lr_at
 from megazero.train.checkpoint_state import load_state, save_state
@@ -157,15 +158,16 @@ class Trainer:
                           self.consumed_samples, self.data, self.run_id, self.device, self.engine.named_buffers,
                           self.spikes.meta())
 
-    def load(self, path: Path) -> Optional[str]:
-        """Resume from a checkpoint of the same architecture, in any layout; returns the line that names the data
-        settings changed since it (None: none, or train.resume_changes=allow), for the writing rank to print."""
+    def load(self, path: Path) -> list[str]:
+        """Resume from a checkpoint of the same architecture, in any layout; returns the lines for the writing rank
+        to print: the layout that changed since it, the data settings that did (unless
+        train.resume_changes=allow)."""
         meta, changed = load_state(path, self.cfg, self.zero, self.named_params, self.grid, self.scaler, self.data,
                                    self.engine.named_buffers)
         self.step = int(meta["step"])
         self.consumed_samples = int(meta["consumed_samples"])
         self.spikes.restore(meta)
-        return changed
+        return [line for line in (layout_change(meta.get("config", {}), self.cfg), changed) if line]
 
     def roll_back(self, spike: Spike, writer: CheckpointWriter, logger: MetricsLogger) -> Path:
         """train.on_spike (``megazero.train.loss_spikes``): stop, or load the newest checkpoint from before the
@@ -205,8 +207,7 @@ class Trainer:
             self.run_id = ids[0]
         notes = list(start.notes)
         if start.resume is not None:
-            changed = self.load(start.resume)
-            notes += [changed] if changed else []
+            notes += self.load(start.resume)
         if self.stop is not None:  # from here on log.dir changes: a stop signal waits for a step and its save
             self.stop.defer()
         if self.is_writer:
