@@ -95,3 +95,10 @@ def test_with_no_project_nothing_of_wandb_is_imported(tmp_path):
             "print(sorted(m for m in sys.modules if m == 'wandb' or m.startswith('wandb.')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_an_unknown_mode_is_one_line():
+    from megazero.config.load import load_config
+
+    with pytest.raises(UserError, match=rf"^{TINY}: log.wandb.mode='cloud' is invalid; valid: offline \| online$"):
+        load_config(TINY, ["log.wandb.mode=cloud"])
