@@ -131,17 +131,20 @@ def _as_run_error(e: RuntimeError, cfg, grid, rank: int) -> Exception:
                                     f"stopped taking part or exited; launch.timeout_minutes="
                                     f"{cfg.launch.timeout_minutes:g})")
         if grid is not None and grid.world_size > 1:  # who waits on whom: every rank's record, one summary
-            timeout.summary = _hang_summary(cfg, grid, rank, str(timeout))
+            gone = "timed out" not in text and "timeout" not in text  # a peer's connection closed: it exited
+            timeout.summary = _hang_summary(cfg, grid, rank, str(timeout), gone)
         return timeout
     return e
 
 
-def _hang_summary(cfg, grid, rank: int, error: str) -> Optional[list[str]]:
+def _hang_summary(cfg, grid, rank: int, error: str, gone: bool) -> Optional[list[str]]:
     """This rank's record in log.dir/hang, then the summary if this rank is the one to print it
-    (``megazero.hang``); a folder that cannot be written leaves only the one line."""
+    (``megazero.hang``); a folder that cannot be written leaves only the one line. The grace for the others'
+    records: a timeout's peers time out within about a step of each other (a quarter of the timeout, 5-20 s);
+    after a peer exited (``gone``) those that talk to it learn at once, and a restart should not wait (2 s)."""
     from megazero import hang
 
-    grace = min(20.0, max(5.0, cfg.launch.timeout_minutes * 60 / 4))  # the peers time out within a step
+    grace = 2.0 if gone else min(20.0, max(5.0, cfg.launch.timeout_minutes * 60 / 4))
     try:
         hang.write_record(cfg.log.dir, rank, grid.world_size, grid.counter.ops, error)
         return hang.report(cfg.log.dir, rank, grid.world_size, grace)
