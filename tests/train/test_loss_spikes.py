@@ -184,3 +184,26 @@ def test_the_same_spike_rolls_back_alike_at_tp2_pp2_dp2(tmp_path, monkeypatch):
     assert events[0] == events[1] == [(POISONED, BACK_TO, 4)], events
     want, got = _curve(tmp_path / "one"), _curve(tmp_path / "tp2_pp2_dp2")
     assert_curves_match("tp2_pp2_dp2", [want[s] for s in sorted(want)], [got[s] for s in sorted(got)])
+
+
+ONEBIT = {"optim.name": "onebit_adam", "optim.onebit_adam.freeze_step": BACK_TO, "zero.stage": 1,
+          "parallel.dp": 2, "train.on_spike": "rollback"}
+
+
+def _onebit(rank, world, tmp_path):
+    GPTData.train_microbatches = _data(poison=False, skip=POISONED - BACK_TO)
+    run(TINY, _overrides(tmp_path, "onebit_never", **ONEBIT))
+    GPTData.train_microbatches = _data()
+    run(TINY, _overrides(tmp_path, "onebit_rolled", **ONEBIT))
+    return True
+
+
+def test_a_rollback_into_the_onebit_warm_up_forgets_the_later_error_feedback(tmp_path):
+    """1-bit Adam at dp 2 compresses from step BACK_TO + 1 (its warm-up ends at the checkpoint rolled back to):
+    the rolled-back run must start its compressed steps from zero error feedback, as a run that never had the
+    poisoned batches does; with the error feedback of steps 9-12 kept, its losses part from step 10 on."""
+    run_ranks(2, _onebit, tmp_path)
+    want, got = _curve(tmp_path / "onebit_never"), _curve(tmp_path / "onebit_rolled")
+    assert [(r["step"], r["rolled_back_to"]) for r in read_metrics(tmp_path / "onebit_rolled")
+            if "rolled_back_to" in r] == [(POISONED, BACK_TO)]
+    assert [got[s]["loss"] for s in sorted(want)] == [want[s]["loss"] for s in sorted(want)]  # bit for bit
