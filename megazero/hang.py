@@ -5,7 +5,8 @@ When a collective or a transfer waits past ``launch.timeout_minutes``, every ran
 (``parallel.op_log``) and the error. It then waits a short grace for the others' records; the first rank to
 claim ``hang/summary.txt`` writes the summary there and prints it. The summary names the ranks that wrote no
 record (stopped, or gone), and for each group some rank waits in, the operation, the ranks waiting and the
-members that never issued it. ``python -m megazero.hang LOG_DIR`` prints it again from the records.
+members that never issued it. ``python -m megazero.hang LOG_DIR`` prints it again from the records. A run that starts in a ``log.dir`` holding
+an earlier hang's folder moves it to ``hang.<n>`` first (:func:`set_aside`).
 
 That is gloo's picture (CPU runs). On NCCL the watchdog ends a hung process itself; torch's flight recorder is
 switched on there (``megazero.launch``), and its dumps land beside the records as ``hang/nccl_trace_rank_<r>``
@@ -22,6 +23,22 @@ from typing import Any, Optional
 
 FOLDER, SUMMARY = "hang", "summary.txt"
 MAX_RECORD_BYTES = 1 << 20  # a record is a few KB; a crafted one is not read past this
+
+
+def set_aside(log_dir: str | Path) -> Optional[Path]:
+    """Rank 0, as a run starts: an earlier run's (or attempt's) ``hang`` folder moves to ``hang.<n>``, kept, so
+    this run's records and summary are its own (a stale ``summary.txt`` would otherwise claim the next one)."""
+    folder = Path(log_dir) / FOLDER
+    if not folder.is_dir() or folder.is_symlink():
+        return None
+    n = 1
+    while os.path.lexists(folder.parent / f"{FOLDER}.{n}"):
+        n += 1
+    try:
+        os.rename(folder, folder.parent / f"{FOLDER}.{n}")
+    except OSError:  # a folder that cannot be moved: this run's records join it (the summary may then be stale)
+        return None
+    return folder.parent / f"{FOLDER}.{n}"
 
 
 def write_record(log_dir: str | Path, rank: int, world: int, ops: Any, error: str) -> Path:

@@ -66,6 +66,10 @@ def run(config_path: str, overrides: list[str]) -> list[dict]:
             grid = Grid.build(ParallelDims.of(cfg.parallel), device.type,
                               timeout=timedelta(minutes=cfg.launch.timeout_minutes))
             lock = lock_run(cfg, grid)  # one run per log.dir: refused on every rank before the folder is used
+            if grid.rank == 0:  # an earlier attempt's hang records kept aside: this run's are its own
+                from megazero import hang
+
+                hang.set_aside(cfg.log.dir)
             start = plan_start(cfg)  # continue, start afresh or refuse: decided from the folder, before any build
             launch.seed_everything(cfg.train.seed)
             from megazero.train.trainer import Trainer

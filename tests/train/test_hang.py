@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -144,3 +145,15 @@ def test_damaged_records_are_left_out_and_an_empty_folder_is_one_line(tmp_path):
     out = subprocess.run([sys.executable, "-m", "megazero.hang", str(tmp_path / "nowhere")], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and "no hang records" in out.stderr
+
+
+def test_a_new_run_sets_an_earlier_hang_aside_so_its_own_summary_is_claimed(tmp_path):
+    (tmp_path / "hang").mkdir()
+    (tmp_path / "hang" / "summary.txt").write_text("hang: an earlier one\n")
+    (tmp_path / "hang.1").mkdir()  # an earlier one still
+    assert hang.set_aside(tmp_path) == tmp_path / "hang.2" and not (tmp_path / "hang").exists()
+    assert (tmp_path / "hang.2" / "summary.txt").read_text() == "hang: an earlier one\n"
+    ops = SimpleNamespace(step=4, action="F1", record=lambda: [_op(3, "all_reduce", "dp", [0, 1], state="posted")])
+    hang.write_record(tmp_path, 0, 2, ops, "error: rank 0: ...")
+    assert hang.report(tmp_path, 0, 2, 0.1)[0].startswith("hang: rank 1 wrote no record")  # claimed: its own
+    assert hang.set_aside(tmp_path / "nowhere") is None
