@@ -5,8 +5,8 @@ When a collective or a transfer waits past ``launch.timeout_minutes``, every ran
 (``parallel.op_log``) and the error. It then waits a short grace for the others' records; the first rank to
 claim ``hang/summary.txt`` writes the summary there and prints it. The summary names the ranks that wrote no
 record (stopped, or gone), and for each group some rank waits in, the operation, the ranks waiting and the
-members that never issued it. ``python -m megazero.hang LOG_DIR`` prints it again from the records. A run that starts in a ``log.dir`` holding
-an earlier hang's folder moves it to ``hang.<n>`` first (:func:`set_aside`).
+members that never issued it. ``python -m megazero.hang LOG_DIR`` prints it again from the records. A run
+that starts in a ``log.dir`` holding an earlier hang's folder moves it to ``hang.<n>`` first (:func:`set_aside`).
 
 That is gloo's picture (CPU runs). On NCCL the watchdog ends a hung process itself; torch's flight recorder is
 switched on there (``megazero.launch``), and its dumps land beside the records as ``hang/nccl_trace_rank_<r>``
