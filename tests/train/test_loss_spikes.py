@@ -93,6 +93,25 @@ def test_a_spike_rolls_back_skips_its_batches_and_trains_as_if_they_never_were(t
         [want[s]["loss"] for s in range(BACK_TO + 1, STEPS + 1)]
 
 
+def test_a_run_stopped_before_the_spike_and_resumed_rolls_back_as_the_uninterrupted_one(tmp_path, monkeypatch):
+    """Stopped at step 10 (saved) and resumed: the window of losses comes back from meta.json, so step 12 is judged
+    as in the uninterrupted run, rolled back to step 8 alike, and every later loss and the final weights equal it
+    bit for bit. Resumed with an empty window, step 12 would not be judged (4 losses needed) and the run would
+    train through the poison."""
+    monkeypatch.setattr(GPTData, "train_microbatches", _data())
+    spikes = {"train.on_spike": "rollback"}
+    run(TINY, _overrides(tmp_path, "whole", **spikes))
+    run(TINY, _overrides(tmp_path, "halves", "train.exit_after=10", **spikes))
+    run(TINY, _overrides(tmp_path, "halves", "train.resume=auto", **spikes))
+    events = [[(r["step"], r["rolled_back_to"]) for r in read_metrics(tmp_path / f) if "rolled_back_to" in r]
+              for f in ("whole", "halves")]
+    assert events[0] == events[1] == [(POISONED, BACK_TO)], events
+    want, got = _curve(tmp_path / "whole"), _curve(tmp_path / "halves")
+    assert [got[s]["loss"] for s in sorted(want)] == [want[s]["loss"] for s in sorted(want)]
+    a, b = _last(tmp_path / "whole"), _last(tmp_path / "halves")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_stop_exits_3_in_one_line_naming_the_step_and_the_z_score(tmp_path, monkeypatch):
     monkeypatch.setattr(GPTData, "train_microbatches", _data())
     with pytest.raises(LossSpikeStop) as err:
@@ -167,23 +186,30 @@ def test_a_rollback_that_keeps_no_checkpoint_from_before_the_window_is_refused()
         load_config(TINY, ["train.on_spike=rollback", "train.save_every=50"])
 
 
+LAYOUTS = {8: ("tp2_pp2_dp2", ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2"]),
+           4: ("cp2_dp2_z3", ["parallel.cp=2", "parallel.dp=2", "zero.stage=3", "zero.bucket_mb=0.02"])}
+
+
 def _layout(rank, world, tmp_path):
     GPTData.train_microbatches = _data()  # this rank's own process
-    run(TINY, _overrides(tmp_path, "tp2_pp2_dp2", "parallel.tp=2", "parallel.pp=2", "parallel.dp=2",
-                         **{"train.on_spike": "rollback"}))
+    name, extra = LAYOUTS[world]
+    run(TINY, _overrides(tmp_path, name, *extra, **{"train.on_spike": "rollback"}))
     return True
 
 
-def test_the_same_spike_rolls_back_alike_at_tp2_pp2_dp2(tmp_path, monkeypatch):
+def test_the_same_spike_rolls_back_alike_at_tp2_pp2_dp2_and_cp2_dp2_zero3(tmp_path, monkeypatch):
+    """Pipeline, tensor and data parallel; context parallel with ZeRO 3 over several buckets: the loss every
+    rank agrees is the global batch's at each, so each rolls back at the same step, skipping the same batches."""
     monkeypatch.setattr(GPTData, "train_microbatches", _data())
     run(TINY, _overrides(tmp_path, "one", **{"train.on_spike": "rollback"}))
-    run_ranks(8, _layout, tmp_path)
-    one, eight = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "tp2_pp2_dp2")
-    events = [[(r["step"], r["rolled_back_to"], r["skipped_batches"]) for r in rs if "rolled_back_to" in r]
-              for rs in (one, eight)]
-    assert events[0] == events[1] == [(POISONED, BACK_TO, 4)], events
-    want, got = _curve(tmp_path / "one"), _curve(tmp_path / "tp2_pp2_dp2")
-    assert_curves_match("tp2_pp2_dp2", [want[s] for s in sorted(want)], [got[s] for s in sorted(got)])
+    for world, (name, _) in LAYOUTS.items():
+        run_ranks(world, _layout, tmp_path)
+        one, many = read_metrics(tmp_path / "one"), read_metrics(tmp_path / name)
+        events = [[(r["step"], r["rolled_back_to"], r["skipped_batches"]) for r in rs if "rolled_back_to" in r]
+                  for rs in (one, many)]
+        assert events[0] == events[1] == [(POISONED, BACK_TO, 4)], (name, events)
+        want, got = _curve(tmp_path / "one"), _curve(tmp_path / name)
+        assert_curves_match(name, [want[s] for s in sorted(want)], [got[s] for s in sorted(got)])
 
 
 ONEBIT = {"optim.name": "onebit_adam", "optim.onebit_adam.freeze_step": BACK_TO, "zero.stage": 1,
