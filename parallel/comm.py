@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megazero.parallel.compile_fence import host_only
 from megazero.parallel.op_log import OpLog
 from megazero.parallel.step_clock import StepClock, TimedWork
 
@@ -119,7 +120,7 @@ class Comm:
     def __repr__(self) -> str:
         return f"Comm({self.name}, rank {self.rank}/{self.size})"
 
-    @torch.compiler.disable  # host bookkeeping: traced, its running totals would be guards that recompile per call
+    @host_only  # host bookkeeping: traced, its running totals would be guards that recompile per call
     def _record(self, kind: str, tensor: Tensor, tag: str, times: int = 1, blocking: bool = True,
                 peer: Optional[int] = None) -> Optional[tuple]:
         """Count the call and log it; for a blocking call, what ``_done`` takes when it returns (its op-log entry
@@ -131,14 +132,14 @@ class Comm:
                                       peer, blocking)
         return (entry, self.counter.clock.mark()) if blocking else None
 
-    @torch.compiler.disable
+    @host_only
     def _done(self, token: Optional[tuple]) -> None:
         if token is not None:
             entry, mark = token
             entry["state"] = "completed"
             self.counter.clock.waited_since(mark)
 
-    @torch.compiler.disable
+    @host_only
     def _timed(self, work: Any) -> Any:
         """An asynchronous call's work, whose wait the clock counts."""
         return work if work is None or self.counter is None else TimedWork(work, self.counter.clock)

@@ -15,6 +15,8 @@ from typing import Any, Optional
 
 import torch
 
+from megazero.parallel.compile_fence import host_only
+
 
 class StepClock:
     def __init__(self) -> None:
@@ -38,12 +40,12 @@ class StepClock:
             return event
         return time.perf_counter()
 
-    @torch.compiler.disable  # host bookkeeping around a collective: not traced
+    @host_only  # host bookkeeping around a collective: not traced
     def mark(self) -> Any:
         """Before a wait: its start (None when the step is not measured)."""
         return self._now() if self.on else None
 
-    @torch.compiler.disable
+    @host_only
     def waited_since(self, mark: Any) -> None:
         if mark is None or not self.on:
             return
@@ -77,7 +79,7 @@ class TimedWork:
     def __init__(self, work: Any, clock: StepClock):
         self.work, self.clock = work, clock
 
-    @torch.compiler.disable
+    @host_only
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         mark = self.clock.mark()
         out = self.work.wait(*args, **kwargs)
