@@ -1,5 +1,6 @@
 """train.compile: every block compiled by torch.compile (inductor, on the CPU) trains the eager model, at one
-process (with and without dropout) and at tp 2 with sequence parallelism, pp 2 under 1F1B and dp 2 under
+process (with and without dropout) and at tp 2 with sequence parallelism (with and without Domino's tp_overlap,
+whose half-batch collectives break each block into more graphs), pp 2 under 1F1B and dp 2 under
 ZeRO-3, each with activation checkpointing; the compilations stop after the first step; what cannot compose is
 refused in one line.
 
@@ -27,6 +28,7 @@ SHAPE = {"model.layers": 2, "model.heads": 4, "model.hidden": 64, "model.seq_len
 STEPS, PARITY = 20, 10  # one process's steps (the recompilation check's span); the layouts' and compared
 COMPILED = ["train.compile=true", "model.activation_checkpointing=true"]
 LAYOUTS = {"tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+           "tp2_sp_overlap": ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_overlap=true"],
            "pp2_1f1b": ["parallel.pp=2", "parallel.schedule=1f1b"],
            "dp2_zero3": ["parallel.dp=2", "zero.stage=3", "zero.bucket_mb=0.05"]}
 
