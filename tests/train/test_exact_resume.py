@@ -1,6 +1,8 @@
-"""A run stopped at step 10 of 20 and resumed at its own layout equals the uninterrupted run bit for bit: every
-step's loss and gradient norm, and every tensor of the last checkpoint (weights, optimizer states, buffers).
-One 4-rank spawn, fp32 on the CPU (the same operations on the same values, so exactly equal):
+"""A run resumed at step 10 of 20 at its own layout equals the uninterrupted run bit for bit: every step's loss
+and gradient norm, and every tensor of the last checkpoint (weights, optimizer states, buffers). The resumed run
+starts, in a folder of its own, from the uninterrupted run's step-10 save (a save does not change the run it is
+taken from: the uninterrupted curve is the same with or without it). One 4-rank spawn, fp32 on the CPU (the same
+operations on the same values, so exactly equal):
 
 - Muon at tp 2 x dp 2, ZeRO 1 (its momentum, the matrices exchanged over the stage's ranks);
 - LAMB at pp 2 x dp 2, ZeRO 2 (its moments, sharded; the trust ratios' norms over the shard group);
@@ -45,13 +47,11 @@ def _config(case):
 def _ranks(rank, world, text, cache, base):
     from megazero.checkpoint import store
 
-    for case in CASES:
-        run(_config(case), _overrides(case, text, cache, base / case / "whole"))
-        stopped = base / case / "resumed"
-        run(_config(case), _overrides(case, text, cache, stopped, [f"train.save_every={SAVED}",
-                                                                   f"train.exit_after={SAVED}"]))
-        saved = store.latest_checkpoint(stopped / "checkpoints")
-        run(_config(case), _overrides(case, text, cache, stopped, [f"train.resume={saved}"]))
+    for case in CASES:  # the uninterrupted run saves at step SAVED too: the resumed run starts from that save
+        whole = base / case / "whole"
+        run(_config(case), _overrides(case, text, cache, whole, [f"train.save_every={SAVED}"]))
+        saved = store.checkpoint_dir(whole / "checkpoints", SAVED)
+        run(_config(case), _overrides(case, text, cache, base / case / "resumed", [f"train.resume={saved}"]))
     return True
 
 
