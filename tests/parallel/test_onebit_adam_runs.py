@@ -12,10 +12,10 @@ import pytest
 
 from megazero.train.run import run
 from tests.dist import run_ranks
-from tests.runs import assert_resume_exact, latest_checkpoint, read_metrics, ROOT, small_overrides, write_corpus
+from tests.runs import assert_resume_exact, read_metrics, ROOT, small_overrides, write_corpus
 
 CONFIG = str(ROOT / "configs" / "tiny.yaml")
-STEPS, FREEZE, SAVED, SIGNALLED = 10, 3, 6, 6
+STEPS, FREEZE, SAVED, SIGNALLED = 10, 3, 6, 6  # SAVED: a multiple of EARLY (the saves' period)
 EARLY = FREEZE  # the warm-up's last step: no compressed step has run, the states are AdamW's
 ONEBIT = {"optim.name": "onebit_adam", "optim.onebit_adam.freeze_step": FREEZE, "train.lr": "2.0e-3", "zero.stage": 1,
           "zero.bucket_mb": 0.02}
@@ -29,10 +29,11 @@ def _overrides(text, cache, log_dir, extra=()):
 def _ranks(rank, world, text, cache, base):
     from megazero.errors import UserError
 
-    run(CONFIG, _overrides(text, cache, base / "whole", TP2))
-    run(CONFIG, _overrides(text, cache, base / "saved", TP2 + [f"train.save_every={SAVED}",
-                                                               f"train.exit_after={SAVED}"]))
-    saved = latest_checkpoint(base / "saved")
+    from megazero.checkpoint import store
+
+    # the uninterrupted run saves at EARLY and SAVED (and 9, 10): the resumed runs start from those saves
+    run(CONFIG, _overrides(text, cache, base / "whole", TP2 + [f"train.save_every={EARLY}", "train.keep_last=4"]))
+    saved = store.checkpoint_dir(base / "whole" / "checkpoints", SAVED)
     run(CONFIG, _overrides(text, cache, base / "resumed", TP2 + [f"train.resume={saved}"]))
     refused = []
     for extra in (["parallel.dp=4"], TP2 + [f"optim.onebit_adam.freeze_step={FREEZE + 1}"]):
@@ -43,10 +44,8 @@ def _ranks(rank, world, text, cache, base):
             refused.append(str(e))
     _preempted(rank, text, cache, base / "preempted")
     run(CONFIG, _overrides(text, cache, base / "preempted", TP2 + ["train.resume=auto"]))
-    run(CONFIG, _overrides(text, cache, base / "early", TP2 + [f"train.save_every={EARLY}",
-                                                               f"train.exit_after={EARLY}"]))
-    run(CONFIG, _overrides(text, cache, base / "early_dp4", ["parallel.dp=4",
-                                                             f"train.resume={latest_checkpoint(base / 'early')}"]))
+    early = store.checkpoint_dir(base / "whole" / "checkpoints", EARLY)
+    run(CONFIG, _overrides(text, cache, base / "early_dp4", ["parallel.dp=4", f"train.resume={early}"]))
     return refused
 
 
