@@ -14,7 +14,7 @@ import torch
 
 from megazero.checkpoint import store as checkpoint
 from megazero.train.run import run
-from tests.runs import ROOT, read_metrics, run_pretrain, small_overrides, write_corpus
+from tests.runs import ROOT, read_metrics, small_overrides, write_corpus
 
 
 @pytest.fixture(scope="module")
@@ -27,17 +27,26 @@ def losses(records):
     return [r["loss"] for r in records]
 
 
-def test_dp2_under_torchrun_reproduces_single_process(corpus, tmp_path):
+def _train(rank: int, world: int, overrides: list[str]) -> bool:
+    run(str(ROOT / "configs" / "tiny.yaml"), overrides)
+    return True
+
+
+def test_dp2_reproduces_single_process(corpus, tmp_path):
     """Same global batch, dp=1 vs dp=2: fp32 losses agree to 1e-5 relative, step after step.
 
     Only the order of floating-point sums differs (the dp all-reduce adds two
-    half-batch gradients), so the curves agree far below 1e-5.
+    half-batch gradients), so the curves agree far below 1e-5. The ranks are forked (tests/dist.py): that
+    pretrain.py's ranks under torchrun train as forked ones do, bit for bit, is tests/train/test_hostile_run.py's
+    (its torchrun runs end with the forked run's losses).
     """
+    from tests.dist import run_ranks
+
     text, cache = corpus
     one = small_overrides(text, cache, tmp_path / "dp1", steps=8)
     two = small_overrides(text, cache, tmp_path / "dp2", steps=8) + ["parallel.dp=2"]
     run(str(ROOT / "configs" / "tiny.yaml"), one)
-    run_pretrain(two, nproc=2)
+    run_ranks(2, _train, two)
     a, b = read_metrics(tmp_path / "dp1"), read_metrics(tmp_path / "dp2")
     assert len(a) == len(b) == 8
     for x, y in zip(a, b):
