@@ -1,7 +1,10 @@
 """LAMB and Muon train the same model at every layout: tp 2 with sequence parallelism, pp 2 under 1F1B, dp 4 at
-ZeRO 1, 2 and 3 (several buckets), tp 2 x pp 2 x dp 2 at ZeRO 1, Llama, experts over ep 2, k/v heads replicated
-over tp, cp 2, the tied embedding under pp 2 at ZeRO 3, and a run saved at tp 2 x dp 2 and continued at dp 4,
-each against its one-process run. Each spawn runs every layout of its size under both optimizers.
+ZeRO 1 and 3 (several buckets), tp 2 x pp 2 x dp 2 at ZeRO 1, Llama, experts over ep 2, k/v heads replicated
+over tp (at ZeRO 2), cp 2, the tied embedding under pp 2 at ZeRO 3, and a run saved at tp 2 x dp 2 and continued
+at dp 4, each against its one-process run. Each spawn runs every layout of its size under both optimizers.
+ZeRO 2 differs from 1 only in how the gradients reach the shard (reduced each microbatch: the AdamW layouts of
+tests/parallel/test_zero.py, dp 4 included); both optimizers update the same shard from it at either stage, so
+dp 4 at ZeRO 2 is not run again here (ZeRO 2 stays in, at tp 4).
 
 Tolerance: fp32 on the CPU, 10 steps, loss and gradient norm within 1e-5 relative (the issue's bound; the
 layouts sum the same per-microbatch gradients in another order, ~1e-6). A trust ratio computed from one
@@ -36,7 +39,6 @@ FOUR = [
     ("tp2_sp", ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=2"]),
     ("pp2_1f1b", ["parallel.pp=2", "parallel.schedule=1f1b", "parallel.dp=2"]),
     ("dp4_z1", ["parallel.dp=4", "zero.stage=1"] + SEVERAL),
-    ("dp4_z2", ["parallel.dp=4", "zero.stage=2"] + SEVERAL),
     ("dp4_z3", ["parallel.dp=4", "zero.stage=3"] + SEVERAL),
     ("llama_tp2_sp_z1", LLAMA + ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=2",
                                  "zero.stage=1"] + SEVERAL),
