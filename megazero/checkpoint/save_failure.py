@@ -17,7 +17,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 
 from megazero.disk import is_no_space, write_refusal
 from megazero.errors import UserError
@@ -50,6 +49,8 @@ def checkpoint_bytes(state: Iterable[torch.Tensor], group: Optional[dist.Process
 
 def _failures(e: BaseException) -> Iterator[BaseException]:
     """The errors behind ``e``: each rank's, lowest rank first, for a CheckpointException; else ``e``."""
+    from torch.distributed.checkpoint.api import CheckpointException  # on first use: DCP is ~0.6 s of start-up
+
     found = e.failures if isinstance(e, CheckpointException) and e.failures else {0: e}
     for rank in sorted(found):
         failure = found[rank]

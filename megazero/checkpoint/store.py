@@ -36,22 +36,21 @@ import shutil
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megazero.checkpoint.meta import (FORMAT_VERSION, INT_LIMIT, MAX_STEP, META, RESUME_FIELDS, RUN_ID, check_meta,
                                       checkpoint_run_id, peek_meta, read_meta)
 from megazero.checkpoint.save_failure import checkpoint_bytes, describe_failure, failed_write, interruption
-from megazero.checkpoint.unpickle import SafeFileSystemReader
 from megazero.disk import write_refusal
 from megazero.errors import UserError
 
-__all__ = ["FORMAT_VERSION", "META", "RESUME_FIELDS", "SafeFileSystemReader", "check_save_args",
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+__all__ = ["FORMAT_VERSION", "META", "RESUME_FIELDS", "check_save_args",
            "checkpoint_dir", "checkpoint_run_id", "commit", "describe_failure", "foreign_entries", "latest_checkpoint",
            "list_checkpoints", "load", "megazero_entries", "prepare", "read_checkpoint_config", "read_meta",
            "read_model_state", "save", "stored_tensors", "tmp_dir"]
@@ -228,6 +227,18 @@ def commit(root: str | Path, step: int, meta: dict, keep_last: int, run_id: Opti
     return final
 
 
+def _dcp():
+    """torch.distributed.checkpoint, its exception and megazero's checked reader, imported on first use: DCP
+    (DTensor, sympy) is ~0.6 s of a 2-core machine's start-up, which a dry run, a config error or the planner
+    never needs."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megazero.checkpoint.unpickle import SafeFileSystemReader
+
+    return dcp, CheckpointException, SafeFileSystemReader
+
+
 @contextlib.contextmanager
 def quiet_dcp():
     """DCP warns that a single process saves or loads alone: that is intended."""
@@ -246,6 +257,7 @@ def save(root: str | Path, step: int, state: dict[str, torch.Tensor], meta: dict
     needs = checkpoint_bytes(state.values())  # every rank's share: the whole folder
     tmp = prepare(root, step, needs) if _rank() == 0 else tmp_dir(root, step)
     _barrier()
+    dcp, CheckpointException, _ = _dcp()
     with quiet_dcp():
         try:
             dcp.save(state, checkpoint_id=str(tmp), no_dist=not _is_dist())
@@ -263,7 +275,7 @@ def save(root: str | Path, step: int, state: dict[str, torch.Tensor], meta: dict
 
 def stored_tensors(path: str | Path) -> dict[str, TensorStorageMetadata]:
     """Logical name -> stored size/dtype, read from the checkpoint's (checked) metadata."""
-    return dict(SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    return dict(_dcp()[2](str(path)).read_metadata().state_dict_metadata)
 
 
 def load(path: str | Path, state: dict[str, torch.Tensor], require: Iterable[str] = ()) -> dict:
@@ -281,7 +293,8 @@ def load(path: str | Path, state: dict[str, torch.Tensor], require: Iterable[str
             raise UserError(f"checkpoint {path}: {key} has shape {tuple(stored[key].size)}, "
                             f"this run expects {tuple(tensor.shape)}")
     with _readable(path):
-        dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), no_dist=not _is_dist())
+        dcp, _, reader = _dcp()
+        dcp.load(state, storage_reader=reader(str(path)), no_dist=not _is_dist())
     return meta
 
 
@@ -289,6 +302,7 @@ def load(path: str | Path, state: dict[str, torch.Tensor], require: Iterable[str
 def _readable(path: str | Path):
     """A checkpoint whose files are missing or cut short is an input error, not a crash (DCP raises the
     readers' errors, gathered from every rank, as one CheckpointException)."""
+    _, CheckpointException, _ = _dcp()
     with quiet_dcp():
         try:
             yield
@@ -307,7 +321,8 @@ def read_model_state(path: str | Path) -> dict[str, torch.Tensor]:
         raise UserError(f"checkpoint {path}: cannot hold its model tensors in memory "
                         f"({str(e).splitlines()[0][:200]})") from None
     with _readable(path):
-        dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), no_dist=True)
+        dcp, _, reader = _dcp()
+        dcp.load(state, storage_reader=reader(str(path)), no_dist=True)
     return {k[len("model/"):]: v for k, v in state.items()}
 
 

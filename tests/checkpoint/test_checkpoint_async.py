@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from megazero.checkpoint import store as checkpoint
+from megazero.checkpoint.unpickle import SafeFileSystemReader
 from megazero.checkpoint.writer import CheckpointWriter, _StagedWriter
 from megazero.errors import UserError
 from tests.dist import run_ranks
@@ -36,7 +37,7 @@ def _read(path: Path) -> dict[str, torch.Tensor]:
     stored = checkpoint.stored_tensors(path)
     out = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in stored.items()}
     with checkpoint.quiet_dcp():
-        dcp.load(out, storage_reader=checkpoint.SafeFileSystemReader(str(path)), no_dist=True)
+        dcp.load(out, storage_reader=SafeFileSystemReader(str(path)), no_dist=True)
     return out
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megazero.checkpoint import store as checkpoint
+from megazero.checkpoint.unpickle import SafeFileSystemReader
 from megazero.train.run import run
 from tests.runs import ROOT, read_metrics, small_overrides, write_corpus
 
@@ -309,7 +310,7 @@ def test_an_fp32_resume_of_a_bf16_checkpoint_takes_the_fp32_master_weights(corpu
     stored = checkpoint.stored_tensors(ckpt)
     masters = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in stored.items()
                if k.endswith("/master")}
-    dcp.load(masters, storage_reader=checkpoint.SafeFileSystemReader(str(ckpt)), no_dist=True)
+    dcp.load(masters, storage_reader=SafeFileSystemReader(str(ckpt)), no_dist=True)
     for stage in (0, 3):
         cfg = resolve(load_config(config, small_overrides(text, cache, tmp_path / f"fp32-{stage}", steps=3,
                                                           **{"zero.stage": stage})), 1, "cpu")
