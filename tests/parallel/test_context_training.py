@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import pytest
 
+from megazero.checkpoint.store import checkpoint_dir
 from megazero.train.run import run
 from tests.dist import run_ranks
-from tests.runs import assert_curves_match, latest_checkpoint, read_metrics, ROOT, small_overrides, write_corpus
+from tests.runs import assert_curves_match, read_metrics, ROOT, small_overrides, write_corpus
 
 LLAMA = str(ROOT / "configs" / "tiny-llama.yaml")
 GPT2 = str(ROOT / "configs" / "tiny.yaml")
@@ -24,7 +25,9 @@ SHAPE = {"model.layers": 2, "model.heads": 4, "model.hidden": 64, "model.seq_len
 LLAMA_SHAPE = {**SHAPE, "model.arch": "llama", "model.kv_heads": 2, "model.ffn_hidden": 64}
 BOTH = ("ring", "all_to_all")
 A2A = "parallel.cp_mode=all_to_all"
-TWO_RANKS = [(f"cp2_{m}", LLAMA, ["parallel.cp=2", f"parallel.cp_mode={m}"]) for m in BOTH] + \
+# the cp 2 runs save at step STOP on their way: the resumes at cp 1 and cp 4 start from those saves
+TWO_RANKS = [(f"cp2_{m}", LLAMA, ["parallel.cp=2", f"parallel.cp_mode={m}", f"train.save_every={STOP}"])
+             for m in BOTH] + \
     [(f"gpt2_cp2_{m}", GPT2, ["parallel.cp=2", f"parallel.cp_mode={m}"]) for m in BOTH] + \
     [(f"ckpt_cp2_{m}", LLAMA, ["parallel.cp=2", f"parallel.cp_mode={m}", "model.activation_checkpointing=true"])
      for m in BOTH]
@@ -56,18 +59,18 @@ def _overrides(config, text, cache, log_dir, extra=()):
     return small_overrides(text, cache, log_dir, steps=STEPS, **shape) + list(extra)
 
 
-def _layouts(rank, world, text, cache, base, layouts, save):
+def _saved(base, mode):
+    """The cp 2 run's step-STOP checkpoint."""
+    return checkpoint_dir(base / f"cp2_{mode}" / "checkpoints", STOP)
+
+
+def _layouts(rank, world, text, cache, base, layouts, resume):
     for name, config, extra in layouts:
         run(config, _overrides(config, text, cache, base / name, extra))
     for mode, tail in (("ring", ""), ("all_to_all", "_all_to_all")):
-        if save:  # the cp 2 runs that save at step STOP
-            saved = ["parallel.cp=2", f"parallel.cp_mode={mode}", f"train.save_every={STOP}",
-                     f"train.exit_after={STOP}"]
-            run(LLAMA, _overrides(LLAMA, text, cache, base / f"saved_cp2{tail}", saved))
-        else:
+        if resume:
             run(LLAMA, _overrides(LLAMA, text, cache, base / f"resumed_cp4{tail}",
-                                  ["parallel.cp=4", f"parallel.cp_mode={mode}",
-                                   f"train.resume={latest_checkpoint(base / f'saved_cp2{tail}')}"]))
+                                  ["parallel.cp=4", f"parallel.cp_mode={mode}", f"train.resume={_saved(base, mode)}"]))
     return True
 
 
@@ -77,12 +80,11 @@ def runs(tmp_path_factory):
     text, cache = write_corpus(base / "text"), base / "cache"
     run(LLAMA, _overrides(LLAMA, text, cache, base / "one"))
     run(GPT2, _overrides(GPT2, text, cache, base / "one_gpt2"))
-    run_ranks(2, _layouts, text, cache, base, TWO_RANKS, True)
-    run_ranks(4, _layouts, text, cache, base, FOUR_RANKS, False)
+    run_ranks(2, _layouts, text, cache, base, TWO_RANKS, False)
+    run_ranks(4, _layouts, text, cache, base, FOUR_RANKS, True)
     run(LLAMA, _overrides(LLAMA, text, cache, base / "one_4_layers", ["model.layers=4"]))
-    for tail in ("", "_all_to_all"):
-        run(LLAMA, _overrides(LLAMA, text, cache, base / f"resumed_cp1{tail}",
-                              [f"train.resume={latest_checkpoint(base / f'saved_cp2{tail}')}"]))
+    for mode, tail in (("ring", ""), ("all_to_all", "_all_to_all")):
+        run(LLAMA, _overrides(LLAMA, text, cache, base / f"resumed_cp1{tail}", [f"train.resume={_saved(base, mode)}"]))
     return base
 
 
