@@ -3,7 +3,8 @@ minutes measuring, not debugging the script. What is checked is the script's out
 
 bench/kernels.py --smoke runs once, as the first command of bench/gpu_checks.py --smoke (its stdout is the
 kernels.md checked here), which is run as the test suite runs it: ``--lean``, and its sections in two halves side
-by side (each command is one process, mostly on one core; two keep both of the suite's cores busy)."""
+by side (each command is one process, mostly on one core; two keep both of the suite's cores busy). bench/mfu.py
+--toy is checked from the same run (its table is the second half's mfu.md), not run again."""
 import os
 import re
 import subprocess
@@ -91,6 +92,26 @@ def test_smoke_prints_every_table_and_target(gpu_checks_smoke):
     for name in ("megazero triton", "megazero atomic dQ"):
         found = re.findall(rf"^- float32 errors, {name}, head_dim (64|128), seq 64: .*: (MET|MISSED)$", targets, re.M)
         assert len(found) == 2, name
+
+
+def test_mfu_toy_prints_a_row_per_contender_with_its_ratio(gpu_checks_smoke):
+    """bench/mfu.py --toy (the smoke's first command of its second half; mfu.md is its stdout) at toy sizes on the
+    CPU, within the issue's bound of 30 s in the suite: a row per contender with its ratio to the eager peer, and
+    the document-masked attention call's two paths."""
+    _passed(gpu_checks_smoke[1])
+    out = gpu_checks_smoke[1][2]
+    took = re.findall(r"^===== bench/mfu.py: exit 0 after (\d+) s$", (out / "log.txt").read_text(), re.M)
+    assert len(took) == 1 and int(took[0]) < 30, took
+    stdout = (out / "mfu.md").read_text()
+    rows = re.findall(r"^\| (megazero eager|peer eager) \| ([0-9.]+) \| [0-9. ]+ \| ([0-9.]+) \| [0-9,]+ \| "
+                      r"[0-9.]+% \| ([0-9.]+) \|$", stdout, re.M)
+    assert [r[0] for r in rows] == ["megazero eager", "peer eager"], stdout
+    assert float(rows[1][2]) == 1.0 and float(rows[0][2]) > 0, rows
+    assert all(5.0 < float(r[3]) < 7.5 for r in rows), rows  # a loss near ln(512) = 6.24: both train a model
+    # the document-masked call: the path auto takes on the CPU against the dense mask, with its peak memory
+    docs = re.findall(r"^\| (auto \(blocks\)|torch, dense mask) \| [0-9.]+ \| [0-9. ]+ \| ([0-9.]+) \| [0-9,]+ \| "
+                      r"[0-9,.]+ \|$", stdout, re.M)
+    assert [d[0] for d in docs] == ["auto (blocks)", "torch, dense mask"] and float(docs[1][1]) == 1.0, stdout
 
 
 def test_needs_a_gpu_without_smoke():
