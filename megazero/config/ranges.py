@@ -20,7 +20,7 @@ _CHOICES = {
     ("model", "rope_scaling"): ("none", "llama3"),
     ("train", "precision"): ("fp32", "bf16", "fp16", "auto"),
     ("zero", "stage"): (0, 1, 2, 3),
-    ("zero", "offload_optimizer"): ("none", "cpu"),
+    ("zero", "offload_optimizer"): ("none", "cpu", "nvme"),
     ("zero", "offload_params"): ("none", "cpu"),
     ("zero", "grad_dtype"): ("auto", "fp32", "model"),
     ("kernels", "attention"): ("auto", "triton", "torch", "blocks"),
@@ -49,6 +49,7 @@ _MIN = {
     ("train", "weight_decay"): 0.0, ("train", "grad_clip"): 0.0, ("train", "seed"): 0,
     ("train", "eval_every"): 0, ("train", "eval_batches"): 1, ("train", "save_every"): 0,
     ("train", "keep_last"): 1, ("train", "exit_after"): 0, ("zero", "bucket_mb"): 0.001,
+    ("zero", "nvme_buffer_mb"): 0.05,  # three slots of a 4 KiB page per state, at least
     ("train", "loss_chunk_tokens"): 0,
     ("parallel", "world_size"): 0, ("log", "every"): 1, ("model", "init_std"): 0.0,
     ("log", "peak_tflops"): 1e-9, ("train", "max_skipped"): 1,
@@ -107,6 +108,7 @@ _MAX = {
     ("train", "grad_clip"): 1e6,  # a norm past this is divergence, not something to clip to; fp32 scalar
     ("train", "seed"): 2 ** 63 - 1,  # torch.manual_seed takes < 2^64, numpy any; int64 everywhere else
     ("zero", "bucket_mb"): 65536.0,  # 64 GiB, above any device; elements (mb * 2^20 / 2) fit int64 sizes
+    ("zero", "nvme_buffer_mb"): 65536.0,  # as bucket_mb: host memory, 64 GiB
     ("log", "peak_tflops"): 1e6,  # per device; an H200 is ~1e3 dense bf16: MFU stays a readable number
     ("launch", "timeout_minutes"): 10080.0,  # a week; timedelta and NCCL's milliseconds hold it easily
     ("launch", "memory_gb"): 2.0 ** 40,  # a TB of TB; bytes stay exact in float64

@@ -20,13 +20,13 @@ from typing import Optional
 from megazero.config.data_paths import entry_path
 from megazero.config.ranges import MAX_WORLD, check_ranges
 from megazero.config.context_rules import check_context
+from megazero.config.optimizer_rules import check_optimizer
 from megazero.config.recovery_rules import check_recovery
 from megazero.config.schema import AUTO, Config, ModelConfig
 from megazero.data.samples import parse_split
 from megazero.errors import UserError, invalid
 from megazero.models import arch
 from megazero.parallel.schedules import schedule_constraint
-from megazero.parallel.zero.registry import OPTIMIZERS
 
 
 _SCHEDULE_PASSES = 2 ** 20  # microbatches * pp * virtual_stages: a schedule lists ~6 actions per pass
@@ -109,7 +109,7 @@ def _check_zero(cfg: Config) -> None:
     kept after forward. What a stage shards is parallel.zero's StagePolicy (imported only for the keys that
     need it: it brings torch, which loading a config otherwise does without)."""
     src, z = cfg.source, cfg.zero
-    _check_optimizer(cfg)
+    check_optimizer(cfg)
     if z.offload_params != "cpu" and z.reshard_after_forward is not True:
         return
     from megazero.parallel.zero.policy import StagePolicy
@@ -122,27 +122,6 @@ def _check_zero(cfg: Config) -> None:
                       "cannot be true with parallel.schedule=zb1p: a layer stays gathered from its input "
                       "gradient (B) to its weight gradient (W), and later forwards run in between; use auto or "
                       "false (auto is false with a pipeline)")
-
-
-def _check_optimizer(cfg: Config) -> None:
-    """What the optimizer's registry row declares: where its states may live, the ZeRO stages it runs at, the keys
-    of its section that name a step of the run."""
-    src, z, name = cfg.source, cfg.zero, cfg.optim.name
-    row = OPTIMIZERS[name]
-    if row.device_only and z.offload_optimizer == "cpu":
-        raise invalid(src, "zero.offload_optimizer", "cpu", f"is not supported with optim.name={name} "
-                      f"({row.device_only}); use none, or optim.name=adamw")
-    if row.whole_grads:
-        from megazero.parallel.zero.policy import StagePolicy
-
-        if StagePolicy.of(z.stage).shard_grads:
-            raise invalid(src, "zero.stage", z.stage, f"is not supported with optim.name={name}: "
-                          f"{row.whole_grads}; use 0 or 1")
-    section = getattr(cfg.optim, name)
-    for key, why in row.before_last_step:
-        if getattr(section, key) >= cfg.train.steps:
-            raise invalid(src, f"optim.{name}.{key}", getattr(section, key),
-                          f"must be < train.steps={cfg.train.steps}: it {why}")
 
 
 def _check_paths(cfg: Config) -> None:

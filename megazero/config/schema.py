@@ -45,7 +45,11 @@ class ZeroConfig:
     # stage 3: free a gathered layer after its forward (false: keep it for the step); auto = true without a
     # pipeline, false with one (each layer would be gathered 2m times per step), fixed by resolve
     reshard_after_forward: Union[bool, str] = AUTO
-    offload_optimizer: str = "none"  # none | cpu: fp32 master weights and Adam states in CPU memory
+    # none | cpu | nvme: fp32 master weights and Adam states in CPU memory (cpu), or in a scratch file on a local
+    # disk under zero.nvme_path, streamed through zero.nvme_buffer_mb of host buffers each step (nvme, ZeRO-Infinity)
+    offload_optimizer: str = "none"
+    nvme_path: str = ""  # zero.offload_optimizer=nvme: the folder the scratch files go in (a folder per rank under it)
+    nvme_buffer_mb: float = 64.0  # zero.offload_optimizer=nvme: host memory that streams the states, per partition
     offload_params: str = "none"  # none | cpu (stage 3): parameter shards in CPU memory
     # the dtype gradients are accumulated over microbatches and reduced over dp in: auto = fp32 under bf16
     # (as Megatron-LM: bf16 sums of many microbatches lose bits), else the model's

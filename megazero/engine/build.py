@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -27,6 +28,7 @@ from megazero.parallel.sequence import SequenceSplit
 from megazero.parallel.schedules import Action, build_schedule, virtual_stage
 from megazero.parallel.topology import Grid
 from megazero.parallel.zero import DTYPES, ZeroOptimizer
+from megazero.parallel.zero.nvme_adamw import NvmeSettings
 from megazero.parallel.zero.registry import OPTIMIZERS
 from megazero.parallel.zero.policy import StagePolicy
 
@@ -99,10 +101,13 @@ def make_zero(chunks: list[nn.Module], grid: Grid, z: ZeroConfig, precision: str
     row = OPTIMIZERS[o.name]
     update = partial(row.factory, getattr(o, o.name))
     assert not isinstance(z.reshard_after_forward, str), "zero.reshard_after_forward: megazero.config.resolve.resolve() first"
+    nvme = None
+    if z.offload_optimizer == "nvme":  # a folder per rank: ranks of one node share the disk, never a file
+        nvme = NvmeSettings(Path(z.nvme_path) / f"rank_{grid.rank}", int(z.nvme_buffer_mb * 2 ** 20))
     return ZeroOptimizer(chunks, grid, z.stage, precision, weight_decay, update, z.bucket_mb, z.reshard_after_forward,
                          z.offload_optimizer, z.offload_params, adam_impl=adam_impl, device=device,
                          initial_value=initial_value, grad_dtype=z.grad_dtype,
-                         overlap_param_gather=overlap_param_gather, peak_lr=lr)
+                         overlap_param_gather=overlap_param_gather, peak_lr=lr, nvme=nvme)
 
 
 def make_scaler(precision: str) -> LossScaler:

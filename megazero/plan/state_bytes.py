@@ -36,7 +36,8 @@ def grad_bytes_per_param(precision: str, grad_dtype: str = "auto") -> int:
 
 def model_state_bytes(psi: int, stage: int, dp: int, precision: str, offload_optimizer: str = "none",
                       offload_params: str = "none", grad_dtype: str = "auto",
-                      optimizer_states: Optional[Callable[[int, int, bool], int]] = None) -> dict[str, int]:
+                      optimizer_states: Optional[Callable[[int, int, bool], int]] = None,
+                      nvme_buffer_bytes: int = 0) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state one rank keeps, by ZeRO stage.
 
     Rajbhandari et al. SC'20, §3 / Figure 1: (2+2+K)Ψ without partitioning;
@@ -48,7 +49,9 @@ def model_state_bytes(psi: int, stage: int, dp: int, precision: str, offload_opt
     of dp. Offloaded kinds count in ``cpu_total`` instead of ``device_total``, with the offloaded
     optimizer's pinned gradient buffer (g bytes per element of its range); the per-kind keys give the
     size wherever it lives. ``optimizer_states``: the optimizer's registry row's ``state_bytes`` where its
-    states are not Adam's two moments (1-bit Adam keeps its momentum and error whole on every rank).
+    states are not Adam's two moments (1-bit Adam keeps its momentum and error whole on every rank). On a
+    local disk (``offload_optimizer="nvme"``, ZeRO-Infinity) the states count in ``nvme_total``, and the host
+    holds the buffers that stream them (``nvme_buffer_bytes``) beside the gradients' landing buffer.
     """
     if stage not in ZERO_STAGES or dp < 1 or psi < 0:
         raise ValueError(f"stage={stage}, dp={dp}, psi={psi}: need stage 0..3, dp >= 1, psi >= 0")
@@ -65,10 +68,13 @@ def model_state_bytes(psi: int, stage: int, dp: int, precision: str, offload_opt
         optimizer += optimizer_states(psi, dp, policy.shard_optimizer) - ADAM_STATE_BYTES * (
             shard if policy.shard_optimizer else psi)
     # offloaded optimizer: its states and a pinned landing buffer for the gradients of its range
-    staging = g * (shard if policy.shard_optimizer else psi) if offload_optimizer == "cpu" else 0
-    cpu = (optimizer + staging if offload_optimizer == "cpu" else 0) + (params if offload_params == "cpu" else 0)
-    return {"params": params, "grads": grads, "optimizer": optimizer,
-            "device_total": params + grads + optimizer - (cpu - staging), "cpu_total": cpu}
+    offloaded = offload_optimizer in ("cpu", "nvme")
+    staging = g * (shard if policy.shard_optimizer else psi) if offloaded else 0
+    held = {"none": 0, "cpu": optimizer, "nvme": nvme_buffer_bytes}[offload_optimizer]  # on the host
+    cpu = held + staging + (params if offload_params == "cpu" else 0)
+    on_device = params + grads + (0 if offloaded else optimizer) - (params if offload_params == "cpu" else 0)
+    return {"params": params, "grads": grads, "optimizer": optimizer, "device_total": on_device, "cpu_total": cpu,
+            "nvme_total": optimizer if offload_optimizer == "nvme" else 0}
 
 
 def rank_state_bytes(cfg: Config, psi: int, experts: int) -> tuple[dict[str, int], dict[str, int]]:
@@ -81,7 +87,8 @@ def rank_state_bytes(cfg: Config, psi: int, experts: int) -> tuple[dict[str, int
 
     def state(n: int, group: int) -> dict[str, int]:
         return model_state_bytes(n, z.stage, group, t.precision, z.offload_optimizer, z.offload_params,
-                                 z.grad_dtype, OPTIMIZERS[cfg.optim.name].state_bytes)
+                                 z.grad_dtype, OPTIMIZERS[cfg.optim.name].state_bytes,
+                                 int(z.nvme_buffer_mb * 2 ** 20) if n else 0)
 
     whole = state(psi, p.dp * p.cp)
     if p.ep == 1 or not experts:

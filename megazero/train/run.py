@@ -75,7 +75,14 @@ def run(config_path: str, overrides: list[str]) -> list[dict]:
             from megazero.train.trainer import Trainer
 
             trainer = Trainer(cfg, grid, device, is_builder=info.local_rank == 0, stop=stop)
-            return trainer.fit(start)
+            if cfg.zero.offload_optimizer == "nvme" and grid.rank == 0:
+                from megazero.parallel.zero.nvme_adamw import describe
+
+                print(describe([part.optim for part in trainer.zero.parts]), flush=True)
+            try:
+                return trainer.fit(start)
+            finally:  # zero.offload_optimizer=nvme: the states' scratch files are removed, whatever ended the run
+                trainer.zero.close()
         except Exception as e:
             if stop.stopped_early:  # what failed after an early stop (a collective whose peer left) failed of it
                 raise StoppedEarly(stop.received) from None

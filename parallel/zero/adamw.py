@@ -27,7 +27,13 @@ NORM_PIECE = 2 ** 16  # elements per CPU norm piece (sq_norm)
 
 
 def make_adamw(section: "AdamWSection", ctx: "UpdateContext") -> "ShardedAdamW":
-    """The registry's factory: AdamW over one partition (offloaded states step with the fused CPU kernel)."""
+    """The registry's factory: AdamW over one partition (offloaded states step with the fused CPU kernel; on a
+    local disk, streamed through a few host buffers: ``parallel.zero.nvme_adamw``)."""
+    if ctx.nvme is not None:
+        from megazero.parallel.zero.nvme_adamw import NvmeAdamW
+
+        return NvmeAdamW(ctx.layout, ctx.device, ctx.weight_decay, (section.beta1, section.beta2), section.eps,
+                         ctx.grad_dtype, ctx.nvme)
     impl = ctx.adam_impl if ctx.state_device == ctx.device else "fused"
     return ShardedAdamW(ctx.layout, ctx.device, ctx.state_device, impl, ctx.weight_decay,
                         (section.beta1, section.beta2), section.eps, ctx.grad_dtype)
@@ -209,6 +215,24 @@ class ShardedAdamW:
         if self.offloaded():
             return [g.to(self.state_device) for g in grads]
         return grads
+
+    def bucket_states(self, i: int) -> dict[str, Optional[Tensor]]:
+        """Bucket i's master and moments over this rank's range, as a checkpoint reads them: the live tensors."""
+        return {"master": self.master[i], "exp_avg": self.exp_avg[i], "exp_avg_sq": self.exp_avg_sq[i]}
+
+    def load_bucket_states(self, i: int, states: dict[str, Tensor]) -> None:
+        """A checkpoint's states of bucket i into the live tensors (the master unless it is the parameter)."""
+        if not self.master_is_param[i]:
+            self.master[i].copy_(states["master"])
+        self.exp_avg[i].copy_(states["exp_avg"])
+        self.exp_avg_sq[i].copy_(states["exp_avg_sq"])
+
+    def disk_bytes(self) -> int:
+        """Bytes of the states on a local disk: none, they are in memory."""
+        return 0
+
+    def close(self) -> None:
+        """Nothing to release: the states are tensors."""
 
     def staging_bytes(self) -> int:
         """Bytes of the pinned host buffers the offloaded gradients land in."""

@@ -57,7 +57,7 @@ class ZeroCheckpoint:
             i = b.index
             owned = [(name, p, off) for (name, p), off in zip(b.params, b.offsets)
                      if self.layout.owner[name] == self.layout.dp_rank]
-            states = {"master": o.master[i], "exp_avg": o.exp_avg[i], "exp_avg_sq": o.exp_avg_sq[i]}
+            states = o.bucket_states(i)
             if not self.policy.shard_optimizer:  # nothing to gather: this rank's own buffers, read where they are
                 # (offloaded: from host memory) unless they must go to the device for the tp-mesh DTensors, whose
                 # local tensors DCP fills on a load
@@ -100,8 +100,5 @@ class ZeroCheckpoint:
                     mine[k] = torch.empty(hi - lo, dtype=t.dtype, device=self.device)
                     self.dp.reduce_scatter_into(mine[k], t, tag="checkpoint")
             (b.shard_param if self.policy.shard_params else b.full).copy_(mine["param"])
-            if not o.master_is_param[i]:
-                o.master[i].copy_(mine["master"])
-            o.exp_avg[i].copy_(mine["exp_avg"])
-            o.exp_avg_sq[i].copy_(mine["exp_avg_sq"])
+            o.load_bucket_states(i, mine)
         o.step_count = step

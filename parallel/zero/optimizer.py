@@ -33,6 +33,7 @@ from megazero.parallel.zero.declared import DENSE, EXPERT, reduce_group
 from megazero.parallel.zero.grads import grad_precision
 from megazero.parallel.zero.adamw import make_adamw
 from megazero.parallel.zero.layout import Bucket, BucketLayout
+from megazero.parallel.zero.nvme_adamw import NvmeSettings
 from megazero.parallel.zero.partition import Partition
 from megazero.parallel.zero.policy import StagePolicy
 from megazero.parallel.zero.registry import AdamWSection
@@ -49,12 +50,14 @@ class ZeroOptimizer:
                  reshard_after_forward: bool = True, offload_optimizer: str = "none", offload_params: str = "none",
                  adam_impl: str = "torch", device: Optional[torch.device] = None,
                  initial_value: Optional[Callable[[nn.Parameter], Tensor]] = None, grad_dtype: str = "auto",
-                 overlap_param_gather: bool = True, max_in_flight: int = 2, peak_lr: float = 0.0):
+                 overlap_param_gather: bool = True, max_in_flight: int = 2, peak_lr: float = 0.0,
+                 nvme: Optional[NvmeSettings] = None):
         """device: where the model computes (default: where its parameters are). Parameters still on the meta
         device (stage 3's lazily built model) are created bucket by bucket from ``initial_value(param)``, so
         the whole stage never exists unsharded. ``update``: builds each partition's optimizer from its context (a
         registry row's factory bound to its config section, ``megazero.engine.build.make_zero``; default AdamW);
-        ``peak_lr``: train.lr, which each step's learning rate is a schedule of (an update's relative rates)."""
+        ``peak_lr``: train.lr, which each step's learning rate is a schedule of (an update's relative rates);
+        ``nvme``: with ``offload_optimizer="nvme"``, where the states' scratch file goes and its host buffers."""
         self.grid = grid
         self.policy = StagePolicy.of(stage)
         self.dtype = DTYPES[precision]
@@ -62,8 +65,11 @@ class ZeroOptimizer:
         self.device = device if device is not None else next(chunks[0].parameters()).device
         assert initial_value is not None or not any(p.is_meta for c in chunks for p in c.parameters()), \
             "parameters on the meta device need initial_value"
-        self.offload_optimizer, self.offload_params = offload_optimizer == "cpu", offload_params == "cpu"
-        state_device = torch.device("cpu") if offload_optimizer == "cpu" else self.device
+        assert (offload_optimizer == "nvme") == (nvme is not None), (offload_optimizer, nvme)
+        # the optimizer's states (or, on a disk, the buffers that stream them) in host memory
+        self.offload_optimizer = offload_optimizer in ("cpu", "nvme")
+        self.offload_params = offload_params == "cpu"
+        state_device = torch.device("cpu") if self.offload_optimizer else self.device
         param_device = torch.device("cpu") if offload_params == "cpu" else self.device
         self.world = Comm(dist.group.WORLD if dist.is_initialized() else None, "world", grid.counter)
         # dense gradients reduce (and shard) over dp x cp, the experts' over edp x cp: a partition of their own (ep > 1)
@@ -73,7 +79,7 @@ class ZeroOptimizer:
         def make_optim(experts: bool) -> Callable[[BucketLayout, Comm], Update]:
             def make(layout: BucketLayout, comm: Comm) -> Update:
                 return make_update(UpdateContext(layout, comm, grid, chunks, experts, self.device, state_device,
-                                                 self.grad_dtype, weight_decay, adam_impl, peak_lr))
+                                                 self.grad_dtype, weight_decay, adam_impl, peak_lr, nvme))
             return make
 
         def part(name: str, select, comm: Comm, tied: Comm) -> Partition:
@@ -260,7 +266,7 @@ class ZeroOptimizer:
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds persistently, by kind and place (what the dry-run plans)."""
         dev = {"params": 0, "grads": 0, "optimizer": 0}
-        cpu = 0
+        cpu = disk = 0
         on_gpu = self.device.type != "cpu"
         for part in self.parts:
             for b in part.buckets:
@@ -276,8 +282,15 @@ class ZeroOptimizer:
                 grads = r.full[b.index] if self.policy.keeps_full_grads else r.shard[b.index]
                 dev["grads"] += grads.numel() * grads.element_size()
             opt = part.optim.state_bytes()
-            if part.optim.offloaded():
+            disk += part.optim.disk_bytes()
+            if part.optim.offloaded() or part.optim.disk_bytes():  # on the host: the states, or their buffers
                 cpu += opt + part.optim.staging_bytes()  # and the gradients' pinned landing buffers
             else:
                 dev["optimizer"] += opt
-        return {**dev, "cpu": cpu}
+        return {**dev, "cpu": cpu, "nvme": disk}
+
+    def close(self) -> None:
+        """Release what the optimizers hold outside the process's tensors (zero.offload_optimizer=nvme: the
+        scratch files, removed)."""
+        for part in self.parts:
+            part.optim.close()

@@ -37,6 +37,8 @@ class Row:
     rank_state: bool = False  # keeps state per rank (Update.rank_state): a checkpoint stores it by global rank
     # why its states must stay on the device, '' where zero.offload_optimizer=cpu may keep them on the host
     device_only: str = ""
+    # its factory streams the states from a local disk when the context says so (zero.offload_optimizer=nvme)
+    streams_from_disk: bool = False
     # why it cannot run where ZeRO shards the gradients (stages 2-3), '' where it can
     whole_grads: str = ""
     # (key of its section, why): keys that name a step of the run, which must come before train.steps
@@ -136,7 +138,7 @@ class OnebitAdamSection:
 
 
 OPTIMIZERS: dict[str, Row] = {
-    "adamw": Row("adamw", AdamWSection, _factory("adamw", "make_adamw")),
+    "adamw": Row("adamw", AdamWSection, _factory("adamw", "make_adamw"), streams_from_disk=True),
     "lamb": Row("lamb", LambSection, _factory("lamb", "make_lamb")),
     "muon": Row("muon", MuonSection, _factory("muon", "make_muon"),
                 device_only="its Newton-Schulz iterations run on the device, on matrices gathered there",

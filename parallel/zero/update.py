@@ -2,8 +2,8 @@
 
 A ZeRO partition (``parallel.zero.partition``) hands its update the buckets once (``add_bucket``), each reduced
 gradient as it becomes final (``grad_ready``), then per step asks for the norm (``sq_norm``) and the step
-(``update``). The checkpoint reads the states AdamW's way (``master``, ``exp_avg``, ``exp_avg_sq``, per bucket;
-None for a kind the update does not keep), so every optimizer's checkpoint is layout-free. Optional abilities are
+(``update``). The checkpoint reads and writes the states AdamW's way, a bucket at a time (``bucket_states``: master,
+exp_avg, exp_avg_sq; None for a kind the update does not keep), so every optimizer's checkpoint is layout-free. Optional abilities are
 declared here with their neutral answers rather than probed: per-rank state (``rank_state``, 1-bit Adam's error
 feedback), the figures for the metrics (``record``). An optimizer is a class that fulfils this Protocol plus a
 row in ``parallel.zero.registry``; it need not derive from ``ShardedAdamW``.
@@ -11,7 +11,7 @@ row in ``parallel.zero.registry``; it need not derive from ``ShardedAdamW``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Callable, Optional, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -20,6 +20,9 @@ from megazero.kernels.adam_cpu import Run
 from megazero.parallel.comm import Comm
 from megazero.parallel.topology import Grid
 from megazero.parallel.zero.layout import Bucket, BucketLayout
+
+if TYPE_CHECKING:
+    from megazero.parallel.zero.nvme_adamw import NvmeSettings
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class UpdateContext:
     weight_decay: float  # decoupled, on the runs the layout marks as decaying
     adam_impl: str  # kernels.adam's choice for an elementwise Adam step
     peak_lr: float  # train.lr, the peak each step's learning rate is scheduled from (Muon's adamw_lr is a ratio of it)
+    nvme: Optional["NvmeSettings"] = None  # zero.offload_optimizer=nvme: where the states' scratch file goes
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,18 @@ class Update(Protocol):
 
     def state_bytes(self) -> int:
         """Bytes of the update's own states (what the dry run plans)."""
+
+    def bucket_states(self, i: int) -> dict[str, Optional[Tensor]]:
+        """Bucket i's master, exp_avg and exp_avg_sq over this rank's range, for a save (None: not kept)."""
+
+    def load_bucket_states(self, i: int, states: dict[str, Tensor]) -> None:
+        """A checkpoint's master, exp_avg and exp_avg_sq of bucket i, written where the update keeps them."""
+
+    def disk_bytes(self) -> int:
+        """Bytes of the states on a local disk (zero.offload_optimizer=nvme)."""
+
+    def close(self) -> None:
+        """Release what the states hold outside the process's tensors (a scratch file)."""
 
     def staging_bytes(self) -> int:
         """Bytes of host buffers the gradients land in when offloaded."""

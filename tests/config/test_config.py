@@ -96,7 +96,7 @@ BAD = [
      ["zero.reshard_after_forward=True", "parallel.schedule=zb1p"]),
     (["zero.stage=4"], ["zero.stage=4", "0 | 1 | 2 | 3"]),
     (["zero.offload_params=cpu"], ["zero.offload_params='cpu'", "zero.stage=3"]),
-    (["zero.offload_optimizer=nvme"], ["zero.offload_optimizer='nvme'", "none | cpu"]),
+    (["zero.offload_optimizer=disk"], ["zero.offload_optimizer='disk'", "none | cpu | nvme"]),
     (["zero.grad_dtype=fp8"], ["zero.grad_dtype='fp8'", "auto | fp32 | model"]),
     (["train.lr=.nan"], ["train.lr", "finite number"]),  # NaN compares false to every bound
     (["model.init_std=.inf"], ["model.init_std", "finite number"]),

@@ -104,6 +104,18 @@ class ToySgd:
     def staging_tensors(self) -> list[Tensor]:
         return []
 
+    def bucket_states(self, i: int) -> dict[str, Optional[Tensor]]:
+        return {"master": self.master[i], "exp_avg": None, "exp_avg_sq": None}
+
+    def load_bucket_states(self, i: int, states: dict[str, Tensor]) -> None:
+        pass  # the parameters are their own masters, and there are no moments
+
+    def disk_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
     def rank_state(self, step: int) -> dict[str, Tensor]:
         return {}
 

@@ -58,14 +58,14 @@ def test_model_state_kinds_per_stage_fp32_and_padding():
     psi, dp = 1000, 8
     # fp32: 4 B params, 4 B grads, 8 B Adam moments, no master copy
     assert model_state_bytes(psi, 0, dp, "fp32") == {
-        "params": 4000, "grads": 4000, "optimizer": 8000, "device_total": 16000, "cpu_total": 0}
+        "params": 4000, "grads": 4000, "optimizer": 8000, "device_total": 16000, "cpu_total": 0, "nvme_total": 0}
     assert model_state_bytes(psi, 1, dp, "fp32")["optimizer"] == 1000
     assert model_state_bytes(psi, 2, dp, "fp32")["grads"] == 500
     assert model_state_bytes(psi, 3, dp, "fp32")["params"] == 500
     assert model_state_bytes(psi, 2, dp, "fp32")["params"] == 4000
     # 10 parameters over 3 ranks: each shard is padded to 4 elements
     assert model_state_bytes(10, 3, 3, "fp16") == {
-        "params": 8, "grads": 8, "optimizer": 48, "device_total": 64, "cpu_total": 0}
+        "params": 8, "grads": 8, "optimizer": 48, "device_total": 64, "cpu_total": 0, "nvme_total": 0}
 
 
 def test_model_state_offload_moves_bytes_to_cpu():
@@ -76,6 +76,10 @@ def test_model_state_offload_moves_bytes_to_cpu():
     assert both["device_total"] == 4 * 300 and both["cpu_total"] == 12 * 300 + 4 * 300 + 2 * 300
     with pytest.raises(ValueError):
         model_state_bytes(psi, 2, dp, "bf16", offload_params="cpu")
+    # on a disk: the states there, the host holds the buffers that stream them and the gradients' landing buffer
+    disk = model_state_bytes(psi, 2, dp, "bf16", offload_optimizer="nvme", nvme_buffer_bytes=5000)
+    assert disk["nvme_total"] == 12 * 300 and disk["cpu_total"] == 5000 + 4 * 300
+    assert disk["device_total"] == opt["device_total"]
 
 
 # --- activations (Korthikanti et al. 2022, §4) ---------------------------------------------------

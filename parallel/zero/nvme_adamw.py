@@ -1,0 +1,188 @@
+"""AdamW with its fp32 masters and moments on a local disk (``zero.offload_optimizer=nvme``), streamed.
+
+ZeRO-Infinity (Rajbhandari et al., SC'21, sections 5-6): the states of this rank's range live in one scratch file
+(``parallel.zero.nvme_file``), cut into chunks of C elements; chunk k's record holds its master (where the master
+is not the fp32 parameter itself) and both moments, C each, so a chunk is one read and one write. The step walks
+every bucket's chunks in order through three page-aligned host slots: it reads chunk k+1 and writes chunk k-1
+while torch's fused CPU AdamW (``kernels.adam_cpu``) updates chunk k. Host memory for the states is the three
+slots (``zero.nvme_buffer_mb``), whatever the model's size. The update is elementwise, so the chunks give the
+in-memory run's values bit for bit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
+
+from megazero.kernels.adam import adamw
+from megazero.kernels.adam_cpu import Run
+from megazero.parallel.zero.adamw import ShardedAdamW
+from megazero.parallel.zero.layout import Bucket, BucketLayout
+from megazero.parallel.zero.nvme_file import PAGE, NvmeFile, SimulatedFile, aligned_empty
+
+SLOTS = 3  # the chunk being read, the one being updated, the one being written
+FLOAT = 4
+STEP = PAGE // FLOAT  # a chunk's length is a whole number of pages of fp32
+
+
+@dataclass(frozen=True)
+class NvmeSettings:
+    """Where this rank's scratch file goes and how much host memory streams it."""
+
+    folder: Path  # zero.nvme_path / rank_<global rank>
+    buffer_bytes: int  # zero.nvme_buffer_mb: the three slots together
+
+
+def chunk_elements(buffer_bytes: int, kinds: int) -> int:
+    """The chunk length C: three slots of ``kinds`` fp32 arrays of C fit the buffer, C a whole number of pages."""
+    return max(STEP, buffer_bytes // (SLOTS * kinds * FLOAT) // STEP * STEP)
+
+
+def _within(runs: list[Run], lo: int, hi: int) -> list[Run]:
+    """The runs of [lo, hi), relative to lo."""
+    return [(max(a, lo) - lo, min(z, hi) - lo, on) for a, z, on in runs if a < hi and z > lo]
+
+
+class NvmeAdamW(ShardedAdamW):
+    def __init__(self, layout: BucketLayout, device: torch.device, weight_decay: float, betas: tuple[float, float],
+                 eps: float, grad_dtype: torch.dtype, settings: NvmeSettings, key: str = "zero.nvme_path"):
+        super().__init__(layout, device, torch.device("cpu"), "fused", weight_decay, betas, eps, grad_dtype)
+        # fp32 parameters in host memory are their own masters, as in memory: only the moments go to the disk
+        self.masters_on_disk = not (layout.dtype == torch.float32 and device.type == "cpu")
+        self.kinds = 3 if self.masters_on_disk else 2
+        self.chunk = chunk_elements(settings.buffer_bytes, self.kinds)
+        record = self.kinds * self.chunk * FLOAT
+        self.base: list[int] = []  # each bucket's first record in the file, in bytes
+        total = 0
+        for b in layout.buckets:
+            lo, hi = layout.range(b)
+            self.base.append(total)
+            total += -(-(hi - lo) // self.chunk) * record
+        if isinstance(torch.empty(0), FakeTensor):  # --simulate: the shapes of the step, no disk
+            self.file = SimulatedFile(settings.folder, max(total, PAGE))
+            self.slots = [torch.empty(record, dtype=torch.uint8) for _ in range(SLOTS)]
+        else:
+            self.file = NvmeFile(settings.folder, max(total, PAGE), key)
+            self.slots = [aligned_empty(record) for _ in range(SLOTS)]
+        self.bytes_read = self.bytes_written = 0
+
+    # ----- a chunk's record in a slot -------------------------------------------------------------------------------
+    def _views(self, slot: int, n: int) -> dict[str, Tensor]:
+        """The slot's fp32 arrays, cut to the chunk's ``n`` elements."""
+        flat = self.slots[slot].view(torch.float32)
+        names = ("master", "exp_avg", "exp_avg_sq") if self.masters_on_disk else ("exp_avg", "exp_avg_sq")
+        return {k: flat[j * self.chunk:j * self.chunk + n] for j, k in enumerate(names)}
+
+    def _chunks(self, i: int) -> list[tuple[int, int, int]]:
+        """Bucket i's chunks: (first element, last + 1, byte offset of the record)."""
+        lo, hi = self.layout.range(self.layout.buckets[i])
+        record = self.kinds * self.chunk * FLOAT
+        return [(a, min(a + self.chunk, hi - lo), self.base[i] + k * record)
+                for k, a in enumerate(range(0, hi - lo, self.chunk))]
+
+    def _write_now(self, slot: int, offset: int) -> None:
+        self.bytes_written += self.file.write(self.slots[slot], offset).result()
+
+    def _read_now(self, slot: int, offset: int) -> None:
+        self.bytes_read += self.file.read(self.slots[slot], offset).result()
+
+    # ----- states -----------------------------------------------------------------------------------------------
+    def add_bucket(self, b: Bucket, initial: Tensor, decay: list[Run], count: list[Run]) -> None:
+        """Write the bucket's initial master (unless the parameter is its own) and zero moments to its records."""
+        i = b.index
+        target = self.target(b)
+        self.master_is_param[i] = not self.masters_on_disk
+        assert self.master_is_param[i] == (target.dtype == torch.float32 and target.device == self.device), \
+            "fp32 parameters in host memory are their own masters"
+        if self.master_is_param[i]:
+            self.master[i] = target
+        if self.pinned:  # the reduced gradient's landing buffer on the host, as ShardedAdamW's
+            self.host_grad[i] = torch.empty(initial.numel(), dtype=self.grad_dtype, pin_memory=True)
+        self.runs[i], self.counted[i] = decay, count
+        for a, z, offset in self._chunks(i):
+            views = self._views(0, z - a)
+            self.slots[0].zero_()
+            if self.masters_on_disk:
+                views["master"].copy_(initial[a:z])
+            self._write_now(0, offset)
+
+    def bucket_states(self, i: int) -> dict[str, Optional[Tensor]]:
+        """Bucket i's states read back whole (a save: one bucket at a time)."""
+        lo, hi = self.layout.range(self.layout.buckets[i])
+        out = {k: torch.empty(hi - lo, dtype=torch.float32) for k in ("exp_avg", "exp_avg_sq")}
+        out["master"] = self.master[i] if self.master_is_param[i] else torch.empty(hi - lo, dtype=torch.float32)
+        for a, z, offset in self._chunks(i):
+            self._read_now(0, offset)
+            for k, v in self._views(0, z - a).items():
+                out[k][a:z] = v
+        return out
+
+    def load_bucket_states(self, i: int, states: dict[str, Tensor]) -> None:
+        """Write a checkpoint's states of bucket i to its records (the master too, unless it is the parameter)."""
+        for a, z, offset in self._chunks(i):
+            self.slots[0].zero_()
+            for k, v in self._views(0, z - a).items():
+                v.copy_(states[k][a:z])
+            self._write_now(0, offset)
+
+    # ----- the update -------------------------------------------------------------------------------------------
+    def update(self, grads: list[Tensor], lr: float, grad_scale: float, resend: set[int]) -> None:
+        """One AdamW step of every bucket's range, chunk by chunk: read ahead one, write behind one."""
+        self.step_count += 1
+        b1, b2 = self.betas
+        grads = self.state_grads(grads, resend)
+        work = [(b.index, a, z, offset) for b in self.layout.buckets for a, z, offset in self._chunks(b.index)]
+        reads: dict[int, object] = {}
+        writes: list[Optional[object]] = [None] * SLOTS
+        if work:
+            reads[0] = self.file.read(self.slots[0], work[0][3])
+        for k, (i, a, z, offset) in enumerate(work):
+            slot = k % SLOTS
+            if k + 1 < len(work):  # the next chunk's read, into a slot whose write has finished
+                ahead = (k + 1) % SLOTS
+                if writes[ahead] is not None:
+                    self.bytes_written += writes[ahead].result()
+                    writes[ahead] = None
+                reads[k + 1] = self.file.read(self.slots[ahead], work[k + 1][3])
+            self.bytes_read += reads.pop(k).result()
+            views = self._views(slot, z - a)
+            b = self.layout.buckets[i]
+            master = self.master[i][a:z] if self.master_is_param[i] else views["master"]
+            copy = None if self.master_is_param[i] else self.target(b)[a:z]
+            adamw("fused", master, grads[i][a:z], views["exp_avg"], views["exp_avg_sq"], lr=lr, beta1=b1,
+                  beta2=b2, eps=self.eps, weight_decay=self.weight_decay, step=self.step_count,
+                  runs=_within(self.runs[i], a, z), grad_scale=grad_scale, model_copy=copy)
+            writes[slot] = self.file.write(self.slots[slot], offset)
+        for pending in writes:
+            if pending is not None:
+                self.bytes_written += pending.result()
+
+    # ----- accounting -------------------------------------------------------------------------------------------
+    def state_tensors(self) -> list[Tensor]:
+        """In host memory: the three slots (the states themselves are on the disk)."""
+        return list(self.slots)
+
+    def state_bytes(self) -> int:
+        """Host bytes the states take: the slots."""
+        return sum(s.numel() for s in self.slots)
+
+    def disk_bytes(self) -> int:
+        """Bytes of the states on the disk (the scratch file)."""
+        return self.file.nbytes
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def describe(optims: list[NvmeAdamW]) -> str:
+    """The start-up line: where this rank's states went, how they are read, and what streams them."""
+    disk = sum(o.disk_bytes() for o in optims)
+    host = sum(o.state_bytes() for o in optims)
+    ways = sorted({"O_DIRECT" if o.file.direct else "buffered I/O (the filesystem refuses O_DIRECT)" for o in optims})
+    return (f"zero.offload_optimizer=nvme: this rank's optimizer states, {disk / 2 ** 20:,.1f} MB, in "
+            f"{optims[0].file.path.parent} by {' and '.join(ways)}, streamed through {host / 2 ** 20:,.2f} MB of "
+            f"host buffers")

@@ -1,0 +1,145 @@
+"""One rank's scratch file of optimizer states on a local disk, read and written in large aligned blocks.
+
+ZeRO-Infinity (Rajbhandari et al., SC'21, section 5) keeps the states on NVMe and streams them through a few
+host buffers. The file is opened with ``O_DIRECT`` where the filesystem allows it (the page cache would
+otherwise hold a second copy of what was just written, and grow the process's footprint with the model), and
+with buffered I/O where it does not (tmpfs, some overlays); ``direct`` says which one ran. Every transfer is a
+whole number of 4 KiB pages from a page-aligned buffer at a page-aligned offset, so both modes take the same
+calls. The transfers run on a small thread pool: ``os.preadv``/``os.pwritev`` release the GIL, so the next
+chunk's read and the last one's write proceed while the caller computes.
+
+The file is megazero's own: its name carries this process's id and a random token, it is created exclusively,
+and it is removed when the store is closed or collected (a later run never trusts or deletes another's).
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from megazero.errors import UserError
+
+PAGE = 4096
+PREFIX = "megazero-states-"
+
+
+def aligned_empty(nbytes: int) -> Tensor:
+    """A uint8 host tensor of ``nbytes`` (a multiple of PAGE) whose first byte is page-aligned."""
+    assert nbytes % PAGE == 0, nbytes
+    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+    pad = (-raw.data_ptr()) % PAGE
+    return raw[pad:pad + nbytes]
+
+
+def _remove(path: str, fd: int, pool: ThreadPoolExecutor) -> None:
+    pool.shutdown(wait=True)
+    os.close(fd)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class NvmeFile:
+    """A fixed-size scratch file under ``folder``; reads and writes of page-aligned host buffers, asynchronous."""
+
+    def __init__(self, folder: Path, nbytes: int, key: str, threads: int = 2):
+        """``key``: the config key that named ``folder``, for the one-line errors."""
+        assert nbytes % PAGE == 0, nbytes
+        self.nbytes = nbytes
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"{key}={str(folder.parent)!r}: cannot create {folder} ({e.strerror})") from None
+        free = _free_bytes(folder)
+        if free < nbytes:
+            raise UserError(f"{key}={str(folder.parent)!r}: {folder} has {free:,} bytes free; this rank's optimizer "
+                            f"states need {nbytes:,}")
+        self.path = folder / f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}.bin"
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
+        self.direct = hasattr(os, "O_DIRECT")
+        try:
+            fd = os.open(self.path, flags | (os.O_DIRECT if self.direct else 0), 0o600)
+        except OSError:  # the filesystem refuses O_DIRECT (EINVAL on tmpfs): buffered I/O
+            self.direct = False
+            fd = os.open(self.path, flags, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            if self.direct and not _direct_works(fd):  # opened, but its transfers fail (some filesystems)
+                os.close(fd)
+                self.direct, fd = False, os.open(self.path, os.O_RDWR, 0o600)
+        except OSError as e:
+            os.close(fd)
+            os.unlink(self.path)
+            raise UserError(f"{key}={str(folder.parent)!r}: cannot size {self.path} to {nbytes:,} bytes "
+                            f"({e.strerror})") from None
+        self.fd = fd
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="nvme")
+        self._finalizer = weakref.finalize(self, _remove, str(self.path), fd, self.pool)
+
+    def read(self, buffer: Tensor, offset: int) -> Future:
+        """Fill ``buffer`` (page-aligned uint8, whole pages) from ``offset``; the future's result is the bytes."""
+        return self.pool.submit(self._transfer, os.preadv, buffer, offset)
+
+    def write(self, buffer: Tensor, offset: int) -> Future:
+        """Write ``buffer`` at ``offset``; the future's result is the bytes."""
+        return self.pool.submit(self._transfer, os.pwritev, buffer, offset)
+
+    def _transfer(self, call, buffer: Tensor, offset: int) -> int:
+        assert offset % PAGE == 0 and buffer.numel() % PAGE == 0 and buffer.data_ptr() % PAGE == 0
+        assert offset + buffer.numel() <= self.nbytes, (offset, buffer.numel(), self.nbytes)
+        view, done = memoryview(buffer.numpy()), 0
+        while done < len(view):  # a transfer may come back short (a signal, a large request): go on from there
+            moved = call(self.fd, [view[done:]], offset + done)
+            if moved <= 0:
+                raise OSError(f"{self.path}: {'read' if call is os.preadv else 'write'} returned {moved} at "
+                              f"{offset + done}")
+            done += moved
+        return done
+
+    def close(self) -> None:
+        """Wait for the transfers, close and remove the file."""
+        self._finalizer()
+
+
+def _direct_works(fd: int) -> bool:
+    """One page written and read back through ``fd`` (opened O_DIRECT, sized): False where the filesystem
+    accepted the flag at open but refuses the transfers (EINVAL)."""
+    page = aligned_empty(PAGE)
+    try:
+        os.pwritev(fd, [memoryview(page.numpy())], 0)
+        os.preadv(fd, [memoryview(page.numpy())], 0)
+    except OSError:
+        return False
+    return True
+
+
+class SimulatedFile:
+    """What ``--simulate`` builds in place of an NvmeFile (fake tensors hold no bytes to move): no file, every
+    transfer done at once; its size is the file's."""
+
+    direct = False
+
+    def __init__(self, folder: Path, nbytes: int):
+        self.path, self.nbytes = folder / f"{PREFIX}simulated.bin", nbytes
+
+    def read(self, buffer: Tensor, offset: int) -> Future:
+        return self.write(buffer, offset)
+
+    def write(self, buffer: Tensor, offset: int) -> Future:
+        done: Future = Future()
+        done.set_result(buffer.numel())
+        return done
+
+    def close(self) -> None:
+        pass
+
+
+def _free_bytes(folder: Path) -> int:
+    st = os.statvfs(folder)
+    return st.f_bavail * st.f_frsize

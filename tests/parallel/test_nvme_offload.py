@@ -1,0 +1,111 @@
+"""zero.offload_optimizer=nvme: the optimizer states in a scratch file per rank, streamed through a few host buffers
+(parallel/zero/nvme_adamw.py), give the run with the states in memory bit for bit: the update is the same fused
+elementwise AdamW, a chunk at a time.
+
+Exact, fp32 on the CPU (and bf16, where the fp32 masters go to the disk too): every step's loss and gradient norm
+over 20 steps, and every stored tensor of the last checkpoint, at one process and at dp 2 under ZeRO 1, 2 and 3
+with several buckets. The host buffers are 0.05 MB, so a bucket's range is several chunks (1,024 or 2,048
+elements) and the reads ahead and writes behind cross buckets. A checkpoint of an NVMe run resumes exactly into an
+NVMe run and into one with the states in memory; the scratch files are gone when a run ends, and a file of
+another run in the same folder is neither read nor removed.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from megazero.checkpoint.store import checkpoint_dir
+from megazero.config.load import load_config
+from megazero.errors import UserError
+from megazero.train.run import run
+from tests.dist import run_ranks
+from tests.runs import ROOT, assert_resume_exact, small_overrides, write_corpus
+
+TINY = str(ROOT / "configs" / "tiny.yaml")
+STEPS, SAVED = 20, 10
+SEVERAL = {"zero.bucket_mb": 0.05}  # several buckets: ~0.45 MB of parameters
+DP2 = {f"dp2_z{z}": ["parallel.dp=2", f"zero.stage={z}"] for z in (1, 2, 3)}
+DP2["dp2_z1_bf16"] = ["parallel.dp=2", "zero.stage=1", "train.precision=bf16"]
+
+
+def _nvme(base, tag: str) -> list[str]:
+    return ["zero.offload_optimizer=nvme", f"zero.nvme_path={base / 'scratch' / tag}", "zero.nvme_buffer_mb=0.05"]
+
+
+def _overrides(base, log_dir, extra=()):
+    return small_overrides(base / "text", base / "cache", log_dir, steps=STEPS, **SEVERAL) + list(extra)
+
+
+def _ranks(rank, world, base):
+    for name, layout in DP2.items():
+        run(TINY, _overrides(base, base / name / "memory", layout))
+        saves = [f"train.save_every={SAVED}"] if name == "dp2_z1" else []
+        run(TINY, _overrides(base, base / name / "nvme", layout + saves + _nvme(base, name)))
+    saved = checkpoint_dir(base / "dp2_z1" / "nvme" / "checkpoints", SAVED)
+    run(TINY, _overrides(base, base / "resumed_nvme", DP2["dp2_z1"] + _nvme(base, "resumed") +
+                         [f"train.resume={saved}"]))
+    run(TINY, _overrides(base, base / "resumed_memory", DP2["dp2_z1"] + [f"train.resume={saved}"]))
+    return True
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("nvme")
+    write_corpus(base / "text")
+    (base / "scratch" / "one" / "rank_0").mkdir(parents=True)
+    stale = base / "scratch" / "one" / "rank_0" / "megazero-states-1-00000000.bin"
+    stale.write_bytes(b"another run's states")
+    for precision in ("fp32", "bf16"):
+        extra = [f"train.precision={precision}"]
+        run(TINY, _overrides(base, base / f"one_{precision}" / "memory", extra))
+        run(TINY, _overrides(base, base / f"one_{precision}" / "nvme", extra + _nvme(base, "one")))
+    run_ranks(2, _ranks, base)
+    return base
+
+
+@pytest.mark.parametrize("name", ["one_fp32", "one_bf16", *DP2])
+def test_states_on_a_disk_give_the_run_in_memory_bit_for_bit(runs, name):
+    assert_resume_exact(runs / name / "memory", runs / name / "nvme", 0, STEPS)
+
+
+@pytest.mark.parametrize("into", ["nvme", "memory"])
+def test_a_checkpoint_of_an_nvme_run_resumes_exactly(runs, into):
+    assert_resume_exact(runs / "dp2_z1" / "nvme", runs / f"resumed_{into}", SAVED, STEPS)
+
+
+def test_the_scratch_files_go_with_the_run_and_another_runs_file_stays(runs):
+    left = sorted(p.relative_to(runs / "scratch").as_posix() for p in (runs / "scratch").rglob("*") if p.is_file())
+    assert left == ["one/rank_0/megazero-states-1-00000000.bin"], left
+    assert (runs / "scratch" / "one" / "rank_0" / "megazero-states-1-00000000.bin").read_bytes() == \
+        b"another run's states"
+    assert sorted(os.listdir(runs / "scratch" / "dp2_z3")) == ["rank_0", "rank_1"]
+
+
+def test_a_disk_too_small_is_one_line_naming_the_path_and_the_bytes(tmp_path, monkeypatch):
+    from megazero.parallel.zero import nvme_file
+
+    monkeypatch.setattr(nvme_file, "_free_bytes", lambda folder: 4096)  # the disk, as statvfs would say
+    write_corpus(tmp_path / "text")
+    with pytest.raises(UserError) as err:
+        run(TINY, _overrides(tmp_path, tmp_path / "run", _nvme(tmp_path, "full")))
+    line = str(err.value)
+    assert "\n" not in line and line.startswith(f"zero.nvme_path='{tmp_path / 'scratch' / 'full'}': ") and \
+        "has 4,096 bytes free; this rank's optimizer states need " in line, line
+    assert not list((tmp_path / "scratch").rglob("*.bin"))
+
+
+@pytest.mark.parametrize("sets, key, says", [
+    (["zero.offload_optimizer=nvme"], "zero.nvme_path", "must name a folder on a local disk"),
+    (["zero.offload_optimizer=nvme", "zero.nvme_path=/x", "optim.name=lamb"], "zero.offload_optimizer",
+     "is not supported with optim.name=lamb (its update does not stream its states from a disk; those that do: "
+     "adamw); use cpu or none"),
+    (["zero.offload_optimizer=nvme", "zero.nvme_path=/x", "optim.name=muon"], "zero.offload_optimizer",
+     "is not supported with optim.name=muon (its Newton-Schulz"),
+    (["zero.offload_optimizer=disk"], "zero.offload_optimizer", "is invalid; valid: none | cpu | nvme"),
+])
+def test_bad_nvme_settings_are_one_line(sets, key, says):
+    with pytest.raises(UserError) as err:
+        load_config(TINY, sets)
+    line = str(err.value)
+    assert "\n" not in line and f": {key}=" in line and says in line, line
