@@ -7,7 +7,8 @@ over 20 steps, and every stored tensor of the last checkpoint, at one process an
 with several buckets. The host buffers are 0.05 MB, so a bucket's range is several chunks (1,024 or 2,048
 elements) and the reads ahead and writes behind cross buckets. A checkpoint of an NVMe run resumes exactly into an
 NVMe run and into one with the states in memory; the scratch files are gone when a run ends, and a file of
-another run in the same folder is neither read nor removed.
+another run in the same folder is neither read nor removed. Beyond memory: a process whose address space is capped
+(RLIMIT_AS) below what its states need trains with them on a disk, and stops in one line with them in memory.
 """
 from __future__ import annotations
 
@@ -109,3 +110,47 @@ def test_bad_nvme_settings_are_one_line(sets, key, says):
         load_config(TINY, sets)
     line = str(err.value)
     assert "\n" not in line and f": {key}=" in line and says in line, line
+
+
+# pretrain.py in a process whose address space is capped at what it holds after its imports plus LIMIT_MB
+CAPPED = """
+import os, resource, runpy, sys
+sys.path.insert(0, {root!r})
+import torch, torch.distributed.checkpoint, megazero.train.trainer
+size = int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmSize"))) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (size + {limit} * 2 ** 20,) * 2)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+# A 53M-parameter model in bf16 (4 layers of hidden 1024) for one step: its masters and moments are 12 B a
+# parameter, ~630 MB. Measured above the imports (glibc held to one arena, so threads reserve no address space of
+# their own): the run with its states in memory peaks at +1,680 MB and fails at +1,550; with them on the disk it
+# peaks at +1,170 MB (its 16 MB of buffers and the I/O threads included). The cap sits between, ~250 MB from each.
+LIMIT_MB = 1400
+BIG = {"model.layers": 4, "model.hidden": 1024, "model.heads": 8, "model.seq_len": 16, "train.global_batch": 2,
+       "train.micro_batch": 1, "train.precision": "bf16", "zero.bucket_mb": 16}
+
+
+def _capped(base, name: str, extra: list[str]):
+    import subprocess
+    import sys
+
+    from tests.runs import pretrain_cmd
+
+    sets = small_overrides(base / "text", base / "cache", base / name, steps=1, **BIG) + extra
+    cmd = pretrain_cmd(sets)
+    env = {**os.environ, "MALLOC_ARENA_MAX": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-c", CAPPED.format(root=str(ROOT), limit=LIMIT_MB), *cmd[1:]], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_a_process_capped_below_its_states_trains_with_them_on_a_disk_and_not_in_memory(tmp_path):
+    write_corpus(tmp_path / "text")
+    on_disk = _capped(tmp_path, "nvme", ["zero.offload_optimizer=nvme", f"zero.nvme_path={tmp_path / 'scratch'}",
+                                         "zero.nvme_buffer_mb=16"])
+    assert on_disk.returncode == 0, on_disk.stderr[-2000:]
+    assert "zero.offload_optimizer=nvme: this rank's optimizer states, " in on_disk.stdout, on_disk.stdout[-2000:]
+    in_memory = _capped(tmp_path, "memory", ["zero.offload_optimizer=cpu"])
+    assert in_memory.returncode == 2, (in_memory.returncode, in_memory.stderr[-2000:])
+    line = in_memory.stderr.strip().splitlines()[-1]
+    assert "out of memory on rank 0" in line and "Cannot allocate memory" in line, line
