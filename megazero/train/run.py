@@ -109,7 +109,7 @@ def _cpu_threads(cfg, device, local_world: int):
     import torch
 
     before = torch.get_num_threads()
-    if device.type == "cpu" or "cpu" in (cfg.zero.offload_optimizer, cfg.zero.offload_params):
+    if device.type == "cpu" or {cfg.zero.offload_optimizer, cfg.zero.offload_params} & {"cpu", "nvme"}:
         torch.set_num_threads(cfg.launch.cpu_threads or max(1, (os.cpu_count() or 1) // local_world))
     try:
         yield

@@ -19,14 +19,15 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 
 from megazero.kernels.adam import adamw
-from megazero.kernels.adam_cpu import Run
+from megazero.kernels.adam_cpu import CPU_CHUNK, Run
 from megazero.parallel.zero.adamw import ShardedAdamW
 from megazero.parallel.zero.layout import Bucket, BucketLayout
 from megazero.parallel.zero.nvme_file import PAGE, NvmeFile, SimulatedFile, aligned_empty
 
 SLOTS = 3  # the chunk being read, the one being updated, the one being written
 FLOAT = 4
-STEP = PAGE // FLOAT  # a chunk's length is a whole number of pages of fp32
+STEP = PAGE // FLOAT  # a record's arrays are a whole number of pages of fp32
+VECTOR = 16  # elements the fused CPU AdamW takes at once (AVX-512 fp32); a multiple of the narrower widths
 
 
 @dataclass(frozen=True)
@@ -56,39 +57,57 @@ class NvmeAdamW(ShardedAdamW):
         self.kinds = 3 if self.masters_on_disk else 2
         self.chunk = chunk_elements(settings.buffer_bytes, self.kinds)
         record = self.kinds * self.chunk * FLOAT
-        self.base: list[int] = []  # each bucket's first record in the file, in bytes
-        total = 0
-        for b in layout.buckets:
-            lo, hi = layout.range(b)
-            self.base.append(total)
-            total += -(-(hi - lo) // self.chunk) * record
+        # per bucket: its chunks (first element, last + 1, the record's byte offset, its arrays' stride)
+        self.chunks: list[list[tuple[int, int, int, int]]] = [[] for _ in layout.buckets]
         if isinstance(torch.empty(0), FakeTensor):  # --simulate: the shapes of the step, no disk
-            self.file = SimulatedFile(settings.folder, max(total, PAGE))
+            self.file = SimulatedFile(settings.folder)
             self.slots = [torch.empty(record, dtype=torch.uint8) for _ in range(SLOTS)]
         else:
-            self.file = NvmeFile(settings.folder, max(total, PAGE), key)
+            self.file = NvmeFile(settings.folder, key)
             self.slots = [aligned_empty(record) for _ in range(SLOTS)]
         self.bytes_read = self.bytes_written = 0
 
     # ----- a chunk's record in a slot -------------------------------------------------------------------------------
-    def _views(self, slot: int, n: int) -> dict[str, Tensor]:
-        """The slot's fp32 arrays, cut to the chunk's ``n`` elements."""
+    def _views(self, slot: int, n: int, stride: int) -> dict[str, Tensor]:
+        """The slot's fp32 arrays (``stride`` apart: the chunk's record), cut to the chunk's ``n`` elements."""
         flat = self.slots[slot].view(torch.float32)
         names = ("master", "exp_avg", "exp_avg_sq") if self.masters_on_disk else ("exp_avg", "exp_avg_sq")
-        return {k: flat[j * self.chunk:j * self.chunk + n] for j, k in enumerate(names)}
+        return {k: flat[j * stride:j * stride + n] for j, k in enumerate(names)}
 
-    def _chunks(self, i: int) -> list[tuple[int, int, int]]:
-        """Bucket i's chunks: (first element, last + 1, byte offset of the record)."""
-        lo, hi = self.layout.range(self.layout.buckets[i])
-        record = self.kinds * self.chunk * FLOAT
-        return [(a, min(a + self.chunk, hi - lo), self.base[i] + k * record)
-                for k, a in enumerate(range(0, hi - lo, self.chunk))]
+    def _record(self, slot: int, stride: int) -> Tensor:
+        """The slot's bytes that hold a record of arrays ``stride`` long."""
+        return self.slots[slot][:self.kinds * stride * FLOAT]
 
-    def _write_now(self, slot: int, offset: int) -> None:
-        self.bytes_written += self.file.write(self.slots[slot], offset).result()
+    def _plan_chunks(self, i: int, n: int, runs: list[Run], cuts_like_memory: bool) -> None:
+        """Bucket i's chunks, and their records appended to the file. A chunk ends where the in-memory update's
+        pieces end or 16 elements on from a run's start: the fused kernel takes 16 elements a vector and the rest
+        one by one, so any other cut would move elements between the two (a last-bit difference). Where the
+        in-memory step converts the gradient or copies to the model, it cuts every CPU_CHUNK elements: so do the
+        chunks, and never cross one."""
+        chunks, a = [], 0
+        while a < n:
+            z = min(a + self.chunk, n)
+            if cuts_like_memory:
+                z = min(z, (a // CPU_CHUNK + 1) * CPU_CHUNK)
+            if z < n and not (cuts_like_memory and z % CPU_CHUNK == 0):
+                s, e = next(((s, e) for s, e, _ in runs if s < z <= e), (z, z))
+                if z < e:
+                    z = s + (z - s) // VECTOR * VECTOR if z - s >= VECTOR else s
+            stride = -(-(z - a) // STEP) * STEP
+            chunks.append((a, z, self.file.nbytes + sum(self.kinds * c[3] * FLOAT for c in chunks), stride))
+            a = z
+        try:
+            self.file.grow(sum(self.kinds * c[3] * FLOAT for c in chunks))
+        except BaseException:  # the run stops before it starts: nothing of it is left on the disk
+            self.close()
+            raise
+        self.chunks[i] = chunks
 
-    def _read_now(self, slot: int, offset: int) -> None:
-        self.bytes_read += self.file.read(self.slots[slot], offset).result()
+    def _write_now(self, slot: int, offset: int, stride: int) -> None:
+        self.bytes_written += self.file.write(self._record(slot, stride), offset).result()
+
+    def _read_now(self, slot: int, offset: int, stride: int) -> None:
+        self.bytes_read += self.file.read(self._record(slot, stride), offset).result()
 
     # ----- states -----------------------------------------------------------------------------------------------
     def add_bucket(self, b: Bucket, initial: Tensor, decay: list[Run], count: list[Run]) -> None:
@@ -103,63 +122,78 @@ class NvmeAdamW(ShardedAdamW):
         if self.pinned:  # the reduced gradient's landing buffer on the host, as ShardedAdamW's
             self.host_grad[i] = torch.empty(initial.numel(), dtype=self.grad_dtype, pin_memory=True)
         self.runs[i], self.counted[i] = decay, count
-        for a, z, offset in self._chunks(i):
-            views = self._views(0, z - a)
+        n = initial.numel()
+        cuts_like_memory = self.grad_dtype != torch.float32 or (not self.master_is_param[i]
+                                                                and target.device.type == "cpu")
+        self._plan_chunks(i, n, decay if self.weight_decay else [(0, n, False)], cuts_like_memory)
+        for a, z, offset, stride in self.chunks[i]:
+            views = self._views(0, z - a, stride)
             self.slots[0].zero_()
             if self.masters_on_disk:
                 views["master"].copy_(initial[a:z])
-            self._write_now(0, offset)
+            self._write_now(0, offset, stride)
 
     def bucket_states(self, i: int) -> dict[str, Optional[Tensor]]:
         """Bucket i's states read back whole (a save: one bucket at a time)."""
         lo, hi = self.layout.range(self.layout.buckets[i])
         out = {k: torch.empty(hi - lo, dtype=torch.float32) for k in ("exp_avg", "exp_avg_sq")}
         out["master"] = self.master[i] if self.master_is_param[i] else torch.empty(hi - lo, dtype=torch.float32)
-        for a, z, offset in self._chunks(i):
-            self._read_now(0, offset)
-            for k, v in self._views(0, z - a).items():
+        for a, z, offset, stride in self.chunks[i]:
+            self._read_now(0, offset, stride)
+            for k, v in self._views(0, z - a, stride).items():
                 out[k][a:z] = v
         return out
 
     def load_bucket_states(self, i: int, states: dict[str, Tensor]) -> None:
         """Write a checkpoint's states of bucket i to its records (the master too, unless it is the parameter)."""
-        for a, z, offset in self._chunks(i):
+        for a, z, offset, stride in self.chunks[i]:
             self.slots[0].zero_()
-            for k, v in self._views(0, z - a).items():
+            for k, v in self._views(0, z - a, stride).items():
                 v.copy_(states[k][a:z])
-            self._write_now(0, offset)
+            self._write_now(0, offset, stride)
 
     # ----- the update -------------------------------------------------------------------------------------------
     def update(self, grads: list[Tensor], lr: float, grad_scale: float, resend: set[int]) -> None:
         """One AdamW step of every bucket's range, chunk by chunk: read ahead one, write behind one."""
         self.step_count += 1
-        b1, b2 = self.betas
         grads = self.state_grads(grads, resend)
-        work = [(b.index, a, z, offset) for b in self.layout.buckets for a, z, offset in self._chunks(b.index)]
+        work = [(b.index, *c) for b in self.layout.buckets for c in self.chunks[b.index]]
         reads: dict[int, object] = {}
         writes: list[Optional[object]] = [None] * SLOTS
+        try:
+            self._stream(work, reads, writes, lr, grad_scale, grads)
+        except BaseException:  # no transfer left in flight on a slot that a later read or save reuses
+            for pending in [*reads.values(), *writes]:
+                if pending is not None:
+                    pending.exception()
+            raise
+        for pending in writes:
+            if pending is not None:
+                self.bytes_written += pending.result()
+
+    def _stream(self, work: list, reads: dict, writes: list, lr: float, grad_scale: float,
+                grads: list[Tensor]) -> None:
+        """The chunks in order: chunk k+1's read posted, chunk k updated, chunk k's write posted."""
+        b1, b2 = self.betas
         if work:
-            reads[0] = self.file.read(self.slots[0], work[0][3])
-        for k, (i, a, z, offset) in enumerate(work):
+            reads[0] = self.file.read(self._record(0, work[0][4]), work[0][3])
+        for k, (i, a, z, offset, stride) in enumerate(work):
             slot = k % SLOTS
             if k + 1 < len(work):  # the next chunk's read, into a slot whose write has finished
                 ahead = (k + 1) % SLOTS
                 if writes[ahead] is not None:
                     self.bytes_written += writes[ahead].result()
                     writes[ahead] = None
-                reads[k + 1] = self.file.read(self.slots[ahead], work[k + 1][3])
+                reads[k + 1] = self.file.read(self._record(ahead, work[k + 1][4]), work[k + 1][3])
             self.bytes_read += reads.pop(k).result()
-            views = self._views(slot, z - a)
+            views = self._views(slot, z - a, stride)
             b = self.layout.buckets[i]
             master = self.master[i][a:z] if self.master_is_param[i] else views["master"]
             copy = None if self.master_is_param[i] else self.target(b)[a:z]
             adamw("fused", master, grads[i][a:z], views["exp_avg"], views["exp_avg_sq"], lr=lr, beta1=b1,
                   beta2=b2, eps=self.eps, weight_decay=self.weight_decay, step=self.step_count,
                   runs=_within(self.runs[i], a, z), grad_scale=grad_scale, model_copy=copy)
-            writes[slot] = self.file.write(self.slots[slot], offset)
-        for pending in writes:
-            if pending is not None:
-                self.bytes_written += pending.result()
+            writes[slot] = self.file.write(self._record(slot, stride), offset)
 
     # ----- accounting -------------------------------------------------------------------------------------------
     def state_tensors(self) -> list[Tensor]:

@@ -13,6 +13,7 @@ and it is removed when the store is closed or collected (a later run never trust
 """
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import weakref
@@ -36,9 +37,9 @@ def aligned_empty(nbytes: int) -> Tensor:
     return raw[pad:pad + nbytes]
 
 
-def _remove(path: str, fd: int, pool: ThreadPoolExecutor) -> None:
+def _remove(path: str, fd: list[int], pool: ThreadPoolExecutor) -> None:
     pool.shutdown(wait=True)
-    os.close(fd)
+    os.close(fd[0])
     try:
         os.unlink(path)
     except FileNotFoundError:
@@ -48,39 +49,51 @@ def _remove(path: str, fd: int, pool: ThreadPoolExecutor) -> None:
 class NvmeFile:
     """A fixed-size scratch file under ``folder``; reads and writes of page-aligned host buffers, asynchronous."""
 
-    def __init__(self, folder: Path, nbytes: int, key: str, threads: int = 2):
-        """``key``: the config key that named ``folder``, for the one-line errors."""
-        assert nbytes % PAGE == 0, nbytes
-        self.nbytes = nbytes
+    def __init__(self, folder: Path, key: str, threads: int = 2):
+        """An empty file; ``grow`` reserves its space. ``key``: the config key that named ``folder``, for the
+        one-line errors."""
+        self.nbytes, self.key, self.folder = 0, key, folder
         try:
             folder.mkdir(parents=True, exist_ok=True)
+            self.path = folder / f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}.bin"
+            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
+            self.direct = hasattr(os, "O_DIRECT")
+            try:
+                fd = os.open(self.path, flags | (os.O_DIRECT if self.direct else 0), 0o600)
+            except OSError as e:
+                if e.errno != errno.EINVAL:  # EINVAL: the filesystem refuses O_DIRECT (older tmpfs)
+                    raise
+                self.direct, fd = False, os.open(self.path, flags, 0o600)
         except OSError as e:
-            raise UserError(f"{key}={str(folder.parent)!r}: cannot create {folder} ({e.strerror})") from None
-        free = _free_bytes(folder)
-        if free < nbytes:
-            raise UserError(f"{key}={str(folder.parent)!r}: {folder} has {free:,} bytes free; this rank's optimizer "
-                            f"states need {nbytes:,}")
-        self.path = folder / f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}.bin"
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
-        self.direct = hasattr(os, "O_DIRECT")
-        try:
-            fd = os.open(self.path, flags | (os.O_DIRECT if self.direct else 0), 0o600)
-        except OSError:  # the filesystem refuses O_DIRECT (EINVAL on tmpfs): buffered I/O
-            self.direct = False
-            fd = os.open(self.path, flags, 0o600)
-        try:
-            os.ftruncate(fd, nbytes)
-            if self.direct and not _direct_works(fd):  # opened, but its transfers fail (some filesystems)
-                os.close(fd)
-                self.direct, fd = False, os.open(self.path, os.O_RDWR, 0o600)
-        except OSError as e:
-            os.close(fd)
-            os.unlink(self.path)
-            raise UserError(f"{key}={str(folder.parent)!r}: cannot size {self.path} to {nbytes:,} bytes "
-                            f"({e.strerror})") from None
-        self.fd = fd
+            raise UserError(f"{key}={str(folder.parent)!r}: cannot create a file in {folder} ({e.strerror})") from None
+        self._fd = [fd]  # the descriptor in a box the finalizer holds (not self: it would never be collected)
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="nvme")
-        self._finalizer = weakref.finalize(self, _remove, str(self.path), fd, self.pool)
+        self._finalizer = weakref.finalize(self, _remove, str(self.path), self._fd, self.pool)
+        self.grow(PAGE)
+        if self.direct and not _direct_works(fd):  # opened, but its transfers fail (some filesystems)
+            self.direct, self._fd[0] = False, os.open(self.path, os.O_RDWR, 0o600)
+            os.close(fd)
+
+    @property
+    def fd(self) -> int:
+        return self._fd[0]
+
+    def grow(self, nbytes: int) -> None:
+        """Reserve ``nbytes`` (a whole number of pages) more at the end: blocks allocated on the disk now, so a
+        disk that cannot hold the states says so before the first step, in one line."""
+        assert nbytes % PAGE == 0, nbytes
+        free = _free_bytes(self.folder)
+        if free < nbytes:
+            raise UserError(f"{self.key}={str(self.folder.parent)!r}: {self.folder} has {free:,} bytes free; this "
+                            f"rank's optimizer states need {nbytes:,} more")
+        try:
+            os.posix_fallocate(self.fd, self.nbytes, nbytes)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # ENOSPC, EDQUOT, EIO: one line
+                raise UserError(f"{self.key}={str(self.folder.parent)!r}: cannot reserve {nbytes:,} bytes more "
+                                f"in {self.path} ({e.strerror})") from None
+            os.ftruncate(self.fd, self.nbytes + nbytes)  # no preallocation here: a sparse file
+        self.nbytes += nbytes
 
     def read(self, buffer: Tensor, offset: int) -> Future:
         """Fill ``buffer`` (page-aligned uint8, whole pages) from ``offset``; the future's result is the bytes."""
@@ -125,8 +138,11 @@ class SimulatedFile:
 
     direct = False
 
-    def __init__(self, folder: Path, nbytes: int):
-        self.path, self.nbytes = folder / f"{PREFIX}simulated.bin", nbytes
+    def __init__(self, folder: Path):
+        self.path, self.nbytes = folder / f"{PREFIX}simulated.bin", 0
+
+    def grow(self, nbytes: int) -> None:
+        self.nbytes += nbytes
 
     def read(self, buffer: Tensor, offset: int) -> Future:
         return self.write(buffer, offset)

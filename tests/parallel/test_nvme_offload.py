@@ -112,6 +112,61 @@ def test_bad_nvme_settings_are_one_line(sets, key, says):
     assert "\n" not in line and f": {key}=" in line and says in line, line
 
 
+def _unaligned(cls, dtype, folder):
+    """One bucket of a weight (700 x 3, decaying) and a bias (700, not), so the decaying run starts at an offset
+    that is no multiple of the fused kernel's 16-element vectors; 0.036 MB of buffers: chunks of 1,024."""
+    from pathlib import Path
+
+    import torch
+    from torch import nn
+
+    from megazero.parallel.zero.adamw import ShardedAdamW
+    from megazero.parallel.zero.layout import BucketLayout
+    from megazero.parallel.zero.nvme_adamw import NvmeAdamW, NvmeSettings
+    from megazero.parallel.zero.policy import StagePolicy
+
+    torch.manual_seed(1)
+    module = nn.Module()
+    module.w, module.b = nn.Parameter(torch.randn(700, 3)), nn.Parameter(torch.randn(700))
+    layout = BucketLayout([module], StagePolicy.of(1), 1, 0, dtype, torch.float32, 1.0, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    if cls is ShardedAdamW:
+        optim = ShardedAdamW(layout, cpu, cpu, "fused", 0.1, (0.9, 0.99), 1e-8, torch.float32)
+    else:
+        optim = NvmeAdamW(layout, cpu, 0.1, (0.9, 0.99), 1e-8, torch.float32, NvmeSettings(Path(folder), 36864))
+
+    def add(bucket, master):
+        decay, count, _ = layout.mask_runs(bucket, 0)
+        optim.add_bucket(bucket, master, decay, count)
+    layout.materialise(None, add)
+    return layout, optim
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_chunks_cut_where_the_fused_kernel_does_so_every_element_is_exact(tmp_path, precision):
+    """A chunk that ended 1,024 elements in, inside a run that began at element 700, would move elements between
+    the kernel's vector loop and its one-by-one tail: measured one-ulp differences from step 2 before the cuts
+    followed the runs' starts."""
+    import torch
+
+    from megazero.parallel.zero.adamw import ShardedAdamW
+    from megazero.parallel.zero.nvme_adamw import NvmeAdamW
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    memory_layout, memory = _unaligned(ShardedAdamW, dtype, None)
+    disk_layout, disk = _unaligned(NvmeAdamW, dtype, tmp_path)
+    assert len(disk.chunks[0]) == 3 and all((a - 700) % 16 == 0 for a, _, _, _ in disk.chunks[0][1:])
+    for step in range(4):
+        grad = torch.randn(2800, generator=torch.Generator().manual_seed(step))
+        memory.update([grad.clone()], 1e-2, 0.5, set())
+        disk.update([grad.clone()], 1e-2, 0.5, set())
+    states = disk.bucket_states(0)
+    for kind in ("exp_avg", "exp_avg_sq") + (("master",) if precision == "bf16" else ()):
+        assert torch.equal(states[kind], memory.bucket_states(0)[kind]), kind
+    assert torch.equal(disk_layout.buckets[0].full, memory_layout.buckets[0].full)
+    disk.close()
+    assert not list(tmp_path.iterdir())
+
 # pretrain.py in a process whose address space is capped at what it holds after its imports plus LIMIT_MB
 CAPPED = """
 import os, resource, runpy, sys
