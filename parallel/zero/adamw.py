@@ -27,13 +27,8 @@ NORM_PIECE = 2 ** 16  # elements per CPU norm piece (sq_norm)
 
 
 def make_adamw(section: "AdamWSection", ctx: "UpdateContext") -> "ShardedAdamW":
-    """The registry's factory: AdamW over one partition (offloaded states step with the fused CPU kernel; on a
-    local disk, streamed through a few host buffers: ``parallel.zero.nvme_adamw``)."""
-    if ctx.nvme is not None:
-        from megazero.parallel.zero.nvme_adamw import NvmeAdamW
-
-        return NvmeAdamW(ctx.layout, ctx.device, ctx.weight_decay, (section.beta1, section.beta2), section.eps,
-                         ctx.grad_dtype, ctx.nvme)
+    """AdamW over one partition with its states in memory (offloaded ones step with the fused CPU kernel); the
+    registry's factory is ``parallel.zero.nvme_adamw.make_adamw_for``, which also streams them from a disk."""
     impl = ctx.adam_impl if ctx.state_device == ctx.device else "fused"
     return ShardedAdamW(ctx.layout, ctx.device, ctx.state_device, impl, ctx.weight_decay,
                         (section.beta1, section.beta2), section.eps, ctx.grad_dtype)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import Tensor
@@ -20,9 +20,13 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from megazero.kernels.adam import adamw
 from megazero.kernels.adam_cpu import CPU_CHUNK, Run
-from megazero.parallel.zero.adamw import ShardedAdamW
+from megazero.parallel.zero.adamw import ShardedAdamW, make_adamw
 from megazero.parallel.zero.layout import Bucket, BucketLayout
 from megazero.parallel.zero.nvme_file import PAGE, NvmeFile, SimulatedFile, aligned_empty
+
+if TYPE_CHECKING:
+    from megazero.parallel.zero.registry import AdamWSection
+    from megazero.parallel.zero.update import UpdateContext
 
 SLOTS = 3  # the chunk being read, the one being updated, the one being written
 FLOAT = 4
@@ -41,6 +45,15 @@ class NvmeSettings:
 def chunk_elements(buffer_bytes: int, kinds: int) -> int:
     """The chunk length C: three slots of ``kinds`` fp32 arrays of C fit the buffer, C a whole number of pages."""
     return max(STEP, buffer_bytes // (SLOTS * kinds * FLOAT) // STEP * STEP)
+
+
+def make_adamw_for(section: "AdamWSection", ctx: "UpdateContext") -> ShardedAdamW:
+    """The registry's factory for AdamW: its states where the context puts them, in memory (``make_adamw``) or on
+    a local disk (``ctx.nvme``)."""
+    if ctx.nvme is None:
+        return make_adamw(section, ctx)
+    return NvmeAdamW(ctx.layout, ctx.device, ctx.weight_decay, (section.beta1, section.beta2), section.eps,
+                     ctx.grad_dtype, ctx.nvme)
 
 
 def _within(runs: list[Run], lo: int, hi: int) -> list[Run]:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from megazero.errors import UserError
+from megazero.kernels.errors import UserError
 
 PAGE = 4096
 PREFIX = "megazero-states-"

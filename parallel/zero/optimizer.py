@@ -31,9 +31,8 @@ from megazero.parallel.host import host_values
 from megazero.parallel.topology import Grid
 from megazero.parallel.zero.declared import DENSE, EXPERT, reduce_group
 from megazero.parallel.zero.grads import grad_precision
-from megazero.parallel.zero.adamw import make_adamw
 from megazero.parallel.zero.layout import Bucket, BucketLayout
-from megazero.parallel.zero.nvme_adamw import NvmeSettings
+from megazero.parallel.zero.nvme_adamw import NvmeSettings, make_adamw_for
 from megazero.parallel.zero.partition import Partition
 from megazero.parallel.zero.policy import StagePolicy
 from megazero.parallel.zero.registry import AdamWSection
@@ -74,7 +73,7 @@ class ZeroOptimizer:
         self.world = Comm(dist.group.WORLD if dist.is_initialized() else None, "world", grid.counter)
         # dense gradients reduce (and shard) over dp x cp, the experts' over edp x cp: a partition of their own (ep > 1)
         experts_apart = grid.ep > 1 and any(reduce_group(p) == EXPERT for c in chunks for p in c.parameters())
-        make_update = update if update is not None else partial(make_adamw, AdamWSection())
+        make_update = update if update is not None else partial(make_adamw_for, AdamWSection())
 
         def make_optim(experts: bool) -> Callable[[BucketLayout, Comm], Update]:
             def make(layout: BucketLayout, comm: Comm) -> Update:

@@ -138,7 +138,7 @@ class OnebitAdamSection:
 
 
 OPTIMIZERS: dict[str, Row] = {
-    "adamw": Row("adamw", AdamWSection, _factory("adamw", "make_adamw"), streams_from_disk=True),
+    "adamw": Row("adamw", AdamWSection, _factory("nvme_adamw", "make_adamw_for"), streams_from_disk=True),
     "lamb": Row("lamb", LambSection, _factory("lamb", "make_lamb")),
     "muon": Row("muon", MuonSection, _factory("muon", "make_muon"),
                 device_only="its Newton-Schulz iterations run on the device, on matrices gathered there",
