@@ -79,6 +79,10 @@ def _variants(cfg: Config) -> list[tuple[str, Config]]:
     experts = m.moe.experts
     if experts and p.dp % (2 * p.ep) == 0 and experts % (2 * p.ep) == 0:  # half the experts' states per rank
         variant(f"parallel.ep={p.ep * 2}", lambda c: setattr(c.parallel, "ep", p.ep * 2))
+    if z.offload_optimizer != "nvme" and OPTIMIZERS[cfg.optim.name].streams_from_disk:  # the states off the host
+        variant("zero.offload_optimizer=nvme (with zero.nvme_path)",
+                lambda c: (setattr(c.zero, "offload_optimizer", "nvme"),
+                           setattr(c.zero, "nvme_path", c.zero.nvme_path or "nvme")))
     if t.micro_batch > 1:
         variant(f"train.micro_batch={t.micro_batch // 2}",
                 lambda c: setattr(c.train, "micro_batch", t.micro_batch // 2))

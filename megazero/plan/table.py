@@ -136,8 +136,11 @@ def format_plan(plan: Plan) -> str:
         "same); memory in GB (1e9 bytes)",
     ]
     header = ["stage", "layers", "global ranks", "params/rank"] + (["experts/rank"] if moe else [])
-    header += [k + (" (cpu)" if where.get(k) == "cpu" else "") for k in ("params", "grads", "optimizer")]
-    header += ["device"] + (["experts"] if moe else []) + ["cpu", "act ckpt" + ("*" if ckpt else ""),
+    header += [k + (f" ({where[k]})" if where.get(k, "none") != "none" else "")
+               for k in ("params", "grads", "optimizer")]
+    disk = z.offload_optimizer == "nvme"  # the states on a local disk: their own column, beside the host's buffers
+    header += ["device"] + (["experts"] if moe else []) + ["cpu"] + (["nvme"] if disk else []) + [
+        "act ckpt" + ("*" if ckpt else ""),
                                                            "act full" + ("" if ckpt else "*"), "mb held"] \
         + (["gathered"] if gathers else []) + (["grad bufs"] if grad_bufs else []) \
         + (["dispatch", "a2a/step"] if moe else []) + (["cp/step"] if context else []) + ["total*", "TFLOP/step"]
@@ -151,8 +154,8 @@ def format_plan(plan: Plan) -> str:
                      f"{s.params:,}"]
                     + ([f"{s.experts:,}"] if moe else []) + state
                     + ([f"{s.expert_state['device_total'] / GB:.2f}"] if moe else [])
-                    + [f"{ms['cpu_total'] / GB:.2f}", f"{s.act_ckpt / GB:.2f}", f"{s.act_full / GB:.2f}",
-                       str(s.in_flight)]
+                    + [f"{ms['cpu_total'] / GB:.2f}"] + ([f"{ms['nvme_total'] / GB:.2f}"] if disk else [])
+                    + [f"{s.act_ckpt / GB:.2f}", f"{s.act_full / GB:.2f}", str(s.in_flight)]
                     + ([f"{s.gathered / GB:.2f}"] if gathers else [])
                     + ([f"{s.grad_buffers / GB:.2f}"] if grad_bufs else [])
                     + ([f"{s.dispatch / GB:.2f}", f"{s.all_to_all / GB:.2f}"] if moe else [])

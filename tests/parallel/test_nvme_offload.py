@@ -167,6 +167,32 @@ def test_chunks_cut_where_the_fused_kernel_does_so_every_element_is_exact(tmp_pa
     disk.close()
     assert not list(tmp_path.iterdir())
 
+def test_the_plan_puts_the_states_on_the_disk_and_a_short_host_is_told_of_nvme():
+    """The dry run's table: the optimizer's column marked (nvme) and an nvme column with its bytes (AdamW's 8 B a
+    parameter in fp32 on the CPU, where the parameters are their own masters), the host holding the buffers. A
+    CPU host that cannot hold the states in memory is told that putting them on a disk fits."""
+    import torch
+
+    from megazero.config.resolve import resolve
+    from megazero.plan.fits import check_fits, needed_bytes
+    from megazero.plan.stage_plan import make_plan
+    from megazero.plan.table import format_plan
+
+    sets = ["model.layers=4", "model.hidden=512", "model.heads=8", "parallel.tp=1", "parallel.pp=1",
+            "train.precision=fp32", "zero.nvme_buffer_mb=1"]
+    disk = resolve(load_config(TINY, sets + ["zero.offload_optimizer=nvme", "zero.nvme_path=/x"]), 1, "cpu")
+    memory = resolve(load_config(TINY, sets), 1, "cpu")
+    state = make_plan(disk).stages[0].model_state
+    assert state["nvme_total"] == make_plan(memory).stages[0].model_state["optimizer"] > 0
+    assert state["cpu_total"] >= 2 ** 20 and state["device_total"] < make_plan(memory).stages[0].model_state[
+        "device_total"]
+    table = format_plan(make_plan(disk))
+    assert "optimizer (nvme)" in table and "  nvme  " in table, table
+    short = (needed_bytes(disk, range(1), "cpu") + needed_bytes(memory, range(1), "cpu")) // 2
+    with pytest.raises(UserError, match=r"fits with any of: .*zero\.offload_optimizer=nvme \(with zero\.nvme_path\)"):
+        check_fits(memory, torch.device("cpu"), 0, 0, 1, available=short)
+    check_fits(disk, torch.device("cpu"), 0, 0, 1, available=short)
+
 # pretrain.py in a process whose address space is capped at what it holds after its imports plus LIMIT_MB
 CAPPED = """
 import os, resource, runpy, sys
