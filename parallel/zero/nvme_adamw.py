@@ -230,6 +230,12 @@ def describe(optims: list[NvmeAdamW]) -> str:
     disk = sum(o.disk_bytes() for o in optims)
     host = sum(o.state_bytes() for o in optims)
     ways = sorted({"O_DIRECT" if o.file.direct else "buffered I/O (the filesystem refuses O_DIRECT)" for o in optims})
-    return (f"zero.offload_optimizer=nvme: this rank's optimizer states, {disk / 2 ** 20:,.1f} MB, in "
+    line = (f"zero.offload_optimizer=nvme: this rank's optimizer states, {disk / 2 ** 20:,.1f} MB, in "
             f"{optims[0].file.path.parent} by {' and '.join(ways)}, streamed through {host / 2 ** 20:,.2f} MB of "
             f"host buffers")
+    others = optims[0].file.others  # the folder's files of other runs, as the first partition found them
+    if others:
+        size = sum(p.stat().st_size for p in others if p.exists())
+        line += (f"; {len(others)} scratch file(s) of other runs there ({size / 2 ** 20:,.1f} MB, never read; "
+                 f"remove them when no run uses them), e.g. {others[0].name}")
+    return line

@@ -66,6 +66,9 @@ class NvmeFile:
                 self.direct, fd = False, os.open(self.path, flags, 0o600)
         except OSError as e:
             raise UserError(f"{key}={str(folder.parent)!r}: cannot create a file in {folder} ({e.strerror})") from None
+        # megazero's files of earlier runs in this folder (a run that was killed leaves its file): never read,
+        # never removed here (another run may be using it); the start-up line names them
+        self.others = sorted(p for p in folder.glob(f"{PREFIX}*.bin") if p != self.path)
         self._fd = [fd]  # the descriptor in a box the finalizer holds (not self: it would never be collected)
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="nvme")
         self._finalizer = weakref.finalize(self, _remove, str(self.path), self._fd, self.pool)
@@ -139,7 +142,7 @@ class SimulatedFile:
     direct = False
 
     def __init__(self, folder: Path):
-        self.path, self.nbytes = folder / f"{PREFIX}simulated.bin", 0
+        self.path, self.nbytes, self.others = folder / f"{PREFIX}simulated.bin", 0, []
 
     def grow(self, nbytes: int) -> None:
         self.nbytes += nbytes

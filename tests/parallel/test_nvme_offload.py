@@ -81,6 +81,23 @@ def test_the_scratch_files_go_with_the_run_and_another_runs_file_stays(runs):
     assert (runs / "scratch" / "one" / "rank_0" / "megazero-states-1-00000000.bin").read_bytes() == \
         b"another run's states"
     assert sorted(os.listdir(runs / "scratch" / "dp2_z3")) == ["rank_0", "rank_1"]
+    # and the start-up line names it
+    from megazero.parallel.zero.nvme_adamw import describe
+    from megazero.parallel.zero.nvme_file import NvmeFile
+
+    class Optim:  # what describe reads of an NvmeAdamW: its file and its byte counts
+        file = NvmeFile(runs / "scratch" / "one" / "rank_0", "zero.nvme_path")
+
+        def disk_bytes(self):
+            return self.file.nbytes
+
+        def state_bytes(self):
+            return 0
+
+    line = describe([Optim()])
+    Optim.file.close()
+    assert "; 1 scratch file(s) of other runs there (0.0 MB, never read; remove them when no run uses them), " \
+           "e.g. megazero-states-1-00000000.bin" in line, line
 
 
 def test_a_disk_too_small_is_one_line_naming_the_path_and_the_bytes(tmp_path, monkeypatch):
