@@ -73,8 +73,9 @@ def disk_throughput(folder: Path, mb: int, record: int) -> tuple[float, float, b
             pending[slot] = call(buffers[slot], f.nbytes - count * record + k * record)
         for p in pending:
             p.result()
-        if call == f.write:
-            os.fsync(f.fd)  # buffered I/O: the bytes on the disk, not in the page cache
+        if call == f.write:  # buffered I/O: the bytes on the disk, and not read back from the page cache
+            os.fsync(f.fd)
+            os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_DONTNEED)
         rates.append(count * record / (time.perf_counter() - began) / 1e9)
     direct = f.direct
     f.close()

@@ -104,7 +104,8 @@ class NvmeAdamW(ShardedAdamW):
                 z = min(z, (a // CPU_CHUNK + 1) * CPU_CHUNK)
             if z < n and not (cuts_like_memory and z % CPU_CHUNK == 0):
                 s, e = next(((s, e) for s, e, _ in runs if s < z <= e), (z, z))
-                if z < e:
+                if z < e:  # the kernel counts its vectors from its piece's start: the run's, or its window's
+                    s = max(s, a // CPU_CHUNK * CPU_CHUNK) if cuts_like_memory else s
                     z = s + (z - s) // VECTOR * VECTOR if z - s >= VECTOR else s
             stride = -(-(z - a) // STEP) * STEP
             chunks.append((a, z, self.file.nbytes + sum(self.kinds * c[3] * FLOAT for c in chunks), stride))

@@ -129,8 +129,8 @@ def test_bad_nvme_settings_are_one_line(sets, key, says):
     assert "\n" not in line and f": {key}=" in line and says in line, line
 
 
-def _unaligned(cls, dtype, folder):
-    """One bucket of a weight (700 x 3, decaying) and a bias (700, not), so the decaying run starts at an offset
+def _unaligned(cls, dtype, folder, rows=700, buffer=36864, bucket_mb=1.0):
+    """One bucket of a weight (rows x 3, decaying) and a bias (rows, not), so the decaying run starts at an offset
     that is no multiple of the fused kernel's 16-element vectors; 0.036 MB of buffers: chunks of 1,024."""
     from pathlib import Path
 
@@ -144,13 +144,13 @@ def _unaligned(cls, dtype, folder):
 
     torch.manual_seed(1)
     module = nn.Module()
-    module.w, module.b = nn.Parameter(torch.randn(700, 3)), nn.Parameter(torch.randn(700))
-    layout = BucketLayout([module], StagePolicy.of(1), 1, 0, dtype, torch.float32, 1.0, torch.device("cpu"))
+    module.w, module.b = nn.Parameter(torch.randn(rows, 3)), nn.Parameter(torch.randn(rows))
+    layout = BucketLayout([module], StagePolicy.of(1), 1, 0, dtype, torch.float32, bucket_mb, torch.device("cpu"))
     cpu = torch.device("cpu")
     if cls is ShardedAdamW:
         optim = ShardedAdamW(layout, cpu, cpu, "fused", 0.1, (0.9, 0.99), 1e-8, torch.float32)
     else:
-        optim = NvmeAdamW(layout, cpu, 0.1, (0.9, 0.99), 1e-8, torch.float32, NvmeSettings(Path(folder), 36864))
+        optim = NvmeAdamW(layout, cpu, 0.1, (0.9, 0.99), 1e-8, torch.float32, NvmeSettings(Path(folder), buffer))
 
     def add(bucket, master):
         decay, count, _ = layout.mask_runs(bucket, 0)
@@ -183,6 +183,33 @@ def test_chunks_cut_where_the_fused_kernel_does_so_every_element_is_exact(tmp_pa
     assert torch.equal(disk_layout.buckets[0].full, memory_layout.buckets[0].full)
     disk.close()
     assert not list(tmp_path.iterdir())
+
+
+def test_past_the_kernels_window_the_chunks_count_vectors_from_the_window(tmp_path):
+    """bf16 parameters (the step copies to them, so the in-memory kernel works in windows of CPU_CHUNK elements)
+    and a decaying run of 1.2M elements from element 400,007: past the window's start at 1,048,576 the kernel
+    counts its vectors from there, not from the run's start, and a chunk of 3,072 elements must end on those
+    (a review found exp_avg_sq off in its last bits from step 2 when they counted from the run's start)."""
+    import torch
+
+    from megazero.kernels.adam_cpu import CPU_CHUNK
+    from megazero.parallel.zero.adamw import ShardedAdamW
+    from megazero.parallel.zero.nvme_adamw import NvmeAdamW
+
+    memory_layout, memory = _unaligned(ShardedAdamW, torch.bfloat16, None, rows=400_007, bucket_mb=16)
+    disk_layout, disk = _unaligned(NvmeAdamW, torch.bfloat16, tmp_path, rows=400_007, buffer=110_592, bucket_mb=16)
+    n = 4 * 400_007
+    assert len(disk_layout.buckets) == 1 and disk.chunk == 3072
+    assert any(a == CPU_CHUNK for a, _, _, _ in disk.chunks[0])  # a chunk starts at the window's start
+    for step in range(3):
+        grad = torch.randn(n, generator=torch.Generator().manual_seed(step))
+        memory.update([grad.clone()], 1e-2, 0.5, set())
+        disk.update([grad.clone()], 1e-2, 0.5, set())
+    states = disk.bucket_states(0)
+    for kind in ("master", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(states[kind], memory.bucket_states(0)[kind]), kind
+    assert torch.equal(disk_layout.buckets[0].full, memory_layout.buckets[0].full)
+    disk.close()
 
 def test_the_plan_puts_the_states_on_the_disk_and_a_short_host_is_told_of_nvme():
     """The dry run's table: the optimizer's column marked (nvme) and an nvme column with its bytes (AdamW's 8 B a
