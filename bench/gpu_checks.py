@@ -29,6 +29,8 @@
 9. ``bench/pipeline.py``: 1F1B, zb1p and interleaved, p2p waited or overlapped, even or cost-balanced
    stages, on gloo CPU ranks (one GPU cannot hold a pipeline; the machine's cores give each rank its own).
 10. ``bench/tp_overlap.py``: Domino-style tensor-parallel overlap on and off at tp = 2, on gloo CPU ranks.
+11. ``bench/nvme.py``: the machine's disk (under .cache/) and the optimizer step of 100M bf16 parameters on the
+    GPU with its fp32 states on that disk (``zero.offload_optimizer: nvme``) against them in host memory (``cpu``).
 
     python bench/gpu_checks.py [--out DIR] [--budget SECONDS] [--seqs 1024,...] [--only kernels,train,...]
                                [--smoke [--lean]]
@@ -66,7 +68,7 @@ BF16_LOSS_RTOL = 2e-2
 # Triton (FMA contraction may differ in the last bit): fp32-level differences, amplified through bf16.
 OFFLOAD_LOSS_RTOL = 2e-2
 SECTIONS = ("mfu", "kernels", "train", "throughput", "profile", "longrun", "offload", "grouped_mm", "newton_schulz",
-            "pipeline", "tp_overlap")
+            "pipeline", "tp_overlap", "nvme")
 TINY_1GPU = ["parallel.tp=1", "parallel.sequence_parallel=false", "parallel.pp=1", "parallel.dp=1",
              "train.eval_every=0", "log.tensorboard=false", "train.precision=bf16"]
 GPT2_SMALL_BODY = ["model.layers=12", "model.hidden=768", "model.heads=12", "model.seq_len=1024",
@@ -326,6 +328,12 @@ def main() -> int:
         lines = checks.run("bench/tp_overlap.py", tpo_cmd, env)
         if lines is not None:
             checks.note("", "Tensor-parallel overlap (bench/tp_overlap.py):", *lines.strip().splitlines())
+    if "nvme" in only:  # 11. ZeRO-Infinity: the optimizer's states on this machine's disk, under .cache/
+        nvme_cmd = [sys.executable, "bench/nvme.py"] + (["--smoke"] if args.smoke else [
+            "--device", "cuda", "--params", "100M", "--steps", "20", "--repeats", "1", "--path", str(ROOT / ".cache")])
+        lines = checks.run("bench/nvme.py", nvme_cmd, env)
+        if lines is not None:
+            checks.note("", "Optimizer states on the disk (bench/nvme.py):", *lines.strip().splitlines())
     return checks.finish()
 
 

@@ -18,9 +18,9 @@ from bench.gpu_checks import SECTIONS  # as a module of the tree: bench/ on sys.
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "kernels.py"
 
-# about equal halves of the lean smoke's CPU time, in seconds: ~16 + 27 + 14 and ~13 + 5 + 6 + 4 + 12 + 13
+# about equal halves of the lean smoke's CPU time, in seconds: ~16 + 27 + 14 and ~13 + 5 + 6 + 4 + 12 + 13 + 3
 HALVES = (("kernels", "train", "throughput"),
-          ("mfu", "profile", "longrun", "offload", "grouped_mm", "newton_schulz", "pipeline", "tp_overlap"))
+          ("mfu", "profile", "longrun", "offload", "grouped_mm", "newton_schulz", "pipeline", "tp_overlap", "nvme"))
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -153,6 +153,9 @@ def test_gpu_checks_smoke(gpu_checks_smoke):
     # the CPU-rank benchmarks: pipeline schedules and tensor-parallel overlap run and report
     assert re.search(r"^\| zb1p even, overlap \| [0-9.]+ \|", summary, re.M)
     assert "Tensor-parallel overlap (bench/tp_overlap.py):" in summary
+    # the optimizer's states on the disk: the disk's figures and the step against the states in memory
+    assert "Optimizer states on the disk (bench/nvme.py):" in summary
+    assert re.search(r"^\| states on the disk \(nvme\) \| [0-9.]+ \|", summary, re.M), summary
     # the step profile: a wall time per kernel set, in profile.md and summarised in summary.md
     assert len(re.findall(r"^- wall: [0-9.]+ ms/step", summary, re.M)) == 2
     assert len(re.findall(r"^- enqueueing one attention forward \(batch 1\): \d+ us",
@@ -167,7 +170,7 @@ def test_gpu_checks_report_what_the_budget_left_out(tmp_path):
     assert proc.returncode == 1
     summary = (tmp_path / "summary.md").read_text()
     assert summary.startswith("# GPU checks (smoke, CPU): FAILED: environment: not run, the time budget is spent")
-    assert len(re.findall(r"^- FAILED .*: not run, the time budget is spent$", summary, re.M)) == 20  # every command of every section, the CPU-rank benchmarks included
+    assert len(re.findall(r"^- FAILED .*: not run, the time budget is spent$", summary, re.M)) == 21  # every command of every section, the CPU-rank benchmarks included
 
 
 def test_gpu_checks_lean_needs_smoke():
