@@ -97,7 +97,7 @@ class NvmeAdamW(ShardedAdamW):
         one by one, so any other cut would move elements between the two (a last-bit difference). Where the
         in-memory step converts the gradient or copies to the model, it cuts every CPU_CHUNK elements: so do the
         chunks, and never cross one."""
-        chunks, a = [], 0
+        chunks, a, offset = [], 0, self.file.nbytes
         while a < n:
             z = min(a + self.chunk, n)
             if cuts_like_memory:
@@ -108,10 +108,10 @@ class NvmeAdamW(ShardedAdamW):
                     s = max(s, a // CPU_CHUNK * CPU_CHUNK) if cuts_like_memory else s
                     z = s + (z - s) // VECTOR * VECTOR if z - s >= VECTOR else s
             stride = -(-(z - a) // STEP) * STEP
-            chunks.append((a, z, self.file.nbytes + sum(self.kinds * c[3] * FLOAT for c in chunks), stride))
-            a = z
+            chunks.append((a, z, offset, stride))
+            a, offset = z, offset + self.kinds * stride * FLOAT
         try:
-            self.file.grow(sum(self.kinds * c[3] * FLOAT for c in chunks))
+            self.file.grow(offset - self.file.nbytes)
         except BaseException:  # the run stops before it starts: nothing of it is left on the disk
             self.close()
             raise
