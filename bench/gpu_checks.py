@@ -42,10 +42,12 @@ outside keeps what it measured. Each command gets what is left of ``--budget`` (
 fit a 10-minute slot with room to copy results); a check with no time left is reported as not run.
 ``--smoke`` runs the same sequence on the CPU at toy sizes (the Triton kernels under the
 interpreter) to check the script; ``--lean`` (with ``--smoke``, the test suite's run) leaves out what the suite
-checks in-process: the offloaded and ZeRO-3 runs train with the torch kernels, against the torch run (the same
-commands and verdicts, without two more trainings under the interpreter: tests/engine/test_kernels_training.py
-trains with the Triton kernels, tests/parallel/test_zero.py checks offloading against the on-device runs), and of
-the long-run checks only the refusal of a model too big runs (see bench/gpu_long_run.py).
+checks in-process or elsewhere in the smoke: the ZeRO-3 run (its optimizer and parameters offloaded) trains with the
+torch kernels, against the torch run, and the optimizer-only offloaded run is left out (tests/engine/
+test_kernels_training.py trains with the Triton kernels, tests/parallel/test_zero.py checks offloading against the
+on-device runs); the throughput section times the torch kernels alone (the training section has run the Triton
+ones through the same script); the environment line is not printed; and of the long-run checks only the refusal
+of a model too big runs (see bench/gpu_long_run.py).
 Exits 1 when a check fails or did not run, 0 otherwise; numbers are for people, the verdicts for the exit code.
 """
 from __future__ import annotations
@@ -162,7 +164,7 @@ def _pretrain(checks: Checks, name: str, run_dir: Path, sets: list[str], env: di
 
 def _training(checks: Checks, runs: Path, base: list[str], env: dict, steps: int, lean: bool = False) -> None:
     """2. Training on one device: the Triton kernels, the offloaded optimizer and ZeRO-3 against the reference
-    (``lean``: the offloaded runs with the torch kernels, against the torch run)."""
+    (``lean``: the ZeRO-3 offloaded run alone, with the torch kernels, against the torch run)."""
     torch_k = ["kernels.attention=torch", "kernels.adam=torch"]
     triton_k = ["kernels.attention=triton", "kernels.adam=triton"]
     offload_k = torch_k if lean else triton_k
@@ -174,8 +176,9 @@ def _training(checks: Checks, runs: Path, base: list[str], env: dict, steps: int
                        f"relative loss difference {worst:.2e} (bound {BF16_LOSS_RTOL:g}); final loss "
                        f"{fused[max(fused)]['loss']:.4f} vs {ref[max(ref)]['loss']:.4f}")
     kset = "torch" if lean else "triton"
-    offload = _pretrain(checks, f"train {kset} kernels, optimizer offloaded", runs / "offload",
-                        base + offload_k + ["zero.stage=1", "zero.offload_optimizer=cpu"], env)
+    # lean: the ZeRO-3 run below offloads the optimizer too (the suite checks the offloaded AdamW in-process)
+    offload = {} if lean else _pretrain(checks, f"train {kset} kernels, optimizer offloaded", runs / "offload",
+                                        base + offload_k + ["zero.stage=1", "zero.offload_optimizer=cpu"], env)
     zero3 = _pretrain(checks, f"train {kset} kernels, ZeRO-3, everything offloaded, traced", runs / "zero3",
                       base + offload_k + ["zero.stage=3", "zero.offload_optimizer=cpu", "zero.offload_params=cpu",
                                           "log.pipeline_trace=true"], env)
@@ -193,12 +196,14 @@ def _training(checks: Checks, runs: Path, base: list[str], env: dict, steps: int
                        f"pipeline trace: {len(spans)} spans, total {sum(e['dur'] for e in spans) / 1e3:.1f} ms")
 
 
-def _throughput(checks: Checks, runs: Path, device: str, body: list[str], tput_steps: int, env: dict) -> None:
-    """3. Tokens/s and MFU of a GPT-2-small shape with each kernel set."""
+def _throughput(checks: Checks, runs: Path, device: str, body: list[str], tput_steps: int, env: dict,
+                lean: bool = False) -> None:
+    """3. Tokens/s and MFU of a GPT-2-small shape with each kernel set (``lean``: the torch set; the training
+    section's run has just trained with the Triton set through the same script)."""
     torch_k = ["kernels.attention=torch", "kernels.adam=torch"]
     triton_k = ["kernels.attention=triton", "kernels.adam=triton"]
     speed = {}
-    for name, kset in (("torch", torch_k), ("triton", triton_k)):
+    for name, kset in (("torch", torch_k),) + ((("triton", triton_k),) if not lean else ()):
         tput = [f"launch.device={device}", f"train.steps={tput_steps}", f"log.every={max(1, tput_steps // 7)}",
                 *TINY_1GPU, *body, *kset]
         metrics = _pretrain(checks, f"throughput {name} kernels", runs / f"tput-{name}", tput, env)
@@ -223,7 +228,8 @@ def main() -> int:
     ap.add_argument("--seqs", default=None, help="attention sequence lengths for bench/kernels.py")
     ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU: checks the script")
     ap.add_argument("--lean", action="store_true", help="with --smoke: leave out what the test suite checks "
-                    "in-process (the offloaded runs with the torch kernels, 3 of the 4 long-run checks)")
+                    "in-process or elsewhere in the smoke (the environment line, the offloaded runs with the torch "
+                    "kernels and the optimizer-only one, the Triton throughput run, 3 of the 4 long-run checks)")
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"sections to run, of {','.join(SECTIONS)}")
     args = ap.parse_args()
     only = set(args.only.split(","))
@@ -251,10 +257,13 @@ def main() -> int:
         device, steps, tput_steps, every = "cuda", 60, 70, 5
         body = GPT2_SMALL_BODY
     checks = Checks(out, "smoke, CPU" if args.smoke else device, args.budget)
-    version = checks.run("environment", [sys.executable, "-c", "import torch, triton; print('torch', "
-                         "torch.__version__, 'triton', triton.__version__, 'CUDA', torch.version.cuda, "
-                         "torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')"], env)
-    checks.note(f"Environment: {(version or '?').strip()}", "")
+    if args.lean:  # the suite's environment is its own
+        checks.note("Environment: not checked (--lean)", "")
+    else:
+        version = checks.run("environment", [sys.executable, "-c", "import torch, triton; print('torch', "
+                             "torch.__version__, 'triton', triton.__version__, 'CUDA', torch.version.cuda, "
+                             "torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')"], env)
+        checks.note(f"Environment: {(version or '?').strip()}", "")
 
     if "mfu" in only:  # 0. the step against the torchtitan-style peer: the figure everything else explains
         mfu_cmd = [sys.executable, "bench/mfu.py"] + (["--toy"] if args.smoke else ["--compile"])
@@ -281,7 +290,7 @@ def main() -> int:
         if "train" in only:
             _training(checks, runs, base, env, steps, args.lean)
         if "throughput" in only:
-            _throughput(checks, runs, device, body, tput_steps, env)
+            _throughput(checks, runs, device, body, tput_steps, env, args.lean)
         if "longrun" in only:
             from gpu_long_run import long_run_checks
 
