@@ -7,7 +7,8 @@ The rank stops itself where the issue asks, through the test's own wrapper aroun
 not told): at pp 2 x dp 2 before its 20th pipeline send (a backward's gradient to stage 0, in step 3 or so), at
 tp 2 x dp 2 on entering its 200th tp all-reduce.
 The groups are the mesh's own (made with the timeout): a group made without it would wait torch's default 30
-minutes, and the test would time out instead.
+minutes, and the test would time out instead. Both layouts run at once: each one's survivors wait out their
+timeout while the other's ranks work.
 """
 from __future__ import annotations
 
@@ -51,44 +52,75 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def _wait_until_stopped(proc: subprocess.Popen, others: list, timeout: float = 120) -> float:
-    """When ``proc`` stopped itself (its state in /proc is T)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert all(p.poll() is None for p in [proc, *others]), [p.communicate() for p in [proc, *others]]
-        if Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T":
-            return time.monotonic()
-        time.sleep(0.02)
-    raise AssertionError(f"rank never stopped within {timeout} s")
-
-
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_a_stopped_rank_is_named_by_every_record_and_one_summary(tmp_path, layout):
+def _start(tmp_path: Path, layout: str) -> list[subprocess.Popen]:
+    """The layout's 4 ranks, one of them wrapped to stop itself; their output in files (both layouts run at once)."""
     from tests.dist import free_port
 
-    parallel, stopped, where, waits = LAYOUTS[layout]
-    log = tmp_path / "run"
-    sets = small_overrides(write_corpus(tmp_path / "text"), tmp_path / "cache", log, steps=400,
+    parallel, stopped, where, _ = LAYOUTS[layout]
+    sets = small_overrides(write_corpus(tmp_path / "text"), tmp_path / "cache", tmp_path / "run", steps=400,
                            **{**parallel, "launch.timeout_minutes": 0.1, "train.save_every": 0})
     port = str(free_port())
     base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     cmd = pretrain_cmd(sets)
     wrapped = [cmd[0], "-c", STOPPING.format(root=str(ROOT), where=where), *cmd[1:]]
-    procs = [subprocess.Popen(wrapped if r == stopped else cmd, cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True,
-                              env={**base, "OMP_NUM_THREADS": "1", "RANK": str(r), "WORLD_SIZE": "4",
-                                   "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1",
-                                   "MASTER_PORT": port}) for r in range(4)]
-    survivors = [p for r, p in enumerate(procs) if r != stopped]
+    procs = []
+    for r in range(4):
+        with (tmp_path / f"out_{r}").open("w") as out, (tmp_path / f"err_{r}").open("w") as err:
+            procs.append(subprocess.Popen(wrapped if r == stopped else cmd, cwd=ROOT, stdout=out, stderr=err,
+                                          env={**base, "OMP_NUM_THREADS": "1", "RANK": str(r), "WORLD_SIZE": "4",
+                                               "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "4",
+                                               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}))
+    return procs
+
+
+def _stopped(proc: subprocess.Popen) -> bool:
+    """Whether ``proc`` stopped itself (its state in /proc is T)."""
+    return Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+
+@pytest.fixture(scope="module")
+def hung(tmp_path_factory) -> dict[str, tuple[Path, list[int], list[str], float]]:
+    """Both layouts at once (the survivors of each wait out their timeout while the other runs): per layout, its
+    folder, the survivors' exit codes and stderr, and how long they ran on after the rank stopped."""
+    folders = {name: tmp_path_factory.mktemp(name) for name in LAYOUTS}
+    procs = {name: _start(folders[name], name) for name in LAYOUTS}
+    frozen: dict[str, float] = {}
+    ended: dict[str, float] = {}
     try:
-        frozen_at = _wait_until_stopped(procs[stopped], survivors)
-        errs = [p.communicate(timeout=120)[1] for p in survivors]
-        waited = time.monotonic() - frozen_at
+        deadline = time.monotonic() + 240
+        while len(ended) < len(LAYOUTS):
+            assert time.monotonic() < deadline, f"stopped at {sorted(frozen)}, ended {sorted(ended)}"
+            for name, ranks in procs.items():
+                stopped = LAYOUTS[name][1]
+                survivors = [p for r, p in enumerate(ranks) if r != stopped]
+                if name not in frozen:
+                    assert all(p.poll() is None for p in ranks), \
+                        [(folders[name] / f"err_{r}").read_text()[-2000:] for r in range(4)]
+                    if _stopped(ranks[stopped]):
+                        frozen[name] = time.monotonic()
+                elif name not in ended and all(p.poll() is not None for p in survivors):
+                    ended[name] = time.monotonic()
+            time.sleep(0.02)
     finally:
-        for p in procs:
-            p.kill()
-            p.communicate()
-    assert [p.returncode for p in survivors] == [4, 4, 4], [e[-2000:] for e in errs]
+        for ranks in procs.values():
+            for p in ranks:
+                p.kill()
+                p.wait()
+    out = {}
+    for name, ranks in procs.items():
+        stopped = LAYOUTS[name][1]
+        alive = [r for r in range(4) if r != stopped]
+        out[name] = (folders[name], [ranks[r].returncode for r in alive],
+                     [(folders[name] / f"err_{r}").read_text() for r in alive], ended[name] - frozen[name])
+    return out
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_stopped_rank_is_named_by_every_record_and_one_summary(hung, layout):
+    _, stopped, _, waits = LAYOUTS[layout]
+    folder, codes, errs, waited = hung[layout]
+    log = folder / "run"
+    assert codes == [4, 4, 4], [e[-2000:] for e in errs]
     assert 5 < waited < 6 + 30, waited  # the timeout, plus at most 30 s (a step, the grace of 5 s, the exit)
     assert sorted(p.name for p in (log / "hang").glob("rank_*.json")) == \
         [f"rank_{r}.json" for r in range(4) if r != stopped]
