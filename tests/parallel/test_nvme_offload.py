@@ -318,17 +318,23 @@ def _capped(base, name: str, extra: list[str]):
     sets = small_overrides(base / "text", base / "cache", base / name, steps=1, **BIG) + extra
     cmd = pretrain_cmd(sets)
     env = {**os.environ, "MALLOC_ARENA_MAX": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-c", CAPPED.format(root=str(ROOT), limit=LIMIT_MB), *cmd[1:]], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.Popen([sys.executable, "-c", CAPPED.format(root=str(ROOT), limit=LIMIT_MB), *cmd[1:]],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def test_a_process_capped_below_its_states_trains_with_them_on_a_disk_and_not_in_memory(tmp_path):
     write_corpus(tmp_path / "text")
-    on_disk = _capped(tmp_path, "nvme", ["zero.offload_optimizer=nvme", f"zero.nvme_path={tmp_path / 'scratch'}",
-                                         "zero.nvme_buffer_mb=16"])
-    assert on_disk.returncode == 0, on_disk.stderr[-2000:]
-    assert "zero.offload_optimizer=nvme: this rank's optimizer states, " in on_disk.stdout, on_disk.stdout[-2000:]
-    in_memory = _capped(tmp_path, "memory", ["zero.offload_optimizer=cpu"])
-    assert in_memory.returncode == 2, (in_memory.returncode, in_memory.stderr[-2000:])
-    line = in_memory.stderr.strip().splitlines()[-1]
+    run(TINY, small_overrides(tmp_path / "text", tmp_path / "cache", tmp_path / "warm", steps=1))  # the data, once
+    procs = [_capped(tmp_path, "nvme", ["zero.offload_optimizer=nvme", f"zero.nvme_path={tmp_path / 'scratch'}",
+                                        "zero.nvme_buffer_mb=16"]),
+             _capped(tmp_path, "memory", ["zero.offload_optimizer=cpu"])]  # both at once, each under its own cap
+    try:
+        (out, err), (_, err_memory) = (p.communicate(timeout=300) for p in procs)
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode == 0, err[-2000:]
+    assert "zero.offload_optimizer=nvme: this rank's optimizer states, " in out, out[-2000:]
+    assert procs[1].returncode == 2, (procs[1].returncode, err_memory[-2000:])
+    line = err_memory.strip().splitlines()[-1]
     assert "out of memory on rank 0" in line and "Cannot allocate memory" in line, line
