@@ -21,7 +21,7 @@ _CHOICES = {
     ("train", "precision"): ("fp32", "bf16", "fp16", "auto"),
     ("zero", "stage"): (0, 1, 2, 3),
     ("zero", "offload_optimizer"): ("none", "cpu", "nvme"),
-    ("zero", "offload_params"): ("none", "cpu"),
+    ("zero", "offload_params"): ("none", "cpu", "nvme"),
     ("zero", "grad_dtype"): ("auto", "fp32", "model"),
     ("kernels", "attention"): ("auto", "triton", "torch", "blocks"),
     ("train", "fp8"): ("none", "tensorwise", "rowwise"),

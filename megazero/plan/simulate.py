@@ -159,7 +159,7 @@ def planned(cfg: Config, stage) -> dict:
     z = cfg.zero
     ms = stage.model_state
     act = stage.act_ckpt if cfg.model.activation_checkpointing else stage.act_full
-    out = {"params": (0 if z.offload_params == "cpu" else ms["params"]) + stage.gathered,
+    out = {"params": (0 if z.offload_params != "none" else ms["params"]) + stage.gathered,
            "grads": ms["grads"] + stage.grad_buffers,
            "optimizer": 0 if z.offload_optimizer in ("cpu", "nvme") else ms["optimizer"], "activations": act}
     out["total"] = ms["device_total"] + act + stage.gathered + stage.grad_buffers

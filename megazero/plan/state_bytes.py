@@ -51,13 +51,14 @@ def model_state_bytes(psi: int, stage: int, dp: int, precision: str, offload_opt
     size wherever it lives. ``optimizer_states``: the optimizer's registry row's ``state_bytes`` where its
     states are not Adam's two moments (1-bit Adam keeps its momentum and error whole on every rank). On a
     local disk (``offload_optimizer="nvme"``, ZeRO-Infinity) the states count in ``nvme_total``, and the host
-    holds the buffers that stream them (``nvme_buffer_bytes``) beside the gradients' landing buffer.
+    holds the buffers that stream them (``nvme_buffer_bytes``) beside the gradients' landing buffer; stage 3's
+    shards there too (``offload_params="nvme"``) count in ``nvme_total`` (the host holds a few layers' in flight).
     """
     if stage not in ZERO_STAGES or dp < 1 or psi < 0:
         raise ValueError(f"stage={stage}, dp={dp}, psi={psi}: need stage 0..3, dp >= 1, psi >= 0")
     policy = StagePolicy.of(stage)
-    if offload_params == "cpu" and not policy.shard_params:
-        raise ValueError(f"offload_params=cpu needs stage 3 (got {stage})")
+    if offload_params != "none" and not policy.shard_params:
+        raise ValueError(f"offload_params={offload_params} needs stage 3 (got {stage})")
     b, k = BYTES_PER_VALUE[precision], optimizer_bytes_per_param(precision)
     g = grad_bytes_per_param(precision, grad_dtype)
     shard = -(-psi // dp)
@@ -72,9 +73,10 @@ def model_state_bytes(psi: int, stage: int, dp: int, precision: str, offload_opt
     staging = g * (shard if policy.shard_optimizer else psi) if offloaded else 0
     held = {"none": 0, "cpu": optimizer, "nvme": nvme_buffer_bytes}[offload_optimizer]  # on the host
     cpu = held + staging + (params if offload_params == "cpu" else 0)
-    on_device = params + grads + (0 if offloaded else optimizer) - (params if offload_params == "cpu" else 0)
+    on_device = params + grads + (0 if offloaded else optimizer) - (params if offload_params != "none" else 0)
     return {"params": params, "grads": grads, "optimizer": optimizer, "device_total": on_device, "cpu_total": cpu,
-            "nvme_total": optimizer if offload_optimizer == "nvme" else 0}
+            "nvme_total": (optimizer if offload_optimizer == "nvme" else 0)
+            + (params if offload_params == "nvme" else 0)}
 
 
 def rank_state_bytes(cfg: Config, psi: int, experts: int) -> tuple[dict[str, int], dict[str, int]]:

@@ -78,7 +78,9 @@ def run(config_path: str, overrides: list[str]) -> list[dict]:
             if cfg.zero.offload_optimizer == "nvme" and grid.rank == 0:
                 from megazero.parallel.zero.nvme_adamw import describe
 
-                print(describe([part.optim for part in trainer.zero.parts]), flush=True)
+                disks = [part.layout.param_disk for part in trainer.zero.parts if part.layout.param_disk is not None]
+                print(describe([part.optim for part in trainer.zero.parts], sum(d.disk_bytes() for d in disks)),
+                      flush=True)
             try:
                 return trainer.fit(start)
             finally:  # zero.offload_optimizer=nvme: the states' scratch files are removed, whatever ended the run

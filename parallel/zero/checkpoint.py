@@ -35,7 +35,7 @@ class ZeroCheckpoint:
         return out
 
     def _params(self, b: Bucket) -> Tensor:
-        return self._full(b, b.shard_param) if self.policy.shard_params else b.full
+        return self._full(b, self.layout.shard_values(b)) if self.policy.shard_params else b.full
 
     def full_parameters(self) -> dict[str, Tensor]:
         """Every parameter of the stage by name, whole (tp-local) copies; gathered over dp when sharded.
@@ -99,6 +99,9 @@ class ZeroCheckpoint:
                 else:
                     mine[k] = torch.empty(hi - lo, dtype=t.dtype, device=self.device)
                     self.dp.reduce_scatter_into(mine[k], t, tag="checkpoint")
-            (b.shard_param if self.policy.shard_params else b.full).copy_(mine["param"])
+            if self.policy.shard_params:
+                self.layout.set_shard(b, mine["param"])
+            else:
+                b.full.copy_(mine["param"])
             o.load_bucket_states(i, mine)
         o.step_count = step

@@ -36,6 +36,8 @@ class ParamGatherer:
         self.in_backward = [False] * n
         self.gathered_bytes = 0
         self.peak_gathered_bytes = 0
+        self.read_next: dict[int, Optional[Bucket]] = {}  # stage 3: the layer two ahead in forward order
+        self.read_prev: dict[int, Optional[Bucket]] = {}  # and two behind (the backward's order)
         if policy.shard_params:
             self._install_unit_hooks()
         elif policy.gather_after_step and overlap:
@@ -140,7 +142,7 @@ class ParamGatherer:
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
         # From pinned memory when offloaded: an asynchronous copy, ordered before the gather on the stream; the
         # host writes shard_param only in the step, after the gathers settle and the overflow check syncs.
-        shard = b.shard_param.to(self.device, non_blocking=True)
+        shard = self.layout.shard_values(b).to(self.device, non_blocking=True)
         work = self.dp.all_gather_into(b.full.data, shard, tag="param", async_op=async_op)
         if work is not None:  # in flight: settled by the next _gather or settle()
             self.work[b.index] = (work, shard)
@@ -155,8 +157,16 @@ class ParamGatherer:
             for i, b in enumerate(order):
                 nxt = order[i + 1] if i + 1 < len(order) else None
                 prev = order[i - 1] if i > 0 else None
+                # shards on a disk: a layer's read is posted as the layer before it starts gathering
+                self.read_next[b.index] = order[i + 2] if i + 2 < len(order) else None
+                self.read_prev[b.index] = order[i - 2] if i > 1 else None
                 b.unit.register_forward_pre_hook(self._pre_forward(b, nxt))
                 b.unit.register_forward_hook(self._post_forward(b, prev))
+
+    def _read_ahead(self, b: Optional[Bucket]) -> None:
+        """Shards on a disk (zero.offload_params=nvme): post the read of the layer after the one being prefetched."""
+        if self.layout.param_disk is not None and self._idle(b):
+            self.layout.param_disk.prefetch(b)
 
     def _idle(self, b: Optional[Bucket]) -> bool:
         return b is not None and not self.gathered[b.index] and self.work[b.index] is None
@@ -167,6 +177,7 @@ class ParamGatherer:
             # not while recomputing under activation checkpointing: the next layer's backward is already done
             if not self.in_backward[b.index] and self._idle(nxt):
                 self._gather(nxt, async_op=True)  # prefetch the next layer
+                self._read_ahead(self.read_next[b.index])
         return hook
 
     def _post_forward(self, b: Bucket, prev: Optional[Bucket]):
@@ -179,6 +190,7 @@ class ParamGatherer:
                     self._gather(b)
                     if self._idle(prev):
                         self._gather(prev, async_op=True)  # prefetch the layer before
+                        self._read_ahead(self.read_prev[b.index])
                     return None
                 output.register_hook(pre_backward)
             if self.reshard_after_forward or not torch.is_grad_enabled():

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -20,6 +20,9 @@ from torch import Tensor, nn
 from megazero.kernels.adam_cpu import Run
 from megazero.parallel.zero.declared import sharding_units, tied_parameters
 from megazero.parallel.zero.policy import StagePolicy
+
+if TYPE_CHECKING:
+    from megazero.parallel.zero.nvme_params import NvmeParams
 
 
 @dataclass
@@ -58,6 +61,8 @@ class BucketLayout:
         self.policy, self.dp, self.dp_rank = policy, dp, dp_rank
         self.chunks, self.dtype, self.device = chunks, dtype, device
         self.param_device = param_device if param_device is not None else device
+        self.param_disk: Optional["NvmeParams"] = None  # zero.offload_params=nvme: the shards' file (set before
+        # materialise)
         frozen = [n for c in chunks for n, p in c.named_parameters() if not p.requires_grad and
                   (select is None or select(p))]
         if frozen:  # its bucket would wait forever for a gradient (and never be reduced)
@@ -87,6 +92,17 @@ class BucketLayout:
         if not self.policy.shard_optimizer:
             return 0, b.numel
         return self.dp_rank * b.shard, (self.dp_rank + 1) * b.shard
+
+    def shard_values(self, b: Bucket) -> Tensor:
+        """Stage 3: this rank's shard of the bucket, to read (from the disk, in a buffer of its own, when there)."""
+        return self.param_disk.take(b) if self.param_disk is not None else b.shard_param
+
+    def set_shard(self, b: Bucket, values: Tensor) -> None:
+        """Stage 3: replace this rank's shard of the bucket (a checkpoint's values)."""
+        if self.param_disk is not None:
+            self.param_disk.put(b, values)
+        else:
+            b.shard_param.copy_(values)
 
     def own_slice(self, b: Bucket) -> tuple[int, int]:
         """This dp rank's slice of a bucket (what it reduces into and gathers from)."""
@@ -128,11 +144,13 @@ class BucketLayout:
                 del value, flat
             if self.policy.shard_params:
                 b.shard_param = b.full[lo:hi].clone().to(self.param_device)
-                if self.device.type == "cuda" and self.param_device.type == "cpu":
+                if self.device.type == "cuda" and self.param_device.type == "cpu" and self.param_disk is None:
                     b.shard_param = b.shard_param.pin_memory()
             on_bucket(b, master)
             if self.policy.shard_params:
                 b.full.untyped_storage().resize_(0)  # gathered again before each use (parallel.zero.gather)
+                if self.param_disk is not None:  # to the disk: host memory holds the shards in flight only
+                    self.param_disk.add(b)
 
     def mask_runs(self, b: Bucket, tp_rank: int, whole: bool = False) -> tuple[list[Run], list[Run], list[Run]]:
         """Per element of the optimizer's range, as maximal runs ``(start, end, flag)`` that tile it: (weight

@@ -151,7 +151,11 @@ class NvmeAdamW(ShardedAdamW):
         """Bucket i's states read back whole (a save: one bucket at a time)."""
         lo, hi = self.layout.range(self.layout.buckets[i])
         out = {k: torch.empty(hi - lo, dtype=torch.float32) for k in ("exp_avg", "exp_avg_sq")}
-        out["master"] = self.master[i] if self.master_is_param[i] else torch.empty(hi - lo, dtype=torch.float32)
+        if self.master_is_param[i]:  # the parameter: in memory, or read from its own file (offload_params=nvme)
+            out["master"] = self.layout.shard_values(self.layout.buckets[i]) if self.layout.param_disk is not None \
+                else self.master[i]
+        else:
+            out["master"] = torch.empty(hi - lo, dtype=torch.float32)
         for a, z, offset, stride in self.chunks[i]:
             self._read_now(0, offset, stride)
             for k, v in self._views(0, z - a, stride).items():
@@ -181,6 +185,10 @@ class NvmeAdamW(ShardedAdamW):
                 if pending is not None:
                     pending.exception()
             raise
+        finally:  # offload_params=nvme: the shard still held (the last bucket's, or where an error stopped) goes back
+            for b in self.layout.buckets:
+                if self.layout.param_disk is not None and b.shard_param.untyped_storage().nbytes():
+                    self.layout.param_disk.store(b)
         for pending in writes:
             if pending is not None:
                 self.bytes_written += pending.result()
@@ -191,8 +199,16 @@ class NvmeAdamW(ShardedAdamW):
         b1, b2 = self.betas
         if work:
             reads[0] = self.file.read(self._record(0, work[0][4]), work[0][3])
+        params = self.layout.param_disk  # offload_params=nvme: a bucket's shard is held while its chunks update
         for k, (i, a, z, offset, stride) in enumerate(work):
             slot = k % SLOTS
+            if params is not None and (k == 0 or work[k - 1][0] != i):
+                if k:
+                    params.store(self.layout.buckets[work[k - 1][0]])
+                params.load(self.layout.buckets[i])
+                later = next((j for j, *_ in work[k:] if j != i), None)
+                if later is not None:  # the next bucket's shard, read while this one updates
+                    params.prefetch(self.layout.buckets[later])
             if k + 1 < len(work):  # the next chunk's read, into a slot whose write has finished
                 ahead = (k + 1) % SLOTS
                 if writes[ahead] is not None:
@@ -226,14 +242,18 @@ class NvmeAdamW(ShardedAdamW):
         self.file.close()
 
 
-def describe(optims: list[NvmeAdamW]) -> str:
-    """The start-up line: where this rank's states went, how they are read, and what streams them."""
+def describe(optims: list[NvmeAdamW], shard_bytes: int = 0) -> str:
+    """The start-up line: where this rank's states went, how they are read, and what streams them;
+    ``shard_bytes``: stage 3's parameter shards in files beside them (zero.offload_params=nvme)."""
     disk = sum(o.disk_bytes() for o in optims)
     host = sum(o.state_bytes() for o in optims)
     ways = sorted({"O_DIRECT" if o.file.direct else "buffered I/O (the filesystem refuses O_DIRECT)" for o in optims})
     line = (f"zero.offload_optimizer=nvme: this rank's optimizer states, {disk / 2 ** 20:,.1f} MB, in "
             f"{optims[0].file.path.parent} by {' and '.join(ways)}, streamed through {host / 2 ** 20:,.2f} MB of "
             f"host buffers")
+    if shard_bytes:
+        line += (f"; zero.offload_params=nvme: its parameter shards, {shard_bytes / 2 ** 20:,.1f} MB, beside them, "
+                 f"each layer's read as the layer before it is gathered")
     others = optims[0].file.others  # the folder's files of other runs, as the first partition found them
     if others:
         size = sum(p.stat().st_size for p in others if p.exists())

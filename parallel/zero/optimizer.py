@@ -33,6 +33,7 @@ from megazero.parallel.zero.declared import DENSE, EXPERT, reduce_group
 from megazero.parallel.zero.grads import grad_precision
 from megazero.parallel.zero.layout import Bucket, BucketLayout
 from megazero.parallel.zero.nvme_adamw import NvmeSettings, make_adamw_for
+from megazero.parallel.zero.nvme_params import NvmeParams
 from megazero.parallel.zero.partition import Partition
 from megazero.parallel.zero.policy import StagePolicy
 from megazero.parallel.zero.registry import AdamWSection
@@ -65,11 +66,14 @@ class ZeroOptimizer:
         assert initial_value is not None or not any(p.is_meta for c in chunks for p in c.parameters()), \
             "parameters on the meta device need initial_value"
         assert (offload_optimizer == "nvme") == (nvme is not None), (offload_optimizer, nvme)
+        assert offload_params != "nvme" or (offload_optimizer == "nvme" and self.policy.shard_params), \
+            "the shards on a disk are updated by the states' stream"
         # the optimizer's states (or, on a disk, the buffers that stream them) in host memory
         self.offload_optimizer = offload_optimizer in ("cpu", "nvme")
-        self.offload_params = offload_params == "cpu"
+        self.offload_params = offload_params == "cpu"  # the shards in host memory (nvme: on the disk)
         state_device = torch.device("cpu") if self.offload_optimizer else self.device
-        param_device = torch.device("cpu") if offload_params == "cpu" else self.device
+        param_device = torch.device("cpu") if offload_params in ("cpu", "nvme") else self.device
+        param_disk = partial(NvmeParams, nvme) if offload_params == "nvme" else None
         self.world = Comm(dist.group.WORLD if dist.is_initialized() else None, "world", grid.counter)
         # dense gradients reduce (and shard) over dp x cp, the experts' over edp x cp: a partition of their own (ep > 1)
         experts_apart = grid.ep > 1 and any(reduce_group(p) == EXPERT for c in chunks for p in c.parameters())
@@ -85,7 +89,7 @@ class ZeroOptimizer:
             return Partition(name, chunks, select, comm, tied, grid.tp_comm, self.policy, self.dtype,
                              self.grad_dtype, bucket_mb, self.device, param_device, initial_value,
                              reshard_after_forward, overlap_param_gather, max_in_flight,
-                             make_optim(name == "experts"))
+                             make_optim(name == "experts"), param_disk)
 
         dense = part("dense", (lambda p: reduce_group(p) == DENSE) if experts_apart else (lambda p: True),
                      grid.grad_comm, grid.embed_comm)
@@ -253,7 +257,9 @@ class ZeroOptimizer:
         out: dict[str, list[Tensor]] = {"params": [], "grads": [], "optimizer": [], "host": []}
         for part in self.parts:
             o, buckets, r = part.optim, part.buckets, part.reducer
-            params = [b.full for b in buckets] + [b.shard_param for b in buckets if b.shard_param is not None]
+            on_disk = part.layout.param_disk is not None  # the shards' storage is empty outside the step
+            params = [b.full for b in buckets] + [b.shard_param for b in buckets
+                                                  if b.shard_param is not None and not on_disk]
             grads = [t for t in r.full + r.shard if t is not None]
             staging, states = o.staging_tensors(), o.state_tensors()
             host = (states + staging if self.offload_optimizer else []) \
@@ -268,14 +274,16 @@ class ZeroOptimizer:
         cpu = disk = 0
         on_gpu = self.device.type != "cpu"
         for part in self.parts:
+            if part.layout.param_disk is not None:
+                disk += part.layout.param_disk.disk_bytes()
             for b in part.buckets:
-                if b.shard_param is not None:
-                    n = b.shard_param.numel() * b.shard_param.element_size()
+                n = b.shard_param.numel() * b.shard_param.element_size() if b.shard_param is not None else 0
+                if b.shard_param is not None and part.layout.param_disk is None:  # (on a disk: counted above)
                     if part.layout.param_device.type == "cpu" and on_gpu:
                         cpu += n
                     else:
                         dev["params"] += n
-                else:
+                elif b.shard_param is None:
                     dev["params"] += b.full.numel() * b.full.element_size()
                 r = part.reducer
                 grads = r.full[b.index] if self.policy.keeps_full_grads else r.shard[b.index]
@@ -290,6 +298,6 @@ class ZeroOptimizer:
 
     def close(self) -> None:
         """Release what the optimizers hold outside the process's tensors (zero.offload_optimizer=nvme: the
-        scratch files, removed)."""
+        scratch files, removed; zero.offload_params=nvme: the shards' too)."""
         for part in self.parts:
-            part.optim.close()
+            part.close()

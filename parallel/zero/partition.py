@@ -18,6 +18,7 @@ from megazero.parallel.zero.finalize import GradFinalizer
 from megazero.parallel.zero.gather import ParamGatherer
 from megazero.parallel.zero.grads import GradReducer
 from megazero.parallel.zero.layout import Bucket, BucketLayout
+from megazero.parallel.zero.nvme_params import NvmeParams
 from megazero.parallel.zero.policy import StagePolicy
 from megazero.parallel.zero.update import Update
 
@@ -28,14 +29,18 @@ class Partition:
                  bucket_mb: float, device: torch.device, param_device: torch.device,
                  initial_value: Optional[Callable[[nn.Parameter], Tensor]], reshard_after_forward: bool,
                  overlap_param_gather: bool, max_in_flight: int,
-                 make_optim: Callable[[BucketLayout, Comm], Update]):
+                 make_optim: Callable[[BucketLayout, Comm], Update],
+                 param_disk: Optional[Callable[[], NvmeParams]] = None):
         """``comm``: the group this partition's gradients are reduced and its states sharded over; ``tied``: the
         group that sums tied copies (the embedding group); ``tp``: the tensor-parallel group; ``make_optim``:
-        the update on this rank's share (``parallel.zero.update.Update``), from the layout and ``comm``."""
+        the update on this rank's share (``parallel.zero.update.Update``), from the layout and ``comm``;
+        ``param_disk``: stage 3's shards on a local disk (``zero.offload_params=nvme``), its file made here."""
         self.name, self.comm, self.policy = name, comm, policy
         self.layout = BucketLayout(chunks, policy, comm.size, comm.rank, dtype, grad_dtype, bucket_mb, device,
                                    param_device, select=select)
         self.optim = make_optim(self.layout, comm)
+        if param_disk is not None:
+            self.layout.param_disk = param_disk()
         self.finalize = GradFinalizer(tied, tp, device)
 
         local = self.optim.may_read_local_gradients()
@@ -46,7 +51,11 @@ class Partition:
             whole = self.layout.mask_runs(b, tp.rank, whole=True)[2] if local else None
             self.finalize.add_bucket(b, sp, whole)
 
-        self.layout.materialise(initial_value, add)
+        try:
+            self.layout.materialise(initial_value, add)
+        except BaseException:  # a disk too small: neither scratch file outlives the start
+            self.close()
+            raise
         self.gatherer = ParamGatherer(chunks, self.layout, policy, comm, device, reshard_after_forward,
                                       overlap_param_gather)
         self.reducer = GradReducer(self.layout, policy, comm, grad_dtype, device, max_in_flight,
@@ -57,6 +66,12 @@ class Partition:
     @property
     def buckets(self) -> list[Bucket]:
         return self.layout.buckets
+
+    def close(self) -> None:
+        """Remove the scratch files (the states', the shards')."""
+        self.optim.close()
+        if self.layout.param_disk is not None:
+            self.layout.param_disk.close()
 
     def grads(self) -> list[Tensor]:
         return [self.reducer.grad(b) for b in self.buckets]

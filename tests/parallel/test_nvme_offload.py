@@ -4,9 +4,10 @@ elementwise AdamW, a chunk at a time.
 
 Exact, fp32 on the CPU (and bf16, where the fp32 masters go to the disk too): every step's loss and gradient norm
 over 20 steps, and every stored tensor of the last checkpoint, at one process and at dp 2 under ZeRO 1, 2 and 3
-with several buckets. The host buffers are 0.05 MB, so a bucket's range is several chunks (1,024 or 2,048
+with several buckets, and at dp 2 under ZeRO 3 with the parameter shards on the disk too (zero.offload_params=nvme,
+parallel/zero/nvme_params.py). The host buffers are 0.05 MB, so a bucket's range is several chunks (1,024 or 2,048
 elements) and the reads ahead and writes behind cross buckets. A checkpoint of an NVMe run resumes exactly into an
-NVMe run and into one with the states in memory; the scratch files are gone when a run ends, and a file of
+NVMe run and into one with the states in memory, with the shards on the disk or in memory; the scratch files are gone when a run ends, and a file of
 another run in the same folder is neither read nor removed. Beyond memory: a process whose address space is capped
 (RLIMIT_AS) below what its states need trains with them on a disk, and stops in one line with them in memory.
 """
@@ -28,6 +29,7 @@ STEPS, SAVED = 20, 10
 SEVERAL = {"zero.bucket_mb": 0.05}  # several buckets: ~0.45 MB of parameters
 DP2 = {f"dp2_z{z}": ["parallel.dp=2", f"zero.stage={z}"] for z in (1, 2, 3)}
 DP2["dp2_z1_bf16"] = ["parallel.dp=2", "zero.stage=1", "train.precision=bf16"]
+PARAMS = ["zero.offload_params=nvme"]  # stage 3's shards on the disk too (their run in memory: DP2's dp2_z3)
 
 
 def _nvme(base, tag: str) -> list[str]:
@@ -43,10 +45,17 @@ def _ranks(rank, world, base):
         run(TINY, _overrides(base, base / name / "memory", layout))
         saves = [f"train.save_every={SAVED}"] if name == "dp2_z1" else []
         run(TINY, _overrides(base, base / name / "nvme", layout + saves + _nvme(base, name)))
+    z3 = DP2["dp2_z3"]
+    run(TINY, _overrides(base, base / "dp2_z3_params" / "nvme", z3 + _nvme(base, "params") + PARAMS +
+                         [f"train.save_every={SAVED}"]))
     saved = checkpoint_dir(base / "dp2_z1" / "nvme" / "checkpoints", SAVED)
     run(TINY, _overrides(base, base / "resumed_nvme", DP2["dp2_z1"] + _nvme(base, "resumed") +
                          [f"train.resume={saved}"]))
     run(TINY, _overrides(base, base / "resumed_memory", DP2["dp2_z1"] + [f"train.resume={saved}"]))
+    saved = checkpoint_dir(base / "dp2_z3_params" / "nvme" / "checkpoints", SAVED)
+    run(TINY, _overrides(base, base / "resumed_params_nvme", z3 + _nvme(base, "resumed_params") + PARAMS +
+                         [f"train.resume={saved}"]))
+    run(TINY, _overrides(base, base / "resumed_params_memory", z3 + [f"train.resume={saved}"]))
     return True
 
 
@@ -65,14 +74,16 @@ def runs(tmp_path_factory):
     return base
 
 
-@pytest.mark.parametrize("name", ["one_fp32", "one_bf16", *DP2])
+@pytest.mark.parametrize("name", ["one_fp32", "one_bf16", *DP2, "dp2_z3_params"])
 def test_states_on_a_disk_give_the_run_in_memory_bit_for_bit(runs, name):
-    assert_resume_exact(runs / name / "memory", runs / name / "nvme", 0, STEPS)
+    memory = runs / ("dp2_z3" if name == "dp2_z3_params" else name) / "memory"
+    assert_resume_exact(memory, runs / name / "nvme", 0, STEPS)
 
 
-@pytest.mark.parametrize("into", ["nvme", "memory"])
-def test_a_checkpoint_of_an_nvme_run_resumes_exactly(runs, into):
-    assert_resume_exact(runs / "dp2_z1" / "nvme", runs / f"resumed_{into}", SAVED, STEPS)
+@pytest.mark.parametrize("run_, into", [("dp2_z1", "nvme"), ("dp2_z1", "memory"), ("dp2_z3_params", "params_nvme"),
+                                        ("dp2_z3_params", "params_memory")])
+def test_a_checkpoint_of_an_nvme_run_resumes_exactly(runs, run_, into):
+    assert_resume_exact(runs / run_ / "nvme", runs / f"resumed_{into}", SAVED, STEPS)
 
 
 def test_the_scratch_files_go_with_the_run_and_another_runs_file_stays(runs):
@@ -113,6 +124,21 @@ def test_a_disk_too_small_is_one_line_naming_the_path_and_the_bytes(tmp_path, mo
     assert not list((tmp_path / "scratch").rglob("*.bin"))
 
 
+@pytest.mark.parametrize("where, says", [("a_file", "Not a directory"), ("/sys/megazero-scratch", "not permitted")])
+def test_a_path_that_is_no_writable_folder_is_one_line(tmp_path, where, says):
+    """A file where the folder should be, and a folder on a read-only filesystem (/sys: root too may not write
+    there), each stop the run before its first step in one line naming the key, the path and the reason."""
+    write_corpus(tmp_path / "text")
+    (tmp_path / "a_file").write_text("not a folder")
+    path = where if where.startswith("/") else str(tmp_path / where)
+    with pytest.raises(UserError) as err:
+        run(TINY, _overrides(tmp_path, tmp_path / "run", ["zero.offload_optimizer=nvme", f"zero.nvme_path={path}"]))
+    line = str(err.value)
+    assert "\n" not in line and line.startswith(f"zero.nvme_path={path!r}: cannot create a file in ") and \
+        says in line, line
+    assert not list((tmp_path / "run").rglob("metrics.jsonl")), "no step ran"
+
+
 @pytest.mark.parametrize("sets, key, says", [
     (["zero.offload_optimizer=nvme"], "zero.nvme_path", "must name a folder on a local disk"),
     (["zero.offload_optimizer=nvme", "zero.nvme_path=/x", "optim.name=lamb"], "zero.offload_optimizer",
@@ -121,6 +147,10 @@ def test_a_disk_too_small_is_one_line_naming_the_path_and_the_bytes(tmp_path, mo
     (["zero.offload_optimizer=nvme", "zero.nvme_path=/x", "optim.name=muon"], "zero.offload_optimizer",
      "is not supported with optim.name=muon (its Newton-Schulz"),
     (["zero.offload_optimizer=disk"], "zero.offload_optimizer", "is invalid; valid: none | cpu | nvme"),
+    (["zero.offload_params=nvme", "zero.stage=2", "zero.offload_optimizer=nvme", "zero.nvme_path=/x"],
+     "zero.offload_params", "needs zero.stage=3 (got 2)"),
+    (["zero.offload_params=nvme", "zero.stage=3", "zero.offload_optimizer=cpu"], "zero.offload_params",
+     "needs zero.offload_optimizer=nvme (got cpu): the step updates the shards as it streams their states"),
 ])
 def test_bad_nvme_settings_are_one_line(sets, key, says):
     with pytest.raises(UserError) as err:
@@ -236,6 +266,15 @@ def test_the_plan_puts_the_states_on_the_disk_and_a_short_host_is_told_of_nvme()
     with pytest.raises(UserError, match=r"fits with any of: .*zero\.offload_optimizer=nvme \(with zero\.nvme_path\)"):
         check_fits(memory, torch.device("cpu"), 0, 0, 1, available=short)
     check_fits(disk, torch.device("cpu"), 0, 0, 1, available=short)
+    # stage 3 with its shards on the disk too: the parameters leave the device's column for the disk's
+    z3 = ["zero.stage=3", "zero.offload_optimizer=nvme", "zero.nvme_path=/x"]
+    shards = make_plan(resolve(load_config(TINY, sets + z3 + ["zero.offload_params=nvme"]), 1, "cpu")).stages[0]
+    states = make_plan(resolve(load_config(TINY, sets + z3), 1, "cpu")).stages[0]
+    params = states.model_state["params"]
+    assert params > 0 and shards.model_state["nvme_total"] == states.model_state["nvme_total"] + params
+    assert shards.model_state["device_total"] == states.model_state["device_total"] - params
+    assert "params (nvme)" in format_plan(make_plan(resolve(load_config(TINY, sets + z3 + [
+        "zero.offload_params=nvme"]), 1, "cpu")))
 
 def test_the_host_memory_of_100_steps_on_the_disk_is_flat(tmp_path):
     """One process, 100 steps of the tiny test model with its states on the disk through 0.05 MB of buffers
