@@ -110,11 +110,16 @@ class NvmeFile:
         assert offset % PAGE == 0 and buffer.numel() % PAGE == 0 and buffer.data_ptr() % PAGE == 0
         assert offset + buffer.numel() <= self.nbytes, (offset, buffer.numel(), self.nbytes)
         view, done = memoryview(buffer.numpy()), 0
+        what = "reading" if call is os.preadv else "writing"
         while done < len(view):  # a transfer may come back short (a signal, a large request): go on from there
-            moved = call(self.fd, [view[done:]], offset + done)
+            try:
+                moved = call(self.fd, [view[done:]], offset + done)
+            except OSError as e:  # a disk that fills (where blocks could not be reserved), fails or goes away
+                raise UserError(f"{self.key}={str(self.folder.parent)!r}: {what} {len(view) - done:,} bytes at "
+                                f"{offset + done:,} of {self.path} failed ({e.strerror})") from None
             if moved <= 0:
-                raise OSError(f"{self.path}: {'read' if call is os.preadv else 'write'} returned {moved} at "
-                              f"{offset + done}")
+                raise UserError(f"{self.key}={str(self.folder.parent)!r}: {what} {self.path} moved {moved} bytes at "
+                                f"{offset + done:,}")
             done += moved
         return done
 

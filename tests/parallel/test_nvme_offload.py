@@ -8,7 +8,8 @@ with several buckets, and at dp 2 under ZeRO 3 with the parameter shards on the 
 parallel/zero/nvme_params.py). The host buffers are 0.05 MB, so a bucket's range is several chunks (1,024 or 2,048
 elements) and the reads ahead and writes behind cross buckets. A checkpoint of an NVMe run resumes exactly into an
 NVMe run and into one with the states in memory, with the shards on the disk or in memory; the scratch files are gone when a run ends, and a file of
-another run in the same folder is neither read nor removed. Beyond memory: a process whose address space is capped
+another run in the same folder is neither read nor removed. Faults: a run killed in the middle of a step on the
+disk, or stopped by a disk that fails mid-run (one line), resumes exactly from its last checkpoint. Beyond memory: a process whose address space is capped
 (RLIMIT_AS) below what its states need trains with them on a disk, and stops in one line with them in memory.
 """
 from __future__ import annotations
@@ -84,6 +85,83 @@ def test_states_on_a_disk_give_the_run_in_memory_bit_for_bit(runs, name):
                                         ("dp2_z3_params", "params_memory")])
 def test_a_checkpoint_of_an_nvme_run_resumes_exactly(runs, run_, into):
     assert_resume_exact(runs / run_ / "nvme", runs / f"resumed_{into}", SAVED, STEPS)
+
+
+# pretrain.py killed (SIGKILL) at its first write of the states after the step-SAVED checkpoint is committed: in the
+# middle of step SAVED + 1's optimizer step, its first chunk updated and the rest not
+KILLED = """
+import os, runpy, signal, sys
+sys.path.insert(0, {root!r})
+from megazero.parallel.zero.nvme_file import NvmeFile
+original = NvmeFile.write
+def write(self, buffer, offset):
+    if os.path.isdir({saved!r}):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return original(self, buffer, offset)
+NvmeFile.write = write
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def _one_fp32(runs, log, scratch, extra=()):
+    """The overrides of the one-process fp32 NVMe run (``runs/one_fp32/nvme``), saving every 5 steps."""
+    return _overrides(runs, log, ["train.precision=fp32", "train.save_every=5", "zero.offload_optimizer=nvme",
+                                  f"zero.nvme_path={scratch}", "zero.nvme_buffer_mb=0.05", *extra])
+
+
+def test_a_run_killed_mid_step_resumes_exactly_and_its_scratch_file_is_left_alone(runs, tmp_path, capsys):
+    """SIGKILL in the middle of an optimizer step on the disk: the checkpoint before it is intact, resume=auto
+    continues from it exactly (every step and the last checkpoint equal the uninterrupted run's), and the killed
+    run's scratch file (half of a step written into it) is never read: a new run makes its own, names the old one
+    at start-up, and leaves it."""
+    import subprocess
+    import sys
+
+    from tests.runs import pretrain_cmd
+
+    log, scratch = tmp_path / "run", tmp_path / "scratch"
+    cmd = pretrain_cmd(_one_fp32(runs, log, scratch))
+    saved = str(checkpoint_dir(log / "checkpoints", SAVED))
+    killed = subprocess.run([sys.executable, "-c", KILLED.format(root=str(ROOT), saved=saved), *cmd[1:]], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, (killed.returncode, killed.stderr[-2000:])
+    left = list((scratch / "rank_0").iterdir())
+    assert len(left) == 1 and left[0].name.startswith("megazero-states-"), left
+    capsys.readouterr()
+    run(TINY, _one_fp32(runs, log, scratch, ["train.resume=auto"]))
+    assert "1 scratch file(s) of other runs there" in capsys.readouterr().out
+    assert list((scratch / "rank_0").iterdir()) == left  # the killed run's, still there; the new run's removed
+    assert_resume_exact(runs / "one_fp32" / "nvme", log, SAVED, STEPS)
+
+
+def test_a_disk_failing_mid_run_is_one_line_and_the_checkpoints_resume_exactly(runs, tmp_path, monkeypatch):
+    """A write of the states that fails mid-run (ENOSPC, as a disk that fills where its blocks could not be reserved:
+    they are reserved before the first step, so on a filesystem that honours that only a failing disk gets here)
+    stops the run in one line naming the path and the reason; the checkpoints saved before are intact and
+    resume=auto continues exactly."""
+    import errno
+
+    from megazero.parallel.zero import nvme_file
+
+    log, scratch = tmp_path / "run", tmp_path / "scratch"
+    saved, real = checkpoint_dir(log / "checkpoints", SAVED), os.pwritev
+
+    def filled(fd, buffers, offset):
+        if saved.is_dir():
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(nvme_file.os, "pwritev", filled)
+    with pytest.raises(UserError) as err:
+        run(TINY, _one_fp32(runs, log, scratch))
+    monkeypatch.undo()
+    line = str(err.value)
+    assert "\n" not in line and line.startswith(f"zero.nvme_path={str(scratch)!r}: writing ") and \
+        "megazero-states-" in line and line.endswith("(No space left on device)"), line
+    assert not list(scratch.rglob("*.bin"))  # the run's own file removed as it stopped
+    run(TINY, _one_fp32(runs, log, scratch, ["train.resume=auto"]))
+    assert_resume_exact(runs / "one_fp32" / "nvme", log, SAVED, STEPS)
 
 
 def test_the_scratch_files_go_with_the_run_and_another_runs_file_stays(runs):
