@@ -16,7 +16,13 @@ states in memory, measured in one run.
    optimizer step is where the two differ. With fp32 parameters on the CPU the parameters are their own masters,
    so the disk holds the two moments (8 B a parameter) and each step reads and writes them once.
 
-    python bench/nvme.py --path /local/nvme [--params 300M] [--buffer-mb 64] [--steps 20] [--repeats 3] [--smoke]
+3. With ``--train``: the whole training step (forward, backward, optimizer) of a Llama of 312M parameters (24 layers
+   of hidden 1024) over ``--tokens`` tokens (sequences of 256), fp32, one process, its states in memory and on
+   the disk, alternating step by step as above: where the forward and backward take seconds, the disk's time is
+   a share of the step, not a multiple of it. The two runs' losses are compared (they are bit for bit equal).
+
+    python bench/nvme.py --path /local/nvme [--params 300M] [--buffer-mb 64] [--steps 20] [--repeats 3] [--train]
+                         [--tokens 512] [--smoke]
 
 ``--device cuda`` (bench/gpu_checks.py's section): the parameters bf16 on the GPU, the fp32 masters and moments on
 the disk (12 B a parameter), against ZeRO-Offload's states in host memory (``cpu``).
@@ -41,6 +47,12 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from megazero.config.load import load_config  # noqa: E402
+from megazero.config.resolve import resolve  # noqa: E402
+from megazero.engine.build import build_engine  # noqa: E402
+from megazero.engine.step import train_step  # noqa: E402
+from megazero.parallel.dims import ParallelDims  # noqa: E402
+from megazero.parallel.topology import Grid  # noqa: E402
 from megazero.parallel.zero.adamw import ShardedAdamW  # noqa: E402
 from megazero.parallel.zero.layout import BucketLayout  # noqa: E402
 from megazero.parallel.zero.nvme_adamw import FLOAT, NvmeAdamW, NvmeSettings  # noqa: E402
@@ -113,6 +125,62 @@ def build(kind: str, params: int, dtype: torch.dtype, device: torch.device, fold
     return layout, optim
 
 
+TRAIN_SHAPE = (24, 1024, 16, 2816, 256)  # layers, hidden, heads, ffn, seq: 312.5M parameters with a vocabulary of 2,048
+SMOKE_SHAPE = (2, 64, 2, 128, 32)
+
+
+def _engine(kind: str, shape: tuple, tokens: int, folder: Path, buffer_mb: float):
+    """One process's engine for the Llama of ``shape``, fp32, ZeRO 0, its AdamW states in memory or on the disk."""
+    layers, hidden, heads, ffn, seq = shape
+    sets = ["model.arch=llama", f"model.layers={layers}", f"model.hidden={hidden}", f"model.heads={heads}",
+            f"model.kv_heads={heads}", f"model.ffn_hidden={ffn}", "model.vocab_size=2048", f"model.seq_len={seq}",
+            "model.tie_embeddings=false", "train.micro_batch=1", f"train.global_batch={max(1, tokens // seq)}",
+            "train.precision=fp32", "parallel.tp=1", "parallel.pp=1", "parallel.dp=1",
+            "parallel.sequence_parallel=false", "zero.stage=0", "kernels.attention=torch", "kernels.adam=fused"]
+    if kind == "nvme":
+        sets += ["zero.offload_optimizer=nvme", f"zero.nvme_path={folder}", f"zero.nvme_buffer_mb={buffer_mb}"]
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny-llama.yaml"), sets)
+    resolve(cfg, 1, "cpu")
+    torch.manual_seed(0)
+    return build_engine(cfg, Grid.build(ParallelDims(tp=1, pp=1, dp=1), "cpu"), torch.device("cpu"))
+
+
+def training_steps(args, folder: Path) -> None:
+    """Part 3: the whole training step with the states in memory and on the disk, alternating."""
+    shape = SMOKE_SHAPE if args.smoke else TRAIN_SHAPE
+    engines = {k: _engine(k, shape, args.tokens, folder / "train", args.buffer_mb) for k in ("memory", "nvme")}
+    n = sum(p.numel() for c in engines["memory"].zero.parts[0].layout.chunks for p in c.parameters())
+    seq = shape[-1]
+    g = torch.Generator().manual_seed(0)
+    times = {k: [] for k in engines}
+    same = True
+    for _ in range(args.repeats):
+        rounds = {k: [] for k in engines}
+        for step in range(args.steps + 2):
+            mbs = [torch.randint(0, 2048, (1, seq + 1), generator=g) for _ in range(max(1, args.tokens // seq))]
+            losses = []
+            for k, e in engines.items():
+                began = time.perf_counter()
+                result = train_step(e.zero, e.executor, e.schedule, mbs, 1e-4, 1.0, e.scaler)
+                losses.append(result.loss_sum.item())  # the step's end: its host read
+                if step >= 2:
+                    rounds[k].append(time.perf_counter() - began)
+            same = same and losses[0] == losses[1]
+        for k in engines:
+            times[k].append(statistics.median(rounds[k]))
+    print(f"\n### The training step: a Llama of {n / 1e6:,.1f}M parameters, {max(1, args.tokens // seq) * seq:,} "
+          f"tokens a step (sequences of {seq}), fp32, one process\n")
+    print("| training step (forward, backward, optimizer) | median s | rounds' medians | / in memory |")
+    print("|---|---|---|---|")
+    ref = statistics.median(times["memory"])
+    for k, name in (("memory", "states in memory"), ("nvme", "states on the disk (nvme)")):
+        med = statistics.median(times[k])
+        print(f"| {name} | {med:.3f} | {' '.join(f'{t:.3f}' for t in times[k])} | {med / ref:.2f} |")
+    print(f"\nThe two runs' losses {'are equal at every step' if same else 'DIFFER'}.")
+    for e in engines.values():
+        e.zero.close()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--path", help="a folder on the disk to measure (default: a temporary folder)")
@@ -121,8 +189,12 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--train", action="store_true", help="also the whole training step (CPU), part 3")
+    ap.add_argument("--tokens", type=int, default=512, help="with --train: tokens a training step")
     ap.add_argument("--smoke", action="store_true", help="toy sizes: checks the script")
     args = ap.parse_args()
+    if args.train and args.device != "cpu":
+        ap.error("--train: the CPU's training step (a GPU run times the optimizer step)")
     if args.smoke:
         args.params, args.buffer_mb, args.steps, args.repeats = "300K", 0.2, 3, 1
     params = _count(args.params)
@@ -186,6 +258,9 @@ def _run(args, params: int, device: torch.device, dtype: torch.dtype, folder: Pa
           f"({(r + w) / t / 1e9 / (2 / (1 / read + 1 / write)):.0%} of their harmonic mean).")
     for _, optim in layouts.values():
         optim.close()
+    del layouts, grads
+    if args.train:
+        training_steps(args, folder)
     return 0
 
 
