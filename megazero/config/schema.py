@@ -50,8 +50,8 @@ class ZeroConfig:
     offload_optimizer: str = "none"
     nvme_path: str = ""  # zero.offload_optimizer=nvme: the folder the scratch files go in (a folder per rank under it)
     nvme_buffer_mb: float = 64.0  # zero.offload_optimizer=nvme: host memory that streams the states, per partition
-    # none | cpu | nvme (stage 3): parameter shards in CPU memory, or in a scratch file under zero.nvme_path, each layer's
-    # read ahead of its gather (nvme: with zero.offload_optimizer=nvme, whose stream updates them)
+    # none | cpu | nvme (stage 3): parameter shards in CPU memory, or in a scratch file under zero.nvme_path, each
+    # layer's read ahead of its gather (nvme: with zero.offload_optimizer=nvme, whose stream updates them)
     offload_params: str = "none"
     # the dtype gradients are accumulated over microbatches and reduced over dp in: auto = fp32 under bf16
     # (as Megatron-LM: bf16 sums of many microbatches lose bits), else the model's

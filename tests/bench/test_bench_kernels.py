@@ -18,7 +18,8 @@ from bench.gpu_checks import SECTIONS  # as a module of the tree: bench/ on sys.
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "kernels.py"
 
-# about equal halves of the lean smoke's time, in seconds, each alone: ~13 + 14 + 3 and ~3 + 9 + 1 + 3 + 2 + 2 + 5 + 5 + 2
+# about equal halves of the lean smoke's time, in seconds, each alone:
+# ~13 + 14 + 3 and ~3 + 9 + 1 + 3 + 2 + 2 + 5 + 5 + 2
 HALVES = (("kernels", "train", "throughput"),
           ("mfu", "profile", "longrun", "offload", "grouped_mm", "newton_schulz", "pipeline", "tp_overlap", "nvme"))
 

@@ -3,14 +3,15 @@
 elementwise AdamW, a chunk at a time.
 
 Exact, fp32 on the CPU (and bf16, where the fp32 masters go to the disk too): every step's loss and gradient norm
-over 20 steps, and every stored tensor of the last checkpoint, at one process and at dp 2 under ZeRO 1, 2 and 3
-with several buckets, and at dp 2 under ZeRO 3 with the parameter shards on the disk too (zero.offload_params=nvme,
+over 20 steps, and every stored tensor of the last checkpoint, at one process and at dp 2 under ZeRO 1, 2 and 3 with
+several buckets, and at dp 2 under ZeRO 3 with the parameter shards on the disk too (zero.offload_params=nvme,
 parallel/zero/nvme_params.py). The host buffers are 0.05 MB, so a bucket's range is several chunks (1,024 or 2,048
 elements) and the reads ahead and writes behind cross buckets. A checkpoint of an NVMe run resumes exactly into an
-NVMe run and into one with the states in memory, with the shards on the disk or in memory; the scratch files are gone when a run ends, and a file of
-another run in the same folder is neither read nor removed. Faults: a run killed in the middle of a step on the
-disk, or stopped by a disk that fails mid-run (one line), resumes exactly from its last checkpoint. Beyond memory: a process whose address space is capped
-(RLIMIT_AS) below what its states need trains with them on a disk, and stops in one line with them in memory.
+NVMe run and into one with the states in memory, with the shards on the disk or in memory; the scratch files are
+gone when a run ends, and a file of another run in the same folder is neither read nor removed. Faults: a run killed
+in the middle of a step on the disk, or stopped by a disk that fails mid-run (one line), resumes exactly from its
+last checkpoint. Beyond memory: a process whose address space is capped (RLIMIT_AS) below what its states need
+trains with them on a disk, and stops in one line with them in memory.
 """
 from __future__ import annotations
 
