@@ -38,6 +38,7 @@ class ParamGatherer:
         self.peak_gathered_bytes = 0
         self.read_next: dict[int, Optional[Bucket]] = {}  # stage 3: the layer two ahead in forward order
         self.read_prev: dict[int, Optional[Bucket]] = {}  # and two behind (the backward's order)
+        self.first_layers: list[Bucket] = []  # each chunk's first two layers (a forward's first gathers)
         if policy.shard_params:
             self._install_unit_hooks()
         elif policy.gather_after_step and overlap:
@@ -110,6 +111,7 @@ class ParamGatherer:
             for b in self.layout.buckets:
                 if b.deferred:
                     self._gather(b)
+            self._post_reads(self.first_layers)  # shards on a disk: the forward's first layers
 
     def release(self) -> None:
         """Free every gathered bucket (after evaluation, after the step)."""
@@ -141,7 +143,8 @@ class ParamGatherer:
         self.gathered_bytes += b.numel * b.full.element_size()
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
         # From pinned memory when offloaded: an asynchronous copy, ordered before the gather on the stream; the
-        # host writes shard_param only in the step, after the gathers settle and the overflow check syncs.
+        # host writes shard_param only in the step, after the gathers settle and the overflow check syncs. From a
+        # disk (offload_params=nvme): a buffer of its own, read ahead, pageable (the copy is staged, synchronous).
         shard = self.layout.shard_values(b).to(self.device, non_blocking=True)
         work = self.dp.all_gather_into(b.full.data, shard, tag="param", async_op=async_op)
         if work is not None:  # in flight: settled by the next _gather or settle()
@@ -161,7 +164,15 @@ class ParamGatherer:
                 self.read_next[b.index] = order[i + 2] if i + 2 < len(order) else None
                 self.read_prev[b.index] = order[i - 2] if i > 1 else None
                 b.unit.register_forward_pre_hook(self._pre_forward(b, nxt))
-                b.unit.register_forward_hook(self._post_forward(b, prev))
+                b.unit.register_forward_hook(self._post_forward(b, prev, order[-2:] if nxt is None else []))
+            self.first_layers += order[:2]
+
+    def _post_reads(self, buckets: list[Bucket]) -> None:
+        """Shards on a disk: post the reads of the layers a pass starts with (each read once; the step's write of a
+        shard drops a read posted before it)."""
+        if self.layout.param_disk is not None:
+            for b in buckets:
+                self.layout.param_disk.prefetch(b)
 
     def _read_ahead(self, b: Optional[Bucket]) -> None:
         """Shards on a disk (zero.offload_params=nvme): post the read of the layer after the one being prefetched."""
@@ -180,7 +191,7 @@ class ParamGatherer:
                 self._read_ahead(self.read_next[b.index])
         return hook
 
-    def _post_forward(self, b: Bucket, prev: Optional[Bucket]):
+    def _post_forward(self, b: Bucket, prev: Optional[Bucket], tail: list[Bucket]):
         def hook(module, args, output):
             if self.in_backward[b.index]:  # recomputation under activation checkpointing: keep for the backward
                 return
@@ -191,8 +202,11 @@ class ParamGatherer:
                     if self._idle(prev):
                         self._gather(prev, async_op=True)  # prefetch the layer before
                         self._read_ahead(self.read_prev[b.index])
+                    if prev is None:  # the backward's last layer: the next forward's first
+                        self._post_reads(self.first_layers)
                     return None
                 output.register_hook(pre_backward)
+                self._post_reads(tail)  # the forward's last layer: the backward's first
             if self.reshard_after_forward or not torch.is_grad_enabled():
                 self._free(b)
         return hook

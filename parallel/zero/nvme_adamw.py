@@ -205,9 +205,10 @@ class NvmeAdamW(ShardedAdamW):
             if params is not None and (k == 0 or work[k - 1][0] != i):
                 if k:
                     params.store(self.layout.buckets[work[k - 1][0]])
-                params.load(self.layout.buckets[i])
+                # the shard is the master (read and updated), or the fp32 master's copy (written whole: not read)
+                params.load(self.layout.buckets[i], read=self.master_is_param[i])
                 later = next((j for j, *_ in work[k:] if j != i), None)
-                if later is not None:  # the next bucket's shard, read while this one updates
+                if later is not None and self.master_is_param[later]:  # the next shard, read while this one updates
                     params.prefetch(self.layout.buckets[later])
             if k + 1 < len(work):  # the next chunk's read, into a slot whose write has finished
                 ahead = (k + 1) % SLOTS

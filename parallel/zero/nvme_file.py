@@ -49,10 +49,10 @@ def _remove(path: str, fd: list[int], pool: ThreadPoolExecutor) -> None:
 class NvmeFile:
     """A fixed-size scratch file under ``folder``; reads and writes of page-aligned host buffers, asynchronous."""
 
-    def __init__(self, folder: Path, key: str, threads: int = 2):
-        """An empty file; ``grow`` reserves its space. ``key``: the config key that named ``folder``, for the
-        one-line errors."""
-        self.nbytes, self.key, self.folder = 0, key, folder
+    def __init__(self, folder: Path, key: str, threads: int = 2, holds: str = "optimizer states"):
+        """An empty file; ``grow`` reserves its space. ``key``: the config key that named ``folder``, and ``holds``:
+        what the file is for, for the one-line errors."""
+        self.nbytes, self.key, self.folder, self.holds = 0, key, folder, holds
         try:
             folder.mkdir(parents=True, exist_ok=True)
             self.path = folder / f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}.bin"
@@ -88,7 +88,7 @@ class NvmeFile:
         free = _free_bytes(self.folder)
         if free < nbytes:
             raise UserError(f"{self.key}={str(self.folder.parent)!r}: {self.folder} has {free:,} bytes free; this "
-                            f"rank's optimizer states need {nbytes:,} more")
+                            f"rank's {self.holds} need {nbytes:,} more")
         try:
             os.posix_fallocate(self.fd, self.nbytes, nbytes)
         except OSError as e:

@@ -27,7 +27,8 @@ class NvmeParams:
 
     def __init__(self, settings: NvmeSettings, key: str = "zero.nvme_path"):
         self.simulated = isinstance(torch.empty(0), FakeTensor)  # --simulate: the shapes, no disk
-        self.file = SimulatedFile(settings.folder) if self.simulated else NvmeFile(settings.folder, key)
+        self.file = SimulatedFile(settings.folder) if self.simulated else NvmeFile(settings.folder, key,
+                                                                                     holds="parameter shards")
         self.place: dict[int, tuple[int, int]] = {}  # bucket index -> (byte offset, bytes)
         self.reads: dict[int, tuple[Future, Tensor]] = {}  # posted reads: bucket index -> (transfer, buffer)
         self.bytes_read = self.bytes_written = 0
@@ -72,11 +73,15 @@ class NvmeParams:
         self.bytes_read += transfer.result()
         return self._values(b, buffer)
 
-    def load(self, b: Bucket) -> None:
-        """``b.shard_param`` holds its values (the step updates it in place) until ``store``."""
-        values = self.take(b)
-        b.shard_param.untyped_storage().resize_(values.numel() * values.element_size())
-        b.shard_param.copy_(values)
+    def load(self, b: Bucket, read: bool = True) -> None:
+        """``b.shard_param`` holds its values (the step updates it in place) until ``store``; without ``read`` it
+        holds memory only, for an update that writes every element (the parameters rounded from fp32 masters)."""
+        p = b.shard_param
+        p.untyped_storage().resize_(p.numel() * p.element_size())
+        if read:
+            p.copy_(self.take(b))
+        else:
+            self._forget(b)
 
     def store(self, b: Bucket) -> None:
         """Write ``b.shard_param`` back and free its host memory."""

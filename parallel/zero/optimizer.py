@@ -96,7 +96,12 @@ class ZeroOptimizer:
         self.parts = [dense]
         if experts_apart:
             untied = Comm(None, "tied", grid.counter)  # no expert is held by two stages
-            self.parts.append(part("experts", lambda p: reduce_group(p) == EXPERT, grid.expert_grad_comm, untied))
+            try:
+                self.parts.append(part("experts", lambda p: reduce_group(p) == EXPERT, grid.expert_grad_comm,
+                                       untied))
+            except BaseException:  # the dense partition's scratch files go with the failed start
+                dense.close()
+                raise
         # the dense partition's parts, by the names the rest of the repository reads
         self.layout, self.optim, self.finalize = dense.layout, dense.optim, dense.finalize
         self.gatherer, self.reducer, self.checkpoint = dense.gatherer, dense.reducer, dense.checkpoint

@@ -39,8 +39,6 @@ class Partition:
         self.layout = BucketLayout(chunks, policy, comm.size, comm.rank, dtype, grad_dtype, bucket_mb, device,
                                    param_device, select=select)
         self.optim = make_optim(self.layout, comm)
-        if param_disk is not None:
-            self.layout.param_disk = param_disk()
         self.finalize = GradFinalizer(tied, tp, device)
 
         local = self.optim.may_read_local_gradients()
@@ -52,6 +50,8 @@ class Partition:
             self.finalize.add_bucket(b, sp, whole)
 
         try:
+            if param_disk is not None:
+                self.layout.param_disk = param_disk()
             self.layout.materialise(initial_value, add)
         except BaseException:  # a disk too small: neither scratch file outlives the start
             self.close()
@@ -84,5 +84,7 @@ class Partition:
     def reduce(self) -> None:
         """Complete this partition's gradients: over its group (tied copies first), then the tp sums."""
         self.gatherer.settle()  # stage 3's unused prefetches, before the update writes what they read
+        if self.layout.param_disk is not None and self.buckets and self.optim.master_is_param[0]:
+            self.layout.param_disk.prefetch(self.buckets[0])  # the step's first shard, read as the reductions end
         self.reducer.finish()
         self.finalize.sum_sequence_parallel(self.grads(), whole=self.reducer.local)
