@@ -71,7 +71,8 @@ def model_state_bytes(psi: int, stage: int, dp: int, precision: str, offload_opt
     # offloaded optimizer: its states and a pinned landing buffer for the gradients of its range
     offloaded = offload_optimizer in ("cpu", "nvme")
     staging = g * (shard if policy.shard_optimizer else psi) if offloaded else 0
-    held = {"none": 0, "cpu": optimizer, "nvme": nvme_buffer_bytes}[offload_optimizer]  # on the host
+    # on the host: the states, or the buffers that stream them (no larger than the states: parallel.zero.nvme_adamw)
+    held = {"none": 0, "cpu": optimizer, "nvme": min(nvme_buffer_bytes, optimizer)}[offload_optimizer]
     cpu = held + staging + (params if offload_params == "cpu" else 0)
     on_device = params + grads + (0 if offloaded else optimizer) - (params if offload_params != "none" else 0)
     return {"params": params, "grads": grads, "optimizer": optimizer, "device_total": on_device, "cpu_total": cpu,

@@ -68,7 +68,9 @@ class NvmeAdamW(ShardedAdamW):
         # fp32 parameters in host memory are their own masters, as in memory: only the moments go to the disk
         self.masters_on_disk = not (layout.dtype == torch.float32 and device.type == "cpu")
         self.kinds = 3 if self.masters_on_disk else 2
-        self.chunk = chunk_elements(settings.buffer_bytes, self.kinds)
+        # the three slots together no larger than the states: a small model's buffers are its states' size at most
+        third = -(-sum(hi - lo for b in layout.buckets for lo, hi in [layout.range(b)]) // SLOTS)
+        self.chunk = min(chunk_elements(settings.buffer_bytes, self.kinds), max(STEP, -(-third // STEP) * STEP))
         record = self.kinds * self.chunk * FLOAT
         # per bucket: its chunks (first element, last + 1, the record's byte offset, its arrays' stride)
         self.chunks: list[list[tuple[int, int, int, int]]] = [[] for _ in layout.buckets]

@@ -77,9 +77,12 @@ def test_model_state_offload_moves_bytes_to_cpu():
     with pytest.raises(ValueError):
         model_state_bytes(psi, 2, dp, "bf16", offload_params="cpu")
     # on a disk: the states there, the host holds the buffers that stream them and the gradients' landing buffer
-    disk = model_state_bytes(psi, 2, dp, "bf16", offload_optimizer="nvme", nvme_buffer_bytes=5000)
-    assert disk["nvme_total"] == 12 * 300 and disk["cpu_total"] == 5000 + 4 * 300
+    disk = model_state_bytes(psi, 2, dp, "bf16", offload_optimizer="nvme", nvme_buffer_bytes=2000)
+    assert disk["nvme_total"] == 12 * 300 and disk["cpu_total"] == 2000 + 4 * 300
     assert disk["device_total"] == opt["device_total"]
+    # buffers larger than the states are cut to the states' size (parallel.zero.nvme_adamw)
+    assert model_state_bytes(psi, 2, dp, "bf16", offload_optimizer="nvme",
+                             nvme_buffer_bytes=5000)["cpu_total"] == 12 * 300 + 4 * 300
 
 
 # --- activations (Korthikanti et al. 2022, §4) ---------------------------------------------------
