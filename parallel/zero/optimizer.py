@@ -261,45 +261,17 @@ class ZeroOptimizer:
         those of them that live on the host when offloaded (on a CPU run too), for a memory tracker to name."""
         out: dict[str, list[Tensor]] = {"params": [], "grads": [], "optimizer": [], "host": []}
         for part in self.parts:
-            o, buckets, r = part.optim, part.buckets, part.reducer
-            on_disk = part.layout.param_disk is not None  # the shards' storage is empty outside the step
-            params = [b.full for b in buckets] + [b.shard_param for b in buckets
-                                                  if b.shard_param is not None and not on_disk]
-            grads = [t for t in r.full + r.shard if t is not None]
-            staging, states = o.staging_tensors(), o.state_tensors()
-            host = (states + staging if self.offload_optimizer else []) \
-                + ([b.shard_param for b in buckets if b.shard_param is not None] if self.offload_params else [])
-            for kind, ts in (("params", params), ("grads", grads + staging), ("optimizer", states), ("host", host)):
+            for kind, ts in part.tensors_by_kind(self.offload_optimizer, self.offload_params).items():
                 out[kind] += ts
         return out
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds persistently, by kind and place (what the dry-run plans)."""
-        dev = {"params": 0, "grads": 0, "optimizer": 0}
-        cpu = disk = 0
-        on_gpu = self.device.type != "cpu"
+        out = dict.fromkeys(("params", "grads", "optimizer", "cpu", "nvme"), 0)
         for part in self.parts:
-            if part.layout.param_disk is not None:
-                disk += part.layout.param_disk.disk_bytes()
-            for b in part.buckets:
-                n = b.shard_param.numel() * b.shard_param.element_size() if b.shard_param is not None else 0
-                if b.shard_param is not None and part.layout.param_disk is None:  # (on a disk: counted above)
-                    if part.layout.param_device.type == "cpu" and on_gpu:
-                        cpu += n
-                    else:
-                        dev["params"] += n
-                elif b.shard_param is None:
-                    dev["params"] += b.full.numel() * b.full.element_size()
-                r = part.reducer
-                grads = r.full[b.index] if self.policy.keeps_full_grads else r.shard[b.index]
-                dev["grads"] += grads.numel() * grads.element_size()
-            opt = part.optim.state_bytes()
-            disk += part.optim.disk_bytes()
-            if part.optim.offloaded() or part.optim.disk_bytes():  # on the host: the states, or their buffers
-                cpu += opt + part.optim.staging_bytes()  # and the gradients' pinned landing buffers
-            else:
-                dev["optimizer"] += opt
-        return {**dev, "cpu": cpu, "nvme": disk}
+            for k, n in part.state_bytes(self.policy.keeps_full_grads, self.device.type != "cpu").items():
+                out[k] += n
+        return out
 
     def close(self) -> None:
         """Release what the optimizers hold outside the process's tensors (zero.offload_optimizer=nvme: the

@@ -67,6 +67,37 @@ class Partition:
     def buckets(self) -> list[Bucket]:
         return self.layout.buckets
 
+    def tensors_by_kind(self, offload_optimizer: bool, offload_params: bool) -> dict[str, list[Tensor]]:
+        """This partition's share of ``ZeroOptimizer.tensors_by_kind``."""
+        o, buckets, r = self.optim, self.buckets, self.reducer
+        on_disk = self.layout.param_disk is not None  # the shards' storage is empty outside the step
+        shards = [b.shard_param for b in buckets if b.shard_param is not None and not on_disk]
+        grads = [t for t in r.full + r.shard if t is not None]
+        staging, states = o.staging_tensors(), o.state_tensors()
+        host = (states + staging if offload_optimizer else []) + (shards if offload_params else [])
+        return {"params": [b.full for b in buckets] + shards, "grads": grads + staging, "optimizer": states,
+                "host": host}
+
+    def state_bytes(self, keeps_full_grads: bool, on_gpu: bool) -> dict[str, int]:
+        """This partition's share of ``ZeroOptimizer.model_state_bytes``: bytes by kind and place."""
+        out = dict.fromkeys(("params", "grads", "optimizer", "cpu", "nvme"), 0)
+        disk = self.layout.param_disk
+        out["nvme"] = (disk.disk_bytes() if disk is not None else 0) + self.optim.disk_bytes()
+        for b in self.buckets:
+            if b.shard_param is None:
+                out["params"] += b.full.numel() * b.full.element_size()
+            elif disk is None:  # (on a disk: counted above)
+                n = b.shard_param.numel() * b.shard_param.element_size()
+                out["cpu" if self.layout.param_device.type == "cpu" and on_gpu else "params"] += n
+            grads = self.reducer.full[b.index] if keeps_full_grads else self.reducer.shard[b.index]
+            out["grads"] += grads.numel() * grads.element_size()
+        opt = self.optim.state_bytes()
+        if self.optim.offloaded() or self.optim.disk_bytes():  # on the host: the states, or their buffers
+            out["cpu"] += opt + self.optim.staging_bytes()  # and the gradients' pinned landing buffers
+        else:
+            out["optimizer"] += opt
+        return out
+
     def close(self) -> None:
         """Remove the scratch files (the states', the shards')."""
         self.optim.close()
