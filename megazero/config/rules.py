@@ -20,8 +20,8 @@ from typing import Optional
 from megazero.config.data_paths import entry_path
 from megazero.config.ranges import MAX_WORLD, check_ranges
 from megazero.config.context_rules import check_context
-from megazero.config.optimizer_rules import check_optimizer
 from megazero.config.recovery_rules import check_recovery
+from megazero.config.zero_rules import check_zero
 from megazero.config.schema import AUTO, Config, ModelConfig
 from megazero.data.samples import parse_split
 from megazero.errors import UserError, invalid
@@ -56,7 +56,7 @@ def validate(cfg: Config) -> None:
         raise invalid(src, "kernels.attention", "triton",
                       f"launches micro_batch*heads/tp = {heads} programs on one grid axis, above CUDA's "
                       f"{TRITON_GRID_Y}; lower train.micro_batch or use kernels.attention=auto")
-    _check_zero(cfg)
+    check_zero(cfg)
     _check_compile(cfg)
     check_recovery(cfg)
     if t.min_lr > t.lr:
@@ -102,29 +102,6 @@ def _check_moe_model(m: ModelConfig, src: str) -> None:
     if moe.dense_layers >= m.layers:
         raise invalid(src, "model.moe.dense_layers", moe.dense_layers,
                       f"leaves no mixture-of-experts layer; must be < model.layers={m.layers}")
-
-
-def _check_zero(cfg: Config) -> None:
-    """Offloading parameters needs them sharded; keeping a layer gathered across zb1p's B and W needs them
-    kept after forward. What a stage shards is parallel.zero's StagePolicy (imported only for the keys that
-    need it: it brings torch, which loading a config otherwise does without)."""
-    src, z = cfg.source, cfg.zero
-    check_optimizer(cfg)
-    if z.offload_params == "none" and z.reshard_after_forward is not True:
-        return
-    from megazero.parallel.zero.policy import StagePolicy
-
-    shards_params = StagePolicy.of(z.stage).shard_params
-    if z.offload_params != "none" and not shards_params:
-        raise invalid(src, "zero.offload_params", z.offload_params, f"needs zero.stage=3 (got {z.stage})")
-    if z.offload_params == "nvme" and z.offload_optimizer != "nvme":
-        raise invalid(src, "zero.offload_params", "nvme", f"needs zero.offload_optimizer=nvme (got "
-                      f"{z.offload_optimizer}): the step updates the shards as it streams their states")
-    if shards_params and z.reshard_after_forward is True and cfg.parallel.schedule == "zb1p":
-        raise invalid(src, "zero.reshard_after_forward", True,
-                      "cannot be true with parallel.schedule=zb1p: a layer stays gathered from its input "
-                      "gradient (B) to its weight gradient (W), and later forwards run in between; use auto or "
-                      "false (auto is false with a pipeline)")
 
 
 def _check_paths(cfg: Config) -> None:
