@@ -63,6 +63,7 @@ class ParamGatherer:
         """Every rank updated its slice: all-gather the buckets (started now; waited at first use)."""
         if self.policy.shard_params:
             self.release()
+            self._post_reads([b for b in self.layout.buckets if b.deferred])  # on a disk: the next step's root
             return
         if not self.policy.gather_after_step:
             return
