@@ -145,6 +145,17 @@ def _engine(kind: str, shape: tuple, tokens: int, folder: Path, buffer_mb: float
     return build_engine(cfg, Grid.build(ParallelDims(tp=1, pp=1, dp=1), "cpu"), torch.device("cpu"))
 
 
+def _table(what: str, names: dict[str, str], times: dict[str, list[float]], digits: int) -> None:
+    """A row per way (``names``: key -> row name, in order): the median of the rounds' medians, each round's, and
+    the ratio to the states in memory."""
+    print(f"| {what} | median s | rounds' medians | / in memory |")
+    print("|---|---|---|---|")
+    ref = statistics.median(times["memory"])
+    for k, name in names.items():
+        med = statistics.median(times[k])
+        print(f"| {name} | {med:.{digits}f} | {' '.join(f'{t:.{digits}f}' for t in times[k])} | {med / ref:.2f} |")
+
+
 def training_steps(args, folder: Path) -> None:
     """Part 3: the whole training step with the states in memory and on the disk, alternating."""
     shape = SMOKE_SHAPE if args.smoke else TRAIN_SHAPE
@@ -170,12 +181,8 @@ def training_steps(args, folder: Path) -> None:
             times[k].append(statistics.median(rounds[k]))
     print(f"\n### The training step: a Llama of {n / 1e6:,.1f}M parameters, {max(1, args.tokens // seq) * seq:,} "
           f"tokens a step (sequences of {seq}), fp32, one process\n")
-    print("| training step (forward, backward, optimizer) | median s | rounds' medians | / in memory |")
-    print("|---|---|---|---|")
-    ref = statistics.median(times["memory"])
-    for k, name in (("memory", "states in memory"), ("nvme", "states on the disk (nvme)")):
-        med = statistics.median(times[k])
-        print(f"| {name} | {med:.3f} | {' '.join(f'{t:.3f}' for t in times[k])} | {med / ref:.2f} |")
+    _table("training step (forward, backward, optimizer)",
+           {"memory": "states in memory", "nvme": "states on the disk (nvme)"}, times, 3)
     print(f"\nThe two runs' losses {'are equal at every step' if same else 'DIFFER'}.")
     for e in engines.values():
         e.zero.close()
@@ -246,12 +253,7 @@ def _run(args, params: int, device: torch.device, dtype: torch.dtype, folder: Pa
           f"{args.buffer_mb:g} MB of host buffers, chunks of {nvme.chunk:,} elements\n")
     print(f"Disk under {folder.parent} ({'O_DIRECT' if direct else 'buffered I/O'}), records of {record:,} bytes, "
           f"two in flight: write {write:.2f} GB/s, read {read:.2f} GB/s\n")
-    print("| optimizer step | median s | rounds' medians | / in memory |")
-    print("|---|---|---|---|")
-    ref = statistics.median(times["memory"])
-    for k in layouts:
-        med = statistics.median(times[k])
-        print(f"| {names[k]} | {med:.4f} | {' '.join(f'{t:.4f}' for t in times[k])} | {med / ref:.2f} |")
+    _table("optimizer step", names, times, 4)
     r, w, t = (statistics.median(x) for x in zip(*moved))
     print(f"\nThe NVMe step moves {r / 1e9:.3f} GB in and {w / 1e9:.3f} GB out: {(r + w) / t / 1e9:.2f} GB/s "
           f"effective, against the disk's {read:.2f} GB/s read and {write:.2f} GB/s write above "
