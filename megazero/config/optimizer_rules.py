@@ -30,6 +30,8 @@ def check_optimizer(cfg: Config) -> None:
         if StagePolicy.of(z.stage).shard_grads:
             raise invalid(src, "zero.stage", z.stage, f"is not supported with optim.name={name}: "
                           f"{row.whole_grads}; use 0 or 1")
+    if row.needs_group and cfg.parallel.dp * cfg.parallel.cp == 1:
+        raise invalid(src, "parallel.dp", cfg.parallel.dp, f"must be > 1 with optim.name={name}: {row.needs_group}")
     section = getattr(cfg.optim, name)
     for key, why in row.before_last_step:
         if getattr(section, key) >= cfg.train.steps:

@@ -134,6 +134,7 @@ def _tables() -> tuple[dict, dict, dict, set]:
     names of optim.name, each section's (min, max) and probabilities (moment decays: 1 never moves)."""
     choices, low, high, probability = dict(_CHOICES), dict(_MIN), dict(_MAX), set(_PROBABILITY)
     choices[("optim", "name")] = tuple(OPTIMIZERS)
+    choices[("optim", "switch_from")] = ("",) + tuple(n for n, row in OPTIMIZERS.items() if row.switches_to)
     for name, row in OPTIMIZERS.items():
         for key, (a, z) in getattr(row.section, "RANGES", {}).items():
             low[(f"optim.{name}", key)], high[(f"optim.{name}", key)] = a, z

@@ -167,6 +167,9 @@ class _OptimName:
     # share of ZeRO's flat buffers; its settings are optim.<name>.*, the learning rate, its schedule and the
     # weight decay train.*'s
     name: str = "adamw"
+    # a resume from a checkpoint of this optimizer continues with optim.name's instead (1-bit and 0/1 Adam to adamw
+    # or lamb): the masters and moments go on, the per-rank state is dropped; '' resumes the same optimizer only
+    switch_from: str = ""
 
 
 # ``optim``: the name, then one section per optimizer of the registry (``optim.adamw.beta1``, ...), each the

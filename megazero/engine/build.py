@@ -91,12 +91,12 @@ def make_zero(chunks: list[nn.Module], grid: Grid, z: ZeroConfig, precision: str
               device: Optional[torch.device] = None, adam_impl: str = "torch",
               initial_value: Optional[Callable[[nn.Parameter], Tensor]] = None,
               overlap_param_gather: bool = True, optim: Optional[OptimConfig] = None,
-              lr: float = 0.0) -> ZeroOptimizer:
+              lr: float = 0.0, steps: int = 0) -> ZeroOptimizer:
     """ZeRO over the chunks as ``z`` says (its reshard_after_forward resolved), with the update of ``optim``'s row
     of ``parallel.zero.registry`` built from its section (default: AdamW with betas (0.9, 0.95)).
     ``overlap_param_gather=False`` waits for stages 1-2's post-step gathers at the end of the step (a benchmark's
     baseline). ``lr``: train.lr, the peak each step's rate is scheduled from (Muon's optim.muon.adamw_lr is
-    relative to it)."""
+    relative to it). ``steps``: train.steps, the run's last step (0: not known)."""
     o = optim if optim is not None else OptimConfig()
     row = OPTIMIZERS[o.name]
     update = partial(row.factory, getattr(o, o.name))
@@ -107,7 +107,8 @@ def make_zero(chunks: list[nn.Module], grid: Grid, z: ZeroConfig, precision: str
     return ZeroOptimizer(chunks, grid, z.stage, precision, weight_decay, update, z.bucket_mb, z.reshard_after_forward,
                          z.offload_optimizer, z.offload_params, adam_impl=adam_impl, device=device,
                          initial_value=initial_value, grad_dtype=z.grad_dtype,
-                         overlap_param_gather=overlap_param_gather, peak_lr=lr, nvme=nvme)
+                         overlap_param_gather=overlap_param_gather, peak_lr=lr, nvme=nvme,
+                         last_step=steps)
 
 
 def make_scaler(precision: str) -> LossScaler:
@@ -163,7 +164,7 @@ def build_engine(cfg: Config, grid: Grid, device: torch.device, overlap_param_ga
     t, par = cfg.train, cfg.parallel
     zero = make_zero(chunks, grid, cfg.zero, t.precision, t.weight_decay, device, cfg.kernels.adam,
                      initial_value=lambda p: initial_tp_value(*origin[p], values),
-                     overlap_param_gather=overlap_param_gather, optim=cfg.optim, lr=t.lr)
+                     overlap_param_gather=overlap_param_gather, optim=cfg.optim, lr=t.lr, steps=t.steps)
     named = [(n, p) for m in chunks for n, p in m.named_parameters() if p.requires_grad]
     tokens = t.global_batch * cfg.model.seq_len
     executor = make_executor(chunks, grid, device, t.micro_batch, cfg.model.seq_len, cfg.model.hidden, t.precision,

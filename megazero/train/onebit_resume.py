@@ -41,16 +41,48 @@ def check_onebit_layout(path: Path, meta: dict, cfg: Config) -> None:
                             f"{getattr(mine, key)!r} here, past 1-bit Adam's warm-up (optimizer step {step} > "
                             f"optim.onebit_adam.freeze_step={theirs}); the frozen variance was bias-corrected by "
                             f"beta2 and the elements compressed chosen by eps: a resume keeps both")
+    changed = _layout_changes(config, cfg)
+    if changed:
+        raise UserError(f"checkpoint {path}: {', '.join(changed)}; a 1-bit Adam run past its warm-up (optimizer "
+                        f"step {step} > optim.onebit_adam.freeze_step={theirs}) resumes at its own layout only, since its "
+                        f"error-feedback buffers are per rank")
+
+
+def _layout_changes(config: dict, cfg: Config) -> list[str]:
+    """The keys that place a rank's error buffers, as "<key> is <there> there and <here> here"."""
     here = cfg.to_dict()
     changed = []
     for section, key in _ONEBIT_LAYOUT:
         there_s, here_s = config.get(section), here.get(section, {})
         if isinstance(there_s, dict) and key in there_s and there_s[key] != here_s.get(key):
             changed.append(f"{section}.{key} is {short(there_s[key])} there and {here_s.get(key)!r} here")
+    return changed
+
+
+def check_zero_one_layout(path: Path, meta: dict, cfg: Config) -> None:
+    """0/1 Adam holds per-rank state from its first compressed step (the error feedback; past the freeze the
+    rank's own momentum and accumulator too): a checkpoint from there resumes at its own layout and with its own
+    policies only. Before it the states are AdamW-shaped and layout-free."""
+    from megazero.parallel.zero.zero_one_adam import updates_variance
+
+    config, step = meta.get("config", {}), meta.get("optimizer_step", 0)
+    stored = sections_of(config["optim"]) if isinstance(config.get("optim"), dict) else {}
+    optim = stored.get("zero_one_adam") if isinstance(stored.get("zero_one_adam"), dict) else {}
+    mine = cfg.optim.zero_one_adam
+    freeze, kappa = optim.get("var_freeze_step", mine.var_freeze_step), optim.get("var_update_scaler", mine.var_update_scaler)
+    if isinstance(freeze, int) and isinstance(kappa, int) and \
+            all(updates_variance(t, freeze, kappa) for t in range(1, min(step, kappa + 2) + 1)):
+        return  # only full-precision steps so far
+    for key in ("beta2", "eps", "var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper"):
+        if key in optim and optim[key] != getattr(mine, key):
+            raise UserError(f"checkpoint {path}: optim.zero_one_adam.{key} is {short(optim[key])} there and "
+                            f"{getattr(mine, key)!r} here, at optimizer step {step}, past 0/1 Adam's first "
+                            f"compressed step; a resume keeps the variance's and the synchronisations' policies")
+    changed = _layout_changes(config, cfg)
     if changed:
-        raise UserError(f"checkpoint {path}: {', '.join(changed)}; a 1-bit Adam run past its warm-up (optimizer "
-                        f"step {step} > optim.onebit_adam.freeze_step={theirs}) resumes at its own layout only, since its "
-                        f"error-feedback buffers are per rank")
+        raise UserError(f"checkpoint {path}: {', '.join(changed)}; a 0/1 Adam run past its first compressed step "
+                        f"(optimizer step {step}) resumes at its own layout only, since its error-feedback buffers, "
+                        f"momenta and accumulators are per rank")
 
 
 def check_rank_state_stored(path: Path, wanted: list[str], stored: set[str]) -> None:

@@ -40,7 +40,7 @@ from megazero.config.schema import Config
 from megazero.data.cache_plan import content_fingerprint
 from megazero.data.gpt_data import SourceStamp
 from megazero.errors import UserError
-from megazero.parallel.zero.registry import OPTIMIZERS
+from megazero.train.optimizer_resume import check_optimizer_resume
 
 _KEEP = "a resume keeps the tokenizer, since another gives the token ids other meanings"
 _REORDERED = ("the sample order after step {n} differs from the one the run started with (samples already trained "
@@ -58,21 +58,16 @@ def resume_record(cfg: Config, tokenizer_fingerprint: Optional[str], stamps: Seq
             "data_sources": [{"path": s.path, "fingerprint": s.fingerprint, "files": s.files} for s in stamps]}
 
 
-def check_resume(path: Path, cfg: Config) -> None:
-    """Before anything is built: refuse a resume of checkpoint ``path`` with another optimizer or another tokenizer
-    (the other changes are named once the data is built: ``check_built_data``)."""
+def check_resume(path: Path, cfg: Config) -> Optional[str]:
+    """Before anything is built: refuse a resume of checkpoint ``path`` with another optimizer (unless
+    ``optim.switch_from`` asks for that switch, which the returned line states) or another tokenizer (the other
+    changes are named once the data is built: ``check_built_data``)."""
     meta = read_meta(path)
-    optim = meta.get("config", {}).get("optim")
-    theirs = optim.get("name", "adamw") if isinstance(optim, dict) else "adamw"  # before optim.*: AdamW's
-    if theirs != cfg.optim.name:
-        raise UserError(f"checkpoint {path}: optim.name is {short(theirs)} there and {cfg.optim.name!r} here; a "
-                        f"resume keeps the optimizer, whose states the checkpoint holds")
-    row = OPTIMIZERS[cfg.optim.name]
-    if row.resume_check is not None:  # what the optimizer's states assume of the layout and its keys
-        row.resume_check(path, meta, cfg)
+    note = check_optimizer_resume(path, meta, cfg)
     data = meta.get("config", {}).get("data")
     if isinstance(data, dict):
         _check_tokenizer(path, meta, data, cfg, _their_paths(meta, data), _our_paths(cfg))
+    return note
 
 
 def check_built_data(path: Path, cfg: Config, tokenizer_fingerprint: Optional[str],

@@ -42,8 +42,9 @@ def plan_start(cfg: Config) -> Start:
     latest = checkpoint.latest_checkpoint(root)
     path = latest if resume == "auto" else None if resume == "none" else Path(resume)
     if path is not None:
-        check_resume(path, cfg)  # a changed tokenizer is refused here, before any data is built (the other
-        # changes are named once it is: Trainer.load)
+        switched = check_resume(path, cfg)  # a changed tokenizer is refused here, before any data is built (the
+        # other changes are named once it is: Trainer.load)
+        notes += [switched] if switched else []
         return Start(path, checkpoint.checkpoint_run_id(path) or _new_id(), tuple(notes))
     if latest is not None:
         if not cfg.log.overwrite:

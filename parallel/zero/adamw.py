@@ -130,6 +130,10 @@ class ShardedAdamW:
         """Some step may read local gradients (whole buckets): the finalizer then keeps whole-bucket runs."""
         return False
 
+    def wrote_whole_params(self) -> bool:
+        """Every rank writes its range; stages 1-2 then gather them."""
+        return False
+
     def states_loaded(self) -> None:
         """A checkpoint has just written the states (an optimizer with derived state rebuilds it here)."""
 

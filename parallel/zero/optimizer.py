@@ -51,13 +51,14 @@ class ZeroOptimizer:
                  adam_impl: str = "torch", device: Optional[torch.device] = None,
                  initial_value: Optional[Callable[[nn.Parameter], Tensor]] = None, grad_dtype: str = "auto",
                  overlap_param_gather: bool = True, max_in_flight: int = 2, peak_lr: float = 0.0,
-                 nvme: Optional[NvmeSettings] = None):
+                 nvme: Optional[NvmeSettings] = None, last_step: int = 0):
         """device: where the model computes (default: where its parameters are). Parameters still on the meta
         device (stage 3's lazily built model) are created bucket by bucket from ``initial_value(param)``, so
         the whole stage never exists unsharded. ``update``: builds each partition's optimizer from its context (a
         registry row's factory bound to its config section, ``megazero.engine.build.make_zero``; default AdamW);
         ``peak_lr``: train.lr, which each step's learning rate is a schedule of (an update's relative rates);
-        ``nvme``: with ``offload_optimizer="nvme"``, where the states' scratch file goes and its host buffers."""
+        ``nvme``: with ``offload_optimizer="nvme"``, where the states' scratch file goes and its host buffers;
+        ``last_step``: train.steps (0: not known), which an update may treat apart (0/1 Adam synchronises there)."""
         self.grid = grid
         self.policy = StagePolicy.of(stage)
         self.dtype = DTYPES[precision]
@@ -82,7 +83,8 @@ class ZeroOptimizer:
         def make_optim(experts: bool) -> Callable[[BucketLayout, Comm], Update]:
             def make(layout: BucketLayout, comm: Comm) -> Update:
                 return make_update(UpdateContext(layout, comm, grid, chunks, experts, self.device, state_device,
-                                                 self.grad_dtype, weight_decay, adam_impl, peak_lr, nvme))
+                                                 self.grad_dtype, weight_decay, adam_impl, peak_lr, nvme,
+                                                 last_step))
             return make
 
         def part(name: str, select, comm: Comm, tied: Comm) -> Partition:
@@ -180,7 +182,8 @@ class ZeroOptimizer:
         coef = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
         for part, g in zip(self.parts, grads):
             part.optim.update(g, lr, grad_scale * coef, part.finalize.rewritten())
-            part.gatherer.after_step()
+            if not part.optim.wrote_whole_params():
+                part.gatherer.after_step()
         self.zero_grad()
         return norm, False
 

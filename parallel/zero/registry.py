@@ -41,6 +41,11 @@ class Row:
     streams_from_disk: bool = False
     # why it cannot run where ZeRO shards the gradients (stages 2-3), '' where it can
     whole_grads: str = ""
+    # why it needs more than one rank in its reduction group (dp x cp), '' where one will do
+    needs_group: str = ""
+    # the optimizers a resume may switch to from its checkpoint (optim.switch_from): their states are its masters
+    # and moments, its per-rank state aside
+    switches_to: tuple[str, ...] = ()
     # (key of its section, why): keys that name a step of the run, which must come before train.steps
     before_last_step: tuple[tuple[str, str], ...] = ()
     # (checkpoint path, its meta, this run's config): raises UserError where a resume cannot keep what the
@@ -137,6 +142,38 @@ class OnebitAdamSection:
     PROBABILITY = ("beta1", "beta2")
 
 
+# ----- 0/1 Adam (parallel.zero.zero_one_adam) ----------------------------------------------------------------------
+@dataclass
+class ZeroOneAdamSection:
+    """``optim.zero_one_adam``: Lu et al.'s 0/1 Adam, the variance updated on a thinning schedule then frozen, the
+    momentum synchronised as signs, and past the freeze local steps between synchronisations."""
+
+    beta1: float = 0.9  # the momentum's decay
+    beta2: float = 0.95  # the variance's decay, at its update steps
+    eps: float = 1.0e-8  # added to sqrt(v); elements with sqrt(v) <= eps are left out of the compression
+    # the last step that may update the variance (the paper's max T_v, usually the learning rate's warm-up's end);
+    # from the next one the ranks take local steps between synchronisations
+    var_freeze_step: int = 1000
+    var_update_scaler: int = 16  # the variance's interval doubles after this many updates (the paper's kappa)
+    local_step_scaler: int = 32768  # past the freeze the synchronisation interval doubles every this many steps
+    local_step_clipper: int = 16  # the longest synchronisation interval (the paper's H)
+
+    RANGES = {"eps": _EPS, "var_freeze_step": (1, _STEPS), "var_update_scaler": (1, _STEPS),
+              "local_step_scaler": (1, _STEPS), "local_step_clipper": (1, _STEPS)}
+    PROBABILITY = ("beta1", "beta2")
+
+
+def _zero_one_state_bytes(whole: int, group: int, sharded: bool) -> int:
+    """0/1 Adam past its freeze (``parallel.zero.zero_one_adam``): 1-bit Adam's states, plus the accumulator u and
+    the frozen denominator whole, and at stage 1 the whole fp32 anchor (the synchronised parameters)."""
+    return _onebit_state_bytes(whole, group, sharded) + (8 + (4 if sharded else 0)) * whole
+
+
+_LOCAL_GRADS = "past its warm-up gradients are never reduced, so there is nothing to shard them into and every " \
+               "rank needs its whole local gradient"
+_COMPRESSES = "it compresses what the ranks exchange; with one rank there is nothing to exchange: use " \
+              "optim.name=adamw"
+
 OPTIMIZERS: dict[str, Row] = {
     "adamw": Row("adamw", AdamWSection, _factory("nvme_adamw", "make_adamw_for"), streams_from_disk=True),
     "lamb": Row("lamb", LambSection, _factory("lamb", "make_lamb")),
@@ -144,13 +181,22 @@ OPTIMIZERS: dict[str, Row] = {
                 device_only="its Newton-Schulz iterations run on the device, on matrices gathered there",
                 plan_step=_lazy("plan.muon", "muon_step")),
     "onebit_adam": Row("onebit_adam", OnebitAdamSection, _factory("onebit_adam", "make_onebit_adam"),
-                       rank_state=True,
+                       rank_state=True, switches_to=("adamw", "lamb"),
                        device_only="its momentum is compressed and exchanged on the device",
-                       whole_grads="past its warm-up gradients are never reduced, so there is nothing to shard "
-                                   "them into and every rank needs its whole local gradient",
+                       whole_grads=_LOCAL_GRADS,
                        before_last_step=(("freeze_step", "is the warm-up's last step, or the run never "
                                                          "compresses; use optim.name=adamw for a run without "
                                                          "compression"),),
                        resume_check=_lazy("train.onebit_resume", "check_onebit_layout"),
                        state_bytes=_onebit_state_bytes),
+    "zero_one_adam": Row("zero_one_adam", ZeroOneAdamSection, _factory("zero_one_adam", "make_zero_one_adam"),
+                         rank_state=True, switches_to=("adamw", "lamb"),
+                         device_only="its momentum is compressed and exchanged on the device",
+                         whole_grads=_LOCAL_GRADS, needs_group=_COMPRESSES,
+                         before_last_step=(("var_freeze_step", "is the variance's last update, or the run never "
+                                                               "takes a local step"),
+                                           ("local_step_clipper", "bounds the steps between synchronisations, "
+                                                                  "which the run must hold")),
+                         resume_check=_lazy("train.onebit_resume", "check_zero_one_layout"),
+                         state_bytes=_zero_one_state_bytes),
 }

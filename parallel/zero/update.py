@@ -41,6 +41,7 @@ class UpdateContext:
     adam_impl: str  # kernels.adam's choice for an elementwise Adam step
     peak_lr: float  # train.lr, the peak each step's learning rate is scheduled from (Muon's adamw_lr is a ratio of it)
     nvme: Optional["NvmeSettings"] = None  # zero.offload_optimizer=nvme: where the states' scratch file goes
+    last_step: int = 0  # train.steps, the run's last step (0: not known)
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,9 @@ class Update(Protocol):
 
     def may_read_local_gradients(self) -> bool:
         """Some step may read local, whole-bucket gradients (the finalizer then keeps whole-bucket runs)."""
+
+    def wrote_whole_params(self) -> bool:
+        """The last step wrote this rank's whole parameters itself (0/1 Adam's local steps): no gather after it."""
 
     def states_loaded(self) -> None:
         """A checkpoint has just written the states: rebuild what derives from them."""

@@ -70,6 +70,9 @@ class ToySgd:
     def may_read_local_gradients(self) -> bool:
         return False
 
+    def wrote_whole_params(self) -> bool:
+        return False
+
     def states_loaded(self) -> None:
         pass
 
@@ -203,7 +206,7 @@ def test_a_registered_row_is_among_the_valid_names(monkeypatch):
     with pytest.raises(UserError) as after:
         load_config(TINY, ["optim.name=nope"])
     line = str(after.value)
-    assert "\n" not in line and "optim.name='nope'" in line and "valid: adamw | lamb | muon | onebit_adam | toy_sgd" \
+    assert "\n" not in line and "optim.name='nope'" in line and "valid: adamw | lamb | muon | onebit_adam | zero_one_adam | toy_sgd" \
         in line, line
 
 
@@ -255,7 +258,7 @@ def test_a_registered_row_is_in_the_configuration_reference(monkeypatch):
     monkeypatch.setitem(OPTIMIZERS, "toy_sgd", ROW)
     text = page()
     assert "## `optim.toy_sgd`" in text and "| `optim.toy_sgd.scale` |" in text, text[-1500:]
-    assert "`onebit_adam` \\| `toy_sgd`" in text
+    assert "`zero_one_adam` \\| `toy_sgd`" in text
 
 
 def test_the_rules_read_what_a_row_declares_not_its_name(monkeypatch):

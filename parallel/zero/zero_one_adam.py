@@ -1,0 +1,343 @@
+"""0/1 Adam on this rank's share of the flat buffers (Lu et al. 2022, "Maximizing Communication Efficiency for
+Large-scale Training via 0/1 Adam", Algorithm 1), on 1-bit Adam's compressed all-reduce (``parallel.onebit``).
+
+Two policies decide each step t (pure functions of t, so a resume needs no counters):
+
+- **T_v, the variance's steps** (``updates_variance``): t <= ``var_freeze_step`` and t a multiple of the current
+  interval, which starts at 1 and doubles after every ``var_update_scaler`` (the paper's kappa) updates. Such a
+  step reduces the gradients in full precision and updates both moments from them, like AdamW.
+- **T_u, the synchronisations** (``local_interval``): up to ``var_freeze_step`` every step synchronises; past it
+  the interval starts at 1 and doubles every ``local_step_scaler`` steps up to ``local_step_clipper`` (the paper's
+  H), as the authors' DeepSpeed implementation schedules it; the run's last step always synchronises.
+
+Every other step folds the local gradient into the momentum (``n * g``, as 1-bit Adam: the mean over ranks is the
+reduced gradient). Up to the freeze the momentum itself is averaged by the compressed all-reduce each step and the
+update is Adam's with the current variance. Past it each rank steps alone: its parameters become
+``anchor * D - u / (sqrt(v) + eps)``, where the anchor is the fp32 master at the last synchronisation (written at
+synchronisations only), ``u`` accumulates ``lr_k * m_k`` and ``D`` the decoupled decay ``prod(1 - lr_k * wd)``
+since then; nothing is sent. A synchronisation averages ``u`` compressed (error feedback zeroed once, at the
+freeze: it then measures a different quantity), sets the momentum to ``u_bar / sum(lr_k)`` and the master to
+``anchor * D - u_bar / (sqrt(v) + eps)``, the same on every rank. No bias correction, as in the paper.
+
+Stages 0 and 1 (1-bit Adam's reasons). Stage 1 gathers the momentum slices after a T_v step and, past the freeze,
+keeps the whole frozen denominator and a whole fp32 copy of the synchronised parameters (the anchor of the
+local steps; the fp32 master itself at stage 0). Where the master was the parameter (fp32), it becomes a copy at
+the freeze. A checkpoint keeps per rank, past the freeze, what a rank's local steps made its own: the momentum,
+``u``, the sums and the error buffers (``rank_state``); its parameters are rebuilt from them on a load.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+from torch import Tensor
+
+from megazero.parallel.comm import Comm
+from megazero.parallel.onebit import compressed_allreduce, group_counts
+from megazero.parallel.zero.layout import Bucket, BucketLayout
+from megazero.parallel.zero.onebit_adam import ShardedOnebitAdam
+from megazero.parallel.zero.update import Record
+
+if TYPE_CHECKING:
+    from megazero.parallel.zero.registry import ZeroOneAdamSection
+    from megazero.parallel.zero.update import UpdateContext
+
+
+def updates_variance(t: int, freeze: int, kappa: int) -> bool:
+    """Step t is in T_v: the interval is 2^j for the j-th group of ``kappa`` updates, each group taking the next
+    ``kappa`` multiples of its interval (DeepSpeed's counter, in closed form: O(log t))."""
+    if t > freeze:
+        return False
+    interval, end = 1, kappa
+    while t > end:
+        interval *= 2
+        end = (end // interval + kappa) * interval
+    return t % interval == 0
+
+
+def local_interval(t: int, freeze: int, scaler: int, clipper: int) -> int:
+    """T_u's interval at step t: 1 up to the freeze, then doubled every ``scaler`` steps, at most ``clipper``."""
+    if t <= freeze:
+        return 1
+    return min(clipper, 2 ** min((t - freeze - 1) // scaler, 62))
+
+
+def silent_steps(t: int, freeze: int, scaler: int, clipper: int, last_step: int = 0) -> int:
+    """How many of steps 1..t sent nothing (local steps): a block of ``scaler`` steps at a time."""
+    silent, a, j = 0, freeze + 1, 0
+    while a <= t:
+        k = min(clipper, 2 ** min(j, 62))
+        b = t if k == clipper else min(t, a + scaler - 1)  # at H the interval stays: the rest at once
+        silent += (b - a + 1) - (b // k - (a - 1) // k)
+        if a <= last_step <= b and last_step % k:
+            silent -= 1
+        a, j = b + 1, j + 1
+    return silent
+
+
+def make_zero_one_adam(section: "ZeroOneAdamSection", ctx: "UpdateContext") -> "ShardedZeroOneAdam":
+    """The registry's factory: 0/1 Adam over one partition, synchronised over the partition's group."""
+    assert ctx.state_device == ctx.device, "0/1 Adam's states stay on the device"
+    tp = ctx.grid.tp_comm
+    return ShardedZeroOneAdam(ctx.layout, ctx.device, ctx.weight_decay, section, ctx.grad_dtype, ctx.comm, tp.rank,
+                              tp.size, ctx.last_step, reports_policy=not ctx.experts)
+
+
+class ShardedZeroOneAdam(ShardedOnebitAdam):
+    def __init__(self, layout: BucketLayout, device: torch.device, weight_decay: float,
+                 section: "ZeroOneAdamSection", grad_dtype: torch.dtype, comm: Comm, tp_rank: int, tp_size: int,
+                 last_step: int, reports_policy: bool = True):
+        """``last_step``: the run's last step (train.steps), which synchronises (0: none known);
+        ``reports_policy``: this partition's metrics carry the intervals (one partition per run does)."""
+        s = section
+        super().__init__(layout, device, weight_decay, (s.beta1, s.beta2), s.eps, grad_dtype, comm, tp_rank,
+                         tp_size, s.var_freeze_step)
+        self.kappa, self.scaler, self.clipper = s.var_update_scaler, s.local_step_scaler, s.local_step_clipper
+        self.last_step, self.reports_policy = last_step, reports_policy
+        n = len(layout.buckets)
+        self.accum: list[Optional[Tensor]] = [None] * n  # u: sum of lr_k * m_k since the last sync (whole)
+        self.denom: list[Optional[Tensor]] = [None] * n  # the frozen sqrt(v) + eps, whole (past the freeze)
+        self.anchor: list[Optional[Tensor]] = [None] * n  # stage 1: the synchronised parameters, whole, fp32
+        self.decay_whole: list[Optional[Tensor]] = [None] * n  # stage 1: the decay mask, whole
+        self.sums = torch.tensor([0.0, 1.0], dtype=torch.float64)  # (sum of lr_k, prod of 1 - lr_k * wd)
+        self.prepared_for = ""  # "sync" or "local": what _prepare last built
+        self.momentum_stale = False  # stage 1: only this rank's slice of the momentum is current (a T_v step)
+        self.anchor_stale = True  # stage 1: the anchor is refreshed from the gathered parameters when next read
+        self.wrote_whole = False  # the last step wrote this rank's own whole parameters (no gather after it)
+        self._loaded_momentum: dict[int, Tensor] = {}  # a load's per-rank momenta, taken by states_loaded
+
+    # ----- the policies --------------------------------------------------------------------------------------------
+    def exact(self, t: int) -> bool:
+        return updates_variance(t, self.freeze_step, self.kappa)
+
+    def syncs(self, t: int) -> bool:
+        return t == self.last_step or t % local_interval(t, self.freeze_step, self.scaler, self.clipper) == 0
+
+    def compressing(self) -> bool:
+        """The next step reads local gradients (it is not one of T_v)."""
+        return not self.exact(self.step_count + 1)
+
+    def wrote_whole_params(self) -> bool:
+        return self.wrote_whole
+
+    # ----- derived state ------------------------------------------------------------------------------------------
+    def _whole(self, b: Bucket, mine: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+        """A bucket-long (padded) tensor from this rank's range: gathered over dp at stage 1."""
+        out = torch.zeros(self.momentum[b.index].numel(), dtype=dtype, device=self.device)
+        if self.layout.policy.shard_optimizer:
+            self.comm.all_gather_into(out[:b.numel], mine.to(dtype), tag="zero_one_prepare")
+        else:
+            out[:b.numel] = mine
+        return out
+
+    def _prepare(self, local: bool) -> None:
+        """The compression's mask and groups from the current variance (elements with sqrt(v) <= eps are left out),
+        the whole momentum (stage 1 after a T_v step), error buffers; past the freeze the whole denominator, the
+        decay mask, a master apart from the parameters and the accumulator."""
+        n = self.comm.size
+        held = {self._held(p) for b in self.layout.buckets for _, p in b.params}
+        renumber = {g: k for k, g in enumerate(sorted(held), 1)}
+        self.group_count = len(held)
+        sharded = self.layout.policy.shard_optimizer
+        for b in self.layout.buckets:
+            i = b.index
+            root = self.exp_avg_sq[i].sqrt()
+            live = self._whole(b, root > self.eps, torch.uint8)
+            m = self.momentum[i]
+            if self.momentum_stale and sharded:
+                self.comm.all_gather_into(m[:b.numel], self.exp_avg[i].clone(), tag="zero_one_prepare")
+            m.mul_(live)
+            self.groups[i] = self._held_groups(b, renumber).mul_(live)
+            self.counts[i] = group_counts(self.groups[i], n, self.group_count)
+            if self.worker[i] is None:
+                self.worker[i] = torch.zeros_like(m)
+                self.server[i] = torch.zeros(m.numel() // n, dtype=torch.float32, device=self.device)
+            if not local:
+                continue
+            self.denom[i] = self._whole(b, root.add_(self.eps))[:b.numel]
+            if self.master_is_param[i]:  # the master is the anchor now: the local steps write the parameters
+                self.master[i], self.master_is_param[i] = self.master[i].clone(), False
+            if sharded:
+                self.decay_whole[i] = torch.zeros(b.numel, dtype=torch.bool, device=self.device)
+                for a, z, on in self.layout.mask_runs(b, self.tp_rank, whole=True)[0]:
+                    self.decay_whole[i][a:z] = on
+                self.anchor[i] = b.full.to(torch.float32, copy=True)
+            if self.accum[i] is None:
+                self.accum[i] = torch.zeros_like(m)
+        self.anchor_stale = False
+        self.momentum_stale = False
+        self.prepared_for = "local" if local else "sync"
+
+    def states_loaded(self) -> None:
+        """The checkpoint wrote the masters (and the parameters from them: the last synchronisation's) and the
+        moments; past the freeze this rank's momentum and accumulator came from its own state, and its
+        parameters are rebuilt from them."""
+        self.prepared_for, self.momentum_stale, self.anchor_stale = "", True, True
+        local = self.step_count > self.freeze_step
+        if not local:
+            self._loaded_momentum.clear()
+            if self.step_count == 0:
+                self.worker = [None] * len(self.worker)
+                self.server = [None] * len(self.server)
+            return
+        for i, m in self._loaded_momentum.items():
+            self.momentum[i].copy_(m)
+        self.momentum_stale = not self._loaded_momentum
+        self._loaded_momentum.clear()
+        self._prepare(local=True)
+        if self.sums[0] > 0:  # within an interval: the local parameters
+            for b in self.layout.buckets:
+                self._write_local(b)
+
+    def rank_state(self, step: int) -> dict[str, Tensor]:
+        """This rank's own state as of optimizer step ``step``: none before the first compressed step (the states
+        are then AdamW's, layout-free); the error buffers after it; past the freeze also the momentum (a copy:
+        a load's is taken by ``states_loaded``), the accumulator and the sums."""
+        first = next((t for t in range(1, step + 1) if not self.exact(t)), None)
+        if first is None:
+            return {}
+        out = super().rank_state(max(step, self.freeze_step + 1))  # the error buffers, allocated where absent
+        if step <= self.freeze_step:
+            return out
+        out["sums"] = self.sums
+        for b in self.layout.buckets:
+            i = b.index
+            if self.accum[i] is None:
+                self.accum[i] = torch.zeros_like(self.momentum[i])
+            self._loaded_momentum[i] = self.momentum[i].clone()
+            out[f"{i}/momentum"], out[f"{i}/accum"] = self._loaded_momentum[i], self.accum[i]
+        return out
+
+    # ----- the step -------------------------------------------------------------------------------------------------
+    def update(self, grads: list[Tensor], lr: float, grad_scale: float, resend: set[int]) -> None:
+        t = self.step_count + 1
+        self._loaded_momentum.clear()  # a save's copies
+        self.wrote_whole = False
+        before = self._sent_so_far()
+        if self.exact(t):
+            self._exact_step(grads, lr, grad_scale)
+        else:
+            local = t > self.freeze_step
+            if self.prepared_for != ("local" if local else "sync"):
+                self._prepare(local)
+            if t == self.freeze_step + 1:  # the errors measured the momentum; from here they measure u
+                for i in range(len(self.worker)):
+                    self.worker[i].zero_()
+                    self.server[i].zero_()
+            self._compressed_step(grads, lr, grad_scale, t, local)
+        self.step_count = t
+        self.sent = self._sent_so_far() - before
+
+    def _sent_so_far(self) -> float:
+        counter = self.comm.counter
+        return counter.sent_bytes().get(self.comm.name, 0.0) if counter is not None else 0.0
+
+    def _decay(self, master: Tensor, mask: Tensor, factor: float) -> None:
+        if self.weight_decay:
+            f = torch.tensor(factor, dtype=master.dtype, device=master.device)
+            master.mul_(torch.where(mask, f, torch.ones_like(f)))
+
+    def _exact_step(self, grads: list[Tensor], lr: float, grad_scale: float) -> None:
+        """T_v: both moments from the reduced gradient, Adam's step without bias correction."""
+        b1, b2 = self.betas
+        for b, g in zip(self.layout.buckets, grads):
+            i = b.index
+            g = g.float() * grad_scale
+            self.exp_avg[i].mul_(b1).add_(g, alpha=1.0 - b1)
+            self.exp_avg_sq[i].mul_(b2).addcmul_(g, g, value=1.0 - b2)
+            self._decay(self.master[i], self.decay_mask[i], 1.0 - lr * self.weight_decay)
+            self.master[i].addcdiv_(self.exp_avg[i], self.exp_avg_sq[i].sqrt().add_(self.eps), value=-lr)
+            self._copy_out(b)
+        self.momentum_stale = self.layout.policy.shard_optimizer
+        self.prepared_for = ""  # the variance moved: the mask is rebuilt at the next compressed step
+
+    def _copy_out(self, b: Bucket) -> None:
+        if not self.master_is_param[b.index]:
+            self.target(b).copy_(self.master[b.index])
+
+    def _compressed_step(self, grads: list[Tensor], lr: float, grad_scale: float, t: int, local: bool) -> None:
+        b1, n = self.betas[0], self.comm.size
+        sync = not local or self.syncs(t)
+        if local:
+            self.sums[0] += lr
+            self.sums[1] *= 1.0 - lr * self.weight_decay
+        for b, g in zip(self.layout.buckets, grads):
+            i = b.index
+            m = self.momentum[i]
+            m[:b.numel].mul_(b1).add_(g, alpha=(1.0 - b1) * n * grad_scale)
+            m.masked_fill_(self.groups[i] == 0, 0.0)
+            if not local:  # up to the freeze: the momentum averaged, Adam's step with the current variance
+                m.copy_(self._average(m, i))
+                self._decay(self.master[i], self.decay_mask[i], 1.0 - lr * self.weight_decay)
+                lo, hi = self.layout.range(b)
+                self.master[i].addcdiv_(m[lo:hi], self.exp_avg_sq[i].sqrt().add_(self.eps), value=-lr)
+                self._copy_out(b)
+                continue
+            u = self.accum[i]
+            u.add_(m, alpha=lr)
+            if not sync:
+                self._write_local(b)
+                continue
+            u.copy_(self._average(u, i))
+            m.copy_(u).div_(float(self.sums[0]))
+            lo, hi = self.layout.range(b)
+            self._decay(self.master[i], self.decay_mask[i], float(self.sums[1]))
+            self.master[i].sub_(u[lo:hi] / self.denom[i][lo:hi])
+            self._copy_out(b)
+            u.zero_()
+        if local and sync:
+            self.sums.copy_(torch.tensor([0.0, 1.0], dtype=torch.float64))
+            self.anchor_stale = True
+        self.wrote_whole = local and not sync
+
+    def _average(self, x: Tensor, i: int) -> Tensor:
+        return compressed_allreduce(x, self.worker[i], self.server[i], self.comm, tag="zero_one",
+                                    groups=self.groups[i], group_count=self.group_count, counts=self.counts[i])
+
+    def _write_local(self, b: Bucket) -> None:
+        """This rank's parameters within an interval: the anchor decayed, less its own u / (sqrt(v) + eps)."""
+        i = b.index
+        if not self.layout.policy.shard_optimizer:
+            anchor, mask = self.master[i], self.decay_mask[i]
+        else:
+            if self.anchor_stale:  # the parameters gathered after the last synchronisation
+                self.anchor[i].copy_(b.full)
+            anchor, mask = self.anchor[i], self.decay_whole[i]
+        x = anchor.clone()
+        self._decay(x, mask, float(self.sums[1]))
+        b.full.copy_(x.sub_(self.accum[i][:b.numel] / self.denom[i]))
+        if b.index == len(self.layout.buckets) - 1:
+            self.anchor_stale = False
+
+    # ----- accounting -----------------------------------------------------------------------------------------------
+    def state_tensors(self) -> list[Tensor]:
+        extra = [t for kind in (self.accum, self.denom, self.anchor, self.decay_whole) for t in kind if t is not None]
+        return super().state_tensors() + extra
+
+    def state_bytes(self) -> int:
+        total = super().state_bytes()
+        for kind in (self.accum, self.denom, self.anchor, self.decay_whole):
+            total += sum(t.numel() * t.element_size() for t in kind if t is not None)
+        return total
+
+    def record(self) -> Record:
+        """Bytes the last step's update sent from this rank; and, from one partition: the share of the steps so
+        far that sent nothing (the local steps), the synchronisation interval, the variance's (0 once frozen)."""
+        t = self.step_count
+        silent = silent_steps(t, self.freeze_step, self.scaler, self.clipper, self.last_step)
+        share = silent / t if t else 0.0
+        policy = [share, float(local_interval(t + 1, self.freeze_step, self.scaler, self.clipper)),
+                  float(self._var_interval(t + 1))] if self.reports_policy else [0.0, 0.0, 0.0]
+        return Record(torch.tensor([self.sent] + policy, dtype=torch.float64), "local",
+                      lambda v: {"optim/compressed_bytes": v[0], "optim/silent_share": v[1],
+                                 "optim/sync_interval": v[2], "optim/var_interval": v[3]})
+
+    def _var_interval(self, t: int) -> int:
+        """T_v's interval at step t, 0 past the freeze."""
+        if t > self.freeze_step:
+            return 0
+        interval, end = 1, self.kappa
+        while t > end:
+            interval *= 2
+            end = (end // interval + self.kappa) * interval
+        return interval

@@ -1,0 +1,264 @@
+"""0/1 Adam (parallel.zero.zero_one_adam) at 4 gloo ranks, ZeRO 0 and 1: 30 steps, each rank on its own two
+microbatches, equal Lu et al. 2022's Algorithm 1 simulated for 4 workers in this process from the local gradients
+each rank recorded. The policies (var_freeze_step 10, kappa 2, local_step_scaler 4, H 4) make T_v = {1, 2, 4, 6,
+8}: the variance updated again after it first stood still (3, 5, 7); steps 3, 5, 7, 9, 10 average the momentum
+compressed; past the freeze the ranks synchronise at 11-14, 16, 18, 20, 24 and 28 (intervals 1, 2 and 4) and
+take local steps between, so after step 30 (two local steps past the last synchronisation, no last step
+declared) every rank's weights are its own: each is compared with its own worker in the reference.
+
+The reference, per flat bucket padded to 8 x 4 elements: a T_v step takes the summed gradient as the ranks summed
+it (gloo's order) into both moments and Adam's step without bias correction; any other step folds n * g_rank into
+worker r's momentum (elements whose sqrt(v) <= eps left out); up to the freeze the momenta are averaged by the
+two-phase compression with worker and server errors (1-bit Adam's, tests/parallel/test_onebit_adam.py), past it
+each worker accumulates u_r += lr m_r, the errors zeroed once at the freeze, and a synchronisation averages the
+u_r compressed, sets every momentum to u_bar / sum(lr) and the anchor to anchor * prod(1 - lr wd) - u_bar / (sqrt(v)
++ eps); a worker's weights between are its anchor decayed less its u_r / (sqrt(v) + eps). Clipped at 1.0 by the
+norms the ranks report (checked against the reference's own to 1e-5).
+
+Tolerance, per element, 1e-6 of the largest weight plus 4e-6 of its travel, as the 1-bit Adam test (same
+argument: the ranks' fp32 sums in other orders, ulps of m and v reaching a weight through 1/sqrt(v)). Without the
+freeze's zeroing of the errors, without the local steps (a synchronisation every step) or without the decay of
+the anchor the weights miss by far more (checked by mutation when the test was written).
+
+Communication, same spawn: a local step's update sends nothing (the step's only bytes are the norm's and the
+overflow flags' scalars); a synchronisation sends what a 1-bit Adam step sends."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tests.dist import run_ranks
+from tests.parallel.test_onebit_adam import SIZES, _compress, _initial, _microbatches, _reduced_gradients
+from tests.runs import ROOT
+
+WORLD, STEPS, FREEZE, KAPPA, SCALER, CLIP_H, LR, WD, CLIP = 4, 30, 10, 2, 4, 4, 1e-2, 0.1, 1.0
+BETAS, EPS = (0.9, 0.95), 1e-8
+
+
+def _policies():
+    from megazero.parallel.zero.zero_one_adam import local_interval, updates_variance
+
+    exact = [updates_variance(t, FREEZE, KAPPA) for t in range(1, STEPS + 1)]
+    sync = [t % local_interval(t, FREEZE, SCALER, CLIP_H) == 0 for t in range(1, STEPS + 1)]
+    return exact, sync
+
+
+def _ranks(rank, world):
+    from megazero.config.load import load_config
+    from megazero.config.schema import OptimConfig, ZeroConfig
+    from megazero.engine.build import make_executor, make_schedules, make_zero
+    from megazero.engine.step import train_step
+    from megazero.models.build import build_gpt
+    from megazero.parallel.dims import ParallelDims
+    from megazero.parallel.topology import Grid
+    from megazero.parallel.zero.registry import ZeroOneAdamSection
+
+    cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), SIZES).model
+    exact, _ = _policies()
+    out = []
+    for stage in (0, 1):
+        grid = Grid.build(ParallelDims(tp=1, pp=1, dp=world), "cpu")
+        model = build_gpt(cfg, 0, tp=grid.tp_comm)
+        grads: list[dict] = []
+
+        def record(p, name):
+            grads[-1][name] = grads[-1].get(name, 0) + p.grad.detach().clone()
+
+        for name, p in model.named_parameters():
+            p.register_post_accumulate_grad_hook(lambda p, name=name: record(p, name))
+        section = ZeroOneAdamSection(beta1=BETAS[0], beta2=BETAS[1], eps=EPS, var_freeze_step=FREEZE,
+                                     var_update_scaler=KAPPA, local_step_scaler=SCALER, local_step_clipper=CLIP_H)
+        zero = make_zero([model], grid, ZeroConfig(stage=stage, bucket_mb=0.02, reshard_after_forward=True),
+                         "fp32", WD, torch.device("cpu"), optim=OptimConfig(name="zero_one_adam",
+                                                                            zero_one_adam=section))
+        executor = make_executor([model], grid, torch.device("cpu"), 2, cfg.seq_len, cfg.hidden, "fp32",
+                                 world * 2 * 2 * cfg.seq_len)
+        schedule = make_schedules("1f1b", grid, 2)[0]
+        norms, sent, records, reduced = [], [], [], {}
+        for step in range(STEPS):
+            grads.append({})
+            before = sum(grid.counter.sent_bytes().values())
+            result = train_step(zero, executor, schedule, _microbatches(rank, step, cfg.vocab_size, cfg.seq_len),
+                                LR, CLIP)
+            assert not result.skipped
+            sent.append(sum(grid.counter.sent_bytes().values()) - before)
+            norms.append(result.grad_norm)
+            records.append(zero.optimizer_record())
+            if exact[step]:
+                reduced[step] = _reduced_gradients(zero, grid, stage)
+        layout = [(b.numel, [(n, off) for (n, _), off in zip(b.params, b.offsets)]) for b in zero.buckets]
+        out.append({"params": {n: t.detach().numpy().copy() for n, t in zero.full_parameters().items()},
+                    "start": {n: t.numpy() for n, t in _initial(cfg).items()},
+                    "grads": [{n: g.numpy() for n, g in step.items()} for step in grads],
+                    "norms": norms, "sent": sent, "records": records, "layout": layout,
+                    "reduced": {t: {n: g.numpy() for n, g in r.items()} for t, r in reduced.items()}})
+    return out
+
+
+def _two_phase(values: list[torch.Tensor], workers: list, servers: list, keep: torch.Tensor) -> torch.Tensor:
+    """1-bit Adam's compressed average of the workers' ``values`` (one flat bucket), errors updated in place."""
+    chunk = values[0].numel() // WORLD
+    by_chunk = keep.view(WORLD, chunk)
+    sent = []
+    for r in range(WORLD):
+        c = torch.where(keep, values[r] + workers[r], 0.0)
+        q = torch.cat([_compress(p, k) for p, k in zip(c.view(WORLD, chunk), by_chunk)])
+        workers[r].copy_(c - q)
+        sent.append(q)
+    parts = []
+    for r in range(WORLD):
+        s = torch.stack([x[r * chunk:(r + 1) * chunk] for x in sent]).mean(0) + servers[r]
+        s = torch.where(by_chunk[r], s, 0.0)
+        q = _compress(s, by_chunk[r])
+        servers[r].copy_(s - q)
+        parts.append(q)
+    return torch.cat(parts)
+
+
+def _reference(start: dict, grads: list[list[dict]], layout: list, reduced: dict, norms_seen: list[float]):
+    """Algorithm 1 of Lu et al. 2022 for WORLD workers (see the module's docstring); returns each worker's
+    weights, the norms, and each weight's travel."""
+    b1, b2 = BETAS
+    exact, sync = _policies()
+    shapes = {n: t.shape for n, t in start.items()}
+
+    def flat(tensors: dict, numel: int, names: list) -> torch.Tensor:
+        out = torch.zeros(-(-numel // (8 * WORLD)) * 8 * WORLD)
+        for n, off in names:
+            t = torch.as_tensor(tensors[n]).reshape(-1)
+            out[off:off + t.numel()] = t
+        return out
+
+    nb = len(layout)
+    anchor = [flat(start, numel, names) for numel, names in layout]
+    decay = [flat({n: torch.full(shapes[n], float(len(shapes[n]) >= 2)) for n in shapes}, numel, names).bool()
+             for numel, names in layout]
+    m = [[torch.zeros_like(x) for x in anchor] for _ in range(WORLD)]
+    v = [torch.zeros_like(x) for x in anchor]
+    u = [[torch.zeros_like(x) for x in anchor] for _ in range(WORLD)]
+    workers = [[torch.zeros_like(x) for x in anchor] for _ in range(WORLD)]
+    servers = [[torch.zeros(x.numel() // WORLD) for x in anchor] for _ in range(WORLD)]
+    local = [[x.clone() for x in anchor] for _ in range(WORLD)]
+    travel = [torch.zeros_like(x) for x in anchor]
+    lr_sum, kept = 0.0, 1.0
+    norms = []
+    for t in range(1, STEPS + 1):
+        g = [[flat(grads[r][t - 1], numel, names) for numel, names in layout] for r in range(WORLD)]
+        if exact[t - 1]:
+            total = [flat(reduced[t - 1], numel, names) for numel, names in layout]
+            norm = math.sqrt(sum(x.double().square().sum().item() for x in total))
+        else:
+            norm = math.sqrt(WORLD * sum(x.double().square().sum().item() for gr in g for x in gr))
+        norms.append(norm)
+        coef = min(1.0, CLIP / (norms_seen[t - 1] + 1e-6))
+        if t == FREEZE + 1:
+            for r in range(WORLD):
+                for i in range(nb):
+                    workers[r][i].zero_()
+                    servers[r][i].zero_()
+        if t > FREEZE:
+            lr_sum, kept = lr_sum + LR, kept * (1.0 - LR * WD)
+        for i in range(nb):
+            before = local[0][i].clone()
+            live = v[i].sqrt() > EPS
+            denom = v[i].sqrt() + EPS
+            if exact[t - 1]:
+                gi = total[i] * coef
+                for r in range(WORLD):
+                    m[r][i] = m[r][i] * b1 + gi * (1.0 - b1)
+                v[i] = v[i] * b2 + gi * gi * (1.0 - b2)
+                anchor[i] = torch.where(decay[i], anchor[i] * (1.0 - LR * WD), anchor[i])
+                anchor[i] = anchor[i] - LR * m[0][i] / (v[i].sqrt() + EPS)
+                for r in range(WORLD):
+                    local[r][i] = anchor[i].clone()
+            else:
+                for r in range(WORLD):
+                    m[r][i] = torch.where(live, m[r][i] * b1 + g[r][i] * ((1.0 - b1) * WORLD * coef), 0.0)
+                if t <= FREEZE:
+                    avg = _two_phase([m[r][i] for r in range(WORLD)], [w[i] for w in workers],
+                                     [s[i] for s in servers], live)
+                    for r in range(WORLD):
+                        m[r][i] = avg.clone()
+                    anchor[i] = torch.where(decay[i], anchor[i] * (1.0 - LR * WD), anchor[i]) - LR * avg / denom
+                    for r in range(WORLD):
+                        local[r][i] = anchor[i].clone()
+                else:
+                    for r in range(WORLD):
+                        u[r][i] = u[r][i] + LR * m[r][i]
+                    if sync[t - 1] and t < STEPS + 1:
+                        avg = _two_phase([u[r][i] for r in range(WORLD)], [w[i] for w in workers],
+                                         [s[i] for s in servers], live)
+                        anchor[i] = torch.where(decay[i], anchor[i] * kept, anchor[i]) - avg / denom
+                        for r in range(WORLD):
+                            m[r][i] = avg / lr_sum
+                            u[r][i] = torch.zeros_like(avg)
+                            local[r][i] = anchor[i].clone()
+                    else:
+                        for r in range(WORLD):
+                            local[r][i] = torch.where(decay[i], anchor[i] * kept, anchor[i]) - u[r][i] / denom
+            travel[i] = travel[i] + (local[0][i] - before).abs()
+        if t > FREEZE and sync[t - 1]:
+            lr_sum, kept = 0.0, 1.0
+    out = []
+    for r in range(WORLD):
+        weights, moved = {}, {}
+        for x, tr, (numel, names) in zip(local[r], travel, layout):
+            for n, off in names:
+                weights[n] = x[off:off + math.prod(shapes[n])].view(shapes[n])
+                moved[n] = tr[off:off + math.prod(shapes[n])].view(shapes[n])
+        out.append((weights, moved))
+    return out, norms
+
+
+def test_four_ranks_equal_the_papers_algorithm_with_local_steps_that_send_nothing():
+    results = run_ranks(WORLD, _ranks)
+    exact, sync = _policies()
+    assert not sync[STEPS - 1] and not sync[STEPS - 2] and any(not s for s in sync[FREEZE:])  # local steps
+    for stage in (0, 1):
+        per_rank = [r[stage] for r in results]
+        first = per_rank[0]
+        start = {n: torch.from_numpy(t) for n, t in first["start"].items()}
+        want, norms = _reference(start, [r["grads"] for r in per_rank], first["layout"], first["reduced"],
+                                 first["norms"])
+        scale = max(t.abs().max().item() for t in want[0][0].values())
+        for r, (got, (ref, travel)) in enumerate(zip(per_rank, want)):
+            over = {n: ((torch.from_numpy(got["params"][n]) - ref[n]).abs() - 1e-6 * scale - 4e-6 * travel[n]).max()
+                    for n in ref}
+            assert max(over.values()).item() <= 0, (stage, r, max(over.items(), key=lambda kv: kv[1]))
+        apart = max(abs(per_rank[1]["params"][n] - first["params"][n]).max() for n in first["params"])
+        assert apart > 1e-4, apart  # the local steps left each rank its own weights
+        for got, ref in zip(first["norms"], norms):
+            assert abs(got - ref) <= 1e-5 * ref, (stage, got, ref)
+        silent = [s for t, s in enumerate(first["sent"]) if t >= FREEZE and not sync[t]]
+        synced = [s for t, s in enumerate(first["sent"]) if t >= FREEZE and sync[t]]
+        assert max(silent) < 100 < min(synced) / 10, (silent, synced)  # scalars only, against the signs
+        last = first["records"][-1]
+        assert last["optim/sync_interval"] == 4 and last["optim/var_interval"] == 0, last
+        assert all(r["optim/compressed_bytes"] == 0 for t, r in enumerate(first["records"]) if exact[t])
+
+
+def test_the_policies_closed_forms_equal_the_step_by_step_counters():
+    """T_v and the silent-step count are closed forms (a resume needs no counters): against the counters stepped
+    one step at a time as the authors' implementation keeps them (an interval doubled after kappa updates; a
+    synchronisation every interval, the interval doubled every scaler steps up to H, the last step synchronised)."""
+    from megazero.parallel.zero.zero_one_adam import local_interval, silent_steps, updates_variance
+
+    for freeze, kappa in ((10, 2), (1000, 16), (50, 3), (7, 1)):
+        interval, counter, got = 1, 0, []
+        for t in range(1, 1200):
+            if t <= freeze and t % interval == 0:
+                got.append(t)
+                counter += 1
+                if counter == kappa:
+                    interval, counter = interval * 2, 0
+        assert got == [t for t in range(1, 1200) if updates_variance(t, freeze, kappa)], (freeze, kappa)
+    for freeze, scaler, clipper, last in ((6, 4, 4, 30), (100, 7, 16, 5000), (3, 1, 1, 50), (5, 3, 64, 0)):
+        interval, counter, silent = 1, 0, 0
+        for t in range(freeze + 1, 3000):
+            assert interval == local_interval(t, freeze, scaler, clipper), (t, interval)
+            silent += not (t == last or t % interval == 0)
+            assert silent == silent_steps(t, freeze, scaler, clipper, last), (freeze, scaler, clipper, t)
+            counter += 1
+            if counter == scaler:
+                interval, counter = min(clipper, interval * 2), 0

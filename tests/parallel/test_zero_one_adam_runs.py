@@ -1,0 +1,126 @@
+"""0/1 Adam in whole runs (pretrain's loop, 4 gloo ranks): tp 2 with sequence parallelism x dp 2 at ZeRO 1, 30
+steps, var_freeze_step 6, kappa 2, local_step_scaler 4, H 4, so the ranks take local steps from step 11 and the
+save at step 15 falls inside a synchronisation interval (14 synchronised, 16 next): each rank's momentum,
+accumulator and weights are its own there. Resumed from it at the same layout the run is exact (every step's loss
+and norm, every stored tensor at the end, each rank's own); resumed with the error feedback dropped (the loaded
+buffers zeroed) it is not, so the test would fail against such a resume. Another dp is refused in one line.
+A resume may switch to AdamW on request (optim.switch_from). The metrics reach metrics.jsonl: bytes sent, the share of silent steps, the intervals. Bad settings are one line
+and exit 2.
+
+Exact: a resume at the same layout repeats the same operations on the same values (fp32, the CPU)."""
+from __future__ import annotations
+
+import pytest
+
+from megazero.train.run import run
+from tests.dist import run_ranks
+from tests.runs import assert_resume_exact, read_metrics, ROOT, small_overrides, write_corpus
+
+CONFIG = str(ROOT / "configs" / "tiny.yaml")
+STEPS, SAVED = 30, 15
+ZERO_ONE = {"optim.name": "zero_one_adam", "optim.zero_one_adam.var_freeze_step": 6,
+            "optim.zero_one_adam.var_update_scaler": 2, "optim.zero_one_adam.local_step_scaler": 4,
+            "optim.zero_one_adam.local_step_clipper": 4, "train.lr": "2.0e-3", "zero.stage": 1,
+            "zero.bucket_mb": 0.02}
+TP2 = ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=2"]
+
+
+def _overrides(text, cache, log_dir, extra=()):
+    return small_overrides(text, cache, log_dir, steps=STEPS, **ZERO_ONE) + list(extra)
+
+
+def _ranks(rank, world, text, cache, base):
+    from megazero.checkpoint import store
+    from megazero.errors import UserError
+    from megazero.parallel.zero.zero_one_adam import ShardedZeroOneAdam
+
+    run(CONFIG, _overrides(text, cache, base / "whole", TP2 + [f"train.save_every={SAVED}"]))
+    saved = store.checkpoint_dir(base / "whole" / "checkpoints", SAVED)
+    run(CONFIG, _overrides(text, cache, base / "resumed", TP2 + [f"train.resume={saved}"]))
+    loaded = ShardedZeroOneAdam.states_loaded
+
+    def without_feedback(self):
+        loaded(self)
+        for t in self.worker + self.server:
+            t.zero_()
+
+    ShardedZeroOneAdam.states_loaded = without_feedback
+    try:
+        run(CONFIG, _overrides(text, cache, base / "dropped", TP2 + [f"train.resume={saved}"]))
+    finally:
+        ShardedZeroOneAdam.states_loaded = loaded
+    run(CONFIG, _overrides(text, cache, base / "switched", TP2 + [f"train.resume={saved}", "optim.name=adamw",
+                                                                 "optim.switch_from=zero_one_adam"]))
+    try:
+        run(CONFIG, _overrides(text, cache, base / "refused", ["parallel.dp=4", f"train.resume={saved}"]))
+        return None
+    except UserError as e:
+        return str(e)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("zero_one")
+    text, cache = write_corpus(base / "text"), base / "cache"
+    run(CONFIG, small_overrides(text, cache, base / "build", steps=1))  # builds the data the ranks read
+    refused = run_ranks(4, _ranks, text, cache, base)
+    return base, refused
+
+
+def _records(folder):
+    return [r for r in read_metrics(folder) if "loss" in r]
+
+
+def test_a_resume_inside_an_interval_is_exact_at_its_layout(runs):
+    base, _ = runs
+    assert_resume_exact(base / "whole", base / "resumed", SAVED, STEPS)
+    whole = _records(base / "whole")
+    by_step = {r["step"]: r for r in whole}
+    assert by_step[SAVED]["optim/compressed_bytes"] == 0 and by_step[SAVED + 1]["optim/compressed_bytes"] > 0
+    assert by_step[SAVED]["optim/sync_interval"] == 4 and by_step[3]["optim/var_interval"] == 2
+    assert by_step[STEPS]["optim/var_interval"] == 0 and 0 < by_step[STEPS]["optim/silent_share"] < 1
+
+
+def test_a_resume_that_dropped_the_error_feedback_would_differ(runs):
+    base, _ = runs
+    want = {r["step"]: r["loss"] for r in _records(base / "whole")}
+    got = {r["step"]: r["loss"] for r in _records(base / "dropped")}
+    assert any(got[t] != want[t] for t in range(SAVED + 1, STEPS + 1)), got
+    with pytest.raises(AssertionError):
+        assert_resume_exact(base / "whole", base / "dropped", SAVED, STEPS)
+
+
+def test_a_switch_to_adamw_continues_from_the_masters_and_moments(runs):
+    """optim.switch_from: AdamW takes the last synchronisation's masters and the moments; the run goes on to
+    its end at a loss near the uninterrupted run's (the lines it prints: tests/train/test_zero_one_resume.py)."""
+    base, _ = runs
+    want = _records(base / "whole")[-1]
+    got = _records(base / "switched")
+    assert [r["step"] for r in got] == list(range(SAVED + 1, STEPS + 1))
+    assert "optim/compressed_bytes" not in got[-1] and abs(got[-1]["loss"] - want["loss"]) < 0.1 * want["loss"]
+
+
+def test_a_resume_at_another_dp_is_refused_in_one_line(runs):
+    _, refused = runs
+    refused = refused[0]  # rank 0's line
+    assert refused is not None and "\n" not in refused, refused
+    assert "parallel.dp is 2 there and 4 here" in refused and "per rank" in refused, refused
+
+
+def _argv(overrides: list[str]) -> list[str]:
+    return ["--config", CONFIG] + [a for o in overrides for a in ("--set", o)]
+
+
+def test_bad_settings_are_one_line(tmp_path, capsys):
+    from tests.hostile import assert_one_line, call, pretrain_main
+
+    sets = small_overrides(write_corpus(tmp_path / "text"), tmp_path / "cache", tmp_path / "run", steps=STEPS,
+                           **ZERO_ONE) + ["parallel.dp=2"]
+    for stage in (2, 3):
+        code, _, err = call(pretrain_main, _argv(sets + [f"zero.stage={stage}"]), capsys)
+        assert_one_line(code, err, "zero.stage", str(stage), "zero_one_adam", "use 0 or 1")
+    for key in ("var_freeze_step", "local_step_clipper"):
+        code, _, err = call(pretrain_main, _argv(sets + [f"optim.zero_one_adam.{key}={STEPS}"]), capsys)
+        assert_one_line(code, err, f"optim.zero_one_adam.{key}", str(STEPS), f"train.steps={STEPS}")
+    code, _, err = call(pretrain_main, _argv(sets + ["parallel.dp=1"]), capsys)
+    assert_one_line(code, err, "parallel.dp", "1", "zero_one_adam", "nothing to exchange")
