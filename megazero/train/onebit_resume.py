@@ -63,7 +63,7 @@ def check_zero_one_layout(path: Path, meta: dict, cfg: Config) -> None:
     """0/1 Adam holds per-rank state from its first compressed step (the error feedback; past the freeze the
     rank's own momentum and accumulator too): a checkpoint from there resumes at its own layout and with its own
     policies only. Before it the states are AdamW-shaped and layout-free."""
-    from megazero.parallel.zero.zero_one_adam import updates_variance
+    from megazero.parallel.zero.zero_one_policy import updates_variance
 
     config, step = meta.get("config", {}), meta.get("optimizer_step", 0)
     stored = sections_of(config["optim"]) if isinstance(config.get("optim"), dict) else {}

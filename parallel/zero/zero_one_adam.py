@@ -1,14 +1,9 @@
 """0/1 Adam on this rank's share of the flat buffers (Lu et al. 2022, "Maximizing Communication Efficiency for
 Large-scale Training via 0/1 Adam", Algorithm 1), on 1-bit Adam's compressed all-reduce (``parallel.onebit``).
 
-Two policies decide each step t (pure functions of t, so a resume needs no counters):
-
-- **T_v, the variance's steps** (``updates_variance``): t <= ``var_freeze_step`` and t a multiple of the current
-  interval, which starts at 1 and doubles after every ``var_update_scaler`` (the paper's kappa) updates. Such a
-  step reduces the gradients in full precision and updates both moments from them, like AdamW.
-- **T_u, the synchronisations** (``local_interval``): up to ``var_freeze_step`` every step synchronises; past it
-  the interval starts at 1 and doubles every ``local_step_scaler`` steps up to ``local_step_clipper`` (the paper's
-  H), as the authors' DeepSpeed implementation schedules it; the run's last step always synchronises.
+Two policies decide each step t (``parallel.zero.zero_one_policy``): T_v, the steps up to ``var_freeze_step``
+that reduce the gradients in full precision and update both moments from them, like AdamW; T_u, past the freeze,
+the synchronisations between local steps (the run's last step always one).
 
 Every other step folds the local gradient into the momentum (``n * g``, as 1-bit Adam: the mean over ranks is the
 reduced gradient). Up to the freeze the momentum itself is averaged by the compressed all-reduce each step and the
@@ -37,42 +32,11 @@ from megazero.parallel.onebit import compressed_allreduce, group_counts
 from megazero.parallel.zero.layout import Bucket, BucketLayout
 from megazero.parallel.zero.onebit_adam import ShardedOnebitAdam
 from megazero.parallel.zero.update import Record
+from megazero.parallel.zero.zero_one_policy import local_interval, silent_steps, updates_variance, variance_interval
 
 if TYPE_CHECKING:
     from megazero.parallel.zero.registry import ZeroOneAdamSection
     from megazero.parallel.zero.update import UpdateContext
-
-
-def updates_variance(t: int, freeze: int, kappa: int) -> bool:
-    """Step t is in T_v: the interval is 2^j for the j-th group of ``kappa`` updates, each group taking the next
-    ``kappa`` multiples of its interval (DeepSpeed's counter, in closed form: O(log t))."""
-    if t > freeze:
-        return False
-    interval, end = 1, kappa
-    while t > end:
-        interval *= 2
-        end = (end // interval + kappa) * interval
-    return t % interval == 0
-
-
-def local_interval(t: int, freeze: int, scaler: int, clipper: int) -> int:
-    """T_u's interval at step t: 1 up to the freeze, then doubled every ``scaler`` steps, at most ``clipper``."""
-    if t <= freeze:
-        return 1
-    return min(clipper, 2 ** min((t - freeze - 1) // scaler, 62))
-
-
-def silent_steps(t: int, freeze: int, scaler: int, clipper: int, last_step: int = 0) -> int:
-    """How many of steps 1..t sent nothing (local steps): a block of ``scaler`` steps at a time."""
-    silent, a, j = 0, freeze + 1, 0
-    while a <= t:
-        k = min(clipper, 2 ** min(j, 62))
-        b = t if k == clipper else min(t, a + scaler - 1)  # at H the interval stays: the rest at once
-        silent += (b - a + 1) - (b // k - (a - 1) // k)
-        if a <= last_step <= b and last_step % k:
-            silent -= 1
-        a, j = b + 1, j + 1
-    return silent
 
 
 def make_zero_one_adam(section: "ZeroOneAdamSection", ctx: "UpdateContext") -> "ShardedZeroOneAdam":
@@ -327,17 +291,7 @@ class ShardedZeroOneAdam(ShardedOnebitAdam):
         silent = silent_steps(t, self.freeze_step, self.scaler, self.clipper, self.last_step)
         share = silent / t if t else 0.0
         policy = [share, float(local_interval(t + 1, self.freeze_step, self.scaler, self.clipper)),
-                  float(self._var_interval(t + 1))] if self.reports_policy else [0.0, 0.0, 0.0]
+                  float(variance_interval(t + 1, self.freeze_step, self.kappa))] if self.reports_policy else [0.0, 0.0, 0.0]
         return Record(torch.tensor([self.sent] + policy, dtype=torch.float64), "local",
                       lambda v: {"optim/compressed_bytes": v[0], "optim/silent_share": v[1],
                                  "optim/sync_interval": v[2], "optim/var_interval": v[3]})
-
-    def _var_interval(self, t: int) -> int:
-        """T_v's interval at step t, 0 past the freeze."""
-        if t > self.freeze_step:
-            return 0
-        interval, end = 1, self.kappa
-        while t > end:
-            interval *= 2
-            end = (end // interval + self.kappa) * interval
-        return interval

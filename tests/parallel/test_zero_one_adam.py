@@ -37,7 +37,7 @@ BETAS, EPS = (0.9, 0.95), 1e-8
 
 
 def _policies():
-    from megazero.parallel.zero.zero_one_adam import local_interval, updates_variance
+    from megazero.parallel.zero.zero_one_policy import local_interval, updates_variance
 
     exact = [updates_variance(t, FREEZE, KAPPA) for t in range(1, STEPS + 1)]
     sync = [t % local_interval(t, FREEZE, SCALER, CLIP_H) == 0 for t in range(1, STEPS + 1)]
@@ -242,7 +242,7 @@ def test_the_policies_closed_forms_equal_the_step_by_step_counters():
     """T_v and the silent-step count are closed forms (a resume needs no counters): against the counters stepped
     one step at a time as the authors' implementation keeps them (an interval doubled after kappa updates; a
     synchronisation every interval, the interval doubled every scaler steps up to H, the last step synchronised)."""
-    from megazero.parallel.zero.zero_one_adam import local_interval, silent_steps, updates_variance
+    from megazero.parallel.zero.zero_one_policy import local_interval, silent_steps, updates_variance
 
     for freeze, kappa in ((10, 2), (1000, 16), (50, 3), (7, 1)):
         interval, counter, got = 1, 0, []
