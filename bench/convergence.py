@@ -7,9 +7,12 @@ vectors) runs at AdamW's best learning rate of the same sweep. The figure per ru
 the last step (``--eval-batches`` batches of the held-out split) and the mean training loss of the last 20
 steps.
 
-    python bench/convergence.py [--steps 300] [--optimizers adamw,muon[,lamb,onebit_adam]]
+    python bench/convergence.py [--steps 300] [--optimizers adamw,muon[,lamb,onebit_adam,zero_one_adam]]
                                 [--lrs "muon=0.005,0.01"] [--adamw-lr LR] [--out DIR] [--dp N] [--freeze-step K]
 
+At dp > 1 each run also gives the bytes the busiest rank sent over the 100 steps after the warm-up (the comm
+counter's, ``comm/sent_gb`` in metrics.jsonl; the warm-up is 1-bit Adam's freeze_step, 0/1 Adam's
+var_freeze_step, and the same steps for the others; 0/1 Adam's local-step interval doubles every tenth of the run).
 Prints a markdown table per optimizer and learning rate, then each optimizer's best, and Muon's and LAMB's
 best against AdamW's. Not a test: nothing here asserts.
 """
@@ -33,11 +36,12 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 LRS = {"adamw": (1e-3, 2e-3, 4e-3), "muon": (5e-3, 1e-2, 2e-2), "lamb": (5e-3, 1e-2, 2e-2),
-       "onebit_adam": (1e-3, 2e-3, 4e-3)}
+       "onebit_adam": (1e-3, 2e-3, 4e-3), "zero_one_adam": (1e-3, 2e-3, 4e-3)}
+WINDOW = 100  # the steps after the warm-up whose bytes are compared
 
 
 def train(folder: Path, cache: Path, optimizer: str, lr: float, steps: int, eval_batches: int,
-          adamw_lr: float = 0.0, dp: int = 1, freeze_step: int = 0) -> dict:
+          adamw_lr: float = 0.0, dp: int = 1, freeze_step: int = 0, local: tuple[int, int] = (0, 16)) -> dict:
     """One run; its final validation loss, last-20-step mean training loss and seconds. ``dp`` > 1: that many
     gloo ranks under torchrun (1-bit Adam's compression needs them; AdamW, Muon and LAMB train the same model at
     any dp)."""
@@ -50,8 +54,13 @@ def train(folder: Path, cache: Path, optimizer: str, lr: float, steps: int, eval
                  f"data.cache_dir={cache}", f"optim.name={optimizer}"]
     if optimizer == "muon" and adamw_lr:
         overrides.append(f"optim.muon.adamw_lr={adamw_lr}")
+    freeze = freeze_step or steps // 5
     if optimizer == "onebit_adam":
-        overrides.append(f"optim.onebit_adam.freeze_step={freeze_step or steps // 5}")
+        overrides.append(f"optim.onebit_adam.freeze_step={freeze}")
+    if optimizer == "zero_one_adam":  # local steps from the freeze, the interval doubling every tenth of the run
+        overrides += [f"optim.zero_one_adam.var_freeze_step={freeze}",
+                      f"optim.zero_one_adam.local_step_scaler={local[0] or max(1, steps // 10)}",
+                      f"optim.zero_one_adam.local_step_clipper={local[1]}"]
     start = time.perf_counter()
     if dp == 1:
         with contextlib.redirect_stdout(io.StringIO()):
@@ -60,8 +69,10 @@ def train(folder: Path, cache: Path, optimizer: str, lr: float, steps: int, eval
         records = _ranks_run(overrides, dp, folder)
     train_losses = [r["loss"] for r in records if "loss" in r]
     val = [r["val_loss"] for r in records if "val_loss" in r]
+    sent = {r["step"]: r["comm/sent_gb"] for r in records if "comm/sent_gb" in r}
+    window = sent.get(freeze + WINDOW, float("nan")) - sent.get(freeze, float("nan"))
     return {"val": val[-1] if val else float("nan"), "train": statistics.mean(train_losses[-20:]),
-            "seconds": time.perf_counter() - start}
+            "seconds": time.perf_counter() - start, "sent_gb": window}
 
 
 def _ranks_run(overrides: list[str], dp: int, folder: Path) -> list[dict]:
@@ -87,15 +98,20 @@ def main() -> None:
     ap.add_argument("--adamw-lr", type=float, default=0.0,
                     help="Muon's AdamW part when adamw is not in the run (default: adamw's best of the run)")
     ap.add_argument("--dp", type=int, default=1, help="data-parallel ranks for every run (torchrun, gloo)")
-    ap.add_argument("--freeze-step", type=int, default=0, help="1-bit Adam's warm-up (default: a fifth of the steps)")
+    ap.add_argument("--freeze-step", type=int, default=0,
+                    help="1-bit and 0/1 Adam's warm-up (default: a fifth of the steps)")
+    ap.add_argument("--local-step-scaler", type=int, default=0,
+                    help="0/1 Adam's steps per doubling of the local-step interval (default: a tenth of the steps)")
+    ap.add_argument("--local-step-clipper", type=int, default=16, help="0/1 Adam's longest interval (H)")
     args = ap.parse_args()
     base = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="convergence-"))
     cache = base / "cache"
     results: dict[str, dict[float, dict]] = {}
     where = "one process" if args.dp == 1 else f"dp {args.dp} (gloo)"
     print(f"### Convergence, configs/tiny.yaml, {where}, fp32, {args.steps} steps of 16 x 128 tokens", flush=True)
-    print("", "| optimizer | lr | val loss | train loss (last 20) | s |", "|---|---:|---:|---:|---:|",
-          sep="\n", flush=True)
+    first = (args.freeze_step or args.steps // 5) + 1
+    print("", f"| optimizer | lr | val loss | train loss (last 20) | s | MB sent, steps {first}-{first + WINDOW - 1} |",
+          "|---|---:|---:|---:|---:|---:|", sep="\n", flush=True)
     lrs = dict(LRS)
     for item in filter(None, args.lrs.split(";")):
         name, values = item.split("=")
@@ -106,9 +122,10 @@ def main() -> None:
         results[optimizer] = {}
         for lr in lrs[optimizer]:
             r = train(base / f"{optimizer}_{lr:g}", cache, optimizer, lr, args.steps, args.eval_batches, adamw_best,
-                      args.dp, args.freeze_step)
+                      args.dp, args.freeze_step, (args.local_step_scaler, args.local_step_clipper))
             results[optimizer][lr] = r
-            print(f"| {optimizer} | {lr:g} | {r['val']:.4f} | {r['train']:.4f} | {r['seconds']:.0f} |", flush=True)
+            print(f"| {optimizer} | {lr:g} | {r['val']:.4f} | {r['train']:.4f} | {r['seconds']:.0f} | "
+                  f"{r['sent_gb'] * 1e3:.1f} |", flush=True)
     print("")
     best = {o: min(rs.items(), key=lambda kv: kv[1]["val"]) for o, rs in results.items()}
     for o, (lr, r) in best.items():

@@ -85,6 +85,28 @@ def check_zero_one_layout(path: Path, meta: dict, cfg: Config) -> None:
                         f"momenta and accumulators are per rank")
 
 
+def check_onebit_lamb_layout(path: Path, meta: dict, cfg: Config) -> None:
+    """1-bit LAMB keeps per-layer figures per rank from its first step (the warm-up's trust-ratio averages), and
+    past the warm-up the error feedback and the fresh variance: a resume keeps the layout, the warm-up's length,
+    beta2 and eps."""
+    config, step = meta.get("config", {}), meta.get("optimizer_step", 0)
+    stored = sections_of(config["optim"]) if isinstance(config.get("optim"), dict) else {}
+    optim = stored.get("onebit_lamb") if isinstance(stored.get("onebit_lamb"), dict) else {}
+    mine = cfg.optim.onebit_lamb
+    if step < 1:
+        return
+    for key in ("freeze_step", "beta2", "eps"):
+        if key in optim and optim[key] != getattr(mine, key):
+            raise UserError(f"checkpoint {path}: optim.onebit_lamb.{key} is {short(optim[key])} there and "
+                            f"{getattr(mine, key)!r} here, at optimizer step {step}; a 1-bit LAMB resume keeps "
+                            f"the warm-up's length and the variance's settings")
+    changed = _layout_changes(config, cfg)
+    if changed:
+        raise UserError(f"checkpoint {path}: {', '.join(changed)}; a 1-bit LAMB run (optimizer step {step}) resumes "
+                        f"at its own layout only, since its per-layer figures, error-feedback buffers and fresh "
+                        f"variance are per rank")
+
+
 def check_rank_state_stored(path: Path, wanted: list[str], stored: set[str]) -> None:
     """A checkpoint past 1-bit Adam's warm-up holds each rank's error feedback (``rank/<global rank>/...``); one
     written before megazero saved it has none, and resuming it would restart the errors at zero unsaid. The

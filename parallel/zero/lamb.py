@@ -51,12 +51,17 @@ class ShardedLamb(ShardedAdamW):
         tensor-parallel group the parameters' shards span."""
         # "fused": the parent builds no per-element decay mask, which LAMB does not read (its pieces say it)
         super().__init__(layout, device, state_device, "fused", weight_decay, betas, eps, grad_dtype)
+        self.init_layers(shard, tp)
+
+    def init_layers(self, shard: Optional[Comm], tp: Comm) -> None:
+        """The per-layer bookkeeping, before the buckets are added (1-bit LAMB calls it from its own init)."""
+        layout = self.layout
         self.shard, self.tp = shard, tp
         # per bucket: (start, end, layer id, decays) of each layer's piece in the bucket's range
         self.pieces: list[list[tuple[int, int, int, bool]]] = [[] for _ in layout.buckets]
         self.n_groups = 0
         self.layer_counts: list[float] = []  # 1 where this rank's piece of a layer counts, per layer
-        self.counts: Optional[Tensor] = None  # the same on the device, built on the first step
+        self.count_weights: Optional[Tensor] = None  # the same on the device, built on the first step
         self.trust: Optional[Tensor] = None  # the last step's ratios, per layer (metrics)
         self.piece_layers: Optional[Tensor] = None  # the layer of each norm piece (built on the first step)
 
@@ -114,15 +119,15 @@ class ShardedLamb(ShardedAdamW):
         bc1, bc2_sqrt = 1.0 - b1 ** self.step_count, math.sqrt(1.0 - b2 ** self.step_count)
         grads = self.state_grads(grads, resend)
         assert self.n_groups, "a partition has parameters"
-        if self.counts is None:
-            self.counts = torch.tensor(self.layer_counts, dtype=torch.float64, device=self.device)
+        if self.count_weights is None:
+            self.count_weights = torch.tensor(self.layer_counts, dtype=torch.float64, device=self.device)
         directions = [self._direction(b.index, g, grad_scale, bc1, bc2_sqrt) for b, g in zip(self.layout.buckets, grads)]
         views, ids = self._norm_pieces(directions)
         sums = torch.zeros(2 * self.n_groups, dtype=torch.float64, device=self.state_device)
         if views:
             norms = torch.stack(torch._foreach_norm(views, 2)).double().square()
             sums.index_add_(0, ids, norms)
-        sums = sums.view(2, self.n_groups).to(self.device) * self.counts
+        sums = sums.view(2, self.n_groups).to(self.device) * self.count_weights
         if self.shard is not None:
             self.shard.all_reduce(sums, tag="lamb_norms")
         self.tp.all_reduce(sums, tag="lamb_norms")

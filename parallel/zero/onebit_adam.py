@@ -64,7 +64,8 @@ class ShardedOnebitAdam(ShardedAdamW):
         """``comm``: the partition's data-parallel group (the momenta are averaged over it); ``tp_rank`` and
         ``tp_size``: this rank's and the group's (the norm's runs over whole buckets count a tp-replicated
         parameter once; the scale groups); ``freeze_step``: the last step of the full-precision warm-up."""
-        super().__init__(layout, device, device, "torch", weight_decay, betas, eps, grad_dtype)
+        # ShardedAdamW's by name: 1-bit LAMB puts ShardedLamb between the two (its warm-up is LAMB's update)
+        ShardedAdamW.__init__(self, layout, device, device, "torch", weight_decay, betas, eps, grad_dtype)
         assert freeze_step >= 1, freeze_step
         assert not layout.policy.shard_grads, "1-bit Adam runs at ZeRO stages 0-1"
         self.comm, self.tp_rank, self.tp_size, self.freeze_step = comm, tp_rank, tp_size, freeze_step

@@ -142,6 +142,26 @@ class OnebitAdamSection:
     PROBABILITY = ("beta1", "beta2")
 
 
+# ----- 1-bit LAMB (parallel.zero.onebit_lamb) ---------------------------------------------------------------------
+@dataclass
+class OnebitLambSection:
+    """``optim.onebit_lamb``: Li et al.'s 1-bit LAMB, LAMB's warm-up then a frozen variance, the momentum as
+    signs, and the frozen trust ratios adapted from the reconstructed state."""
+
+    beta1: float = 0.9  # the momentum's decay
+    beta2: float = 0.95  # the variance's decay (frozen after the warm-up; the fresh one goes on)
+    eps: float = 1.0e-8  # added to sqrt(v); elements with sqrt(v_hat) <= eps are left out of the compression
+    freeze_step: int = 1000  # the last step of the full-precision LAMB warm-up
+    coeff_beta: float = 0.9  # the decay of each layer's trust-ratio average over the warm-up (1/(1 - it) <= it)
+    factor_max: float = 4.0  # the largest factor on a frozen trust ratio
+    factor_min: float = 0.5  # the smallest factor on a frozen trust ratio
+    factor_threshold: float = 0.1  # the most a factor moves in one step, relative to the last
+
+    RANGES = {"eps": _EPS, "freeze_step": (1, _STEPS), "factor_max": (1.0, 1e3), "factor_min": (1e-3, 1.0),
+              "factor_threshold": (0.0, 1.0)}
+    PROBABILITY = ("beta1", "beta2", "coeff_beta")
+
+
 # ----- 0/1 Adam (parallel.zero.zero_one_adam) ----------------------------------------------------------------------
 @dataclass
 class ZeroOneAdamSection:
@@ -169,6 +189,12 @@ def _zero_one_state_bytes(whole: int, group: int, sharded: bool) -> int:
     return _onebit_state_bytes(whole, group, sharded) + (8 + (4 if sharded else 0)) * whole
 
 
+def _onebit_lamb_state_bytes(whole: int, group: int, sharded: bool) -> int:
+    """1-bit LAMB past its warm-up (``parallel.zero.onebit_lamb``): 1-bit Adam's states and the fresh variance on
+    the shard."""
+    return _onebit_state_bytes(whole, group, sharded) + 4 * _share(whole, group, sharded)
+
+
 _LOCAL_GRADS = "past its warm-up gradients are never reduced, so there is nothing to shard them into and every " \
                "rank needs its whole local gradient"
 _COMPRESSES = "it compresses what the ranks exchange; with one rank there is nothing to exchange: use " \
@@ -189,6 +215,15 @@ OPTIMIZERS: dict[str, Row] = {
                                                          "compression"),),
                        resume_check=_lazy("train.onebit_resume", "check_onebit_layout"),
                        state_bytes=_onebit_state_bytes),
+    "onebit_lamb": Row("onebit_lamb", OnebitLambSection, _factory("onebit_lamb", "make_onebit_lamb"),
+                       rank_state=True, switches_to=("lamb", "adamw"),
+                       device_only="its momentum is compressed and exchanged on the device",
+                       whole_grads=_LOCAL_GRADS, needs_group=_COMPRESSES,
+                       before_last_step=(("freeze_step", "is the warm-up's last step, or the run never "
+                                                         "compresses; use optim.name=lamb for a run without "
+                                                         "compression"),),
+                       resume_check=_lazy("train.onebit_resume", "check_onebit_lamb_layout"),
+                       state_bytes=_onebit_lamb_state_bytes),
     "zero_one_adam": Row("zero_one_adam", ZeroOneAdamSection, _factory("zero_one_adam", "make_zero_one_adam"),
                          rank_state=True, switches_to=("adamw", "lamb"),
                          device_only="its momentum is compressed and exchanged on the device",

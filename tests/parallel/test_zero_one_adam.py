@@ -29,7 +29,7 @@ import math
 import torch
 
 from tests.dist import run_ranks
-from tests.parallel.test_onebit_adam import SIZES, _compress, _initial, _microbatches, _reduced_gradients
+from tests.parallel.test_onebit_adam import SIZES, _initial, _microbatches, _reduced_gradients
 from tests.runs import ROOT
 
 WORLD, STEPS, FREEZE, KAPPA, SCALER, CLIP_H, LR, WD, CLIP = 4, 30, 10, 2, 4, 4, 1e-2, 0.1, 1.0
@@ -96,6 +96,15 @@ def _ranks(rank, world):
     return out
 
 
+def _signs_and_scales(parts: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """The paper's compression of each row of ``parts``: ||row||/sqrt(len) * sign(row) over the kept elements, 0
+    elsewhere; the norm taken over the row with the others zeroed (the order of the ranks' own sums: an ulp there
+    could flip a sign near 0, which would move an element by two scales)."""
+    count = keep.sum(1, keepdim=True).float().clamp(min=1.0)
+    scale = torch.where(keep, parts, 0.0).norm(dim=1, keepdim=True) / count.sqrt()
+    return torch.where(keep, torch.where(parts >= 0, 1.0, -1.0) * scale, 0.0)
+
+
 def _two_phase(values: list[torch.Tensor], workers: list, servers: list, keep: torch.Tensor) -> torch.Tensor:
     """1-bit Adam's compressed average of the workers' ``values`` (one flat bucket), errors updated in place."""
     chunk = values[0].numel() // WORLD
@@ -103,14 +112,14 @@ def _two_phase(values: list[torch.Tensor], workers: list, servers: list, keep: t
     sent = []
     for r in range(WORLD):
         c = torch.where(keep, values[r] + workers[r], 0.0)
-        q = torch.cat([_compress(p, k) for p, k in zip(c.view(WORLD, chunk), by_chunk)])
+        q = _signs_and_scales(c.view(WORLD, chunk), by_chunk).view(-1)
         workers[r].copy_(c - q)
         sent.append(q)
     parts = []
     for r in range(WORLD):
         s = torch.stack([x[r * chunk:(r + 1) * chunk] for x in sent]).mean(0) + servers[r]
         s = torch.where(by_chunk[r], s, 0.0)
-        q = _compress(s, by_chunk[r])
+        q = _signs_and_scales(s.view(1, chunk), by_chunk[r:r + 1]).view(-1)
         servers[r].copy_(s - q)
         parts.append(q)
     return torch.cat(parts)
@@ -166,15 +175,15 @@ def _reference(start: dict, grads: list[list[dict]], layout: list, reduced: dict
             if exact[t - 1]:
                 gi = total[i] * coef
                 for r in range(WORLD):
-                    m[r][i] = m[r][i] * b1 + gi * (1.0 - b1)
-                v[i] = v[i] * b2 + gi * gi * (1.0 - b2)
+                    m[r][i] = (m[r][i] * b1).add_(gi, alpha=1.0 - b1)
+                v[i] = (v[i] * b2).addcmul_(gi, gi, value=1.0 - b2)  # the ranks' ops, to the ulp
                 anchor[i] = torch.where(decay[i], anchor[i] * (1.0 - LR * WD), anchor[i])
                 anchor[i] = anchor[i] - LR * m[0][i] / (v[i].sqrt() + EPS)
                 for r in range(WORLD):
                     local[r][i] = anchor[i].clone()
             else:
                 for r in range(WORLD):
-                    m[r][i] = torch.where(live, m[r][i] * b1 + g[r][i] * ((1.0 - b1) * WORLD * coef), 0.0)
+                    m[r][i] = torch.where(live, (m[r][i] * b1).add_(g[r][i], alpha=(1.0 - b1) * WORLD * coef), 0.0)
                 if t <= FREEZE:
                     avg = _two_phase([m[r][i] for r in range(WORLD)], [w[i] for w in workers],
                                      [s[i] for s in servers], live)
