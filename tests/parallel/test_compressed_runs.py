@@ -1,9 +1,10 @@
-"""0/1 Adam in whole runs (pretrain's loop, 4 gloo ranks): tp 2 with sequence parallelism x dp 2 at ZeRO 1, 30
+"""0/1 Adam and 1-bit LAMB in whole runs (pretrain's loop, 4 gloo ranks): tp 2 with sequence parallelism x dp 2 at ZeRO 1, 30
 steps, var_freeze_step 6, kappa 2, local_step_scaler 4, H 4, so the ranks take local steps from step 11 and the
 save at step 15 falls inside a synchronisation interval (14 synchronised, 16 next): each rank's momentum,
 accumulator and weights are its own there. Resumed from it at the same layout the run is exact (every step's loss
 and norm, every stored tensor at the end, each rank's own); resumed with the error feedback dropped (the loaded
-buffers zeroed) it is not, so the test would fail against such a resume. Another dp is refused in one line.
+buffers zeroed) it is not, so the test would fail against such a resume. Another dp is refused in one line. 1-bit LAMB (a warm-up of 10) resumes exactly from
+its save at 15 and is refused at another dp the same way.
 A resume may switch to AdamW on request (optim.switch_from). The metrics reach metrics.jsonl: bytes sent, the share of silent steps, the intervals. Bad settings are one line
 and exit 2.
 
@@ -23,6 +24,7 @@ ZERO_ONE = {"optim.name": "zero_one_adam", "optim.zero_one_adam.var_freeze_step"
             "optim.zero_one_adam.local_step_clipper": 4, "train.lr": "2.0e-3", "zero.stage": 1,
             "zero.bucket_mb": 0.02}
 TP2 = ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=2"]
+ONEBIT_LAMB = ["optim.name=onebit_lamb", "optim.onebit_lamb.freeze_step=10", "train.lr=1.0e-2"]
 
 
 def _overrides(text, cache, log_dir, extra=()):
@@ -51,11 +53,20 @@ def _ranks(rank, world, text, cache, base):
         ShardedZeroOneAdam.states_loaded = loaded
     run(CONFIG, _overrides(text, cache, base / "switched", TP2 + [f"train.resume={saved}", "optim.name=adamw",
                                                                  "optim.switch_from=zero_one_adam"]))
-    try:
-        run(CONFIG, _overrides(text, cache, base / "refused", ["parallel.dp=4", f"train.resume={saved}"]))
-        return None
-    except UserError as e:
-        return str(e)
+    refused = []
+    for name, extra in (("refused", []), ("lamb_refused", ONEBIT_LAMB)):
+        folder = "whole" if name == "refused" else "lamb_whole"
+        if name == "lamb_refused":  # 1-bit LAMB: its warm-up to 10, the save at 15 past it
+            run(CONFIG, _overrides(text, cache, base / folder, TP2 + ONEBIT_LAMB + [f"train.save_every={SAVED}"]))
+            lamb_saved = store.checkpoint_dir(base / folder / "checkpoints", SAVED)
+            run(CONFIG, _overrides(text, cache, base / "lamb_resumed", TP2 + ONEBIT_LAMB + [f"train.resume={lamb_saved}"]))
+        here = store.checkpoint_dir(base / folder / "checkpoints", SAVED)
+        try:
+            run(CONFIG, _overrides(text, cache, base / name, extra + ["parallel.dp=4", f"train.resume={here}"]))
+            refused.append(None)
+        except UserError as e:
+            refused.append(str(e))
+    return refused
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +113,17 @@ def test_a_switch_to_adamw_continues_from_the_masters_and_moments(runs):
 
 def test_a_resume_at_another_dp_is_refused_in_one_line(runs):
     _, refused = runs
-    refused = refused[0]  # rank 0's line
-    assert refused is not None and "\n" not in refused, refused
-    assert "parallel.dp is 2 there and 4 here" in refused and "per rank" in refused, refused
+    for line in refused[0]:  # rank 0's lines: 0/1 Adam's, 1-bit LAMB's
+        assert line is not None and "\n" not in line, line
+        assert "parallel.dp is 2 there and 4 here" in line and "per rank" in line, line
+
+
+def test_a_onebit_lamb_resume_past_the_warm_up_is_exact_at_its_layout(runs):
+    base, _ = runs
+    assert_resume_exact(base / "lamb_whole", base / "lamb_resumed", SAVED, STEPS)
+    whole = {r["step"]: r for r in _records(base / "lamb_whole")}
+    assert whole[10]["optim/compressed_bytes"] == 0 < whole[11]["optim/compressed_bytes"]
+    assert whole[STEPS]["optim/trust_min"] > 0
 
 
 def _argv(overrides: list[str]) -> list[str]:
@@ -124,3 +143,10 @@ def test_bad_settings_are_one_line(tmp_path, capsys):
         assert_one_line(code, err, f"optim.zero_one_adam.{key}", str(STEPS), f"train.steps={STEPS}")
     code, _, err = call(pretrain_main, _argv(sets + ["parallel.dp=1"]), capsys)
     assert_one_line(code, err, "parallel.dp", "1", "zero_one_adam", "nothing to exchange")
+    lamb = sets + ONEBIT_LAMB
+    code, _, err = call(pretrain_main, _argv(lamb + ["zero.stage=2"]), capsys)
+    assert_one_line(code, err, "zero.stage", "2", "onebit_lamb", "use 0 or 1")
+    code, _, err = call(pretrain_main, _argv(lamb + [f"optim.onebit_lamb.freeze_step={STEPS}"]), capsys)
+    assert_one_line(code, err, "optim.onebit_lamb.freeze_step", str(STEPS), f"train.steps={STEPS}")
+    code, _, err = call(pretrain_main, _argv(lamb + ["parallel.dp=1"]), capsys)
+    assert_one_line(code, err, "parallel.dp", "1", "onebit_lamb", "nothing to exchange")
