@@ -70,14 +70,17 @@ def check_zero_one_layout(path: Path, meta: dict, cfg: Config) -> None:
     optim = stored.get("zero_one_adam") if isinstance(stored.get("zero_one_adam"), dict) else {}
     mine = cfg.optim.zero_one_adam
     freeze, kappa = optim.get("var_freeze_step", mine.var_freeze_step), optim.get("var_update_scaler", mine.var_update_scaler)
-    if isinstance(freeze, int) and isinstance(kappa, int) and \
-            all(updates_variance(t, freeze, kappa) for t in range(1, min(step, kappa + 2) + 1)):
-        return  # only full-precision steps so far
+    def exact_so_far(freeze: object, kappa: object) -> bool:
+        return isinstance(freeze, int) and isinstance(kappa, int) and \
+            all(updates_variance(t, freeze, kappa) for t in range(1, min(step, kappa + 2) + 1))
+
+    if exact_so_far(freeze, kappa) and exact_so_far(mine.var_freeze_step, mine.var_update_scaler):
+        return  # only full-precision steps so far, under both runs' policies
     for key in ("beta2", "eps", "var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper"):
         if key in optim and optim[key] != getattr(mine, key):
             raise UserError(f"checkpoint {path}: optim.zero_one_adam.{key} is {short(optim[key])} there and "
-                            f"{getattr(mine, key)!r} here, at optimizer step {step}, past 0/1 Adam's first "
-                            f"compressed step; a resume keeps the variance's and the synchronisations' policies")
+                            f"{getattr(mine, key)!r} here, at optimizer step {step}, by which one of the runs "
+                            f"compressed a step; a resume keeps the variance's and the synchronisations' policies")
     changed = _layout_changes(config, cfg)
     if changed:
         raise UserError(f"checkpoint {path}: {', '.join(changed)}; a 0/1 Adam run past its first compressed step "

@@ -58,12 +58,19 @@ class ZeroCheckpoint:
             owned = [(name, p, off) for (name, p), off in zip(b.params, b.offsets)
                      if self.layout.owner[name] == self.layout.dp_rank]
             states = o.bucket_states(i)
+            # between 0/1 Adam's synchronisations each rank's weights are its own: the checkpoint's are the last
+            # synchronisation's, its masters (the rank's own come back from its per-rank state on a load)
+            own = o.wrote_whole_params()
             if not self.policy.shard_optimizer:  # nothing to gather: this rank's own buffers, read where they are
                 # (offloaded: from host memory) unless they must go to the device for the tp-mesh DTensors, whose
                 # local tensors DCP fills on a load
                 kinds = {"param": b.full, **{k: v if self.on_host else v.to(self.device) for k, v in states.items()}}
+                if own:
+                    kinds["param"] = kinds["master"].to(self.layout.dtype)
             else:  # every rank takes part in the gathers (one bucket on the device at a time), owner or not
                 kinds = {"param": self._params(b), **{k: self._full(b, v.float()) for k, v in states.items()}}
+                if own:
+                    kinds["param"] = kinds["master"].to(self.layout.dtype)
             for name, p, off in owned:
                 out[name] = {k: self._keep(v[off:off + p.numel()].view(p.shape)) for k, v in kinds.items()}
             del kinds  # before the next bucket's gathers: one bucket on the device at a time

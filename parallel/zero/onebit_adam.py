@@ -194,8 +194,7 @@ class ShardedOnebitAdam(ShardedAdamW):
         b1, b2 = self.betas
         n = self.comm.size
         bc1, bc2 = 1.0 - b1 ** self.step_count, math.sqrt(1.0 - b2 ** self.freeze_step)
-        counter = self.comm.counter
-        before = counter.sent_bytes().get(self.comm.name, 0.0) if counter is not None else 0.0
+        before = self._sent_so_far()
         for b, g in zip(self.layout.buckets, grads):
             i = b.index
             m = self.momentum[i]
@@ -213,15 +212,23 @@ class ShardedOnebitAdam(ShardedAdamW):
             if not self.master_is_param[i]:
                 target = self.target(b)
                 target.copy_(master, non_blocking=target.device.type == "cuda")
-        if counter is not None:
-            self.sent = counter.sent_bytes().get(self.comm.name, 0.0) - before
+        self.sent = self._sent_so_far() - before
+
+    def _sent_so_far(self) -> float:
+        """Bytes this rank has put on the wire over the partition's group (the comm counter's; 0 without one)."""
+        counter = self.comm.counter
+        return counter.sent_bytes().get(self.comm.name, 0.0) if counter is not None else 0.0
 
     # ----- accounting -----------------------------------------------------------------------------------------------
     def state_tensors(self) -> list[Tensor]:
         """AdamW's states, then the momentum (whole buckets), the scale groups and the error buffers."""
         extra = [m for m in self.momentum if m is not None]
-        extra += [t for kind in (self.groups, self.worker, self.server) for t in kind if t is not None]
+        extra += [t for kind in self.extra_kinds() for t in kind if t is not None]
         return super().state_tensors() + extra
+
+    def extra_kinds(self) -> list[list[Optional[Tensor]]]:
+        """The per-bucket states beyond AdamW's and the momentum (a subclass adds its own)."""
+        return [self.groups, self.worker, self.server]
 
     def record(self) -> Record:
         """Bytes the last compressed step put on the wire from this rank (summed over the partitions only)."""
@@ -235,6 +242,5 @@ class ShardedOnebitAdam(ShardedAdamW):
         for b in self.layout.buckets:
             i = b.index
             total += (self.momentum[i].numel() - self.exp_avg[i].numel()) * 4
-            total += sum(t[i].numel() * t[i].element_size() for t in (self.groups, self.worker, self.server)
-                         if t[i] is not None)
+            total += sum(t[i].numel() * t[i].element_size() for t in self.extra_kinds() if t[i] is not None)
         return total

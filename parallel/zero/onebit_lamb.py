@@ -139,8 +139,7 @@ class ShardedOnebitLamb(ShardedOnebitAdam, ShardedLamb):
         b1, b2 = self.betas
         bc1 = 1.0 - b1 ** t
         bc2, bc2_fresh = math.sqrt(1.0 - b2 ** self.freeze_step), math.sqrt(1.0 - b2 ** t)
-        counter = self.comm.counter
-        before = counter.sent_bytes().get(self.comm.name, 0.0) if counter is not None else 0.0
+        before = self._sent_so_far()
         directions, plain, ratio = [], [], []
         for b, g in zip(self.layout.buckets, grads):
             i = b.index
@@ -148,10 +147,12 @@ class ShardedOnebitLamb(ShardedOnebitAdam, ShardedLamb):
             lo, hi = self.layout.range(b)
             previous = m[lo:hi].clone()
             m[:b.numel].mul_(b1).add_(g, alpha=(1.0 - b1) * n * grad_scale)
-            self._scale(m, b, inverse=False)
-            m.copy_(compressed_allreduce(m, self.worker[i], self.server[i], self.comm, tag="onebit_lamb",
-                                         groups=self.groups[i], group_count=self.group_count, counts=self.counts[i]))
-            self._scale(m, b, inverse=True)
+            if n > 1:  # (the experts' group at ep = dp has one rank: nothing to exchange)
+                self._scale(m, b, inverse=False)
+                m.copy_(compressed_allreduce(m, self.worker[i], self.server[i], self.comm, tag="onebit_lamb",
+                                             groups=self.groups[i], group_count=self.group_count,
+                                             counts=self.counts[i]))
+                self._scale(m, b, inverse=True)
             rebuilt = (m[lo:hi] - previous * b1) / (1.0 - b1)
             self.fresh[i].mul_(b2).addcmul_(rebuilt, rebuilt, value=1.0 - b2)
             denom = self.exp_avg_sq[i].sqrt().div_(bc2).add_(self.eps)
@@ -174,8 +175,7 @@ class ShardedOnebitLamb(ShardedOnebitAdam, ShardedLamb):
             self.master[i].add_(u)
             if not self.master_is_param[i]:
                 self.target(b).copy_(self.master[i])
-        if counter is not None:
-            self.sent = counter.sent_bytes().get(self.comm.name, 0.0) - before
+        self.sent = self._sent_so_far() - before
 
     def _factors(self, ratio: list[Tensor], plain: list[Tensor], directions: list[Tensor]) -> Tensor:
         """Each layer's factor: the largest frozen-over-fresh denominator ratio, blended towards 1 by the decay's

@@ -185,8 +185,9 @@ class ZeroOneAdamSection:
 
 def _zero_one_state_bytes(whole: int, group: int, sharded: bool) -> int:
     """0/1 Adam past its freeze (``parallel.zero.zero_one_adam``): 1-bit Adam's states, plus the accumulator u and
-    the frozen denominator whole, and at stage 1 the whole fp32 anchor (the synchronised parameters)."""
-    return _onebit_state_bytes(whole, group, sharded) + (8 + (4 if sharded else 0)) * whole
+    the frozen denominator whole, and at stage 1 the whole fp32 anchor (the synchronised parameters) and decay
+    mask. (fp32 parameters also get a master apart from them at the freeze, which the planner's masters miss.)"""
+    return _onebit_state_bytes(whole, group, sharded) + (8 + (5 if sharded else 0)) * whole
 
 
 def _onebit_lamb_state_bytes(whole: int, group: int, sharded: bool) -> int:

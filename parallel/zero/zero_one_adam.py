@@ -1,27 +1,25 @@
 """0/1 Adam on this rank's share of the flat buffers (Lu et al. 2022, "Maximizing Communication Efficiency for
 Large-scale Training via 0/1 Adam", Algorithm 1), on 1-bit Adam's compressed all-reduce (``parallel.onebit``).
 
-Two policies decide each step t (``parallel.zero.zero_one_policy``): T_v, the steps up to ``var_freeze_step``
-that reduce the gradients in full precision and update both moments from them, like AdamW; T_u, past the freeze,
-the synchronisations between local steps (the run's last step always one).
-
-Every other step folds the local gradient into the momentum (``n * g``, as 1-bit Adam: the mean over ranks is the
-reduced gradient). Up to the freeze the momentum itself is averaged by the compressed all-reduce each step and the
-update is Adam's with the current variance. Past it each rank steps alone: its parameters become
-``anchor * D - u / (sqrt(v) + eps)``, where the anchor is the fp32 master at the last synchronisation (written at
-synchronisations only), ``u`` accumulates ``lr_k * m_k`` and ``D`` the decoupled decay ``prod(1 - lr_k * wd)``
-since then; nothing is sent. A synchronisation averages ``u`` compressed (error feedback zeroed once, at the
-freeze: it then measures a different quantity), sets the momentum to ``u_bar / sum(lr_k)`` and the master to
-``anchor * D - u_bar / (sqrt(v) + eps)``, the same on every rank. No bias correction, as in the paper.
+Steps of T_v (``parallel.zero.zero_one_policy``) reduce the gradients in full precision into both moments, as
+AdamW. Every other step folds the local gradient into the momentum (``n * g``, as 1-bit Adam); up to
+``var_freeze_step`` the momentum is then averaged compressed. Past it each rank steps alone, sending nothing: its
+weights are ``anchor * D - u / d`` (the anchor the fp32 master at the last synchronisation, ``u = sum r_k m_k``
+with ``r_k = lr_k / (1 - beta1^k)``, ``D = prod(1 - lr_k wd)`` since then, ``d`` the frozen ``sqrt(v_hat) + eps``).
+A synchronisation of T_u (the run's last step one) averages ``u`` compressed (the errors scaled by ``r`` once, at
+the freeze, into u's units: DeepSpeed zeroes them, which set the tiny model back for good), sets the momentum to ``u_bar / sum r_k`` and the master to ``anchor * D - u_bar / d`` on every rank.
+Adam's bias correction throughout (v's by its updates so far), as megazero's 1-bit Adam (DeepSpeed's 0/1 Adam
+has none: early steps under half of Adam's slowed the tiny model's start); a scale group per parameter, as
+DeepSpeed compresses each parameter's tensor apart.
 
 Stages 0 and 1 (1-bit Adam's reasons). Stage 1 gathers the momentum slices after a T_v step and, past the freeze,
-keeps the whole frozen denominator and a whole fp32 copy of the synchronised parameters (the anchor of the
-local steps; the fp32 master itself at stage 0). Where the master was the parameter (fp32), it becomes a copy at
-the freeze. A checkpoint keeps per rank, past the freeze, what a rank's local steps made its own: the momentum,
-``u``, the sums and the error buffers (``rank_state``); its parameters are rebuilt from them on a load.
+keeps the whole denominator, decay mask and an fp32 copy of the synchronised weights (the anchor; at stage 0 the
+master). An fp32 master that was the parameter becomes a copy at the freeze. A checkpoint keeps per rank what
+the local steps made its own (momentum, ``u``, sums, error buffers: ``rank_state``); a load rebuilds the weights.
 """
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -32,7 +30,8 @@ from megazero.parallel.onebit import compressed_allreduce, group_counts
 from megazero.parallel.zero.layout import Bucket, BucketLayout
 from megazero.parallel.zero.onebit_adam import ShardedOnebitAdam
 from megazero.parallel.zero.update import Record
-from megazero.parallel.zero.zero_one_policy import local_interval, silent_steps, updates_variance, variance_interval
+from megazero.parallel.zero.zero_one_policy import (local_interval, silent_steps, updates_variance, variance_interval,
+                                                   variance_updates)
 
 if TYPE_CHECKING:
     from megazero.parallel.zero.registry import ZeroOneAdamSection
@@ -51,15 +50,14 @@ class ShardedZeroOneAdam(ShardedOnebitAdam):
     def __init__(self, layout: BucketLayout, device: torch.device, weight_decay: float,
                  section: "ZeroOneAdamSection", grad_dtype: torch.dtype, comm: Comm, tp_rank: int, tp_size: int,
                  last_step: int, reports_policy: bool = True):
-        """``last_step``: the run's last step (train.steps), which synchronises (0: none known);
-        ``reports_policy``: this partition's metrics carry the intervals (one partition per run does)."""
+        """``last_step``: train.steps, which synchronises (0: unknown); ``reports_policy``: the intervals' metrics."""
         s = section
         super().__init__(layout, device, weight_decay, (s.beta1, s.beta2), s.eps, grad_dtype, comm, tp_rank,
                          tp_size, s.var_freeze_step)
         self.kappa, self.scaler, self.clipper = s.var_update_scaler, s.local_step_scaler, s.local_step_clipper
         self.last_step, self.reports_policy = last_step, reports_policy
         n = len(layout.buckets)
-        self.accum: list[Optional[Tensor]] = [None] * n  # u: sum of lr_k * m_k since the last sync (whole)
+        self.accum: list[Optional[Tensor]] = [None] * n  # u: sum of r_k * m_k since the last sync (whole)
         self.denom: list[Optional[Tensor]] = [None] * n  # the frozen sqrt(v) + eps, whole (past the freeze)
         self.anchor: list[Optional[Tensor]] = [None] * n  # stage 1: the synchronised parameters, whole, fp32
         self.decay_whole: list[Optional[Tensor]] = [None] * n  # stage 1: the decay mask, whole
@@ -67,6 +65,7 @@ class ShardedZeroOneAdam(ShardedOnebitAdam):
         self.prepared_for = ""  # "sync" or "local": what _prepare last built
         self.momentum_stale = False  # stage 1: only this rank's slice of the momentum is current (a T_v step)
         self.anchor_stale = True  # stage 1: the anchor is refreshed from the gathered parameters when next read
+        self.group_counts = [1] * n  # per bucket: its scale groups (one per parameter)
         self.wrote_whole = False  # the last step wrote this rank's own whole parameters (no gather after it)
         self._loaded_momentum: dict[int, Tensor] = {}  # a load's per-rank momenta, taken by states_loaded
 
@@ -74,11 +73,7 @@ class ShardedZeroOneAdam(ShardedOnebitAdam):
     def exact(self, t: int) -> bool:
         return updates_variance(t, self.freeze_step, self.kappa)
 
-    def syncs(self, t: int) -> bool:
-        return t == self.last_step or t % local_interval(t, self.freeze_step, self.scaler, self.clipper) == 0
-
-    def compressing(self) -> bool:
-        """The next step reads local gradients (it is not one of T_v)."""
+    def compressing(self) -> bool:  # the next step reads local gradients (it is not one of T_v)
         return not self.exact(self.step_count + 1)
 
     def wrote_whole_params(self) -> bool:
@@ -99,20 +94,18 @@ class ShardedZeroOneAdam(ShardedOnebitAdam):
         the whole momentum (stage 1 after a T_v step), error buffers; past the freeze the whole denominator, the
         decay mask, a master apart from the parameters and the accumulator."""
         n = self.comm.size
-        held = {self._held(p) for b in self.layout.buckets for _, p in b.params}
-        renumber = {g: k for k, g in enumerate(sorted(held), 1)}
-        self.group_count = len(held)
         sharded = self.layout.policy.shard_optimizer
         for b in self.layout.buckets:
             i = b.index
-            root = self.exp_avg_sq[i].sqrt()
+            root = self.exp_avg_sq[i].sqrt().div_(self._bc2(self.step_count + 1))  # sqrt(v_hat)
             live = self._whole(b, root > self.eps, torch.uint8)
             m = self.momentum[i]
             if self.momentum_stale and sharded:
                 self.comm.all_gather_into(m[:b.numel], self.exp_avg[i].clone(), tag="zero_one_prepare")
             m.mul_(live)
-            self.groups[i] = self._held_groups(b, renumber).mul_(live)
-            self.counts[i] = group_counts(self.groups[i], n, self.group_count)
+            self.groups[i] = self._param_groups(b).mul_(live)
+            self.group_counts[i] = min(len(b.params), 255)
+            self.counts[i] = group_counts(self.groups[i], n, self.group_counts[i])
             if self.worker[i] is None:
                 self.worker[i] = torch.zeros_like(m)
                 self.server[i] = torch.zeros(m.numel() // n, dtype=torch.float32, device=self.device)
@@ -132,15 +125,25 @@ class ShardedZeroOneAdam(ShardedOnebitAdam):
         self.momentum_stale = False
         self.prepared_for = "local" if local else "sync"
 
+    def _param_groups(self, b: Bucket) -> Tensor:
+        """Each parameter its own scale group (not a large neighbour's scale over its own small denominator); a
+        copy on another rank (tp, a tied stage) has the same place in its bucket. Past 255 groups repeat."""
+        out = torch.zeros(self.momentum[b.index].numel(), dtype=torch.uint8, device=self.device)
+        for j, ((_, p), off) in enumerate(zip(b.params, b.offsets)):
+            out[off:off + p.numel()] = 1 + j % 255
+        return out
+
     def states_loaded(self) -> None:
         """The checkpoint wrote the masters (and the parameters from them: the last synchronisation's) and the
         moments; past the freeze this rank's momentum and accumulator came from its own state, and its
         parameters are rebuilt from them."""
         self.prepared_for, self.momentum_stale, self.anchor_stale = "", True, True
         local = self.step_count > self.freeze_step
-        if not local:
+        if not local:  # a rollback in the same process keeps nothing of the later steps' own state
             self._loaded_momentum.clear()
-            if self.step_count == 0:
+            self.accum = [None] * len(self.accum)
+            self.sums.copy_(torch.tensor([0.0, 1.0], dtype=torch.float64))
+            if not self._compressed_by(self.step_count):  # the checkpoint holds no error feedback yet
                 self.worker = [None] * len(self.worker)
                 self.server = [None] * len(self.server)
             return
@@ -153,12 +156,15 @@ class ShardedZeroOneAdam(ShardedOnebitAdam):
             for b in self.layout.buckets:
                 self._write_local(b)
 
+    def _compressed_by(self, step: int) -> bool:
+        """A compressed step has run by optimizer step ``step`` (the first is at most kappa + 2)."""
+        return any(not self.exact(t) for t in range(1, min(step, self.kappa + 2, self.freeze_step + 1) + 1))
+
     def rank_state(self, step: int) -> dict[str, Tensor]:
         """This rank's own state as of optimizer step ``step``: none before the first compressed step (the states
         are then AdamW's, layout-free); the error buffers after it; past the freeze also the momentum (a copy:
         a load's is taken by ``states_loaded``), the accumulator and the sums."""
-        first = next((t for t in range(1, step + 1) if not self.exact(t)), None)
-        if first is None:
+        if not self._compressed_by(step):
             return {}
         out = super().rank_state(max(step, self.freeze_step + 1))  # the error buffers, allocated where absent
         if step <= self.freeze_step:
@@ -179,30 +185,29 @@ class ShardedZeroOneAdam(ShardedOnebitAdam):
         self.wrote_whole = False
         before = self._sent_so_far()
         if self.exact(t):
-            self._exact_step(grads, lr, grad_scale)
+            self._exact_step(grads, lr, grad_scale, t)
         else:
             local = t > self.freeze_step
             if self.prepared_for != ("local" if local else "sync"):
                 self._prepare(local)
-            if t == self.freeze_step + 1:  # the errors measured the momentum; from here they measure u
-                for i in range(len(self.worker)):
-                    self.worker[i].zero_()
-                    self.server[i].zero_()
+            if t == self.freeze_step + 1:  # the errors measured the momentum; from here u, r_t times it
+                for e in self.worker + self.server:
+                    e.mul_(lr / (1.0 - self.betas[0] ** t))
             self._compressed_step(grads, lr, grad_scale, t, local)
         self.step_count = t
         self.sent = self._sent_so_far() - before
-
-    def _sent_so_far(self) -> float:
-        counter = self.comm.counter
-        return counter.sent_bytes().get(self.comm.name, 0.0) if counter is not None else 0.0
 
     def _decay(self, master: Tensor, mask: Tensor, factor: float) -> None:
         if self.weight_decay:
             f = torch.tensor(factor, dtype=master.dtype, device=master.device)
             master.mul_(torch.where(mask, f, torch.ones_like(f)))
 
-    def _exact_step(self, grads: list[Tensor], lr: float, grad_scale: float) -> None:
-        """T_v: both moments from the reduced gradient, Adam's step without bias correction."""
+    def _bc2(self, t: int) -> float:
+        """sqrt(1 - beta2^k), k the variance's updates by step t: its bias correction."""
+        return math.sqrt(1.0 - self.betas[1] ** max(variance_updates(t, self.freeze_step, self.kappa), 1))
+
+    def _exact_step(self, grads: list[Tensor], lr: float, grad_scale: float, t: int) -> None:
+        """T_v: both moments from the reduced gradient, Adam's bias-corrected step."""
         b1, b2 = self.betas
         for b, g in zip(self.layout.buckets, grads):
             i = b.index
@@ -210,7 +215,8 @@ class ShardedZeroOneAdam(ShardedOnebitAdam):
             self.exp_avg[i].mul_(b1).add_(g, alpha=1.0 - b1)
             self.exp_avg_sq[i].mul_(b2).addcmul_(g, g, value=1.0 - b2)
             self._decay(self.master[i], self.decay_mask[i], 1.0 - lr * self.weight_decay)
-            self.master[i].addcdiv_(self.exp_avg[i], self.exp_avg_sq[i].sqrt().add_(self.eps), value=-lr)
+            denom = self.exp_avg_sq[i].sqrt().div_(self._bc2(t)).add_(self.eps)
+            self.master[i].addcdiv_(self.exp_avg[i], denom, value=-lr / (1.0 - b1 ** t))
             self._copy_out(b)
         self.momentum_stale = self.layout.policy.shard_optimizer
         self.prepared_for = ""  # the variance moved: the mask is rebuilt at the next compressed step
@@ -221,9 +227,11 @@ class ShardedZeroOneAdam(ShardedOnebitAdam):
 
     def _compressed_step(self, grads: list[Tensor], lr: float, grad_scale: float, t: int, local: bool) -> None:
         b1, n = self.betas[0], self.comm.size
-        sync = not local or self.syncs(t)
+        sync = not local or t == self.last_step or t % local_interval(t, self.freeze_step, self.scaler,
+                                                                      self.clipper) == 0
+        rate = lr / (1.0 - b1 ** t)  # the momentum's bias correction folded into the rate
         if local:
-            self.sums[0] += lr
+            self.sums[0] += rate
             self.sums[1] *= 1.0 - lr * self.weight_decay
         for b, g in zip(self.layout.buckets, grads):
             i = b.index
@@ -234,11 +242,12 @@ class ShardedZeroOneAdam(ShardedOnebitAdam):
                 m.copy_(self._average(m, i))
                 self._decay(self.master[i], self.decay_mask[i], 1.0 - lr * self.weight_decay)
                 lo, hi = self.layout.range(b)
-                self.master[i].addcdiv_(m[lo:hi], self.exp_avg_sq[i].sqrt().add_(self.eps), value=-lr)
+                denom = self.exp_avg_sq[i].sqrt().div_(self._bc2(t)).add_(self.eps)
+                self.master[i].addcdiv_(m[lo:hi], denom, value=-rate)
                 self._copy_out(b)
                 continue
             u = self.accum[i]
-            u.add_(m, alpha=lr)
+            u.add_(m, alpha=rate)
             if not sync:
                 self._write_local(b)
                 continue
@@ -255,8 +264,10 @@ class ShardedZeroOneAdam(ShardedOnebitAdam):
         self.wrote_whole = local and not sync
 
     def _average(self, x: Tensor, i: int) -> Tensor:
+        if self.comm.size == 1:  # the experts' group at ep = dp: nothing to exchange, nothing to compress
+            return x
         return compressed_allreduce(x, self.worker[i], self.server[i], self.comm, tag="zero_one",
-                                    groups=self.groups[i], group_count=self.group_count, counts=self.counts[i])
+                                    groups=self.groups[i], group_count=self.group_counts[i], counts=self.counts[i])
 
     def _write_local(self, b: Bucket) -> None:
         """This rank's parameters within an interval: the anchor decayed, less its own u / (sqrt(v) + eps)."""
@@ -274,24 +285,16 @@ class ShardedZeroOneAdam(ShardedOnebitAdam):
             self.anchor_stale = False
 
     # ----- accounting -----------------------------------------------------------------------------------------------
-    def state_tensors(self) -> list[Tensor]:
-        extra = [t for kind in (self.accum, self.denom, self.anchor, self.decay_whole) for t in kind if t is not None]
-        return super().state_tensors() + extra
-
-    def state_bytes(self) -> int:
-        total = super().state_bytes()
-        for kind in (self.accum, self.denom, self.anchor, self.decay_whole):
-            total += sum(t.numel() * t.element_size() for t in kind if t is not None)
-        return total
+    def extra_kinds(self) -> list[list[Optional[Tensor]]]:
+        return super().extra_kinds() + [self.accum, self.denom, self.anchor, self.decay_whole]
 
     def record(self) -> Record:
         """Bytes the last step's update sent from this rank; and, from one partition: the share of the steps so
         far that sent nothing (the local steps), the synchronisation interval, the variance's (0 once frozen)."""
-        t = self.step_count
-        silent = silent_steps(t, self.freeze_step, self.scaler, self.clipper, self.last_step)
-        share = silent / t if t else 0.0
-        policy = [share, float(local_interval(t + 1, self.freeze_step, self.scaler, self.clipper)),
-                  float(variance_interval(t + 1, self.freeze_step, self.kappa))] if self.reports_policy else [0.0, 0.0, 0.0]
+        t, f = self.step_count, self.freeze_step
+        share = silent_steps(t, f, self.scaler, self.clipper, self.last_step) / max(t, 1)
+        policy = [share, float(local_interval(t + 1, f, self.scaler, self.clipper)),
+                  float(variance_interval(t + 1, f, self.kappa))] if self.reports_policy else [0.0] * 3
         return Record(torch.tensor([self.sent] + policy, dtype=torch.float64), "local",
                       lambda v: {"optim/compressed_bytes": v[0], "optim/silent_share": v[1],
                                  "optim/sync_interval": v[2], "optim/var_interval": v[3]})

@@ -16,6 +16,16 @@ def variance_interval(t: int, freeze: int, kappa: int) -> int:
     return interval
 
 
+def variance_updates(t: int, freeze: int, kappa: int) -> int:
+    """How many of steps 1..t are in T_v (the variance's bias correction: 1 - beta2 ** this)."""
+    t, count, interval, before, end = min(t, freeze), 0, 1, 0, kappa
+    while t > end:
+        count += end // interval - before // interval
+        before, interval = end, interval * 2
+        end = (end // interval + kappa) * interval
+    return count + t // interval - before // interval
+
+
 def updates_variance(t: int, freeze: int, kappa: int) -> bool:
     """Step t is in T_v: up to the freeze, a multiple of its interval."""
     interval = variance_interval(t, freeze, kappa)

@@ -92,6 +92,23 @@ def test_a_resume_inside_an_interval_is_exact_at_its_layout(runs):
     assert by_step[STEPS]["optim/var_interval"] == 0 and 0 < by_step[STEPS]["optim/silent_share"] < 1
 
 
+def test_a_save_between_synchronisations_holds_the_last_synchronisations_weights(runs):
+    """At step 15 each rank's weights are its own: the checkpoint's model/ tensors are the masters (what an
+    export reads), not one rank's local weights for some parameters and another's for others."""
+    import torch
+
+    from megazero.checkpoint import store
+
+    base, _ = runs
+    saved = store.checkpoint_dir(base / "whole" / "checkpoints", SAVED)
+    kinds = store.stored_tensors(saved)
+    names = [k[len("model/"):] for k in kinds if k.startswith("model/")]
+    state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in kinds.items()
+             if k.startswith("model/") or k.endswith("/master")}
+    store.load(saved, state)
+    assert names and all(torch.equal(state[f"model/{n}"], state[f"optim/{n}/master"]) for n in names)
+
+
 def test_a_resume_that_dropped_the_error_feedback_would_differ(runs):
     base, _ = runs
     want = {r["step"]: r["loss"] for r in _records(base / "whole")}

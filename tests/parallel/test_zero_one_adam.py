@@ -7,18 +7,21 @@ take local steps between, so after step 30 (two local steps past the last synchr
 declared) every rank's weights are its own: each is compared with its own worker in the reference.
 
 The reference, per flat bucket padded to 8 x 4 elements: a T_v step takes the summed gradient as the ranks summed
-it (gloo's order) into both moments and Adam's step without bias correction; any other step folds n * g_rank into
-worker r's momentum (elements whose sqrt(v) <= eps left out); up to the freeze the momenta are averaged by the
-two-phase compression with worker and server errors (1-bit Adam's, tests/parallel/test_onebit_adam.py), past it
-each worker accumulates u_r += lr m_r, the errors zeroed once at the freeze, and a synchronisation averages the
-u_r compressed, sets every momentum to u_bar / sum(lr) and the anchor to anchor * prod(1 - lr wd) - u_bar / (sqrt(v)
-+ eps); a worker's weights between are its anchor decayed less its u_r / (sqrt(v) + eps). Clipped at 1.0 by the
-norms the ranks report (checked against the reference's own to 1e-5).
+it (gloo's order) into both moments and Adam's bias-corrected step (v's correction by its updates so far); any
+other step folds n * g_rank into worker r's momentum (elements whose sqrt(v_hat) <= eps left out); up to the
+freeze the momenta are averaged by the two-phase compression with worker and server errors (1-bit Adam's,
+tests/parallel/test_onebit_adam.py, a scale group per parameter), past it each worker accumulates
+u_r += r_t m_r (r_t = lr / (1 - beta1^t)), the errors scaled once, at the freeze, by r into u's units, and a synchronisation averages
+the u_r compressed, sets every momentum to u_bar / sum(r) and the anchor to anchor * prod(1 - lr wd) - u_bar /
+(sqrt(v_hat) + eps); a worker's weights between are its anchor decayed less its u_r / (sqrt(v_hat) + eps).
+Clipped at 1.0 by the norms the ranks report (checked against the reference's own to 1e-5). The reference
+repeats the ranks' fp32 operations (add_ with alpha, addcmul_, addcdiv_, each group's norm over its row).
 
 Tolerance, per element, 1e-6 of the largest weight plus 4e-6 of its travel, as the 1-bit Adam test (same
 argument: the ranks' fp32 sums in other orders, ulps of m and v reaching a weight through 1/sqrt(v)). Without the
-freeze's zeroing of the errors, without the local steps (a synchronisation every step) or without the decay of
-the anchor the weights miss by far more (checked by mutation when the test was written).
+freeze's scaling of the errors, without the local steps (a synchronisation every step), without the decay of
+the anchor or with one scale group for all the parameters the weights miss by far more (checked by mutation
+when the test was written).
 
 Communication, same spawn: a local step's update sends nothing (the step's only bytes are the norm's and the
 overflow flags' scalars); a synchronisation sends what a 1-bit Adam step sends."""
@@ -96,19 +99,26 @@ def _ranks(rank, world):
     return out
 
 
-def _signs_and_scales(parts: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """The paper's compression of each row of ``parts``: ||row||/sqrt(len) * sign(row) over the kept elements, 0
-    elsewhere; the norm taken over the row with the others zeroed (the order of the ranks' own sums: an ulp there
-    could flip a sign near 0, which would move an element by two scales)."""
-    count = keep.sum(1, keepdim=True).float().clamp(min=1.0)
-    scale = torch.where(keep, parts, 0.0).norm(dim=1, keepdim=True) / count.sqrt()
-    return torch.where(keep, torch.where(parts >= 0, 1.0, -1.0) * scale, 0.0)
+def _signs_and_scales(parts: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """The paper's compression of each row of ``parts``, a scale per group: ||group's elements||/sqrt(their count)
+    * sign(element), 0 where the group is 0 (left out); each norm taken over the row with the other elements
+    zeroed (the order of the ranks' own sums: an ulp there could flip a sign near 0, which would move an element
+    by two scales)."""
+    out = torch.zeros_like(parts)
+    for k in range(1, int(groups.max()) + 1):
+        mine = groups == k
+        count = mine.sum(1, keepdim=True).float().clamp(min=1.0)
+        scale = torch.where(mine, parts, 0.0).norm(dim=1, keepdim=True) / count.sqrt()
+        out = torch.where(mine, torch.where(parts >= 0, 1.0, -1.0) * scale, out)
+    return out
 
 
-def _two_phase(values: list[torch.Tensor], workers: list, servers: list, keep: torch.Tensor) -> torch.Tensor:
-    """1-bit Adam's compressed average of the workers' ``values`` (one flat bucket), errors updated in place."""
+def _two_phase(values: list[torch.Tensor], workers: list, servers: list, groups: torch.Tensor) -> torch.Tensor:
+    """The compressed average of the workers' ``values`` (one flat bucket; ``groups``: each element's scale
+    group, 0 left out), 1-bit Adam's two phases, errors updated in place."""
     chunk = values[0].numel() // WORLD
-    by_chunk = keep.view(WORLD, chunk)
+    by_chunk = groups.view(WORLD, chunk)
+    keep = groups > 0
     sent = []
     for r in range(WORLD):
         c = torch.where(keep, values[r] + workers[r], 0.0)
@@ -118,7 +128,7 @@ def _two_phase(values: list[torch.Tensor], workers: list, servers: list, keep: t
     parts = []
     for r in range(WORLD):
         s = torch.stack([x[r * chunk:(r + 1) * chunk] for x in sent]).mean(0) + servers[r]
-        s = torch.where(by_chunk[r], s, 0.0)
+        s = torch.where(by_chunk[r] > 0, s, 0.0)
         q = _signs_and_scales(s.view(1, chunk), by_chunk[r:r + 1]).view(-1)
         servers[r].copy_(s - q)
         parts.append(q)
@@ -141,6 +151,8 @@ def _reference(start: dict, grads: list[list[dict]], layout: list, reduced: dict
 
     nb = len(layout)
     anchor = [flat(start, numel, names) for numel, names in layout]
+    params = [flat({n: torch.full(shapes[n], float(1 + j % 255)) for j, (n, _) in enumerate(names)}, numel,
+                   names).long() for numel, names in layout]
     decay = [flat({n: torch.full(shapes[n], float(len(shapes[n]) >= 2)) for n in shapes}, numel, names).bool()
              for numel, names in layout]
     m = [[torch.zeros_like(x) for x in anchor] for _ in range(WORLD)]
@@ -150,7 +162,7 @@ def _reference(start: dict, grads: list[list[dict]], layout: list, reduced: dict
     servers = [[torch.zeros(x.numel() // WORLD) for x in anchor] for _ in range(WORLD)]
     local = [[x.clone() for x in anchor] for _ in range(WORLD)]
     travel = [torch.zeros_like(x) for x in anchor]
-    lr_sum, kept = 0.0, 1.0
+    lr_sum, kept, updates = 0.0, 1.0, 0
     norms = []
     for t in range(1, STEPS + 1):
         g = [[flat(grads[r][t - 1], numel, names) for numel, names in layout] for r in range(WORLD)]
@@ -161,24 +173,28 @@ def _reference(start: dict, grads: list[list[dict]], layout: list, reduced: dict
             norm = math.sqrt(WORLD * sum(x.double().square().sum().item() for gr in g for x in gr))
         norms.append(norm)
         coef = min(1.0, CLIP / (norms_seen[t - 1] + 1e-6))
-        if t == FREEZE + 1:
+        if t == FREEZE + 1:  # the errors into u's units
             for r in range(WORLD):
                 for i in range(nb):
-                    workers[r][i].zero_()
-                    servers[r][i].zero_()
+                    workers[r][i].mul_(LR / (1.0 - b1 ** t))
+                    servers[r][i].mul_(LR / (1.0 - b1 ** t))
+        rate = LR / (1.0 - b1 ** t)  # Adam's bias correction of the momentum
+        updates += exact[t - 1]
+        bc2 = math.sqrt(1.0 - b2 ** max(updates, 1))  # the variance's, by its updates so far
         if t > FREEZE:
-            lr_sum, kept = lr_sum + LR, kept * (1.0 - LR * WD)
+            lr_sum, kept = lr_sum + rate, kept * (1.0 - LR * WD)
         for i in range(nb):
             before = local[0][i].clone()
-            live = v[i].sqrt() > EPS
-            denom = v[i].sqrt() + EPS
+            live = v[i].sqrt() / bc2 > EPS
+            groups = torch.where(live, params[i], 0)  # each parameter its own scale group
+            denom = v[i].sqrt().div_(bc2).add_(EPS)
             if exact[t - 1]:
                 gi = total[i] * coef
                 for r in range(WORLD):
                     m[r][i] = (m[r][i] * b1).add_(gi, alpha=1.0 - b1)
                 v[i] = (v[i] * b2).addcmul_(gi, gi, value=1.0 - b2)  # the ranks' ops, to the ulp
                 anchor[i] = torch.where(decay[i], anchor[i] * (1.0 - LR * WD), anchor[i])
-                anchor[i] = anchor[i] - LR * m[0][i] / (v[i].sqrt() + EPS)
+                anchor[i] = anchor[i].addcdiv_(m[0][i], v[i].sqrt().div_(bc2).add_(EPS), value=-rate)
                 for r in range(WORLD):
                     local[r][i] = anchor[i].clone()
             else:
@@ -186,18 +202,19 @@ def _reference(start: dict, grads: list[list[dict]], layout: list, reduced: dict
                     m[r][i] = torch.where(live, (m[r][i] * b1).add_(g[r][i], alpha=(1.0 - b1) * WORLD * coef), 0.0)
                 if t <= FREEZE:
                     avg = _two_phase([m[r][i] for r in range(WORLD)], [w[i] for w in workers],
-                                     [s[i] for s in servers], live)
+                                     [s[i] for s in servers], groups)
                     for r in range(WORLD):
                         m[r][i] = avg.clone()
-                    anchor[i] = torch.where(decay[i], anchor[i] * (1.0 - LR * WD), anchor[i]) - LR * avg / denom
+                    anchor[i] = torch.where(decay[i], anchor[i] * (1.0 - LR * WD), anchor[i]).addcdiv_(avg, denom,
+                                                                                                 value=-rate)
                     for r in range(WORLD):
                         local[r][i] = anchor[i].clone()
                 else:
                     for r in range(WORLD):
-                        u[r][i] = u[r][i] + LR * m[r][i]
-                    if sync[t - 1] and t < STEPS + 1:
+                        u[r][i] = u[r][i].add(m[r][i], alpha=rate)
+                    if sync[t - 1]:
                         avg = _two_phase([u[r][i] for r in range(WORLD)], [w[i] for w in workers],
-                                         [s[i] for s in servers], live)
+                                         [s[i] for s in servers], groups)
                         anchor[i] = torch.where(decay[i], anchor[i] * kept, anchor[i]) - avg / denom
                         for r in range(WORLD):
                             m[r][i] = avg / lr_sum
