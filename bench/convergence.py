@@ -7,11 +7,11 @@ vectors) runs at AdamW's best learning rate of the same sweep. The figure per ru
 the last step (``--eval-batches`` batches of the held-out split) and the mean training loss of the last 20
 steps.
 
-    python bench/convergence.py [--steps 300] [--optimizers adamw,muon[,lamb,onebit_adam,zero_one_adam]]
+    python bench/convergence.py [--steps 300] [--optimizers adamw,muon[,lamb,onebit_adam,zero_one_adam,onebit_lamb]]
                                 [--lrs "muon=0.005,0.01"] [--adamw-lr LR] [--out DIR] [--dp N] [--freeze-step K]
 
 At dp > 1 each run also gives the bytes the busiest rank sent over the 100 steps after the warm-up (the comm
-counter's, ``comm/sent_gb`` in metrics.jsonl; the warm-up is 1-bit Adam's freeze_step, 0/1 Adam's
+counter's, ``comm/sent_gb`` in metrics.jsonl; the warm-up is 1-bit Adam's and LAMB's freeze_step, 0/1 Adam's
 var_freeze_step, and the same steps for the others; 0/1 Adam's local-step interval doubles every tenth of the run).
 Prints a markdown table per optimizer and learning rate, then each optimizer's best, and Muon's and LAMB's
 best against AdamW's. Not a test: nothing here asserts.
@@ -36,7 +36,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 LRS = {"adamw": (1e-3, 2e-3, 4e-3), "muon": (5e-3, 1e-2, 2e-2), "lamb": (5e-3, 1e-2, 2e-2),
-       "onebit_adam": (1e-3, 2e-3, 4e-3), "zero_one_adam": (1e-3, 2e-3, 4e-3)}
+       "onebit_adam": (1e-3, 2e-3, 4e-3), "zero_one_adam": (1e-3, 2e-3, 4e-3), "onebit_lamb": (5e-3, 1e-2, 2e-2)}
 WINDOW = 100  # the steps after the warm-up whose bytes are compared
 
 
@@ -55,8 +55,8 @@ def train(folder: Path, cache: Path, optimizer: str, lr: float, steps: int, eval
     if optimizer == "muon" and adamw_lr:
         overrides.append(f"optim.muon.adamw_lr={adamw_lr}")
     freeze = freeze_step or steps // 5
-    if optimizer == "onebit_adam":
-        overrides.append(f"optim.onebit_adam.freeze_step={freeze}")
+    if optimizer in ("onebit_adam", "onebit_lamb"):
+        overrides.append(f"optim.{optimizer}.freeze_step={freeze}")
     if optimizer == "zero_one_adam":  # local steps from the freeze, the interval doubling every tenth of the run
         overrides += [f"optim.zero_one_adam.var_freeze_step={freeze}",
                       f"optim.zero_one_adam.local_step_scaler={local[0] or max(1, steps // 10)}",

@@ -65,11 +65,11 @@ class ShardedZeroOneAdam(ShardedOnebitAdam):
         self.prepared_for = ""  # "sync" or "local": what _prepare last built
         self.momentum_stale = False  # stage 1: only this rank's slice of the momentum is current (a T_v step)
         self.anchor_stale = True  # stage 1: the anchor is refreshed from the gathered parameters when next read
-        self.group_counts = [1] * n  # per bucket: its scale groups (one per parameter)
+        self.group_counts = [1] * n  # per bucket: its scale groups (a parameter each)
         self.wrote_whole = False  # the last step wrote this rank's own whole parameters (no gather after it)
         self._loaded_momentum: dict[int, Tensor] = {}  # a load's per-rank momenta, taken by states_loaded
 
-    # ----- the policies --------------------------------------------------------------------------------------------
+    # ----- the policies, derived state -----------------------------------------------------------------------------
     def exact(self, t: int) -> bool:
         return updates_variance(t, self.freeze_step, self.kappa)
 
@@ -79,7 +79,6 @@ class ShardedZeroOneAdam(ShardedOnebitAdam):
     def wrote_whole_params(self) -> bool:
         return self.wrote_whole
 
-    # ----- derived state ------------------------------------------------------------------------------------------
     def _whole(self, b: Bucket, mine: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
         """A bucket-long (padded) tensor from this rank's range: gathered over dp at stage 1."""
         out = torch.zeros(self.momentum[b.index].numel(), dtype=dtype, device=self.device)
@@ -90,11 +89,9 @@ class ShardedZeroOneAdam(ShardedOnebitAdam):
         return out
 
     def _prepare(self, local: bool) -> None:
-        """The compression's mask and groups from the current variance (elements with sqrt(v) <= eps are left out),
-        the whole momentum (stage 1 after a T_v step), error buffers; past the freeze the whole denominator, the
-        decay mask, a master apart from the parameters and the accumulator."""
-        n = self.comm.size
-        sharded = self.layout.policy.shard_optimizer
+        """From the current variance: the mask (sqrt(v_hat) <= eps left out), the groups, the whole momentum (stage
+        1 after T_v), error buffers; past the freeze the whole denominator, decay mask, anchor and accumulator."""
+        n, sharded = self.comm.size, self.layout.policy.shard_optimizer
         for b in self.layout.buckets:
             i = b.index
             root = self.exp_avg_sq[i].sqrt().div_(self._bc2(self.step_count + 1))  # sqrt(v_hat)
@@ -103,8 +100,8 @@ class ShardedZeroOneAdam(ShardedOnebitAdam):
             if self.momentum_stale and sharded:
                 self.comm.all_gather_into(m[:b.numel], self.exp_avg[i].clone(), tag="zero_one_prepare")
             m.mul_(live)
-            self.groups[i] = self._param_groups(b).mul_(live)
-            self.group_counts[i] = min(len(b.params), 255)
+            groups, self.group_counts[i] = self._param_groups(b)
+            self.groups[i] = groups.mul_(live)
             self.counts[i] = group_counts(self.groups[i], n, self.group_counts[i])
             if self.worker[i] is None:
                 self.worker[i] = torch.zeros_like(m)
@@ -125,13 +122,16 @@ class ShardedZeroOneAdam(ShardedOnebitAdam):
         self.momentum_stale = False
         self.prepared_for = "local" if local else "sync"
 
-    def _param_groups(self, b: Bucket) -> Tensor:
-        """Each parameter its own scale group (not a large neighbour's scale over its own small denominator); a
-        copy on another rank (tp, a tied stage) has the same place in its bucket. Past 255 groups repeat."""
+    def _param_groups(self, b: Bucket) -> tuple[Tensor, int]:
+        """Each parameter its own scale group (not a large neighbour's scale over its own small denominator), and
+        their count; a copy on another rank (tp, a tied stage) has the same place in its bucket. Past 85 parameters
+        of one kind (``_held``) in a bucket their groups repeat, never across kinds (copies stay bit-identical)."""
+        ids = [85 * (self._held(p) - 1) + j % 85 for j, (_, p) in enumerate(b.params)]
+        renumber = {g: k for k, g in enumerate(sorted(set(ids)), 1)}
         out = torch.zeros(self.momentum[b.index].numel(), dtype=torch.uint8, device=self.device)
-        for j, ((_, p), off) in enumerate(zip(b.params, b.offsets)):
-            out[off:off + p.numel()] = 1 + j % 255
-        return out
+        for g, (_, p), off in zip(ids, b.params, b.offsets):
+            out[off:off + p.numel()] = renumber[g]
+        return out, len(renumber)
 
     def states_loaded(self) -> None:
         """The checkpoint wrote the masters (and the parameters from them: the last synchronisation's) and the
