@@ -41,7 +41,7 @@ WINDOW = 100  # the steps after the warm-up whose bytes are compared
 
 
 def train(folder: Path, cache: Path, optimizer: str, lr: float, steps: int, eval_batches: int,
-          adamw_lr: float = 0.0, dp: int = 1, freeze_step: int = 0, local: tuple[int, int] = (0, 16)) -> dict:
+          adamw_lr: float = 0.0, dp: int = 1, freeze_step: int = 0, local: tuple[int, int, int] = (0, 16, 0)) -> dict:
     """One run; its final validation loss, last-20-step mean training loss and seconds. ``dp`` > 1: that many
     gloo ranks under torchrun (1-bit Adam's compression needs them; AdamW, Muon and LAMB train the same model at
     any dp)."""
@@ -61,6 +61,7 @@ def train(folder: Path, cache: Path, optimizer: str, lr: float, steps: int, eval
         overrides += [f"optim.zero_one_adam.var_freeze_step={freeze}",
                       f"optim.zero_one_adam.local_step_scaler={local[0] or max(1, steps // 10)}",
                       f"optim.zero_one_adam.local_step_clipper={local[1]}"]
+        overrides += [f"optim.zero_one_adam.var_update_scaler={local[2]}"] if local[2] else []
     start = time.perf_counter()
     if dp == 1:
         with contextlib.redirect_stdout(io.StringIO()):
@@ -103,6 +104,8 @@ def main() -> None:
     ap.add_argument("--local-step-scaler", type=int, default=0,
                     help="0/1 Adam's steps per doubling of the local-step interval (default: a tenth of the steps)")
     ap.add_argument("--local-step-clipper", type=int, default=16, help="0/1 Adam's longest interval (H)")
+    ap.add_argument("--var-update-scaler", type=int, default=0,
+                    help="0/1 Adam's variance updates per doubling of their interval (default: the section's, 16)")
     args = ap.parse_args()
     base = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="convergence-"))
     cache = base / "cache"
@@ -122,7 +125,8 @@ def main() -> None:
         results[optimizer] = {}
         for lr in lrs[optimizer]:
             r = train(base / f"{optimizer}_{lr:g}", cache, optimizer, lr, args.steps, args.eval_batches, adamw_best,
-                      args.dp, args.freeze_step, (args.local_step_scaler, args.local_step_clipper))
+                      args.dp, args.freeze_step, (args.local_step_scaler, args.local_step_clipper,
+                                                                   args.var_update_scaler))
             results[optimizer][lr] = r
             print(f"| {optimizer} | {lr:g} | {r['val']:.4f} | {r['train']:.4f} | {r['seconds']:.0f} | "
                   f"{r['sent_gb'] * 1e3:.1f} |", flush=True)
