@@ -64,7 +64,7 @@ class ShardedOnebitLamb(ShardedOnebitAdam, ShardedLamb):
         self.factor_threshold = s.factor_threshold
         self.whole_pieces: list[list[tuple[int, int, int]]] = [[] for _ in layout.buckets]  # over whole buckets
         self.layer_numel: list[int] = []  # elements per layer on this rank (its tp shard of it)
-        self.layers: Optional[Tensor] = None  # (frozen ratio, last factor, momentum scale) per layer, float64
+        self.per_layer: Optional[Tensor] = None  # (frozen ratio, last factor, momentum scale) per layer, float64
         self.fresh: list[Optional[Tensor]] = [None] * len(layout.buckets)  # the fresh variance, this rank's range
         self.coeff: Optional[Tensor] = None  # the last step's ratios (metrics)
 
@@ -81,10 +81,10 @@ class ShardedOnebitLamb(ShardedOnebitAdam, ShardedLamb):
                 layer += 1
 
     def _layer_state(self) -> Tensor:
-        if self.layers is None:
-            self.layers = torch.zeros(3, self.n_groups, dtype=torch.float64, device=self.device)
-            self.layers[1:] = 1.0
-        return self.layers
+        if self.per_layer is None:
+            self.per_layer = torch.zeros(3, self.n_groups, dtype=torch.float64, device=self.device)
+            self.per_layer[1:] = 1.0
+        return self.per_layer
 
     # ----- the warm-up ------------------------------------------------------------------------------------------------
     def update(self, grads: list[Tensor], lr: float, grad_scale: float, resend: set[int]) -> None:
@@ -123,7 +123,7 @@ class ShardedOnebitLamb(ShardedOnebitAdam, ShardedLamb):
         self._layer_state()[2].copy_(torch.where(rms > 0, 1.0 / rms, torch.ones_like(rms)))
 
     def _scale(self, m: Tensor, b: Bucket, inverse: bool) -> None:
-        scales = self.layers[2].tolist()
+        scales = self.per_layer[2].tolist()
         for a, z, layer in self.whole_pieces[b.index]:
             m[a:z].mul_(1.0 / scales[layer] if inverse else scales[layer])
 
@@ -165,7 +165,7 @@ class ShardedOnebitLamb(ShardedOnebitAdam, ShardedLamb):
                         u[a:z].add_(self.master[i][a:z], alpha=self.weight_decay)
             directions.append(u)
         factor = self._factors(ratio, plain, directions)
-        frozen = self.layers[0]
+        frozen = self.per_layer[0]
         self.coeff = frozen * factor
         step = (-lr * self.coeff).tolist()
         for b, u in zip(self.layout.buckets, directions):
@@ -196,7 +196,7 @@ class ShardedOnebitLamb(ShardedOnebitAdam, ShardedLamb):
             self.tp.all_reduce(sums, tag="onebit_lamb")
             share = torch.where(sums[1] > 0, (sums[0] / sums[1]).sqrt(), torch.ones_like(sums[0])).clamp(max=1.0)
             factor = factor * share + (1.0 - share)
-        last = self.layers[1]
+        last = self.per_layer[1]
         factor = factor.clamp(self.factor_min, self.factor_max)
         factor = torch.minimum(torch.maximum(factor, last * (1.0 - self.factor_threshold)),
                                last * (1.0 + self.factor_threshold))
@@ -214,7 +214,7 @@ class ShardedOnebitLamb(ShardedOnebitAdam, ShardedLamb):
         1-bit Adam's error buffers."""
         if step < 1:
             return {}
-        out = {"layers": self._layer_state(), **super().rank_state(step)}
+        out = {"per_layer": self._layer_state(), **super().rank_state(step)}
         if step >= self.freeze_step:
             for b in self.layout.buckets:
                 i = b.index
