@@ -11,7 +11,6 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 
 from megazero.config.load import load_config
 from megazero.config.resolve import resolve
