@@ -95,7 +95,7 @@ def load_state(path: Path, cfg: Config, zero: ZeroOptimizer, named_params: list[
     check_rank_state_stored(path, [k for k in state if k.startswith("rank/")], set(checkpoint.stored_tensors(path)))
     meta = checkpoint.load(path, state)
     complete_replicas(exported, dict(named_params), grid)
-    zero.import_state(exported, int(meta["optimizer_step"]))
+    zero.import_state(exported, int(meta["optimizer_step"]), int(meta.get("step", meta["optimizer_step"])))
     if "loss_scaler" in meta:
         scaler.load(meta["loss_scaler"])
     return meta, changed

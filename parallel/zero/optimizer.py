@@ -61,6 +61,7 @@ class ZeroOptimizer:
         ``last_step``: train.steps (0: not known), which an update may treat apart (0/1 Adam synchronises there)."""
         self.grid = grid
         self.policy = StagePolicy.of(stage)
+        self.run_step = 0  # train steps taken, skipped ones included (an update's step count leaves them out)
         self.dtype = DTYPES[precision]
         self.grad_dtype = DTYPES[grad_precision(precision, grad_dtype)]  # microbatch sums and dp reductions
         self.device = device if device is not None else next(chunks[0].parameters()).device
@@ -84,7 +85,7 @@ class ZeroOptimizer:
             def make(layout: BucketLayout, comm: Comm) -> Update:
                 return make_update(UpdateContext(layout, comm, grid, chunks, experts, self.device, state_device,
                                                  self.grad_dtype, weight_decay, adam_impl, peak_lr, nvme,
-                                                 last_step))
+                                                 last_step, lambda: self.run_step))
             return make
 
         def part(name: str, select, comm: Comm, tied: Comm) -> Partition:
@@ -146,6 +147,7 @@ class ZeroOptimizer:
         host with the norm (``host_flags``): no second wait for the device."""
         assert self._reduced, "reduce() before step()"
         self._reduced = False
+        self.run_step += 1
         self.nonfinite_param = None
         grads = [part.grads() for part in self.parts]
         sums = [part.optim.sq_norm(g) for part, g in zip(self.parts, grads)]
@@ -217,8 +219,11 @@ class ZeroOptimizer:
         self.settle()
         return {n: t for part in self.parts for n, t in part.checkpoint.export_state().items()}
 
-    def import_state(self, state: dict[str, dict[str, Tensor]], step: int) -> None:
+    def import_state(self, state: dict[str, dict[str, Tensor]], step: int, run_step: Optional[int] = None) -> None:
+        """A checkpoint's states, written at optimizer step ``step`` and train step ``run_step`` (default: the
+        same; they differ by the steps skipped for non-finite gradients)."""
         self.settle()
+        self.run_step = step if run_step is None else run_step
         for part in self.parts:
             part.checkpoint.import_state(state, step)
             part.optim.states_loaded()

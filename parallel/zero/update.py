@@ -42,6 +42,7 @@ class UpdateContext:
     peak_lr: float  # train.lr, the peak each step's learning rate is scheduled from (Muon's adamw_lr is a ratio of it)
     nvme: Optional["NvmeSettings"] = None  # zero.offload_optimizer=nvme: where the states' scratch file goes
     last_step: int = 0  # train.steps, the run's last step (0: not known)
+    run_step: Callable[[], int] = lambda: 0  # the train step being taken (skipped ones counted, unlike step_count)
 
 
 @dataclass(frozen=True)

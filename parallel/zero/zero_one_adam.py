@@ -6,11 +6,12 @@ AdamW. Every other step folds the local gradient into the momentum (``n * g``, a
 ``var_freeze_step`` the momentum is then averaged compressed. Past it each rank steps alone, sending nothing: its
 weights are ``anchor * D - u / d`` (the anchor the fp32 master at the last synchronisation, ``u = sum r_k m_k``
 with ``r_k = lr_k / (1 - beta1^k)``, ``D = prod(1 - lr_k wd)`` since then, ``d`` the frozen ``sqrt(v_hat) + eps``).
-A synchronisation of T_u (the run's last step one) averages ``u`` compressed (the errors scaled by ``r`` once, at
-the freeze, into u's units: DeepSpeed zeroes them, which set the tiny model back for good), sets the momentum to ``u_bar / sum r_k`` and the master to ``anchor * D - u_bar / d`` on every rank.
-Adam's bias correction throughout (v's by its updates so far), as megazero's 1-bit Adam (DeepSpeed's 0/1 Adam
-has none: early steps under half of Adam's slowed the tiny model's start); a scale group per parameter, as
-DeepSpeed compresses each parameter's tensor apart.
+A synchronisation of T_u (the run's last step one) averages ``u`` compressed and sets the momentum to ``u_bar /
+sum r_k``, the master to ``anchor * D - u_bar / d`` on every rank. Three departures from DeepSpeed's 0/1 Adam, each
+measured on the tiny model: the errors are scaled by ``r`` at the freeze into u's units (zeroing them set the
+run back for good); Adam's bias correction (v's by its updates so far; without it early steps were under half of
+Adam's); a scale group per parameter (DeepSpeed compresses each tensor apart; one per bucket chunk let small
+parameters take a large neighbour's scale).
 
 Stages 0 and 1 (1-bit Adam's reasons). Stage 1 gathers the momentum slices after a T_v step and, past the freeze,
 keeps the whole denominator, decay mask and an fp32 copy of the synchronised weights (the anchor; at stage 0 the
@@ -20,7 +21,7 @@ the local steps made its own (momentum, ``u``, sums, error buffers: ``rank_state
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -43,19 +44,19 @@ def make_zero_one_adam(section: "ZeroOneAdamSection", ctx: "UpdateContext") -> "
     assert ctx.state_device == ctx.device, "0/1 Adam's states stay on the device"
     tp = ctx.grid.tp_comm
     return ShardedZeroOneAdam(ctx.layout, ctx.device, ctx.weight_decay, section, ctx.grad_dtype, ctx.comm, tp.rank,
-                              tp.size, ctx.last_step, reports_policy=not ctx.experts)
+                              tp.size, ctx.last_step, ctx.run_step, not ctx.experts)
 
 
 class ShardedZeroOneAdam(ShardedOnebitAdam):
     def __init__(self, layout: BucketLayout, device: torch.device, weight_decay: float,
                  section: "ZeroOneAdamSection", grad_dtype: torch.dtype, comm: Comm, tp_rank: int, tp_size: int,
-                 last_step: int, reports_policy: bool = True):
-        """``last_step``: train.steps, which synchronises (0: unknown); ``reports_policy``: the intervals' metrics."""
+                 last_step: int, run_step: Callable[[], int] = lambda: 0, reports_policy: bool = True):
+        """``last_step``: train.steps, synchronised when the train step ``run_step()`` reaches it (0: never)."""
         s = section
         super().__init__(layout, device, weight_decay, (s.beta1, s.beta2), s.eps, grad_dtype, comm, tp_rank,
                          tp_size, s.var_freeze_step)
-        self.kappa, self.scaler, self.clipper = s.var_update_scaler, s.local_step_scaler, s.local_step_clipper
-        self.last_step, self.reports_policy = last_step, reports_policy
+        self.kappa, self.schedule = s.var_update_scaler, (s.var_freeze_step, s.local_step_scaler, s.local_step_clipper)
+        self.last_step, self.run_step, self.reports_policy = last_step, run_step, reports_policy
         n = len(layout.buckets)
         self.accum: list[Optional[Tensor]] = [None] * n  # u: sum of r_k * m_k since the last sync (whole)
         self.denom: list[Optional[Tensor]] = [None] * n  # the frozen sqrt(v) + eps, whole (past the freeze)
@@ -227,8 +228,7 @@ class ShardedZeroOneAdam(ShardedOnebitAdam):
 
     def _compressed_step(self, grads: list[Tensor], lr: float, grad_scale: float, t: int, local: bool) -> None:
         b1, n = self.betas[0], self.comm.size
-        sync = not local or t == self.last_step or t % local_interval(t, self.freeze_step, self.scaler,
-                                                                      self.clipper) == 0
+        sync = not local or self.run_step() == self.last_step or t % local_interval(t, *self.schedule) == 0
         rate = lr / (1.0 - b1 ** t)  # the momentum's bias correction folded into the rate
         if local:
             self.sums[0] += rate
@@ -289,12 +289,12 @@ class ShardedZeroOneAdam(ShardedOnebitAdam):
         return super().extra_kinds() + [self.accum, self.denom, self.anchor, self.decay_whole]
 
     def record(self) -> Record:
-        """Bytes the last step's update sent from this rank; and, from one partition: the share of the steps so
-        far that sent nothing (the local steps), the synchronisation interval, the variance's (0 once frozen)."""
+        """The update's bytes last step; from one partition: the share of silent steps, T_u's and T_v's intervals."""
         t, f = self.step_count, self.freeze_step
-        share = silent_steps(t, f, self.scaler, self.clipper, self.last_step) / max(t, 1)
-        policy = [share, float(local_interval(t + 1, f, self.scaler, self.clipper)),
-                  float(variance_interval(t + 1, f, self.kappa))] if self.reports_policy else [0.0] * 3
-        return Record(torch.tensor([self.sent] + policy, dtype=torch.float64), "local",
+        last = self.last_step - (self.run_step() - t)  # the optimizer step of the run's last (skips aside)
+        share = silent_steps(t, *self.schedule, last) / max(t, 1)
+        policy = [share, float(local_interval(t + 1, *self.schedule)), float(variance_interval(t + 1, f, self.kappa))]
+        values = [self.sent] + (policy if self.reports_policy else [0.0] * 3)
+        return Record(torch.tensor(values, dtype=torch.float64), "local",
                       lambda v: {"optim/compressed_bytes": v[0], "optim/silent_share": v[1],
                                  "optim/sync_interval": v[2], "optim/var_interval": v[3]})
