@@ -25,68 +25,23 @@ import math
 import torch
 
 from tests.dist import run_ranks
-from tests.runs import ROOT
+from tests.parallel.compressed_ranks import train_stage
 
 WORLD, STEPS, FREEZE, LR, WD, CLIP = 4, 20, 6, 1e-2, 0.1, 1.0
 BETAS, EPS = (0.9, 0.95), 1e-8
-SIZES = ["parallel.tp=1", "parallel.pp=1", "model.layers=2", "model.hidden=48", "model.heads=4",
-         "model.vocab_size=256", "model.seq_len=16"]
-
-
-def _microbatches(rank: int, step: int, vocab: int, seq_len: int) -> list[torch.Tensor]:
-    """Two microbatches of 2 sequences; 64 of 256 token ids only, so most embedding rows get no gradient (their
-    variance stays 0: the mask's case)."""
-    gen = torch.Generator().manual_seed(1000 * step + rank)
-    return [torch.randint(0, 64, (2, seq_len + 1), generator=gen) for _ in range(2)]
-
-
 def _ranks(rank, world):
-    from megazero.config.load import load_config
-    from megazero.config.schema import OptimConfig, ZeroConfig
+    from megazero.config.schema import OptimConfig
     from megazero.parallel.zero.registry import OnebitAdamSection
-    from megazero.engine.build import make_executor, make_schedules, make_zero
-    from megazero.engine.step import train_step
-    from megazero.models.build import build_gpt
-    from megazero.parallel.topology import Grid
-    from megazero.parallel.dims import ParallelDims
 
-    cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), SIZES).model
+    optim = OptimConfig(name="onebit_adam", onebit_adam=OnebitAdamSection(beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
+                                                                          freeze_step=FREEZE))
     out = []
     for stage in (0, 1):
-        grid = Grid.build(ParallelDims(tp=1, pp=1, dp=world), "cpu")
-        model = build_gpt(cfg, 0, tp=grid.tp_comm)
-        grads: list[dict] = []
-
-        def record(p, name):
-            grads[-1][name] = grads[-1].get(name, 0) + p.grad.detach().clone()
-
-        for name, p in model.named_parameters():
-            p.register_post_accumulate_grad_hook(lambda p, name=name: record(p, name))
-        optim = OptimConfig(name="onebit_adam", onebit_adam=OnebitAdamSection(beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
-                                                                              freeze_step=FREEZE))
-        zero = make_zero([model], grid, ZeroConfig(stage=stage, bucket_mb=0.02, reshard_after_forward=True),
-                         "fp32", WD, torch.device("cpu"), optim=optim)
-        executor = make_executor([model], grid, torch.device("cpu"), 2, cfg.seq_len, cfg.hidden, "fp32",
-                                 world * 2 * 2 * cfg.seq_len)  # the loss is the mean over the global batch
-        schedule = make_schedules("1f1b", grid, 2)[0]
-        norms, sent, records, reduced = [], [], [], []
-        for step in range(STEPS):
-            grads.append({})
-            before = sum(grid.counter.sent_bytes().values())
-            result = train_step(zero, executor, schedule, _microbatches(rank, step, cfg.vocab_size, cfg.seq_len),
-                                LR, CLIP)
-            assert not result.skipped
-            sent.append(sum(grid.counter.sent_bytes().values()) - before)
-            norms.append(result.grad_norm)
-            records.append(zero.optimizer_record()["optim/compressed_bytes"])
-            if step < FREEZE:
-                reduced.append(_reduced_gradients(zero, grid, stage))
-        layout = [(b.numel, [(n, off) for (n, _), off in zip(b.params, b.offsets)]) for b in zero.buckets]
-        out.append({"params": {n: t.detach().numpy().copy() for n, t in zero.full_parameters().items()},
-                    "start": {n: t.numpy() for n, t in _initial(cfg).items()},
-                    "grads": [{n: g.numpy() for n, g in step.items()} for step in grads],
-                    "norms": norms, "sent": sent, "records": records, "layout": layout,
-                    "reduced": [{n: g.numpy() for n, g in step.items()} for step in reduced]})
+        r = train_stage(rank, world, stage, optim, STEPS, LR, WD, CLIP,
+                        keep=lambda step, zero, grid: _reduced_gradients(zero, grid, stage) if step < FREEZE else None)
+        r["records"] = [x["optim/compressed_bytes"] for x in r["records"]]
+        r["reduced"] = [r["kept"][t] for t in range(FREEZE)]
+        out.append(r)
     return out
 
 
@@ -106,13 +61,6 @@ def _reduced_gradients(zero, grid, stage: int) -> dict:
             for (n, p), off in zip(b.params, b.offsets):
                 out[n] = whole[off:off + p.numel()].view(p.shape).clone()
     return out
-
-
-def _initial(cfg) -> dict:
-    from megazero.models.build import build_gpt
-    from megazero.parallel.topology import Grid
-
-    return {n: p.detach().clone() for n, p in build_gpt(cfg, 0, tp=Grid.single().tp_comm).named_parameters()}
 
 
 def _compress(v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

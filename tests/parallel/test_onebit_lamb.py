@@ -28,70 +28,38 @@ import math
 import torch
 
 from tests.dist import run_ranks
-from tests.parallel.test_onebit_adam import SIZES, _initial, _microbatches
+from tests.parallel.compressed_ranks import train_stage
 from tests.parallel.test_zero_one_adam import _two_phase
-from tests.runs import ROOT
 
 WORLD, STEPS, FREEZE, LR, WD, CLIP = 4, 30, 10, 1e-2, 0.1, 1.0
 BETAS, EPS, COEFF_BETA, FMIN, FMAX, THRESHOLD = (0.9, 0.95), 1e-8, 0.9, 0.5, 2.0, 0.05
 
 
 def _ranks(rank, world):
-    from megazero.config.load import load_config
-    from megazero.config.schema import OptimConfig, ZeroConfig
-    from megazero.engine.build import make_executor, make_schedules, make_zero
-    from megazero.engine.step import train_step
-    from megazero.models.build import build_gpt
-    from megazero.parallel.dims import ParallelDims
-    from megazero.parallel.topology import Grid
+    from megazero.config.schema import OptimConfig
     from megazero.parallel.zero.registry import OnebitLambSection
 
-    cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), SIZES).model
+    section = OnebitLambSection(beta1=BETAS[0], beta2=BETAS[1], eps=EPS, freeze_step=FREEZE, coeff_beta=COEFF_BETA,
+                                factor_min=FMIN, factor_max=FMAX, factor_threshold=THRESHOLD)
+    optim = OptimConfig(name="onebit_lamb", onebit_lamb=section)
     out = []
     for stage in (0, 1):
-        grid = Grid.build(ParallelDims(tp=1, pp=1, dp=world), "cpu")
-        model = build_gpt(cfg, 0, tp=grid.tp_comm)
-        grads: list[dict] = []
+        seen: list = []
 
-        def record(p, name):
-            grads[-1][name] = grads[-1].get(name, 0) + p.grad.detach().clone()
+        def keep_reduced(zero):  # LAMB writes its direction over the reduced gradient: keep it first
+            part = zero.parts[0].optim
+            update = part.update
 
-        for name, p in model.named_parameters():
-            p.register_post_accumulate_grad_hook(lambda p, name=name: record(p, name))
-        section = OnebitLambSection(beta1=BETAS[0], beta2=BETAS[1], eps=EPS, freeze_step=FREEZE,
-                                    coeff_beta=COEFF_BETA, factor_min=FMIN, factor_max=FMAX,
-                                    factor_threshold=THRESHOLD)
-        zero = make_zero([model], grid, ZeroConfig(stage=stage, bucket_mb=0.02, reshard_after_forward=True),
-                         "fp32", WD, torch.device("cpu"), optim=OptimConfig(name="onebit_lamb", onebit_lamb=section))
-        executor = make_executor([model], grid, torch.device("cpu"), 2, cfg.seq_len, cfg.hidden, "fp32",
-                                 world * 2 * 2 * cfg.seq_len)
-        schedule = make_schedules("1f1b", grid, 2)[0]
-        norms, sent, records, reduced, seen = [], [], [], [], []
-        optim = zero.parts[0].optim
-        update = optim.update
+            def update_keeping(grads, *args):
+                seen[:] = [g.detach().clone() for g in grads]
+                update(grads, *args)
 
-        def keep_reduced(grads, *args):  # LAMB writes its direction over the reduced gradient: keep it first
-            seen[:] = [g.detach().clone() for g in grads]
-            update(grads, *args)
+            part.update = update_keeping
 
-        optim.update = keep_reduced
-        for step in range(STEPS):
-            grads.append({})
-            before = sum(grid.counter.sent_bytes().values())
-            result = train_step(zero, executor, schedule, _microbatches(rank, step, cfg.vocab_size, cfg.seq_len),
-                                LR, CLIP)
-            assert not result.skipped
-            sent.append(sum(grid.counter.sent_bytes().values()) - before)
-            norms.append(result.grad_norm)
-            records.append(zero.optimizer_record())
-            if step < FREEZE:
-                reduced.append(_summed(zero, seen, grid.dp))
-        layout = [(b.numel, [(n, off) for (n, _), off in zip(b.params, b.offsets)]) for b in zero.buckets]
-        out.append({"params": {n: t.detach().numpy().copy() for n, t in zero.full_parameters().items()},
-                    "start": {n: t.numpy() for n, t in _initial(cfg).items()},
-                    "grads": [{n: g.numpy() for n, g in step.items()} for step in grads],
-                    "norms": norms, "sent": sent, "records": records, "layout": layout,
-                    "reduced": [{n: g.numpy() for n, g in r.items()} for r in reduced]})
+        r = train_stage(rank, world, stage, optim, STEPS, LR, WD, CLIP, prepare=keep_reduced,
+                        keep=lambda step, zero, grid: _summed(zero, seen, grid.dp) if step < FREEZE else None)
+        r["reduced"] = [r["kept"][t] for t in range(FREEZE)]
+        out.append(r)
     return out
 
 

@@ -32,8 +32,8 @@ import math
 import torch
 
 from tests.dist import run_ranks
-from tests.parallel.test_onebit_adam import SIZES, _initial, _microbatches, _reduced_gradients
-from tests.runs import ROOT
+from tests.parallel.compressed_ranks import train_stage
+from tests.parallel.test_onebit_adam import _reduced_gradients
 
 WORLD, STEPS, FREEZE, KAPPA, SCALER, CLIP_H, LR, WD, CLIP = 4, 30, 10, 2, 4, 4, 1e-2, 0.1, 1.0
 BETAS, EPS = (0.9, 0.95), 1e-8
@@ -48,54 +48,19 @@ def _policies():
 
 
 def _ranks(rank, world):
-    from megazero.config.load import load_config
-    from megazero.config.schema import OptimConfig, ZeroConfig
-    from megazero.engine.build import make_executor, make_schedules, make_zero
-    from megazero.engine.step import train_step
-    from megazero.models.build import build_gpt
-    from megazero.parallel.dims import ParallelDims
-    from megazero.parallel.topology import Grid
+    from megazero.config.schema import OptimConfig
     from megazero.parallel.zero.registry import ZeroOneAdamSection
 
-    cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), SIZES).model
     exact, _ = _policies()
+    section = ZeroOneAdamSection(beta1=BETAS[0], beta2=BETAS[1], eps=EPS, var_freeze_step=FREEZE,
+                                 var_update_scaler=KAPPA, local_step_scaler=SCALER, local_step_clipper=CLIP_H)
+    optim = OptimConfig(name="zero_one_adam", zero_one_adam=section)
     out = []
     for stage in (0, 1):
-        grid = Grid.build(ParallelDims(tp=1, pp=1, dp=world), "cpu")
-        model = build_gpt(cfg, 0, tp=grid.tp_comm)
-        grads: list[dict] = []
-
-        def record(p, name):
-            grads[-1][name] = grads[-1].get(name, 0) + p.grad.detach().clone()
-
-        for name, p in model.named_parameters():
-            p.register_post_accumulate_grad_hook(lambda p, name=name: record(p, name))
-        section = ZeroOneAdamSection(beta1=BETAS[0], beta2=BETAS[1], eps=EPS, var_freeze_step=FREEZE,
-                                     var_update_scaler=KAPPA, local_step_scaler=SCALER, local_step_clipper=CLIP_H)
-        zero = make_zero([model], grid, ZeroConfig(stage=stage, bucket_mb=0.02, reshard_after_forward=True),
-                         "fp32", WD, torch.device("cpu"), optim=OptimConfig(name="zero_one_adam",
-                                                                            zero_one_adam=section))
-        executor = make_executor([model], grid, torch.device("cpu"), 2, cfg.seq_len, cfg.hidden, "fp32",
-                                 world * 2 * 2 * cfg.seq_len)
-        schedule = make_schedules("1f1b", grid, 2)[0]
-        norms, sent, records, reduced = [], [], [], {}
-        for step in range(STEPS):
-            grads.append({})
-            before = sum(grid.counter.sent_bytes().values())
-            result = train_step(zero, executor, schedule, _microbatches(rank, step, cfg.vocab_size, cfg.seq_len),
-                                LR, CLIP)
-            assert not result.skipped
-            sent.append(sum(grid.counter.sent_bytes().values()) - before)
-            norms.append(result.grad_norm)
-            records.append(zero.optimizer_record())
-            if exact[step]:
-                reduced[step] = _reduced_gradients(zero, grid, stage)
-        layout = [(b.numel, [(n, off) for (n, _), off in zip(b.params, b.offsets)]) for b in zero.buckets]
-        out.append({"params": {n: t.detach().numpy().copy() for n, t in zero.full_parameters().items()},
-                    "start": {n: t.numpy() for n, t in _initial(cfg).items()},
-                    "grads": [{n: g.numpy() for n, g in step.items()} for step in grads],
-                    "norms": norms, "sent": sent, "records": records, "layout": layout,
-                    "reduced": {t: {n: g.numpy() for n, g in r.items()} for t, r in reduced.items()}})
+        r = train_stage(rank, world, stage, optim, STEPS, LR, WD, CLIP,
+                        keep=lambda step, zero, grid: _reduced_gradients(zero, grid, stage) if exact[step] else None)
+        r["reduced"] = r["kept"]
+        out.append(r)
     return out
 
 

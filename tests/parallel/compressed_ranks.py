@@ -1,0 +1,78 @@
+"""The rank side of the compressed optimizers' reference tests (1-bit Adam, 0/1 Adam, 1-bit LAMB): a 2-layer GPT
+at dp ``world`` and one ZeRO stage, each rank on its own two microbatches a step, every local gradient recorded
+by hooks for the in-process reference, and per step the bytes the ranks sent, the norm and the optimizer's
+metrics. ``keep(step, zero, grid)`` may record more after a step (the reduced gradient of a full-precision step)."""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from tests.runs import ROOT
+
+SIZES = ["parallel.tp=1", "parallel.pp=1", "model.layers=2", "model.hidden=48", "model.heads=4",
+         "model.vocab_size=256", "model.seq_len=16"]
+
+
+def microbatches(rank: int, step: int, vocab: int, seq_len: int) -> list[torch.Tensor]:
+    """Two microbatches of 2 sequences; 64 of 256 token ids only, so most embedding rows get no gradient (their
+    variance stays 0: the mask's case)."""
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return [torch.randint(0, 64, (2, seq_len + 1), generator=gen) for _ in range(2)]
+
+
+def initial(cfg) -> dict:
+    from megazero.models.build import build_gpt
+    from megazero.parallel.topology import Grid
+
+    return {n: p.detach().clone() for n, p in build_gpt(cfg, 0, tp=Grid.single().tp_comm).named_parameters()}
+
+
+def train_stage(rank: int, world: int, stage: int, optim: Any, steps: int, lr: float, wd: float, clip: float,
+                keep: Optional[Callable[[int, Any, Any], Optional[dict]]] = None,
+                prepare: Optional[Callable[[Any], None]] = None) -> dict:
+    """``steps`` steps at ZeRO ``stage`` with ``optim`` (an OptimConfig); ``prepare(zero)`` runs before the first.
+    Returns numpy copies: the final weights, the initial ones, every step's local gradients, norms, bytes sent,
+    optimizer records, the buckets' layout and what ``keep`` returned by step."""
+    from megazero.config.load import load_config
+    from megazero.config.schema import ZeroConfig
+    from megazero.engine.build import make_executor, make_schedules, make_zero
+    from megazero.engine.step import train_step
+    from megazero.models.build import build_gpt
+    from megazero.parallel.dims import ParallelDims
+    from megazero.parallel.topology import Grid
+
+    cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), SIZES).model
+    grid = Grid.build(ParallelDims(tp=1, pp=1, dp=world), "cpu")
+    model = build_gpt(cfg, 0, tp=grid.tp_comm)
+    grads: list[dict] = []
+
+    def record(p, name):
+        grads[-1][name] = grads[-1].get(name, 0) + p.grad.detach().clone()
+
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: record(p, name))
+    zero = make_zero([model], grid, ZeroConfig(stage=stage, bucket_mb=0.02, reshard_after_forward=True),
+                     "fp32", wd, torch.device("cpu"), optim=optim)
+    executor = make_executor([model], grid, torch.device("cpu"), 2, cfg.seq_len, cfg.hidden, "fp32",
+                             world * 2 * 2 * cfg.seq_len)  # the loss is the mean over the global batch
+    schedule = make_schedules("1f1b", grid, 2)[0]
+    if prepare is not None:
+        prepare(zero)
+    norms, sent, records, kept = [], [], [], {}
+    for step in range(steps):
+        grads.append({})
+        before = sum(grid.counter.sent_bytes().values())
+        result = train_step(zero, executor, schedule, microbatches(rank, step, cfg.vocab_size, cfg.seq_len), lr, clip)
+        assert not result.skipped
+        sent.append(sum(grid.counter.sent_bytes().values()) - before)
+        norms.append(result.grad_norm)
+        records.append(zero.optimizer_record())
+        extra = keep(step, zero, grid) if keep is not None else None
+        if extra is not None:
+            kept[step] = {n: g.numpy() for n, g in extra.items()}
+    layout = [(b.numel, [(n, off) for (n, _), off in zip(b.params, b.offsets)]) for b in zero.buckets]
+    return {"params": {n: t.detach().numpy().copy() for n, t in zero.full_parameters().items()},
+            "start": {n: t.numpy() for n, t in initial(cfg).items()},
+            "grads": [{n: g.numpy() for n, g in step.items()} for step in grads],
+            "norms": norms, "sent": sent, "records": records, "layout": layout, "kept": kept}
