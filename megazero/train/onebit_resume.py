@@ -59,6 +59,20 @@ def _layout_changes(config: dict, cfg: Config) -> list[str]:
     return changed
 
 
+def _stored(config: dict, name: str) -> dict:
+    """The checkpoint's ``optim.<name>`` section ({} where it has none; flat keys read as the section's)."""
+    stored = sections_of(config["optim"]) if isinstance(config.get("optim"), dict) else {}
+    return stored.get(name) if isinstance(stored.get(name), dict) else {}
+
+
+def _refuse_changed(path: Path, name: str, theirs: dict, mine: object, keys: tuple[str, ...], why: str) -> None:
+    """One line naming the first of ``keys`` whose value differs between the checkpoint's section and ours."""
+    for key in keys:
+        if key in theirs and theirs[key] != getattr(mine, key):
+            raise UserError(f"checkpoint {path}: optim.{name}.{key} is {short(theirs[key])} there and "
+                            f"{getattr(mine, key)!r} here, {why}")
+
+
 def check_zero_one_layout(path: Path, meta: dict, cfg: Config) -> None:
     """0/1 Adam holds per-rank state from its first compressed step (the error feedback; past the freeze the
     rank's own momentum and accumulator too): a checkpoint from there resumes at its own layout and with its own
@@ -66,21 +80,20 @@ def check_zero_one_layout(path: Path, meta: dict, cfg: Config) -> None:
     from megazero.parallel.zero.zero_one_policy import updates_variance
 
     config, step = meta.get("config", {}), meta.get("optimizer_step", 0)
-    stored = sections_of(config["optim"]) if isinstance(config.get("optim"), dict) else {}
-    optim = stored.get("zero_one_adam") if isinstance(stored.get("zero_one_adam"), dict) else {}
-    mine = cfg.optim.zero_one_adam
-    freeze, kappa = optim.get("var_freeze_step", mine.var_freeze_step), optim.get("var_update_scaler", mine.var_update_scaler)
+    optim, mine = _stored(config, "zero_one_adam"), cfg.optim.zero_one_adam
+    freeze = optim.get("var_freeze_step", mine.var_freeze_step)
+    kappa = optim.get("var_update_scaler", mine.var_update_scaler)
+
     def exact_so_far(freeze: object, kappa: object) -> bool:
         return isinstance(freeze, int) and isinstance(kappa, int) and \
             all(updates_variance(t, freeze, kappa) for t in range(1, min(step, kappa + 2) + 1))
 
     if exact_so_far(freeze, kappa) and exact_so_far(mine.var_freeze_step, mine.var_update_scaler):
         return  # only full-precision steps so far, under both runs' policies
-    for key in ("beta2", "eps", "var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper"):
-        if key in optim and optim[key] != getattr(mine, key):
-            raise UserError(f"checkpoint {path}: optim.zero_one_adam.{key} is {short(optim[key])} there and "
-                            f"{getattr(mine, key)!r} here, at optimizer step {step}, by which one of the runs "
-                            f"compressed a step; a resume keeps the variance's and the synchronisations' policies")
+    _refuse_changed(path, "zero_one_adam", optim, mine, ("beta2", "eps", "var_freeze_step", "var_update_scaler",
+                                                         "local_step_scaler", "local_step_clipper"),
+                    f"at optimizer step {step}, by which one of the runs compressed a step; a resume keeps the "
+                    f"variance's and the synchronisations' policies")
     changed = _layout_changes(config, cfg)
     if changed:
         raise UserError(f"checkpoint {path}: {', '.join(changed)}; a 0/1 Adam run past its first compressed step "
@@ -93,16 +106,11 @@ def check_onebit_lamb_layout(path: Path, meta: dict, cfg: Config) -> None:
     past the warm-up the error feedback and the fresh variance: a resume keeps the layout, the warm-up's length,
     beta2 and eps."""
     config, step = meta.get("config", {}), meta.get("optimizer_step", 0)
-    stored = sections_of(config["optim"]) if isinstance(config.get("optim"), dict) else {}
-    optim = stored.get("onebit_lamb") if isinstance(stored.get("onebit_lamb"), dict) else {}
-    mine = cfg.optim.onebit_lamb
     if step < 1:
         return
-    for key in ("freeze_step", "beta2", "eps"):
-        if key in optim and optim[key] != getattr(mine, key):
-            raise UserError(f"checkpoint {path}: optim.onebit_lamb.{key} is {short(optim[key])} there and "
-                            f"{getattr(mine, key)!r} here, at optimizer step {step}; a 1-bit LAMB resume keeps "
-                            f"the warm-up's length and the variance's settings")
+    _refuse_changed(path, "onebit_lamb", _stored(config, "onebit_lamb"), cfg.optim.onebit_lamb,
+                    ("freeze_step", "beta2", "eps"), f"at optimizer step {step}; a 1-bit LAMB resume keeps the "
+                    f"warm-up's length and the variance's settings")
     changed = _layout_changes(config, cfg)
     if changed:
         raise UserError(f"checkpoint {path}: {', '.join(changed)}; a 1-bit LAMB run (optimizer step {step}) resumes "
