@@ -41,7 +41,7 @@ WINDOW = 100  # the steps after the warm-up whose bytes are compared
 
 
 def train(folder: Path, cache: Path, optimizer: str, lr: float, steps: int, eval_batches: int,
-          adamw_lr: float = 0.0, dp: int = 1, freeze_step: int = 0, local: tuple[int, int, int] = (0, 16, 0)) -> dict:
+          adamw_lr: float = 0.0, dp: int = 1, freeze_step: int = 0, local: tuple[int, int, int, str] = (0, 16, 0, "steps")) -> dict:
     """One run; its final validation loss, last-20-step mean training loss and seconds. ``dp`` > 1: that many
     gloo ranks under torchrun (1-bit Adam's compression needs them; AdamW, Muon and LAMB train the same model at
     any dp)."""
@@ -60,7 +60,8 @@ def train(folder: Path, cache: Path, optimizer: str, lr: float, steps: int, eval
     if optimizer == "zero_one_adam":  # local steps from the freeze, the interval doubling every tenth of the run
         overrides += [f"optim.zero_one_adam.var_freeze_step={freeze}",
                       f"optim.zero_one_adam.local_step_scaler={local[0] or max(1, steps // 10)}",
-                      f"optim.zero_one_adam.local_step_clipper={local[1]}"]
+                      f"optim.zero_one_adam.local_step_clipper={local[1]}",
+                      f"optim.zero_one_adam.local_step_policy={local[3]}"]
         overrides += [f"optim.zero_one_adam.var_update_scaler={local[2]}"] if local[2] else []
     start = time.perf_counter()
     if dp == 1:
@@ -72,8 +73,9 @@ def train(folder: Path, cache: Path, optimizer: str, lr: float, steps: int, eval
     val = [r["val_loss"] for r in records if "val_loss" in r]
     sent = {r["step"]: r["comm/sent_gb"] for r in records if "comm/sent_gb" in r}
     window = sent.get(freeze + WINDOW, float("nan")) - sent.get(freeze, float("nan"))
+    after = sent.get(steps, float("nan")) - sent.get(freeze, float("nan"))
     return {"val": val[-1] if val else float("nan"), "train": statistics.mean(train_losses[-20:]),
-            "seconds": time.perf_counter() - start, "sent_gb": window}
+            "seconds": time.perf_counter() - start, "sent_gb": window, "sent_after_gb": after}
 
 
 def _ranks_run(overrides: list[str], dp: int, folder: Path) -> list[dict]:
@@ -104,6 +106,8 @@ def main() -> None:
     ap.add_argument("--local-step-scaler", type=int, default=0,
                     help="0/1 Adam's steps per doubling of the local-step interval (default: a tenth of the steps)")
     ap.add_argument("--local-step-clipper", type=int, default=16, help="0/1 Adam's longest interval (H)")
+    ap.add_argument("--local-step-policy", default="steps", choices=("steps", "lr"),
+                    help="0/1 Adam's T_u: the interval doubled by steps, or by the learning rate's decay")
     ap.add_argument("--var-update-scaler", type=int, default=0,
                     help="0/1 Adam's variance updates per doubling of their interval (default: the section's, 16)")
     args = ap.parse_args()
@@ -113,8 +117,8 @@ def main() -> None:
     where = "one process" if args.dp == 1 else f"dp {args.dp} (gloo)"
     print(f"### Convergence, configs/tiny.yaml, {where}, fp32, {args.steps} steps of 16 x 128 tokens", flush=True)
     first = (args.freeze_step or args.steps // 5) + 1
-    print("", f"| optimizer | lr | val loss | train loss (last 20) | s | MB sent, steps {first}-{first + WINDOW - 1} |",
-          "|---|---:|---:|---:|---:|---:|", sep="\n", flush=True)
+    print("", f"| optimizer | lr | val loss | train loss (last 20) | s | MB sent, steps {first}-{first + WINDOW - 1} "
+          f"| MB sent, steps {first}-{args.steps} |", "|---|---:|---:|---:|---:|---:|---:|", sep="\n", flush=True)
     lrs = dict(LRS)
     for item in filter(None, args.lrs.split(";")):
         name, values = item.split("=")
@@ -126,10 +130,10 @@ def main() -> None:
         for lr in lrs[optimizer]:
             r = train(base / f"{optimizer}_{lr:g}", cache, optimizer, lr, args.steps, args.eval_batches, adamw_best,
                       args.dp, args.freeze_step, (args.local_step_scaler, args.local_step_clipper,
-                                                                   args.var_update_scaler))
+                                                                   args.var_update_scaler, args.local_step_policy))
             results[optimizer][lr] = r
             print(f"| {optimizer} | {lr:g} | {r['val']:.4f} | {r['train']:.4f} | {r['seconds']:.0f} | "
-                  f"{r['sent_gb'] * 1e3:.1f} |", flush=True)
+                  f"{r['sent_gb'] * 1e3:.1f} | {r['sent_after_gb'] * 1e3:.1f} |", flush=True)
     print("")
     best = {o: min(rs.items(), key=lambda kv: kv[1]["val"]) for o, rs in results.items()}
     for o, (lr, r) in best.items():

@@ -139,6 +139,7 @@ def _tables() -> tuple[dict, dict, dict, set]:
         for key, (a, z) in getattr(row.section, "RANGES", {}).items():
             low[(f"optim.{name}", key)], high[(f"optim.{name}", key)] = a, z
         probability.update((f"optim.{name}", key) for key in getattr(row.section, "PROBABILITY", ()))
+        choices.update({(f"optim.{name}", key): c for key, c in getattr(row.section, "CHOICES", {}).items()})
     return choices, low, high, probability
 
 

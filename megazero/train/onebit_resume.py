@@ -91,7 +91,8 @@ def check_zero_one_layout(path: Path, meta: dict, cfg: Config) -> None:
     if exact_so_far(freeze, kappa) and exact_so_far(mine.var_freeze_step, mine.var_update_scaler):
         return  # only full-precision steps so far, under both runs' policies
     _refuse_changed(path, "zero_one_adam", optim, mine, ("beta2", "eps", "var_freeze_step", "var_update_scaler",
-                                                         "local_step_scaler", "local_step_clipper"),
+                                                         "local_step_scaler", "local_step_clipper",
+                                                         "local_step_policy"),
                     f"at optimizer step {step}, by which one of the runs compressed a step; a resume keeps the "
                     f"variance's and the synchronisations' policies")
     changed = _layout_changes(config, cfg)

@@ -116,6 +116,18 @@ class ShardedOnebitAdam(ShardedAdamW):
             out[off:off + p.numel()] = renumber[self._held(p)]
         return out
 
+    def _param_groups(self, b: Bucket) -> tuple[Tensor, int]:
+        """0/1 Adam's groups: each parameter its own (not a large neighbour's scale over its own small denominator),
+        and their count; a copy on another rank (tp, a tied stage) has the same place in its bucket. Past 85
+        parameters of one kind (``_held``) in a bucket their groups repeat, never across kinds (copies stay
+        bit-identical)."""
+        ids = [85 * (self._held(p) - 1) + j % 85 for j, (_, p) in enumerate(b.params)]
+        renumber = {g: k for k, g in enumerate(sorted(set(ids)), 1)}
+        out = torch.zeros(self.momentum[b.index].numel(), dtype=torch.uint8, device=self.device)
+        for g, (_, p), off in zip(ids, b.params, b.offsets):
+            out[off:off + p.numel()] = renumber[g]
+        return out, len(renumber)
+
     # ----- the compressed phase -----------------------------------------------------------------------------------
     def _prepare(self) -> None:
         """Before the first compressed step (and after a resume into one): the live mask from the frozen variance,

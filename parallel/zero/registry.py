@@ -10,7 +10,7 @@ Nothing outside this file compares ``optim.name`` to a name.
 This file imports neither torch nor an optimizer's file: loading a config stays torch-free
 (``tests/config/test_resolve.py``), so each section is declared beside its row and the factories import their
 file when first called. A section declares its keys with a comment each, the keys' bounds (``RANGES``: (min,
-max); ``PROBABILITY``: in [0, 1)), as ``megazero.config.ranges`` reads them.
+max); ``PROBABILITY``: in [0, 1); ``CHOICES``: the valid values), as ``megazero.config.ranges`` reads them.
 """
 from __future__ import annotations
 
@@ -177,9 +177,13 @@ class ZeroOneAdamSection:
     var_update_scaler: int = 16  # the variance's interval doubles after this many updates (the paper's kappa)
     local_step_scaler: int = 32768  # past the freeze the synchronisation interval doubles every this many steps
     local_step_clipper: int = 16  # the longest synchronisation interval (the paper's H)
+    # how the interval grows: "steps", doubled every local_step_scaler steps (the authors' DeepSpeed schedule);
+    # "lr", the largest power of two <= train.lr / the step's rate (the learning-rate-based rule: lr * H <= train.lr)
+    local_step_policy: str = "steps"
 
     RANGES = {"eps": _EPS, "var_freeze_step": (1, _STEPS), "var_update_scaler": (1, _STEPS),
               "local_step_scaler": (1, _STEPS), "local_step_clipper": (1, _STEPS)}
+    CHOICES = {"local_step_policy": ("steps", "lr")}
     PROBABILITY = ("beta1", "beta2")
 
 

@@ -6,12 +6,10 @@ AdamW. Every other step folds the local gradient into the momentum (``n * g``, a
 ``var_freeze_step`` the momentum is then averaged compressed. Past it each rank steps alone, sending nothing: its
 weights are ``anchor * D - u / d`` (the anchor the fp32 master at the last synchronisation, ``u = sum r_k m_k``
 with ``r_k = lr_k / (1 - beta1^k)``, ``D = prod(1 - lr_k wd)`` since then, ``d`` the frozen ``sqrt(v_hat) + eps``).
-A synchronisation of T_u (the run's last step one) averages ``u`` compressed and sets the momentum to ``u_bar /
-sum r_k``, the master to ``anchor * D - u_bar / d`` on every rank. Three departures from DeepSpeed's 0/1 Adam, each
-measured on the tiny model: the errors are scaled by ``r`` at the freeze into u's units (zeroing them set the
-run back for good); Adam's bias correction (v's by its updates so far; without it early steps were under half of
-Adam's); a scale group per parameter (DeepSpeed compresses each tensor apart; one per bucket chunk let small
-parameters take a large neighbour's scale).
+A synchronisation of T_u (by the step schedule or the learning rate; the run's last step one) averages ``u``
+compressed and sets the momentum to ``u_bar / sum r_k``, the master to ``anchor * D - u_bar / d`` on every rank.
+Three departures from DeepSpeed's, each measured (docs/optimizers.md): the errors scaled by ``r`` at the freeze
+into u's units; Adam's bias correction (v's by its updates so far); a scale group per parameter.
 
 Stages 0 and 1 (1-bit Adam's reasons). Stage 1 gathers the momentum slices after a T_v step and, past the freeze,
 keeps the whole denominator, decay mask and an fp32 copy of the synchronised weights (the anchor; at stage 0 the
@@ -31,7 +29,7 @@ from megazero.parallel.onebit import compressed_allreduce, group_counts
 from megazero.parallel.zero.layout import Bucket, BucketLayout
 from megazero.parallel.zero.onebit_adam import ShardedOnebitAdam
 from megazero.parallel.zero.update import Record
-from megazero.parallel.zero.zero_one_policy import (local_interval, silent_steps, updates_variance, variance_interval,
+from megazero.parallel.zero.zero_one_policy import (LocalSteps, updates_variance, variance_interval,
                                                    variance_updates)
 
 if TYPE_CHECKING:
@@ -44,19 +42,24 @@ def make_zero_one_adam(section: "ZeroOneAdamSection", ctx: "UpdateContext") -> "
     assert ctx.state_device == ctx.device, "0/1 Adam's states stay on the device"
     tp = ctx.grid.tp_comm
     return ShardedZeroOneAdam(ctx.layout, ctx.device, ctx.weight_decay, section, ctx.grad_dtype, ctx.comm, tp.rank,
-                              tp.size, ctx.last_step, ctx.run_step, not ctx.experts)
+                              tp.size, ctx.last_step, ctx.run_step, not ctx.experts, ctx.peak_lr)
 
 
 class ShardedZeroOneAdam(ShardedOnebitAdam):
     def __init__(self, layout: BucketLayout, device: torch.device, weight_decay: float,
                  section: "ZeroOneAdamSection", grad_dtype: torch.dtype, comm: Comm, tp_rank: int, tp_size: int,
-                 last_step: int, run_step: Callable[[], int] = lambda: 0, reports_policy: bool = True):
+                 last_step: int, run_step: Callable[[], int] = lambda: 0, reports_policy: bool = True,
+                 peak_lr: float = 0.0):
         """``last_step``: train.steps, synchronised when the train step ``run_step()`` reaches it (0: never)."""
         s = section
         super().__init__(layout, device, weight_decay, (s.beta1, s.beta2), s.eps, grad_dtype, comm, tp_rank,
                          tp_size, s.var_freeze_step)
-        self.kappa, self.schedule = s.var_update_scaler, (s.var_freeze_step, s.local_step_scaler, s.local_step_clipper)
+        self.kappa = s.var_update_scaler
+        self.local_steps = LocalSteps(s.var_freeze_step, s.local_step_scaler, s.local_step_clipper,
+                                      s.local_step_policy == "lr", peak_lr)
         self.last_step, self.run_step, self.reports_policy = last_step, run_step, reports_policy
+        self.interval = 1  # T_u's interval at the last step
+        self.silent = torch.zeros((), dtype=torch.float64)  # the local steps so far that sent nothing
         n = len(layout.buckets)
         self.accum: list[Optional[Tensor]] = [None] * n  # u: sum of r_k * m_k since the last sync (whole)
         self.denom: list[Optional[Tensor]] = [None] * n  # the frozen sqrt(v) + eps, whole (past the freeze)
@@ -123,17 +126,6 @@ class ShardedZeroOneAdam(ShardedOnebitAdam):
         self.momentum_stale = False
         self.prepared_for = "local" if local else "sync"
 
-    def _param_groups(self, b: Bucket) -> tuple[Tensor, int]:
-        """Each parameter its own scale group (not a large neighbour's scale over its own small denominator), and
-        their count; a copy on another rank (tp, a tied stage) has the same place in its bucket. Past 85 parameters
-        of one kind (``_held``) in a bucket their groups repeat, never across kinds (copies stay bit-identical)."""
-        ids = [85 * (self._held(p) - 1) + j % 85 for j, (_, p) in enumerate(b.params)]
-        renumber = {g: k for k, g in enumerate(sorted(set(ids)), 1)}
-        out = torch.zeros(self.momentum[b.index].numel(), dtype=torch.uint8, device=self.device)
-        for g, (_, p), off in zip(ids, b.params, b.offsets):
-            out[off:off + p.numel()] = renumber[g]
-        return out, len(renumber)
-
     def states_loaded(self) -> None:
         """The checkpoint wrote the masters (and the parameters from them: the last synchronisation's) and the
         moments; past the freeze this rank's momentum and accumulator came from its own state, and its
@@ -144,6 +136,7 @@ class ShardedZeroOneAdam(ShardedOnebitAdam):
             self._loaded_momentum.clear()
             self.accum = [None] * len(self.accum)
             self.sums.copy_(torch.tensor([0.0, 1.0], dtype=torch.float64))
+            self.silent.zero_()
             if not self._compressed_by(self.step_count):  # the checkpoint holds no error feedback yet
                 self.worker = [None] * len(self.worker)
                 self.server = [None] * len(self.server)
@@ -170,7 +163,7 @@ class ShardedZeroOneAdam(ShardedOnebitAdam):
         out = super().rank_state(max(step, self.freeze_step + 1))  # the error buffers, allocated where absent
         if step <= self.freeze_step:
             return out
-        out["sums"] = self.sums
+        out["sums"], out["silent"] = self.sums, self.silent
         for b in self.layout.buckets:
             i = b.index
             if self.accum[i] is None:
@@ -228,7 +221,9 @@ class ShardedZeroOneAdam(ShardedOnebitAdam):
 
     def _compressed_step(self, grads: list[Tensor], lr: float, grad_scale: float, t: int, local: bool) -> None:
         b1, n = self.betas[0], self.comm.size
-        sync = not local or self.run_step() == self.last_step or t % local_interval(t, *self.schedule) == 0
+        self.interval = self.local_steps.interval(t, lr)
+        sync = not local or self.run_step() == self.last_step or t % self.interval == 0
+        self.silent += not sync
         rate = lr / (1.0 - b1 ** t)  # the momentum's bias correction folded into the rate
         if local:
             self.sums[0] += rate
@@ -289,11 +284,11 @@ class ShardedZeroOneAdam(ShardedOnebitAdam):
         return super().extra_kinds() + [self.accum, self.denom, self.anchor, self.decay_whole]
 
     def record(self) -> Record:
-        """The update's bytes last step; from one partition: the share of silent steps, T_u's and T_v's intervals."""
-        t, f = self.step_count, self.freeze_step
-        last = self.last_step - (self.run_step() - t)  # the optimizer step of the run's last (skips aside)
-        share = silent_steps(t, *self.schedule, last) / max(t, 1)
-        policy = [share, float(local_interval(t + 1, *self.schedule)), float(variance_interval(t + 1, f, self.kappa))]
+        """The update's bytes last step; from one partition: the share of silent steps, T_u's interval at the last
+        step and T_v's at the next."""
+        t = self.step_count
+        policy = [float(self.silent) / max(t, 1), float(self.interval),
+                  float(variance_interval(t + 1, self.freeze_step, self.kappa))]
         values = [self.sent] + (policy if self.reports_policy else [0.0] * 3)
         return Record(torch.tensor(values, dtype=torch.float64), "local",
                       lambda v: {"optim/compressed_bytes": v[0], "optim/silent_share": v[1],

@@ -1,7 +1,9 @@
-"""0/1 Adam's two policies (Lu et al. 2022, section 4; the schedules of the authors' DeepSpeed implementation) as
-closed forms of the step, so that a resume needs no counters: T_v, the steps that update the variance, and T_u,
-the synchronisations past the freeze."""
+"""0/1 Adam's two policies (Lu et al. 2022, section 4) as closed forms of the step or of its learning rate, so
+that a resume needs no counters: T_v, the steps that update the variance (the authors' DeepSpeed schedule), and
+T_u, the synchronisations past the freeze (that schedule, or the learning-rate-based rule)."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 
 def variance_interval(t: int, freeze: int, kappa: int) -> int:
@@ -39,14 +41,32 @@ def local_interval(t: int, freeze: int, scaler: int, clipper: int) -> int:
     return min(clipper, 2 ** min((t - freeze - 1) // scaler, 62))
 
 
-def silent_steps(t: int, freeze: int, scaler: int, clipper: int, last_step: int = 0) -> int:
-    """How many of steps 1..t sent nothing (local steps): a block of ``scaler`` steps at a time."""
-    silent, a, j = 0, freeze + 1, 0
-    while a <= t:
-        k = min(clipper, 2 ** min(j, 62))
-        b = t if k == clipper else min(t, a + scaler - 1)  # at H the interval stays: the rest at once
-        silent += (b - a + 1) - (b // k - (a - 1) // k)
-        if a <= last_step <= b and last_step % k:
-            silent -= 1
-        a, j = b + 1, j + 1
-    return silent
+def lr_interval(lr: float, peak_lr: float, clipper: int) -> int:
+    """T_u's interval by the learning rate: the largest power of two <= peak_lr / lr, at most ``clipper``. An
+    interval's local steps then move the weights by at most what one step at the peak rate does (lr * H <=
+    peak_lr): the ranks may drift apart for longer as the rate decays. A constant rate never skips a step."""
+    if peak_lr <= 0.0:
+        return 1
+    if lr <= 0.0:
+        return clipper
+    ratio = int(peak_lr / lr)
+    return min(clipper, 1 << (ratio.bit_length() - 1)) if ratio >= 1 else 1
+
+
+@dataclass(frozen=True)
+class LocalSteps:
+    """T_u past the freeze: the step schedule (``local_interval``) or, ``by_lr``, the learning rate's
+    (``lr_interval`` against ``peak_lr``). A step synchronises when it is a multiple of its interval."""
+
+    freeze: int
+    scaler: int
+    clipper: int
+    by_lr: bool = False
+    peak_lr: float = 0.0
+
+    def interval(self, t: int, lr: float) -> int:
+        if t <= self.freeze:
+            return 1
+        if self.by_lr:
+            return lr_interval(lr, self.peak_lr, self.clipper)
+        return local_interval(t, self.freeze, self.scaler, self.clipper)

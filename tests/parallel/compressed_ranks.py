@@ -4,7 +4,7 @@ by hooks for the in-process reference, and per step the bytes the ranks sent, th
 metrics. ``keep(step, zero, grid)`` may record more after a step (the reduced gradient of a full-precision step)."""
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -28,10 +28,12 @@ def initial(cfg) -> dict:
     return {n: p.detach().clone() for n, p in build_gpt(cfg, 0, tp=Grid.single().tp_comm).named_parameters()}
 
 
-def train_stage(rank: int, world: int, stage: int, optim: Any, steps: int, lr: float, wd: float, clip: float,
+def train_stage(rank: int, world: int, stage: int, optim: Any, steps: int, lr: Union[float, list[float]], wd: float,
+                clip: float,
                 keep: Optional[Callable[[int, Any, Any], Optional[dict]]] = None,
                 prepare: Optional[Callable[[Any], None]] = None) -> dict:
-    """``steps`` steps at ZeRO ``stage`` with ``optim`` (an OptimConfig); ``prepare(zero)`` runs before the first.
+    """``steps`` steps at ZeRO ``stage`` with ``optim`` (an OptimConfig) at ``lr`` (or a rate per step, the
+    largest train.lr's peak); ``prepare(zero)`` runs before the first.
     Returns numpy copies: the final weights, the initial ones, every step's local gradients, norms, bytes sent,
     optimizer records, the buckets' layout and what ``keep`` returned by step."""
     from megazero.config.load import load_config
@@ -42,6 +44,7 @@ def train_stage(rank: int, world: int, stage: int, optim: Any, steps: int, lr: f
     from megazero.parallel.dims import ParallelDims
     from megazero.parallel.topology import Grid
 
+    rates = lr if isinstance(lr, list) else [lr] * steps
     cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), SIZES).model
     grid = Grid.build(ParallelDims(tp=1, pp=1, dp=world), "cpu")
     model = build_gpt(cfg, 0, tp=grid.tp_comm)
@@ -53,7 +56,7 @@ def train_stage(rank: int, world: int, stage: int, optim: Any, steps: int, lr: f
     for name, p in model.named_parameters():
         p.register_post_accumulate_grad_hook(lambda p, name=name: record(p, name))
     zero = make_zero([model], grid, ZeroConfig(stage=stage, bucket_mb=0.02, reshard_after_forward=True),
-                     "fp32", wd, torch.device("cpu"), optim=optim)
+                     "fp32", wd, torch.device("cpu"), optim=optim, lr=max(rates))
     executor = make_executor([model], grid, torch.device("cpu"), 2, cfg.seq_len, cfg.hidden, "fp32",
                              world * 2 * 2 * cfg.seq_len)  # the loss is the mean over the global batch
     schedule = make_schedules("1f1b", grid, 2)[0]
@@ -63,7 +66,8 @@ def train_stage(rank: int, world: int, stage: int, optim: Any, steps: int, lr: f
     for step in range(steps):
         grads.append({})
         before = sum(grid.counter.sent_bytes().values())
-        result = train_step(zero, executor, schedule, microbatches(rank, step, cfg.vocab_size, cfg.seq_len), lr, clip)
+        batch = microbatches(rank, step, cfg.vocab_size, cfg.seq_len)
+        result = train_step(zero, executor, schedule, batch, rates[step], clip)
         assert not result.skipped
         sent.append(sum(grid.counter.sent_bytes().values()) - before)
         norms.append(result.grad_norm)

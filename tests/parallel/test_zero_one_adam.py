@@ -37,13 +37,26 @@ from tests.parallel.test_onebit_adam import _reduced_gradients
 
 WORLD, STEPS, FREEZE, KAPPA, SCALER, CLIP_H, LR, WD, CLIP = 4, 30, 10, 2, 4, 4, 1e-2, 0.1, 1.0
 BETAS, EPS = (0.9, 0.95), 1e-8
+# stage 1 runs the learning-rate-based T_u on a decaying rate: intervals 1 to step 16, 2 to 22, then 4
+DECAYING = [LR] * 16 + [0.45 * LR] * 6 + [0.2 * LR] * 8
+POLICY = {0: "steps", 1: "lr"}
 
 
-def _policies():
+def _rates(stage: int) -> list[float]:
+    return DECAYING if POLICY[stage] == "lr" else [LR] * STEPS
+
+
+def _policies(stage: int):
+    """T_v (the steps schedule's closed form) and T_u: past the freeze, the step schedule's interval (1 doubled
+    every SCALER steps, at most H) or the learning rate's (the largest power of two <= LR / lr, at most H); a
+    step synchronises when it is a multiple of its interval."""
     from megazero.parallel.zero.zero_one_policy import local_interval, updates_variance
 
     exact = [updates_variance(t, FREEZE, KAPPA) for t in range(1, STEPS + 1)]
-    sync = [t % local_interval(t, FREEZE, SCALER, CLIP_H) == 0 for t in range(1, STEPS + 1)]
+    if POLICY[stage] == "steps":
+        sync = [t % local_interval(t, FREEZE, SCALER, CLIP_H) == 0 for t in range(1, STEPS + 1)]
+    else:
+        sync = [t % min(CLIP_H, 2 ** int(math.log2(LR / lr))) == 0 for t, lr in enumerate(DECAYING, 1)]
     return exact, sync
 
 
@@ -51,13 +64,14 @@ def _ranks(rank, world):
     from megazero.config.schema import OptimConfig
     from megazero.parallel.zero.registry import ZeroOneAdamSection
 
-    exact, _ = _policies()
-    section = ZeroOneAdamSection(beta1=BETAS[0], beta2=BETAS[1], eps=EPS, var_freeze_step=FREEZE,
-                                 var_update_scaler=KAPPA, local_step_scaler=SCALER, local_step_clipper=CLIP_H)
-    optim = OptimConfig(name="zero_one_adam", zero_one_adam=section)
+    exact, _ = _policies(0)
     out = []
     for stage in (0, 1):
-        r = train_stage(rank, world, stage, optim, STEPS, LR, WD, CLIP,
+        section = ZeroOneAdamSection(beta1=BETAS[0], beta2=BETAS[1], eps=EPS, var_freeze_step=FREEZE,
+                                     var_update_scaler=KAPPA, local_step_scaler=SCALER, local_step_clipper=CLIP_H,
+                                     local_step_policy=POLICY[stage])
+        optim = OptimConfig(name="zero_one_adam", zero_one_adam=section)
+        r = train_stage(rank, world, stage, optim, STEPS, _rates(stage), WD, CLIP,
                         keep=lambda step, zero, grid: _reduced_gradients(zero, grid, stage) if exact[step] else None)
         r["reduced"] = r["kept"]
         out.append(r)
@@ -100,11 +114,13 @@ def _two_phase(values: list[torch.Tensor], workers: list, servers: list, groups:
     return torch.cat(parts)
 
 
-def _reference(start: dict, grads: list[list[dict]], layout: list, reduced: dict, norms_seen: list[float]):
-    """Algorithm 1 of Lu et al. 2022 for WORLD workers (see the module's docstring); returns each worker's
-    weights, the norms, and each weight's travel."""
+def _reference(start: dict, grads: list[list[dict]], layout: list, reduced: dict, norms_seen: list[float],
+               stage: int):
+    """Algorithm 1 of Lu et al. 2022 for WORLD workers (see the module's docstring) at ``stage``'s rates and
+    policies; returns each worker's weights, the norms, and each weight's travel."""
     b1, b2 = BETAS
-    exact, sync = _policies()
+    exact, sync = _policies(stage)
+    rates = _rates(stage)
     shapes = {n: t.shape for n, t in start.items()}
 
     def flat(tensors: dict, numel: int, names: list) -> torch.Tensor:
@@ -138,6 +154,7 @@ def _reference(start: dict, grads: list[list[dict]], layout: list, reduced: dict
             norm = math.sqrt(WORLD * sum(x.double().square().sum().item() for gr in g for x in gr))
         norms.append(norm)
         coef = min(1.0, CLIP / (norms_seen[t - 1] + 1e-6))
+        LR = rates[t - 1]  # noqa: N806 (the step's rate)
         if t == FREEZE + 1:  # the errors into u's units
             for r in range(WORLD):
                 for i in range(nb):
@@ -204,14 +221,15 @@ def _reference(start: dict, grads: list[list[dict]], layout: list, reduced: dict
 
 def test_four_ranks_equal_the_papers_algorithm_with_local_steps_that_send_nothing():
     results = run_ranks(WORLD, _ranks)
-    exact, sync = _policies()
-    assert not sync[STEPS - 1] and not sync[STEPS - 2] and any(not s for s in sync[FREEZE:])  # local steps
+    assert _policies(0)[1] != _policies(1)[1]  # the rate's rule, not the steps', decides stage 1's synchronisations
     for stage in (0, 1):
+        exact, sync = _policies(stage)
+        assert not sync[STEPS - 1] and not sync[STEPS - 2] and any(not s for s in sync[FREEZE:])  # local steps
         per_rank = [r[stage] for r in results]
         first = per_rank[0]
         start = {n: torch.from_numpy(t) for n, t in first["start"].items()}
         want, norms = _reference(start, [r["grads"] for r in per_rank], first["layout"], first["reduced"],
-                                 first["norms"])
+                                 first["norms"], stage)
         scale = max(t.abs().max().item() for t in want[0][0].values())
         for r, (got, (ref, travel)) in enumerate(zip(per_rank, want)):
             over = {n: ((torch.from_numpy(got["params"][n]) - ref[n]).abs() - 1e-6 * scale - 4e-6 * travel[n]).max()
@@ -226,14 +244,16 @@ def test_four_ranks_equal_the_papers_algorithm_with_local_steps_that_send_nothin
         assert max(silent) < 100 < min(synced) / 10, (silent, synced)  # scalars only, against the signs
         last = first["records"][-1]
         assert last["optim/sync_interval"] == 4 and last["optim/var_interval"] == 0, last
+        assert last["optim/silent_share"] == sum(not s for s in sync[FREEZE:]) / STEPS, last
         assert all(r["optim/compressed_bytes"] == 0 for t, r in enumerate(first["records"]) if exact[t])
 
 
 def test_the_policies_closed_forms_equal_the_step_by_step_counters():
-    """T_v and the silent-step count are closed forms (a resume needs no counters): against the counters stepped
-    one step at a time as the authors' implementation keeps them (an interval doubled after kappa updates; a
-    synchronisation every interval, the interval doubled every scaler steps up to H, the last step synchronised)."""
-    from megazero.parallel.zero.zero_one_policy import local_interval, silent_steps, updates_variance
+    """T_v and T_u's step schedule are closed forms of the step (a resume needs no counters): against the
+    counters stepped one step at a time as the authors' implementation keeps them (an interval doubled after
+    kappa updates; the interval doubled every scaler steps, at most H). The learning rate's interval: the largest
+    power of two <= peak / lr, at most H, written as a loop."""
+    from megazero.parallel.zero.zero_one_policy import LocalSteps, local_interval, updates_variance
 
     for freeze, kappa in ((10, 2), (1000, 16), (50, 3), (7, 1)):
         interval, counter, got = 1, 0, []
@@ -244,12 +264,18 @@ def test_the_policies_closed_forms_equal_the_step_by_step_counters():
                 if counter == kappa:
                     interval, counter = interval * 2, 0
         assert got == [t for t in range(1, 1200) if updates_variance(t, freeze, kappa)], (freeze, kappa)
-    for freeze, scaler, clipper, last in ((6, 4, 4, 30), (100, 7, 16, 5000), (3, 1, 1, 50), (5, 3, 64, 0)):
-        interval, counter, silent = 1, 0, 0
+    for freeze, scaler, clipper in ((6, 4, 4), (100, 7, 16), (3, 1, 1), (5, 3, 64)):
+        interval, counter = 1, 0
         for t in range(freeze + 1, 3000):
             assert interval == local_interval(t, freeze, scaler, clipper), (t, interval)
-            silent += not (t == last or t % interval == 0)
-            assert silent == silent_steps(t, freeze, scaler, clipper, last), (freeze, scaler, clipper, t)
             counter += 1
             if counter == scaler:
                 interval, counter = min(clipper, interval * 2), 0
+    for clipper in (1, 3, 16):
+        policy = LocalSteps(freeze=5, scaler=2, clipper=clipper, by_lr=True, peak_lr=3e-4)
+        for lr in (3e-4, 2.9e-4, 1.5e-4, 1.49e-4, 7.4e-5, 3e-5, 1e-7, 0.0, 6e-4):
+            power = 1
+            while power < clipper and lr * power * 2 <= 3e-4:
+                power *= 2
+            assert policy.interval(6, lr) == min(clipper, power), (clipper, lr)
+            assert policy.interval(5, lr) == 1  # up to the freeze every step synchronises
