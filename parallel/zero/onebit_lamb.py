@@ -230,8 +230,9 @@ class ShardedOnebitLamb(ShardedOnebitAdam, ShardedLamb):
         return super().state_bytes() + sum(t.numel() * 4 for t in self.fresh if t is not None)
 
     def record(self) -> Record:
-        """The compressed bytes of the last step, and its smallest and largest trust ratio."""
-        coeff = self.coeff if self.coeff is not None else torch.ones(1, dtype=torch.float64)
-        values = torch.tensor([self.sent, coeff.min().item(), coeff.max().item()], dtype=torch.float64)
-        return Record(values, "local", lambda v: {"optim/compressed_bytes": v[0], "optim/trust_min": v[1],
-                                                  "optim/trust_max": v[2]})
+        """The compressed bytes of the last step, summed over the partitions, and its smallest and largest trust
+        ratio over them (-inf where a partition has no layer yet)."""
+        trust = [-self.coeff.min().item(), self.coeff.max().item()] if self.coeff is not None else [-math.inf] * 2
+        return Record(torch.tensor([self.sent] + trust, dtype=torch.float64), "local",
+                      lambda v: {"optim/compressed_bytes": v[0], "optim/trust_min": -v[1], "optim/trust_max": v[2]},
+                      per_value=("sum", "max", "max"))

@@ -37,7 +37,7 @@ from megazero.parallel.zero.nvme_params import NvmeParams
 from megazero.parallel.zero.partition import Partition
 from megazero.parallel.zero.policy import StagePolicy
 from megazero.parallel.zero.registry import AdamWSection
-from megazero.parallel.zero.update import Update, UpdateContext
+from megazero.parallel.zero.update import over_partitions, Update, UpdateContext
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -248,8 +248,7 @@ class ZeroOptimizer:
             return {}
         op = records[0].op
         assert op in ("sum", "max", "local") and all(r is not None and r.op == op for r in records), records
-        both = torch.stack([r.values.to(device=self.device, dtype=torch.float64) for r in records])
-        total = both.amax(0) if op == "max" else both.sum(0)
+        total = over_partitions(records, self.device)
         if op != "local":
             self.world.all_reduce(total, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM,
                                   tag="optimizer_record")

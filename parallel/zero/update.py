@@ -49,11 +49,21 @@ class UpdateContext:
 class Record:
     """One partition's figures for the metrics: ``values`` (float64, on the device) combined over the partitions
     and then over the world with ``op`` ("sum" or "max"; "local": not over the world), and turned into named
-    figures by ``finish`` from the combined values as Python numbers."""
+    figures by ``finish`` from the combined values as Python numbers. ``per_value``: for "local", each value's
+    own combination over the partitions ("sum" or "max"; a byte count sums, a largest ratio does not)."""
 
     values: Tensor
     op: str
     finish: Callable[[list[float]], dict[str, float]]
+    per_value: tuple[str, ...] = ()
+
+
+def over_partitions(records: list[Record], device: torch.device) -> Tensor:
+    """The partitions' values combined: by ``op`` (max, or else sum), or value by value as ``per_value`` says."""
+    both = torch.stack([r.values.to(device=device, dtype=torch.float64) for r in records])
+    ops = records[0].per_value or ("max" if records[0].op == "max" else "sum",) * both.shape[1]
+    assert len(ops) == both.shape[1] and all(r.per_value == records[0].per_value for r in records), records
+    return torch.stack([both[:, j].amax() if op == "max" else both[:, j].sum() for j, op in enumerate(ops)])
 
 
 class Update(Protocol):

@@ -42,14 +42,13 @@ def make_zero_one_adam(section: "ZeroOneAdamSection", ctx: "UpdateContext") -> "
     assert ctx.state_device == ctx.device, "0/1 Adam's states stay on the device"
     tp = ctx.grid.tp_comm
     return ShardedZeroOneAdam(ctx.layout, ctx.device, ctx.weight_decay, section, ctx.grad_dtype, ctx.comm, tp.rank,
-                              tp.size, ctx.last_step, ctx.run_step, not ctx.experts, ctx.peak_lr)
+                              tp.size, ctx.last_step, ctx.run_step, ctx.peak_lr)
 
 
 class ShardedZeroOneAdam(ShardedOnebitAdam):
     def __init__(self, layout: BucketLayout, device: torch.device, weight_decay: float,
                  section: "ZeroOneAdamSection", grad_dtype: torch.dtype, comm: Comm, tp_rank: int, tp_size: int,
-                 last_step: int, run_step: Callable[[], int] = lambda: 0, reports_policy: bool = True,
-                 peak_lr: float = 0.0):
+                 last_step: int, run_step: Callable[[], int] = lambda: 0, peak_lr: float = 0.0):
         """``last_step``: train.steps, synchronised when the train step ``run_step()`` reaches it (0: never)."""
         s = section
         super().__init__(layout, device, weight_decay, (s.beta1, s.beta2), s.eps, grad_dtype, comm, tp_rank,
@@ -57,7 +56,7 @@ class ShardedZeroOneAdam(ShardedOnebitAdam):
         self.kappa = s.var_update_scaler
         self.local_steps = LocalSteps(s.var_freeze_step, s.local_step_scaler, s.local_step_clipper,
                                       s.local_step_policy == "lr", peak_lr)
-        self.last_step, self.run_step, self.reports_policy = last_step, run_step, reports_policy
+        self.last_step, self.run_step = last_step, run_step
         self.interval = 1  # T_u's interval at the last step
         self.silent = torch.zeros((), dtype=torch.float64)  # the local steps so far that sent nothing
         n = len(layout.buckets)
@@ -284,12 +283,12 @@ class ShardedZeroOneAdam(ShardedOnebitAdam):
         return super().extra_kinds() + [self.accum, self.denom, self.anchor, self.decay_whole]
 
     def record(self) -> Record:
-        """The update's bytes last step; from one partition: the share of silent steps, T_u's interval at the last
-        step and T_v's at the next."""
+        """The update's bytes last step (summed over the partitions); the share of silent steps, T_u's interval at
+        the last step and T_v's at the next (every partition's the same)."""
         t = self.step_count
-        policy = [float(self.silent) / max(t, 1), float(self.interval),
+        values = [self.sent, float(self.silent) / max(t, 1), float(self.interval),
                   float(variance_interval(t + 1, self.freeze_step, self.kappa))]
-        values = [self.sent] + (policy if self.reports_policy else [0.0] * 3)
         return Record(torch.tensor(values, dtype=torch.float64), "local",
                       lambda v: {"optim/compressed_bytes": v[0], "optim/silent_share": v[1],
-                                 "optim/sync_interval": v[2], "optim/var_interval": v[3]})
+                                 "optim/sync_interval": v[2], "optim/var_interval": v[3]},
+                      per_value=("sum", "max", "max", "max"))

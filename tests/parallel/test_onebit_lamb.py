@@ -209,3 +209,18 @@ def test_four_ranks_equal_the_papers_algorithm_and_adapt_the_trust_ratios():
             warm = sorted(first["sent"][1:FREEZE])[FREEZE // 2 - 1]
             assert max(first["sent"][FREEZE + 1:]) <= warm / 16, (first["sent"], warm)
         assert min(r["optim/compressed_bytes"] for r in first["records"][FREEZE:]) > 0
+
+
+def test_the_metrics_take_the_extreme_trust_ratios_over_the_partitions():
+    """With experts over ep > 1 a rank updates two partitions (dense and experts), each with its own layers'
+    ratios: the step's smallest and largest ratio are over both, and the bytes are both's sum."""
+    from types import SimpleNamespace
+
+    from megazero.parallel.zero.onebit_lamb import ShardedOnebitLamb
+    from megazero.parallel.zero.update import over_partitions
+
+    dense = ShardedOnebitLamb.record(SimpleNamespace(coeff=torch.tensor([0.5, 2.0], dtype=torch.float64), sent=100.0))
+    experts = ShardedOnebitLamb.record(SimpleNamespace(coeff=torch.tensor([0.1, 3.0], dtype=torch.float64), sent=40.0))
+    both = over_partitions([dense, experts], torch.device("cpu"))
+    got = dense.finish(both.tolist())
+    assert got == {"optim/compressed_bytes": 140.0, "optim/trust_min": 0.1, "optim/trust_max": 3.0}, got
