@@ -37,7 +37,7 @@ def grad_bytes_per_param(precision: str, grad_dtype: str = "auto") -> int:
 def model_state_bytes(psi: int, stage: int, dp: int, precision: str, offload_optimizer: str = "none",
                       offload_params: str = "none", grad_dtype: str = "auto",
                       optimizer_states: Optional[Callable[[int, int, bool], int]] = None,
-                      nvme_buffer_bytes: int = 0) -> dict[str, int]:
+                      nvme_buffer_bytes: int = 0, master_apart: bool = False) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state one rank keeps, by ZeRO stage.
 
     Rajbhandari et al. SC'20, §3 / Figure 1: (2+2+K)Ψ without partitioning;
@@ -49,7 +49,8 @@ def model_state_bytes(psi: int, stage: int, dp: int, precision: str, offload_opt
     of dp. Offloaded kinds count in ``cpu_total`` instead of ``device_total``, with the offloaded
     optimizer's pinned gradient buffer (g bytes per element of its range); the per-kind keys give the
     size wherever it lives. ``optimizer_states``: the optimizer's registry row's ``state_bytes`` where its
-    states are not Adam's two moments (1-bit Adam keeps its momentum and error whole on every rank). On a
+    states are not Adam's two moments (1-bit Adam keeps its momentum and error whole on every rank);
+    ``master_apart``: it keeps an fp32 master even where the parameters are fp32 (0/1 Adam past its freeze). On a
     local disk (``offload_optimizer="nvme"``, ZeRO-Infinity) the states count in ``nvme_total``, and the host
     holds the buffers that stream them (``nvme_buffer_bytes``) beside the gradients' landing buffer; stage 3's
     shards there too (``offload_params="nvme"``) count in ``nvme_total`` (the host holds a few layers' in flight).
@@ -68,6 +69,8 @@ def model_state_bytes(psi: int, stage: int, dp: int, precision: str, offload_opt
     if optimizer_states is not None:  # the row's states, and the masters on the shard as above
         optimizer += optimizer_states(psi, dp, policy.shard_optimizer) - ADAM_STATE_BYTES * (
             shard if policy.shard_optimizer else psi)
+    if master_apart and b == 4:
+        optimizer += MASTER_BYTES * (shard if policy.shard_optimizer else psi)
     # offloaded optimizer: its states and a pinned landing buffer for the gradients of its range
     offloaded = offload_optimizer in ("cpu", "nvme")
     staging = g * (shard if policy.shard_optimizer else psi) if offloaded else 0
@@ -91,7 +94,7 @@ def rank_state_bytes(cfg: Config, psi: int, experts: int) -> tuple[dict[str, int
     def state(n: int, group: int) -> dict[str, int]:
         return model_state_bytes(n, z.stage, group, t.precision, z.offload_optimizer, z.offload_params,
                                  z.grad_dtype, OPTIMIZERS[cfg.optim.name].state_bytes,
-                                 int(z.nvme_buffer_mb * 2 ** 20) if n else 0)
+                                 int(z.nvme_buffer_mb * 2 ** 20) if n else 0, OPTIMIZERS[cfg.optim.name].master_apart)
 
     whole = state(psi, p.dp * p.cp)
     if p.ep == 1 or not experts:

@@ -58,6 +58,8 @@ class Row:
     # rank keeps once the run is under way, fp32 masters aside (the planner's optimizer bytes): AdamW's two
     # moments by default
     state_bytes: Callable[[int, int, bool], int] = lambda whole, group, sharded: 8 * _share(whole, group, sharded)
+    # keeps an fp32 master apart from parameters that are fp32 themselves (the planner adds it where they are)
+    master_apart: bool = False
 
 
 def _share(whole: int, group: int, sharded: bool) -> int:
@@ -190,7 +192,7 @@ class ZeroOneAdamSection:
 def _zero_one_state_bytes(whole: int, group: int, sharded: bool) -> int:
     """0/1 Adam past its freeze (``parallel.zero.zero_one_adam``): 1-bit Adam's states, plus the accumulator u and
     the frozen denominator whole, and at stage 1 the whole fp32 anchor (the synchronised parameters) and decay
-    mask. (fp32 parameters also get a master apart from them at the freeze, which the planner's masters miss.)"""
+    mask. (fp32 parameters also get a master apart from them at the freeze: ``Row.master_apart``.)"""
     return _onebit_state_bytes(whole, group, sharded) + (8 + (5 if sharded else 0)) * whole
 
 
@@ -238,5 +240,5 @@ OPTIMIZERS: dict[str, Row] = {
                                            ("local_step_clipper", "bounds the steps between synchronisations, "
                                                                   "which the run must hold")),
                          resume_check=_lazy("train.onebit_resume", "check_zero_one_layout"),
-                         state_bytes=_zero_one_state_bytes),
+                         state_bytes=_zero_one_state_bytes, master_apart=True),
 }

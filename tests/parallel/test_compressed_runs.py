@@ -168,3 +168,18 @@ def test_bad_settings_are_one_line(tmp_path, capsys):
     assert_one_line(code, err, "optim.onebit_lamb.freeze_step", str(STEPS), f"train.steps={STEPS}")
     code, _, err = call(pretrain_main, _argv(lamb + ["parallel.dp=1"]), capsys)
     assert_one_line(code, err, "parallel.dp", "1", "onebit_lamb", "nothing to exchange")
+
+
+def test_the_states_past_the_freeze_are_the_plans(runs):
+    """The optimizer states a rank holds at the end (past the freeze: 1-bit Adam's, the accumulator, the frozen
+    denominator, the anchor and, the weights being fp32, a master apart from them) against the planner's, within
+    the buckets' padding (5%, as tests/plan/test_moe_plan.py)."""
+    from megazero.config.load import load_config
+    from megazero.config.resolve import resolve
+    from megazero.plan.stage_plan import make_plan
+
+    base, _ = runs
+    cfg = resolve(load_config(CONFIG, _overrides(base / "text", base / "cache", base / "plan", TP2)), 4, "cpu")
+    planned = make_plan(cfg).stages[0].model_state["optimizer"]
+    measured = _records(base / "whole")[-1]["optimizer_gb"] * 1e9
+    assert abs(measured - planned) <= 0.05 * planned, (measured, planned)
