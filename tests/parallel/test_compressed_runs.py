@@ -5,7 +5,8 @@ accumulator and weights are its own there. Resumed from it at the same layout th
 and norm, every stored tensor at the end, each rank's own); resumed with the error feedback dropped (the loaded
 buffers zeroed) it is not, so the test would fail against such a resume. Another dp is refused in one line. 1-bit LAMB (a warm-up of 10, 20 steps) resumes exactly
 from its save at 15 and is refused at another dp the same way.
-A resume may switch to AdamW on request (optim.switch_from). The metrics reach metrics.jsonl: bytes sent, the share of silent steps, the intervals. Bad settings are one line
+A resume may switch to AdamW on request (optim.switch_from). Under fp16 with skipped steps the last train step
+still synchronises. The metrics reach metrics.jsonl: bytes sent, the share of silent steps, the intervals. Bad settings are one line
 and exit 2.
 
 Exact: a resume at the same layout repeats the same operations on the same values (fp32, the CPU)."""
@@ -54,6 +55,15 @@ def _ranks(rank, world, text, cache, base):
         ShardedZeroOneAdam.states_loaded = loaded
     run(CONFIG, _overrides(text, cache, base / "switched", TP2 + [f"train.resume={saved}", "optim.name=adamw",
                                                                  "optim.switch_from=zero_one_adam"]))
+    from megazero.engine import build
+    from megazero.parallel.loss_scale import LossScaler
+
+    make_scaler = build.make_scaler
+    build.make_scaler = lambda precision: LossScaler(enabled=True, scale=2.0 ** 20)  # the first steps overflow
+    try:
+        run(CONFIG, _overrides(text, cache, base / "skips", TP2 + ["train.precision=fp16"]))
+    finally:
+        build.make_scaler = make_scaler
     refused = []
     for name, extra in (("refused", []), ("lamb_refused", ONEBIT_LAMB)):
         folder = "whole" if name == "refused" else "lamb_whole"
@@ -127,6 +137,17 @@ def test_a_switch_to_adamw_continues_from_the_masters_and_moments(runs):
     got = _records(base / "switched")
     assert [r["step"] for r in got] == list(range(SAVED + 1, STEPS + 1))
     assert "optim/compressed_bytes" not in got[-1] and abs(got[-1]["loss"] - want["loss"]) < 0.1 * want["loss"]
+
+
+def test_the_last_train_step_synchronises_after_skipped_steps(runs):
+    """fp16 from a loss scale of 2^20: the first steps overflow and are skipped, so the optimizer's steps lag the
+    train steps. The run's last train step still synchronises (it sends the compressed accumulator), though its
+    optimizer step is not at the end of an interval; the step before it is a local step."""
+    base, _ = runs
+    by_step = {r["step"]: r for r in _records(base / "skips")}
+    skipped = [t for t, r in by_step.items() if r.get("skipped")]
+    assert skipped and (STEPS - len(skipped)) % 4, skipped  # the last optimizer step is inside an interval of 4
+    assert by_step[STEPS - 1]["optim/compressed_bytes"] == 0 < by_step[STEPS]["optim/compressed_bytes"]
 
 
 def test_a_resume_at_another_dp_is_refused_in_one_line(runs):
