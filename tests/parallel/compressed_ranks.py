@@ -1,7 +1,9 @@
 """The rank side of the compressed optimizers' reference tests (1-bit Adam, 0/1 Adam, 1-bit LAMB): a 2-layer GPT
 at dp ``world`` and one ZeRO stage, each rank on its own two microbatches a step, every local gradient recorded
 by hooks for the in-process reference, and per step the bytes the ranks sent, the norm and the optimizer's
-metrics. ``keep(step, zero, grid)`` may record more after a step (the reduced gradient of a full-precision step)."""
+metrics. ``keep(step, zero, grid)`` may record more after a step (the reduced gradient of a full-precision step).
+The references' side of the compression is here too (``two_phase``), written from the paper, not from
+parallel.onebit."""
 from __future__ import annotations
 
 from typing import Any, Callable, Optional, Union
@@ -80,3 +82,40 @@ def train_stage(rank: int, world: int, stage: int, optim: Any, steps: int, lr: U
             "start": {n: t.numpy() for n, t in initial(cfg).items()},
             "grads": [{n: g.numpy() for n, g in step.items()} for step in grads],
             "norms": norms, "sent": sent, "records": records, "layout": layout, "kept": kept}
+
+
+def signs_and_scales(parts: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """The paper's compression of each row of ``parts``, a scale per group: ||group's elements||/sqrt(their count)
+    * sign(element), 0 where the group is 0 (left out); each norm taken over the row with the other elements
+    zeroed (the order of the ranks' own sums: an ulp there could flip a sign near 0, which would move an element
+    by two scales)."""
+    out = torch.zeros_like(parts)
+    for k in range(1, int(groups.max()) + 1):
+        mine = groups == k
+        count = mine.sum(1, keepdim=True).float().clamp(min=1.0)
+        scale = torch.where(mine, parts, 0.0).norm(dim=1, keepdim=True) / count.sqrt()
+        out = torch.where(mine, torch.where(parts >= 0, 1.0, -1.0) * scale, out)
+    return out
+
+
+def two_phase(values: list[torch.Tensor], workers: list, servers: list, groups: torch.Tensor) -> torch.Tensor:
+    """The compressed average of the workers' ``values`` (one flat bucket; ``groups``: each element's scale
+    group, 0 left out), 1-bit Adam's two phases, errors updated in place."""
+    world = len(values)
+    chunk = values[0].numel() // world
+    by_chunk = groups.view(world, chunk)
+    keep = groups > 0
+    sent = []
+    for r in range(world):
+        c = torch.where(keep, values[r] + workers[r], 0.0)
+        q = signs_and_scales(c.view(world, chunk), by_chunk).view(-1)
+        workers[r].copy_(c - q)
+        sent.append(q)
+    parts = []
+    for r in range(world):
+        s = torch.stack([x[r * chunk:(r + 1) * chunk] for x in sent]).mean(0) + servers[r]
+        s = torch.where(by_chunk[r] > 0, s, 0.0)
+        q = signs_and_scales(s.view(1, chunk), by_chunk[r:r + 1]).view(-1)
+        servers[r].copy_(s - q)
+        parts.append(q)
+    return torch.cat(parts)

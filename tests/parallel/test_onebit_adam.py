@@ -25,7 +25,7 @@ import math
 import torch
 
 from tests.dist import run_ranks
-from tests.parallel.compressed_ranks import train_stage
+from tests.parallel.compressed_ranks import train_stage, two_phase
 
 WORLD, STEPS, FREEZE, LR, WD, CLIP = 4, 20, 6, 1e-2, 0.1, 1.0
 BETAS, EPS = (0.9, 0.95), 1e-8
@@ -60,15 +60,6 @@ def _reduced_gradients(zero, grid, stage: int) -> dict:
             dist.all_gather_into_tensor(whole, mine)
             for (n, p), off in zip(b.params, b.offsets):
                 out[n] = whole[off:off + p.numel()].view(p.shape).clone()
-    return out
-
-
-def _compress(v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """The paper's compression of one chunk: ||v||/sqrt(len) * sign(v) over the kept elements, 0 elsewhere."""
-    out = torch.zeros_like(v)
-    kept = v[keep]
-    if kept.numel():
-        out[keep] = kept.norm() / math.sqrt(kept.numel()) * torch.where(kept >= 0, 1.0, -1.0)
     return out
 
 
@@ -123,23 +114,9 @@ def _reference(start: dict, grads: list[list[dict]], layout: list, reduced: list
                 m[i] = torch.lerp(m[i], gi, 1.0 - b1)
                 v[i] = v[i] * b2 + gi * gi * (1.0 - b2)
             else:
-                chunk = m[i].numel() // WORLD
-                keep = live[i].view(WORLD, chunk)
-                sent = []
-                for r in range(WORLD):
-                    mr = (m[i] * b1).add_(g[r][i], alpha=(1.0 - b1) * WORLD * coef)  # the rank's op
-                    c = torch.where(live[i], mr + workers[r][i], 0.0)
-                    q = torch.cat([_compress(p, k) for p, k in zip(c.view(WORLD, chunk), keep)])
-                    workers[r][i] = c - q
-                    sent.append(q)
-                parts = []
-                for r in range(WORLD):
-                    s = torch.stack([x[r * chunk:(r + 1) * chunk] for x in sent]).mean(0) + servers[r][i]
-                    s = torch.where(keep[r], s, 0.0)
-                    q = _compress(s, keep[r])
-                    servers[r][i] = s - q
-                    parts.append(q)
-                m[i] = torch.cat(parts)
+                mine = [(m[i] * b1).add_(g[r][i], alpha=(1.0 - b1) * WORLD * coef) for r in range(WORLD)]
+                groups = live[i].to(torch.uint8)  # one scale per chunk (tp 1: every parameter held alike)
+                m[i] = two_phase(mine, [x[i] for x in workers], [x[i] for x in servers], groups)
             before = w[i]
             w[i] = w[i] - LR / bc1 * m[i] / (v[i].sqrt() / bc2 + EPS)
             travel[i] = travel[i] + (w[i] - before).abs()

@@ -28,8 +28,7 @@ import math
 import torch
 
 from tests.dist import run_ranks
-from tests.parallel.compressed_ranks import train_stage
-from tests.parallel.test_zero_one_adam import _two_phase
+from tests.parallel.compressed_ranks import train_stage, two_phase
 
 WORLD, STEPS, FREEZE, LR, WD, CLIP = 4, 30, 10, 1e-2, 0.1, 1.0
 BETAS, EPS, COEFF_BETA, FMIN, FMAX, THRESHOLD = (0.9, 0.95), 1e-8, 0.9, 0.5, 2.0, 0.05
@@ -150,7 +149,7 @@ def _reference(start: dict, grads: list[list[dict]], layout: list, reduced: list
                     for n, a, z in spans(i):
                         mr[a:z] *= scale[n]
                     mine.append(mr)
-                avg = _two_phase(mine, [x[i] for x in workers], [x[i] for x in servers], live[i])
+                avg = two_phase(mine, [x[i] for x in workers], [x[i] for x in servers], live[i])
                 for n, a, z in spans(i):
                     avg[a:z] *= 1.0 / scale[n]
                 rebuilt = (avg - m[i] * b1) / (1.0 - b1)

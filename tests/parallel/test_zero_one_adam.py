@@ -32,7 +32,7 @@ import math
 import torch
 
 from tests.dist import run_ranks
-from tests.parallel.compressed_ranks import train_stage
+from tests.parallel.compressed_ranks import train_stage, two_phase
 from tests.parallel.test_onebit_adam import _reduced_gradients
 
 WORLD, STEPS, FREEZE, KAPPA, SCALER, CLIP_H, LR, WD, CLIP = 4, 30, 10, 2, 4, 4, 1e-2, 0.1, 1.0
@@ -76,42 +76,6 @@ def _ranks(rank, world):
         r["reduced"] = r["kept"]
         out.append(r)
     return out
-
-
-def _signs_and_scales(parts: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-    """The paper's compression of each row of ``parts``, a scale per group: ||group's elements||/sqrt(their count)
-    * sign(element), 0 where the group is 0 (left out); each norm taken over the row with the other elements
-    zeroed (the order of the ranks' own sums: an ulp there could flip a sign near 0, which would move an element
-    by two scales)."""
-    out = torch.zeros_like(parts)
-    for k in range(1, int(groups.max()) + 1):
-        mine = groups == k
-        count = mine.sum(1, keepdim=True).float().clamp(min=1.0)
-        scale = torch.where(mine, parts, 0.0).norm(dim=1, keepdim=True) / count.sqrt()
-        out = torch.where(mine, torch.where(parts >= 0, 1.0, -1.0) * scale, out)
-    return out
-
-
-def _two_phase(values: list[torch.Tensor], workers: list, servers: list, groups: torch.Tensor) -> torch.Tensor:
-    """The compressed average of the workers' ``values`` (one flat bucket; ``groups``: each element's scale
-    group, 0 left out), 1-bit Adam's two phases, errors updated in place."""
-    chunk = values[0].numel() // WORLD
-    by_chunk = groups.view(WORLD, chunk)
-    keep = groups > 0
-    sent = []
-    for r in range(WORLD):
-        c = torch.where(keep, values[r] + workers[r], 0.0)
-        q = _signs_and_scales(c.view(WORLD, chunk), by_chunk).view(-1)
-        workers[r].copy_(c - q)
-        sent.append(q)
-    parts = []
-    for r in range(WORLD):
-        s = torch.stack([x[r * chunk:(r + 1) * chunk] for x in sent]).mean(0) + servers[r]
-        s = torch.where(by_chunk[r] > 0, s, 0.0)
-        q = _signs_and_scales(s.view(1, chunk), by_chunk[r:r + 1]).view(-1)
-        servers[r].copy_(s - q)
-        parts.append(q)
-    return torch.cat(parts)
 
 
 def _reference(start: dict, grads: list[list[dict]], layout: list, reduced: dict, norms_seen: list[float],
@@ -183,7 +147,7 @@ def _reference(start: dict, grads: list[list[dict]], layout: list, reduced: dict
                 for r in range(WORLD):
                     m[r][i] = torch.where(live, (m[r][i] * b1).add_(g[r][i], alpha=(1.0 - b1) * WORLD * coef), 0.0)
                 if t <= FREEZE:
-                    avg = _two_phase([m[r][i] for r in range(WORLD)], [w[i] for w in workers],
+                    avg = two_phase([m[r][i] for r in range(WORLD)], [w[i] for w in workers],
                                      [s[i] for s in servers], groups)
                     for r in range(WORLD):
                         m[r][i] = avg.clone()
@@ -195,7 +159,7 @@ def _reference(start: dict, grads: list[list[dict]], layout: list, reduced: dict
                     for r in range(WORLD):
                         u[r][i] = u[r][i].add(m[r][i], alpha=rate)
                     if sync[t - 1]:
-                        avg = _two_phase([u[r][i] for r in range(WORLD)], [w[i] for w in workers],
+                        avg = two_phase([u[r][i] for r in range(WORLD)], [w[i] for w in workers],
                                          [s[i] for s in servers], groups)
                         anchor[i] = torch.where(decay[i], anchor[i] * kept, anchor[i]) - avg / denom
                         for r in range(WORLD):
