@@ -1,12 +1,13 @@
-"""1-bit Adam's training step against AdamW's at dp ranks (gloo, torchrun): the whole step (forward, backward,
+"""1-bit Adam's and 0/1 Adam's training step against AdamW's at dp ranks (gloo, torchrun): the whole step (forward, backward,
 the gradient reduction or the compressed momentum, the update), configs/tiny.yaml in fp32 at ZeRO 0, where
 1-bit Adam sends 1/31 of AdamW's bytes past its warm-up (tests/parallel/test_onebit_adam.py counts them).
 
-Each run takes ``--steps`` steps (the warm-up ends at step 5); a step's time is its logged tokens/s inverted,
-and a run's figure the median over the steps after ``--skip``. The two optimizers run in turns, ``--repeats``
-times; the medians of the runs are printed with their ratio.
+Each run takes ``--steps`` steps (the warm-up ends at step 5; 0/1 Adam's variance freezes there, and its
+synchronisation interval doubles every 5 steps up to 4); a step's time is its logged tokens/s inverted, and a
+run's figure the median over the steps after ``--skip``. The optimizers run in turns, ``--repeats`` times; the
+medians of the runs are printed with their ratios to AdamW's.
 
-    python bench/onebit.py [--dp 2] [--steps 40] [--skip 15] [--repeats 3]
+    python bench/onebit.py [--dp 2] [--steps 40] [--skip 15] [--repeats 3] [--optimizers adamw,onebit_adam]
 
 On CPU gloo the bytes are cheap and the compression's own work (signs, packing, two chunk norms a bucket) is
 not: the figure says what the compression costs where the network is not the bottleneck. Not a test.
@@ -38,6 +39,9 @@ def step_seconds(folder: Path, dp: int, optimizer: str, steps: int, skip: int, c
             f"data.cache_dir={cache}", f"optim.name={optimizer}", "train.lr=2.0e-3"]
     if optimizer == "onebit_adam":
         sets.append(f"optim.onebit_adam.freeze_step={FREEZE}")
+    if optimizer == "zero_one_adam":
+        sets += [f"optim.zero_one_adam.var_freeze_step={FREEZE}", f"optim.zero_one_adam.local_step_scaler={FREEZE}",
+                 "optim.zero_one_adam.local_step_clipper=4"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(dp),
            os.path.join(ROOT, "pretrain.py"), "--config", os.path.join(ROOT, "configs", "tiny.yaml")]
     for s in sets:
@@ -57,21 +61,24 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--skip", type=int, default=15)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--optimizers", default="adamw,onebit_adam", help="adamw first: the others' ratios are to it")
     args = ap.parse_args()
     assert args.skip >= FREEZE and args.steps - args.skip >= 20, "at least 20 timed steps past the warm-up"
     base = Path(tempfile.mkdtemp(prefix="onebit-"))
-    times: dict[str, list[float]] = {"adamw": [], "onebit_adam": []}
+    times: dict[str, list[float]] = {name: [] for name in args.optimizers.split(",")}
+    assert next(iter(times)) == "adamw", "AdamW first: the ratios are to it"
     for repeat in range(args.repeats):
         for optimizer in times:
             times[optimizer].append(step_seconds(base / f"{optimizer}_{repeat}", args.dp, optimizer, args.steps,
                                                  args.skip, base / "cache"))
-    print(f"### 1-bit Adam against AdamW, configs/tiny.yaml, dp {args.dp} (gloo), fp32, ZeRO 0, "
+    print(f"### {', '.join(list(times)[1:])} against AdamW, configs/tiny.yaml, dp {args.dp} (gloo), fp32, ZeRO 0, "
           f"median of steps {args.skip + 1}-{args.steps}, {args.repeats} runs each")
     print("", "| optimizer | ms/step (runs) | median |", "|---|---|---:|", sep="\n")
     for optimizer, ts in times.items():
         print(f"| {optimizer} | {', '.join(f'{t * 1e3:.0f}' for t in ts)} | {statistics.median(ts) * 1e3:.0f} |")
-    ratio = statistics.median(times["onebit_adam"]) / statistics.median(times["adamw"])
-    print(f"\n- onebit_adam / adamw step time: {ratio:.3f}")
+    print("")
+    for optimizer, ts in list(times.items())[1:]:
+        print(f"- {optimizer} / adamw step time: {statistics.median(ts) / statistics.median(times['adamw']):.3f}")
 
 
 if __name__ == "__main__":
