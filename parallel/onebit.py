@@ -23,6 +23,7 @@ fed the same values in the same places, bit-identical: their buckets differ only
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -47,37 +48,74 @@ def unpack_signs(packed: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     return bits.view(-1).to(dtype).mul_(2).sub_(1)
 
 
-def _compress(c: Tensor, chunks: int, groups: Optional[Tensor], counts: Optional[Tensor]
+@dataclass(frozen=True)
+class GroupLayout:
+    """Where a bucket's scale groups lie, for ``chunks`` equal chunks of ``groups``: ``counts`` (chunks, K + 1),
+    each group's elements per chunk (column 0: those left out); ``spans[i]``, chunk i's (group, first, end) for
+    each group present in it, its elements' first and one-past-last places; ``places[i]``, the same spans'
+    flat places ``row * (K + 1) + group`` in ``counts`` (on the device). A group's norm and spread read its span
+    only: one pass over the bucket in all, whatever the number of groups."""
+
+    counts: Tensor
+    spans: list[list[tuple[int, int, int]]]
+    places: list[Tensor]
+    all_places: Tensor
+
+
+def group_layout(groups: Tensor, chunks: int, group_count: int) -> GroupLayout:
+    """The layout of ``groups`` (uint8, values 0..group_count) over ``chunks`` chunks: the groups' runs, found
+    once on the host (the groups change only with the variance's live mask)."""
+    parts = groups.view(chunks, -1)
+    counts = torch.stack([(parts == k).sum(1) for k in range(group_count + 1)], 1).float()
+    spans, places = [], []
+    for i, row in enumerate(parts.cpu()):
+        starts = torch.nonzero(torch.cat([torch.ones(1, dtype=torch.bool), row[1:] != row[:-1]])).view(-1)
+        ends = torch.cat([starts[1:], torch.tensor([row.numel()])])
+        first, last = {}, {}
+        for a, z, k in zip(starts.tolist(), ends.tolist(), row[starts].tolist()):
+            if k:
+                first.setdefault(k, a)
+                last[k] = z
+        spans.append([(k, first[k], last[k]) for k in sorted(first)])
+        places.append(torch.tensor([k for k, _, _ in spans[-1]], dtype=torch.long))
+    all_places = torch.cat([p + i * (group_count + 1) for i, p in enumerate(places)]).to(groups.device)
+    return GroupLayout(counts, spans, [p.to(groups.device) for p in places], all_places)
+
+
+def _compress(c: Tensor, chunks: int, groups: Optional[Tensor], layout: Optional[GroupLayout], rows: list[int]
               ) -> tuple[Tensor, Tensor, Tensor]:
     """(packed signs, scales (chunks, K + 1), decompressed value) of ``c`` cut into ``chunks`` equal chunks:
-    ``groups`` (chunks, length) and ``counts`` (chunks, K + 1), each group's live elements per chunk, or None
-    (one group, every element live). Group 0's scale is 0. Each group's norm is taken over the chunk with the
-    others' elements zeroed, so it reads its own elements in their own places only."""
+    ``groups`` (chunks, length), whose chunks are ``layout``'s ``rows``, or None (one group, every element live).
+    Group 0's scale is 0. A group's norm squares its own elements (fp32) and sums them in float64, over its span."""
     parts = c.view(chunks, -1)
     signs = torch.where(parts >= 0, 1.0, -1.0).to(c.dtype)
     if groups is None:
         scales = torch.cat([torch.zeros(chunks, 1, dtype=c.dtype, device=c.device),
                             parts.norm(dim=1, keepdim=True) / math.sqrt(parts.shape[1])], 1)
         return pack_signs(c), scales, signs.mul_(scales[:, 1:]).view(-1)
-    scales = torch.zeros(counts.shape, dtype=c.dtype, device=c.device)
-    for k in range(1, counts.shape[1]):
-        scales[:, k] = torch.where(groups == k, parts, 0.0).norm(dim=1) / counts[:, k].clamp(min=1.0).sqrt()
-    return pack_signs(c), scales, signs.mul_(_spread(scales, groups)).view(-1)
+    width = layout.counts.shape[1]
+    sums = torch.zeros(chunks * width, dtype=torch.float64, device=c.device)
+    squares = [torch.where(groups[i, a:z] == k, parts[i, a:z], 0.0).square().sum(dtype=torch.float64)
+               for i, row in enumerate(rows) for k, a, z in layout.spans[row]]
+    if squares:
+        places = layout.all_places if chunks > 1 else layout.places[rows[0]]
+        sums[places] = torch.stack(squares)
+    counts = layout.counts[rows].double().clamp(min=1.0)
+    scales = (sums.view(chunks, width).sqrt_() / counts.sqrt_()).to(c.dtype)
+    return pack_signs(c), scales, signs.mul_(_spread(scales, groups, layout, rows)).view(-1)
 
 
-def _spread(scales: Tensor, groups: Tensor) -> Tensor:
-    """Each element's scale: row i of ``scales`` (chunks or workers, K + 1) by ``groups`` (that many rows or one
-    row, length), without an int64 index as long as the bucket."""
+def _spread(scales: Tensor, groups: Tensor, layout: GroupLayout, rows: list[int]) -> Tensor:
+    """Each element's scale: ``scales`` (chunks or workers, K + 1) by ``groups`` (one row per scales row, or one
+    row for them all, the chunks ``rows`` of ``layout``), over each group's span only."""
     out = torch.zeros(scales.shape[0], groups.shape[-1], dtype=scales.dtype, device=scales.device)
-    for k in range(1, scales.shape[1]):
-        out = torch.where(groups == k, scales[:, k:k + 1], out)
+    shared = groups.shape[0] == 1
+    for i, row in enumerate(rows):
+        for k, a, z in layout.spans[row]:
+            lines = slice(None) if shared else slice(i, i + 1)
+            piece = out[lines, a:z]
+            piece.copy_(torch.where(groups[i:i + 1, a:z] == k, scales[lines, k:k + 1], piece))
     return out
-
-
-def group_counts(groups: Tensor, chunks: int, group_count: int) -> Tensor:
-    """(chunks, group_count + 1): each chunk's number of elements in each group (column 0: those left out)."""
-    parts = groups.view(chunks, -1)
-    return torch.stack([(parts == k).sum(1) for k in range(group_count + 1)], 1).float()
 
 
 def padded_length(numel: int, ranks: int) -> int:
@@ -88,25 +126,25 @@ def padded_length(numel: int, ranks: int) -> int:
 
 def compressed_allreduce(x: Tensor, worker_error: Tensor, server_error: Tensor, comm: Comm,
                          tag: str = "onebit", groups: Optional[Tensor] = None, group_count: int = 1,
-                         counts: Optional[Tensor] = None) -> Tensor:
+                         layout: Optional[GroupLayout] = None) -> Tensor:
     """The mean over ``comm`` of every rank's ``x`` (1-D, fp32, ``padded_length`` long), compressed both ways;
     ``worker_error`` (that length) and ``server_error`` (1/n of it) are updated in place. ``groups`` (uint8, that
-    length, values 0..``group_count``): see above; ``counts``: ``group_counts`` of them, if the caller keeps it
-    (the groups rarely change)."""
+    length, values 0..``group_count``): see above; ``layout``: ``group_layout`` of them over ``comm.size``
+    chunks, if the caller keeps it (the groups rarely change)."""
     n = comm.size
     assert x.dim() == 1 and x.numel() % (8 * n) == 0, (tuple(x.shape), n)
     assert worker_error.shape == x.shape and server_error.numel() == x.numel() // n
     chunk = x.numel() // n
-    if groups is not None and counts is None:
-        counts = group_counts(groups, n, group_count)
+    if groups is not None and layout is None:
+        layout = group_layout(groups, n, group_count)
     by_chunk = groups.view(n, chunk) if groups is not None else None
+    everyone_rows, my_row = list(range(n)), [comm.rank]
     c = x + worker_error
     if groups is not None:
         c = torch.where(groups > 0, c, 0.0)
-    packed, scales, sent = _compress(c, n, by_chunk, counts)
+    packed, scales, sent = _compress(c, n, by_chunk, layout, everyone_rows)
     worker_error.copy_(c - sent)
     mine_groups = by_chunk[comm.rank:comm.rank + 1] if groups is not None else None
-    mine_counts = counts[comm.rank:comm.rank + 1] if groups is not None else None
     if n == 1:
         mine = sent
     else:
@@ -117,9 +155,9 @@ def compressed_allreduce(x: Tensor, worker_error: Tensor, server_error: Tensor, 
         if groups is None:
             mine = (signs * got_scales[:, 1:]).mean(0)
         else:
-            mine = (signs * _spread(got_scales, mine_groups)).mean(0)
+            mine = (signs * _spread(got_scales, mine_groups, layout, my_row)).mean(0)
     c = mine + server_error
-    packed, scale, sent = _compress(c, 1, mine_groups, mine_counts)
+    packed, scale, sent = _compress(c, 1, mine_groups, layout, my_row)
     server_error.copy_(c - sent)
     if n == 1:
         return sent
@@ -132,4 +170,4 @@ def compressed_allreduce(x: Tensor, worker_error: Tensor, server_error: Tensor, 
     signs = unpack_signs(everyone).view(n, chunk)
     if groups is None:
         return (signs * scales[:, 1:]).view(-1)
-    return (signs * _spread(scales, by_chunk)).view(-1)
+    return (signs * _spread(scales, by_chunk, layout, everyone_rows)).view(-1)

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from megazero.kernels.adam_cpu import Run
 from megazero.parallel.comm import Comm
-from megazero.parallel.onebit import compressed_allreduce, group_counts, padded_length
+from megazero.parallel.onebit import compressed_allreduce, group_layout, GroupLayout, padded_length
 from megazero.parallel.zero.adamw import ShardedAdamW
 from megazero.parallel.zero.layout import Bucket, BucketLayout
 from megazero.parallel.zero.update import Record
@@ -73,7 +73,7 @@ class ShardedOnebitAdam(ShardedAdamW):
         self.momentum: list[Optional[Tensor]] = [None] * n  # whole bucket, padded to 8 * dp
         self.whole_counted: list[list[Run]] = [[] for _ in range(n)]  # norm runs over the whole bucket
         self.groups: list[Optional[Tensor]] = [None] * n  # uint8 per element: 0 left out, else its scale group
-        self.counts: list[Optional[Tensor]] = [None] * n  # (dp chunks, groups + 1): the groups' sizes
+        self.group_layouts: list[Optional[GroupLayout]] = [None] * n  # where the groups lie in the chunks
         self.group_count = 1
         self.worker: list[Optional[Tensor]] = [None] * n
         self.server: list[Optional[Tensor]] = [None] * n
@@ -150,7 +150,7 @@ class ShardedOnebitAdam(ShardedAdamW):
                 live[:b.numel] = mine
             m.mul_(live)
             self.groups[i] = self._held_groups(b, renumber).mul_(live.to(torch.uint8))
-            self.counts[i] = group_counts(self.groups[i], n, self.group_count)
+            self.group_layouts[i] = group_layout(self.groups[i], n, self.group_count)
             if self.worker[i] is None:
                 self.worker[i] = torch.zeros_like(m)
                 self.server[i] = torch.zeros(m.numel() // n, dtype=torch.float32, device=self.device)
@@ -214,7 +214,7 @@ class ShardedOnebitAdam(ShardedAdamW):
             if n > 1:
                 m.copy_(compressed_allreduce(m, self.worker[i], self.server[i], self.comm, tag="onebit",
                                              groups=self.groups[i], group_count=self.group_count,
-                                             counts=self.counts[i]))
+                                             layout=self.group_layouts[i]))
             master = self.master[i]
             if self.weight_decay:
                 factor = torch.tensor(1.0 - lr * self.weight_decay, dtype=master.dtype, device=master.device)

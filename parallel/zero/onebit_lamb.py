@@ -151,7 +151,7 @@ class ShardedOnebitLamb(ShardedOnebitAdam, ShardedLamb):
                 self._scale(m, b, inverse=False)
                 m.copy_(compressed_allreduce(m, self.worker[i], self.server[i], self.comm, tag="onebit_lamb",
                                              groups=self.groups[i], group_count=self.group_count,
-                                             counts=self.counts[i]))
+                                             layout=self.group_layouts[i]))
                 self._scale(m, b, inverse=True)
             rebuilt = (m[lo:hi] - previous * b1) / (1.0 - b1)
             self.fresh[i].mul_(b2).addcmul_(rebuilt, rebuilt, value=1.0 - b2)

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from megazero.parallel.comm import Comm
-from megazero.parallel.onebit import compressed_allreduce, group_counts
+from megazero.parallel.onebit import compressed_allreduce, group_layout
 from megazero.parallel.zero.layout import Bucket, BucketLayout
 from megazero.parallel.zero.onebit_adam import ShardedOnebitAdam
 from megazero.parallel.zero.update import Record
@@ -105,7 +105,7 @@ class ShardedZeroOneAdam(ShardedOnebitAdam):
             m.mul_(live)
             groups, self.group_counts[i] = self._param_groups(b)
             self.groups[i] = groups.mul_(live)
-            self.counts[i] = group_counts(self.groups[i], n, self.group_counts[i])
+            self.group_layouts[i] = group_layout(self.groups[i], n, self.group_counts[i])
             if self.worker[i] is None:
                 self.worker[i] = torch.zeros_like(m)
                 self.server[i] = torch.zeros(m.numel() // n, dtype=torch.float32, device=self.device)
@@ -260,8 +260,8 @@ class ShardedZeroOneAdam(ShardedOnebitAdam):
     def _average(self, x: Tensor, i: int) -> Tensor:
         if self.comm.size == 1:  # the experts' group at ep = dp: nothing to exchange, nothing to compress
             return x
-        return compressed_allreduce(x, self.worker[i], self.server[i], self.comm, tag="zero_one",
-                                    groups=self.groups[i], group_count=self.group_counts[i], counts=self.counts[i])
+        return compressed_allreduce(x, self.worker[i], self.server[i], self.comm, tag="zero_one", groups=self.groups[i],
+                                    group_count=self.group_counts[i], layout=self.group_layouts[i])
 
     def _write_local(self, b: Bucket) -> None:
         """This rank's parameters within an interval: the anchor decayed, less its own u / (sqrt(v) + eps)."""

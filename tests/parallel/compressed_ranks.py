@@ -86,14 +86,15 @@ def train_stage(rank: int, world: int, stage: int, optim: Any, steps: int, lr: U
 
 def signs_and_scales(parts: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
     """The paper's compression of each row of ``parts``, a scale per group: ||group's elements||/sqrt(their count)
-    * sign(element), 0 where the group is 0 (left out); each norm taken over the row with the other elements
-    zeroed (the order of the ranks' own sums: an ulp there could flip a sign near 0, which would move an element
-    by two scales)."""
+    * sign(element), 0 where the group is 0 (left out); each norm's fp32 squares summed in float64 and the
+    scale rounded once to fp32, as the ranks do (then only the float64 sum's order differs, far below an fp32
+    ulp: an ulp off in a scale could flip a sign near 0 later, which would move an element by two scales)."""
     out = torch.zeros_like(parts)
     for k in range(1, int(groups.max()) + 1):
         mine = groups == k
-        count = mine.sum(1, keepdim=True).float().clamp(min=1.0)
-        scale = torch.where(mine, parts, 0.0).norm(dim=1, keepdim=True) / count.sqrt()
+        count = mine.sum(1, keepdim=True).double().clamp(min=1.0)
+        squares = torch.where(mine, parts, 0.0).square().sum(1, keepdim=True, dtype=torch.float64)
+        scale = (squares.sqrt() / count.sqrt()).float()
         out = torch.where(mine, torch.where(parts >= 0, 1.0, -1.0) * scale, out)
     return out
 
