@@ -66,20 +66,21 @@ def group_layout(groups: Tensor, chunks: int, group_count: int) -> GroupLayout:
     """The layout of ``groups`` (uint8, values 0..group_count) over ``chunks`` chunks: the groups' runs, found
     once on the host (the groups change only with the variance's live mask)."""
     parts = groups.view(chunks, -1)
-    counts = torch.stack([(parts == k).sum(1) for k in range(group_count + 1)], 1).float()
+    counts = torch.zeros(chunks, group_count + 1)
     spans, places = [], []
     for i, row in enumerate(parts.cpu()):
         starts = torch.nonzero(torch.cat([torch.ones(1, dtype=torch.bool), row[1:] != row[:-1]])).view(-1)
         ends = torch.cat([starts[1:], torch.tensor([row.numel()])])
-        first, last = {}, {}
-        for a, z, k in zip(starts.tolist(), ends.tolist(), row[starts].tolist()):
-            if k:
-                first.setdefault(k, a)
-                last[k] = z
-        spans.append([(k, first[k], last[k]) for k in sorted(first)])
+        ids = row[starts].long()
+        counts[i] = torch.bincount(ids, weights=(ends - starts).float(), minlength=group_count + 1)
+        live = ids > 0
+        first = torch.full((group_count + 1,), row.numel()).scatter_reduce(0, ids[live], starts[live], "amin")
+        last = torch.zeros(group_count + 1, dtype=torch.long).scatter_reduce(0, ids[live], ends[live], "amax")
+        present = torch.nonzero(first < row.numel()).view(-1)
+        spans.append(list(zip(present.tolist(), first[present].tolist(), last[present].tolist())))
         places.append(torch.tensor([k for k, _, _ in spans[-1]], dtype=torch.long))
     all_places = torch.cat([p + i * (group_count + 1) for i, p in enumerate(places)]).to(groups.device)
-    return GroupLayout(counts, spans, [p.to(groups.device) for p in places], all_places)
+    return GroupLayout(counts.to(groups.device), spans, [p.to(groups.device) for p in places], all_places)
 
 
 def _compress(c: Tensor, chunks: int, groups: Optional[Tensor], layout: Optional[GroupLayout], rows: list[int]
