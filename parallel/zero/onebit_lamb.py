@@ -80,6 +80,11 @@ class ShardedOnebitLamb(ShardedOnebitAdam, ShardedLamb):
                 self.layer_numel.append(step)
                 layer += 1
 
+    def _scale_groups(self, b: Bucket, renumber: dict[int, int]) -> tuple[Tensor, int]:
+        """One scale per chunk and way of holding (``_held``), as the paper's one flat buffer: the per-layer
+        momentum scaling puts the layers sharing it at one magnitude."""
+        return self._held_groups(b, renumber), len(renumber)
+
     def _layer_state(self) -> Tensor:
         if self.per_layer is None:
             self.per_layer = torch.zeros(3, self.n_groups, dtype=torch.float64, device=self.device)
@@ -150,7 +155,7 @@ class ShardedOnebitLamb(ShardedOnebitAdam, ShardedLamb):
             if n > 1:  # (the experts' group at ep = dp has one rank: nothing to exchange)
                 self._scale(m, b, inverse=False)
                 m.copy_(compressed_allreduce(m, self.worker[i], self.server[i], self.comm, tag="onebit_lamb",
-                                             groups=self.groups[i], group_count=self.group_count,
+                                             groups=self.groups[i], group_count=self.group_counts[i],
                                              layout=self.group_layouts[i]))
                 self._scale(m, b, inverse=True)
             rebuilt = (m[lo:hi] - previous * b1) / (1.0 - b1)

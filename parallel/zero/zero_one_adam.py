@@ -68,7 +68,6 @@ class ShardedZeroOneAdam(ShardedOnebitAdam):
         self.prepared_for = ""  # "sync" or "local": what _prepare last built
         self.momentum_stale = False  # stage 1: only this rank's slice of the momentum is current (a T_v step)
         self.anchor_stale = True  # stage 1: the anchor is refreshed from the gathered parameters when next read
-        self.group_counts = [1] * n  # per bucket: its scale groups (a parameter each)
         self.wrote_whole = False  # the last step wrote this rank's own whole parameters (no gather after it)
         self._loaded_momentum: dict[int, Tensor] = {}  # a load's per-rank momenta, taken by states_loaded
 

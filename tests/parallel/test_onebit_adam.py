@@ -2,8 +2,8 @@
 its own two microbatches, equal Tang et al. 2021's Algorithm 1 simulated for 4 workers in this process from the
 local gradients each rank recorded: AdamW over the summed gradient for the warm-up; then the variance frozen,
 each worker's momentum fed its own gradient, and the momenta averaged by the two-phase compression with worker
-and server error feedback, per flat bucket cut into 4 chunks with one scale each, leaving out the elements whose
-frozen sqrt(v_hat) is at most eps. Clipped at 1.0 by the norm the step reports: the summed gradient's in the
+and server error feedback, per flat bucket cut into 4 chunks with one scale per parameter in each, leaving out
+the elements whose frozen sqrt(v_hat) is at most eps. Clipped at 1.0 by the norm the step reports: the summed gradient's in the
 warm-up, then the RMS over workers of n * g_rank's (each worker's contribution at the reduced gradient's scale).
 
 After the warm-up the comm counter shows a step's bytes at stage 0 at most 1/16 of a warm-up (AdamW) step's (1/31
@@ -13,9 +13,9 @@ Tolerance, per element, 1e-6 of the largest weight plus 4e-6 of the element's tr
 sizes). The reference takes the warm-up's summed gradient as the ranks summed it (gloo's order) and clips by the
 ranks' norms (checked against its own to 1e-5), so it repeats the ranks' fp32 operations except AdamW's warm-up
 (the fused update against torch ops) and the chunk norms' order: ulps of m and v. An update divides m by
-sqrt(v_hat), so those ulps reach a weight as ulps of its travel; layer 1's key bias (exact gradient 0, a
-rounding-noise variance just above eps, the weak point of 1-bit Adam's frozen denominator) travels to 17 and
-differs by up to 3.4e-5, 2e-6 of its travel; every other weight by at most 5e-6. A sign flipped by an ulp would
+sqrt(v_hat), so those ulps reach a weight as ulps of its travel: the largest difference, 3.3e-6, is in layer 1's
+qkv weight, whose elements with a variance just above eps (the weak point of 1-bit Adam's frozen denominator)
+travel up to 111; every other weight differs by at most 2e-7. A sign flipped by an ulp would
 move an element by two scales, ~lr = 1e-2: outside the bound, and it does not happen once the sums are the
 ranks'. Each mutation checked (no worker error: 327 off; no n scale: 103 off) misses by far more."""
 from __future__ import annotations
@@ -81,6 +81,8 @@ def _reference(start: dict, grads: list[list[dict]], layout: list, reduced: list
         return out
 
     w = [flat(start, numel, names) for numel, names in layout]
+    params = [flat({n: torch.full(shapes[n], float(1 + j % 255)) for j, (n, _) in enumerate(names)}, numel,
+                   names).long() for numel, names in layout]
     decay = [flat({n: torch.full(shapes[n], float(len(shapes[n]) >= 2)) for n in shapes}, numel, names).bool()
              for numel, names in layout]
     m = [torch.zeros_like(x) for x in w]
@@ -115,7 +117,7 @@ def _reference(start: dict, grads: list[list[dict]], layout: list, reduced: list
                 v[i] = v[i] * b2 + gi * gi * (1.0 - b2)
             else:
                 mine = [(m[i] * b1).add_(g[r][i], alpha=(1.0 - b1) * WORLD * coef) for r in range(WORLD)]
-                groups = live[i].to(torch.uint8)  # one scale per chunk (tp 1: every parameter held alike)
+                groups = torch.where(live[i], params[i], 0)  # each parameter its own scale group
                 m[i] = two_phase(mine, [x[i] for x in workers], [x[i] for x in servers], groups)
             before = w[i]
             w[i] = w[i] - LR / bc1 * m[i] / (v[i].sqrt() / bc2 + EPS)
