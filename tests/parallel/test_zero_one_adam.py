@@ -31,7 +31,6 @@ import math
 
 import torch
 
-from tests.dist import run_ranks
 from tests.parallel.compressed_ranks import train_stage, two_phase
 from tests.parallel.test_onebit_adam import _reduced_gradients
 
@@ -60,7 +59,7 @@ def _policies(stage: int):
     return exact, sync
 
 
-def _ranks(rank, world):
+def rank_side(rank: int, world: int) -> list:
     from megazero.config.schema import OptimConfig
     from megazero.parallel.zero.registry import ZeroOneAdamSection
 
@@ -183,8 +182,9 @@ def _reference(start: dict, grads: list[list[dict]], layout: list, reduced: dict
     return out, norms
 
 
-def test_four_ranks_equal_the_papers_algorithm_with_local_steps_that_send_nothing():
-    results = run_ranks(WORLD, _ranks)
+def check_four_ranks(results: list) -> None:
+    """Each rank's weights, norms, bytes and policy figures against the reference (``results``:
+    ``rank_side``'s, per rank, spawned by tests/parallel/test_compressed_references.py)."""
     assert _policies(0)[1] != _policies(1)[1]  # the rate's rule, not the steps', decides stage 1's synchronisations
     for stage in (0, 1):
         exact, sync = _policies(stage)
