@@ -31,7 +31,10 @@ from torch import Tensor
 
 from megazero.parallel.comm import Comm
 
-_WEIGHTS = 2 ** torch.arange(8, dtype=torch.uint8)  # bit j of a byte is element j of its group of 8
+def _bit_weights(device: torch.device) -> Tensor:
+    """Bit j of a byte is element j of its group of 8: made where it is used (no copy from the host)."""
+    return torch.bitwise_left_shift(torch.ones(8, dtype=torch.uint8, device=device),
+                                    torch.arange(8, dtype=torch.uint8, device=device))
 
 
 def pack_signs(x: Tensor) -> Tensor:
@@ -39,13 +42,17 @@ def pack_signs(x: Tensor) -> Tensor:
     every element moves), packed little-endian into uint8."""
     assert x.dim() == 1 and x.numel() % 8 == 0, tuple(x.shape)
     bits = (x >= 0).to(torch.uint8).view(-1, 8)
-    return (bits * _WEIGHTS.to(x.device)).sum(1, dtype=torch.uint8)
+    return (bits * _bit_weights(x.device)).sum(1, dtype=torch.uint8)
 
 
 def unpack_signs(packed: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """The +1 / -1 values :func:`pack_signs` packed."""
-    bits = packed.view(-1, 1).bitwise_and(_WEIGHTS.to(packed.device)).ne(0)
+    bits = packed.view(-1, 1).bitwise_and(_bit_weights(packed.device)).ne(0)
     return bits.view(-1).to(dtype).mul_(2).sub_(1)
+
+
+# what one more operation costs, in elements streamed: a kernel launch on a GPU, an op's dispatch on the host
+_LAUNCH = {"cuda": 2 ** 22, "cpu": 2 ** 13}
 
 
 @dataclass(frozen=True)
@@ -53,26 +60,29 @@ class GroupLayout:
     """Where a bucket's scale groups lie, for ``chunks`` equal chunks of ``groups``: ``counts`` (chunks, K + 1),
     each group's elements per chunk (column 0: those left out); ``spans[i]``, chunk i's (group, first, end) for
     each group present in it, its elements' first and one-past-last places; ``places[i]``, the same spans'
-    flat places ``row * (K + 1) + group`` in ``counts`` (on the device). A group's norm and spread read its span
-    only: one pass over the bucket in all, whatever the number of groups."""
+    flat places ``row * (K + 1) + group`` in ``counts`` (on the device). ``by_span``: a group's norm and spread
+    read its span in each chunk only (one pass over the bucket when the spans do not overlap, an operation per
+    span), rather than the whole bucket once per group, vectorised over the chunks (K passes, an operation per
+    group): whichever streams less, launches counted (many groups: spans; few groups over many chunks: passes)."""
 
     counts: Tensor
     spans: list[list[tuple[int, int, int]]]
     places: list[Tensor]
     all_places: Tensor
+    by_span: bool
 
 
 def group_layout(groups: Tensor, chunks: int, group_count: int) -> GroupLayout:
     """The layout of ``groups`` (uint8, values 0..group_count) over ``chunks`` chunks: the groups' runs, found
     once on the host (the groups change only with the variance's live mask)."""
     parts = groups.view(chunks, -1)
-    counts = torch.zeros(chunks, group_count + 1)
+    counts = torch.zeros(chunks, group_count + 1, dtype=torch.long)
     spans, places = [], []
     for i, row in enumerate(parts.cpu()):
         starts = torch.nonzero(torch.cat([torch.ones(1, dtype=torch.bool), row[1:] != row[:-1]])).view(-1)
         ends = torch.cat([starts[1:], torch.tensor([row.numel()])])
         ids = row[starts].long()
-        counts[i] = torch.bincount(ids, weights=(ends - starts).float(), minlength=group_count + 1)
+        counts[i].index_add_(0, ids, ends - starts)
         live = ids > 0
         first = torch.full((group_count + 1,), row.numel()).scatter_reduce(0, ids[live], starts[live], "amin")
         last = torch.zeros(group_count + 1, dtype=torch.long).scatter_reduce(0, ids[live], ends[live], "amax")
@@ -80,14 +90,19 @@ def group_layout(groups: Tensor, chunks: int, group_count: int) -> GroupLayout:
         spans.append(list(zip(present.tolist(), first[present].tolist(), last[present].tolist())))
         places.append(torch.tensor([k for k, _, _ in spans[-1]], dtype=torch.long))
     all_places = torch.cat([p + i * (group_count + 1) for i, p in enumerate(places)]).to(groups.device)
-    return GroupLayout(counts.to(groups.device), spans, [p.to(groups.device) for p in places], all_places)
+    launch = _LAUNCH.get(groups.device.type, _LAUNCH["cuda"])
+    spanned = sum(z - a + launch for row in spans for _, a, z in row)
+    by_span = spanned < group_count * (groups.numel() + launch)
+    return GroupLayout(counts.float().to(groups.device), spans, [p.to(groups.device) for p in places], all_places,
+                       by_span)
+
 
 
 def _compress(c: Tensor, chunks: int, groups: Optional[Tensor], layout: Optional[GroupLayout], rows: list[int]
               ) -> tuple[Tensor, Tensor, Tensor]:
     """(packed signs, scales (chunks, K + 1), decompressed value) of ``c`` cut into ``chunks`` equal chunks:
     ``groups`` (chunks, length), whose chunks are ``layout``'s ``rows``, or None (one group, every element live).
-    Group 0's scale is 0. A group's norm squares its own elements (fp32) and sums them in float64, over its span."""
+    Group 0's scale is 0. A group's norm squares its own elements (fp32) and sums them in float64."""
     parts = c.view(chunks, -1)
     signs = torch.where(parts >= 0, 1.0, -1.0).to(c.dtype)
     if groups is None:
@@ -95,21 +110,29 @@ def _compress(c: Tensor, chunks: int, groups: Optional[Tensor], layout: Optional
                             parts.norm(dim=1, keepdim=True) / math.sqrt(parts.shape[1])], 1)
         return pack_signs(c), scales, signs.mul_(scales[:, 1:]).view(-1)
     width = layout.counts.shape[1]
-    sums = torch.zeros(chunks * width, dtype=torch.float64, device=c.device)
-    squares = [torch.where(groups[i, a:z] == k, parts[i, a:z], 0.0).square().sum(dtype=torch.float64)
-               for i, row in enumerate(rows) for k, a, z in layout.spans[row]]
-    if squares:
-        places = layout.all_places if chunks > 1 else layout.places[rows[0]]
-        sums[places] = torch.stack(squares)
-    counts = layout.counts[rows].double().clamp(min=1.0)
-    scales = (sums.view(chunks, width).sqrt_() / counts.sqrt_()).to(c.dtype)
+    sums = torch.zeros(chunks, width, dtype=torch.float64, device=c.device)
+    if not layout.by_span:
+        for k in range(1, width):
+            sums[:, k] = torch.where(groups == k, parts, 0.0).square().sum(1, dtype=torch.float64)
+    else:
+        squares = [torch.where(groups[i, a:z] == k, parts[i, a:z], 0.0).square().sum(dtype=torch.float64)
+                   for i, row in enumerate(rows) for k, a, z in layout.spans[row]]
+        if squares:
+            places = layout.all_places if chunks > 1 else layout.places[rows[0]]
+            sums.view(-1)[places] = torch.stack(squares)
+    counts = layout.counts if chunks > 1 else layout.counts[rows[0]:rows[0] + 1]  # a slice: no index to copy
+    scales = (sums.sqrt_() / counts.double().clamp(min=1.0).sqrt_()).to(c.dtype)
     return pack_signs(c), scales, signs.mul_(_spread(scales, groups, layout, rows)).view(-1)
 
 
 def _spread(scales: Tensor, groups: Tensor, layout: GroupLayout, rows: list[int]) -> Tensor:
     """Each element's scale: ``scales`` (chunks or workers, K + 1) by ``groups`` (one row per scales row, or one
-    row for them all, the chunks ``rows`` of ``layout``), over each group's span only."""
+    row for them all, the chunks ``rows`` of ``layout``)."""
     out = torch.zeros(scales.shape[0], groups.shape[-1], dtype=scales.dtype, device=scales.device)
+    if not layout.by_span:
+        for k in range(1, scales.shape[1]):
+            out = torch.where(groups == k, scales[:, k:k + 1], out)
+        return out
     shared = groups.shape[0] == 1
     for i, row in enumerate(rows):
         for k, a, z in layout.spans[row]:

@@ -126,9 +126,15 @@ class ShardedOnebitAdam(ShardedAdamW):
     def _param_groups(self, b: Bucket) -> tuple[Tensor, int]:
         """Each parameter its own scale group (not a large neighbour's scale over its own small denominator), and
         their count; a copy on another rank (tp, a tied stage) has the same place in its bucket. Past 85
-        parameters of one kind (``_held``) in a bucket their groups repeat, never across kinds (copies stay
-        bit-identical)."""
-        ids = [85 * (self._held(p) - 1) + j % 85 for j, (_, p) in enumerate(b.params)]
+        parameters of one kind (``_held``) in a bucket, neighbours of that kind share a group (85 runs of them,
+        so the groups' spans stay apart), never across kinds (copies stay bit-identical)."""
+        kinds = [self._held(p) for _, p in b.params]
+        of_kind = {k: kinds.count(k) for k in set(kinds)}
+        seen = dict.fromkeys(of_kind, 0)
+        ids = []
+        for k in kinds:
+            ids.append(85 * (k - 1) + seen[k] * 85 // max(of_kind[k], 85))
+            seen[k] += 1
         renumber = {g: k for k, g in enumerate(sorted(set(ids)), 1)}
         out = torch.zeros(self.momentum[b.index].numel(), dtype=torch.uint8, device=self.device)
         for g, (_, p), off in zip(ids, b.params, b.offsets):
@@ -224,8 +230,7 @@ class ShardedOnebitAdam(ShardedAdamW):
                                              layout=self.group_layouts[i]))
             master = self.master[i]
             if self.weight_decay:
-                factor = torch.tensor(1.0 - lr * self.weight_decay, dtype=master.dtype, device=master.device)
-                master.mul_(torch.where(self.decay_mask[i], factor, torch.ones_like(factor)))
+                master.mul_(torch.where(self.decay_mask[i], 1.0 - lr * self.weight_decay, 1.0))  # no host copy
             denom = (self.exp_avg_sq[i].sqrt() / bc2).add_(self.eps)
             master.addcdiv_(self.exp_avg[i], denom, value=-lr / bc1)
             if not self.master_is_param[i]:

@@ -191,8 +191,7 @@ class ShardedZeroOneAdam(ShardedOnebitAdam):
 
     def _decay(self, master: Tensor, mask: Tensor, factor: float) -> None:
         if self.weight_decay:
-            f = torch.tensor(factor, dtype=master.dtype, device=master.device)
-            master.mul_(torch.where(mask, f, torch.ones_like(f)))
+            master.mul_(torch.where(mask, factor, 1.0))  # the factor a kernel argument: no host copy
 
     def _bc2(self, t: int) -> float:
         """sqrt(1 - beta2^k), k the variance's updates by step t: its bias correction."""
