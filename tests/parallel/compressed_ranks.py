@@ -84,6 +84,15 @@ def train_stage(rank: int, world: int, stage: int, optim: Any, steps: int, lr: U
             "norms": norms, "sent": sent, "records": records, "layout": layout, "kept": kept}
 
 
+def flat_bucket(tensors: dict, numel: int, names: list, world: int) -> torch.Tensor:
+    """The references' flat bucket: the named tensors at their offsets, padded to a multiple of 8 * world."""
+    out = torch.zeros(-(-numel // (8 * world)) * 8 * world)
+    for n, off in names:
+        t = torch.as_tensor(tensors[n]).reshape(-1)
+        out[off:off + t.numel()] = t
+    return out
+
+
 def signs_and_scales(parts: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
     """The paper's compression of each row of ``parts``, a scale per group: ||group's elements||/sqrt(their count)
     * sign(element), 0 where the group is 0 (left out); each norm's fp32 squares summed in float64 and the

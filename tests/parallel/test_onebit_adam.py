@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from tests.parallel.compressed_ranks import train_stage, two_phase
+from tests.parallel.compressed_ranks import flat_bucket, train_stage, two_phase
 
 WORLD, STEPS, FREEZE, LR, WD, CLIP = 4, 20, 6, 1e-2, 0.1, 1.0
 BETAS, EPS = (0.9, 0.95), 1e-8
@@ -73,11 +73,7 @@ def _reference(start: dict, grads: list[list[dict]], layout: list, reduced: list
     shapes = {n: t.shape for n, t in start.items()}
 
     def flat(tensors: dict, numel: int, names: list) -> torch.Tensor:
-        out = torch.zeros(-(-numel // (8 * WORLD)) * 8 * WORLD)
-        for n, off in names:
-            t = torch.as_tensor(tensors[n]).reshape(-1)
-            out[off:off + t.numel()] = t
-        return out
+        return flat_bucket(tensors, numel, names, WORLD)
 
     w = [flat(start, numel, names) for numel, names in layout]
     params = [flat({n: torch.full(shapes[n], float(1 + j % 255)) for j, (n, _) in enumerate(names)}, numel,

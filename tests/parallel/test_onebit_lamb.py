@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from tests.parallel.compressed_ranks import train_stage, two_phase
+from tests.parallel.compressed_ranks import flat_bucket, train_stage, two_phase
 
 WORLD, STEPS, FREEZE, LR, WD, CLIP = 4, 30, 10, 1e-2, 0.1, 1.0
 BETAS, EPS, COEFF_BETA, FMIN, FMAX, THRESHOLD = (0.9, 0.95), 1e-8, 0.9, 0.5, 2.0, 0.05
@@ -84,11 +84,7 @@ def _reference(start: dict, grads: list[list[dict]], layout: list, reduced: list
     names = [n for _, ns in layout for n, _ in ns]
 
     def flat(tensors: dict, numel: int, names: list) -> torch.Tensor:
-        out = torch.zeros(-(-numel // (8 * WORLD)) * 8 * WORLD)
-        for n, off in names:
-            t = torch.as_tensor(tensors[n]).reshape(-1)
-            out[off:off + t.numel()] = t
-        return out
+        return flat_bucket(tensors, numel, names, WORLD)
 
     def spans(i: int):  # (name, start, end) of each layer in bucket i
         return [(n, off, off + math.prod(shapes[n])) for n, off in layout[i][1]]

@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from tests.parallel.compressed_ranks import train_stage, two_phase
+from tests.parallel.compressed_ranks import flat_bucket, train_stage, two_phase
 from tests.parallel.test_onebit_adam import _reduced_gradients
 
 WORLD, STEPS, FREEZE, KAPPA, SCALER, CLIP_H, LR, WD, CLIP = 4, 30, 10, 2, 4, 4, 1e-2, 0.1, 1.0
@@ -87,11 +87,7 @@ def _reference(start: dict, grads: list[list[dict]], layout: list, reduced: dict
     shapes = {n: t.shape for n, t in start.items()}
 
     def flat(tensors: dict, numel: int, names: list) -> torch.Tensor:
-        out = torch.zeros(-(-numel // (8 * WORLD)) * 8 * WORLD)
-        for n, off in names:
-            t = torch.as_tensor(tensors[n]).reshape(-1)
-            out[off:off + t.numel()] = t
-        return out
+        return flat_bucket(tensors, numel, names, WORLD)
 
     nb = len(layout)
     anchor = [flat(start, numel, names) for numel, names in layout]
