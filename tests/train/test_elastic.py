@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,25 +29,18 @@ ELASTIC = {"parallel.tp": 2, "parallel.dp": "auto", "train.save_every": 5, "trai
            "train.resume": "auto", "launch.timeout_minutes": 0.2}
 
 
-def _agent(sets: list[str], port: int, out: Path) -> subprocess.Popen:
+def _agent(sets: list[str], port: int, out: Path, hosts: bool) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic",
-           # a lost node is noticed within ~3 s, and a restart waits 2 s for nodes beyond the minimum
-           "--rdzv-conf", "last_call_timeout=2,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=3",
+           # a lost node is noticed within ~3 s, and a rendezvous waits 5 s for nodes beyond the minimum: both
+           # agents start together and must meet in the first one (a node joining a running job restarts it);
+           # the survivor hosts the store, so the one that is killed does not take it along
+           "--rdzv-conf", f"last_call_timeout=5,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=3,"
+                          f"is_host={int(hosts)}",
            "--max-restarts", "3", "--monitor-interval", "0.5", *pretrain_cmd(sets)[1:]]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     return subprocess.Popen(cmd, cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"}, stdout=out.open("w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _listening(port: int, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.1)
-    raise AssertionError(f"no rendezvous on port {port} within {timeout} s")
 
 
 def _tree(pid: int) -> list[int]:
@@ -77,10 +69,9 @@ def test_a_lost_node_continues_on_the_survivor_with_the_global_batch_kept(tmp_pa
     sets = small_overrides(text, cache, log, steps=STEPS, **ELASTIC)
     run(TINY, small_overrides(text, cache, tmp_path / "warm", steps=1))  # the data, built once
     port = free_port()
-    survivor = _agent(sets, port, tmp_path / "survivor.out")
+    survivor = _agent(sets, port, tmp_path / "survivor.out", hosts=True)
     try:
-        _listening(port)  # the first agent hosts the rendezvous: the one that is killed must not
-        lost = _agent(sets, port, tmp_path / "lost.out")
+        lost = _agent(sets, port, tmp_path / "lost.out", hosts=False)
         deadline = time.monotonic() + 120
         while _logged_step(log) < KILL_AT:
             assert time.monotonic() < deadline and survivor.poll() is None, (tmp_path / "survivor.out").read_text()
