@@ -84,6 +84,9 @@ class TrainConfig:
     eval_every: int = 0  # 0 disables evaluation
     eval_batches: int = 1  # global batches of validation data per evaluation
     save_every: int = 0  # 0: save only at the end
+    # false: no checkpoint when the run reaches train.steps (benchmarks, throwaway runs); train.exit_after,
+    # a stop signal and save_every still save
+    save_at_end: bool = True
     keep_last: int = 2  # checkpoints kept; older ones are deleted once a newer one is complete
     resume: str = "none"  # none | auto (the latest in log.dir/checkpoints) | a checkpoint path; any layout
     exit_after: int = 0  # stop (and save) after this many steps of this job, e.g. for time-limited slots; 0 = never

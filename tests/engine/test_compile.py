@@ -20,7 +20,7 @@ from megazero.config.load import load_config
 from megazero.errors import UserError
 from megazero.train.run import run
 from tests.dist import run_ranks
-from tests.runs import ROOT, assert_curves_match, read_metrics, small_overrides, write_corpus
+from tests.runs import ROOT, assert_curves_match, read_metrics, small_overrides, write_corpus, NO_FINAL_SAVE
 
 LLAMA = str(ROOT / "configs" / "tiny-llama.yaml")
 SHAPE = {"model.layers": 2, "model.heads": 4, "model.hidden": 64, "model.seq_len": 32, "train.global_batch": 8,
@@ -34,7 +34,7 @@ LAYOUTS = {"tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
 
 
 def _overrides(text, cache, log_dir, steps=STEPS, extra=()):
-    return small_overrides(text, cache, log_dir, steps=steps, **SHAPE) + list(extra)
+    return small_overrides(text, cache, log_dir, steps=steps, **SHAPE, **NO_FINAL_SAVE) + list(extra)
 
 
 def _layouts(rank, world, text, cache, base):

@@ -22,7 +22,7 @@ from megazero.models.build import build_gpt
 from megazero.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from megazero.train.run import run
 from tests.dist import run_ranks
-from tests.runs import ROOT, read_metrics, small_overrides, write_corpus
+from tests.runs import ROOT, read_metrics, small_overrides, write_corpus, NO_FINAL_SAVE
 
 LLAMA = str(ROOT / "configs" / "tiny-llama.yaml")
 SHAPE = {"model.layers": 4, "model.heads": 4, "model.hidden": 64, "model.seq_len": 32, "train.global_batch": 8,
@@ -31,7 +31,7 @@ STEPS, TOL = 10, 2e-3
 
 
 def _overrides(text, cache, log_dir, extra=()):
-    return small_overrides(text, cache, log_dir, steps=STEPS, **SHAPE) + list(extra)
+    return small_overrides(text, cache, log_dir, steps=STEPS, **SHAPE, **NO_FINAL_SAVE) + list(extra)
 
 
 def _tp2(rank, world, text, cache, base):

@@ -13,7 +13,7 @@ import pytest
 
 from megazero.train.run import run
 from tests.dist import run_ranks
-from tests.runs import read_metrics, ROOT, run_layouts, run_tree, small_overrides
+from tests.runs import read_metrics, ROOT, run_layouts, run_tree, small_overrides, NO_FINAL_SAVE
 
 CONFIG = str(ROOT / "configs" / "tiny-llama.yaml")
 STEPS = 6
@@ -27,7 +27,7 @@ LAYOUTS = [("cp2_tp2_ring", CP2_TP2 + ["parallel.cp_mode=ring"]),
 
 
 def _overrides(text, cache, log_dir, extra=()):
-    return small_overrides(text, cache, log_dir, steps=STEPS, **MOE) + list(extra)
+    return small_overrides(text, cache, log_dir, steps=STEPS, **MOE, **NO_FINAL_SAVE) + list(extra)
 
 
 def _four_ranks(rank, world, text, cache, base):

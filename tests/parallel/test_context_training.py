@@ -18,7 +18,7 @@ import pytest
 from megazero.checkpoint.store import checkpoint_dir
 from megazero.train.run import run
 from tests.dist import run_ranks
-from tests.runs import assert_curves_match, read_metrics, ROOT, small_overrides, write_corpus
+from tests.runs import assert_curves_match, read_metrics, ROOT, small_overrides, write_corpus, NO_FINAL_SAVE
 
 LLAMA = str(ROOT / "configs" / "tiny-llama.yaml")
 GPT2 = str(ROOT / "configs" / "tiny.yaml")
@@ -51,7 +51,7 @@ REFERENCE = {"cp2_pp2_interleaved_all_to_all": "one_4_layers"}
 
 def _overrides(config, text, cache, log_dir, extra=()):
     shape = LLAMA_SHAPE if config == LLAMA else SHAPE
-    return small_overrides(text, cache, log_dir, steps=STEPS, **shape) + list(extra)
+    return small_overrides(text, cache, log_dir, steps=STEPS, **shape, **NO_FINAL_SAVE) + list(extra)
 
 
 def _saved(base, mode):

@@ -19,8 +19,8 @@ import pytest
 
 from megazero.train.run import run
 from tests.dist import run_ranks, start_ranks
-from tests.runs import (assert_curves_match, read_metrics, ROOT, run_layouts, run_saved_and_resumed, small_overrides,
-                        write_corpus)
+from tests.runs import (assert_curves_match, NO_FINAL_SAVE, read_metrics, ROOT, run_layouts, run_saved_and_resumed,
+                        small_overrides, write_corpus)
 
 CONFIG = str(ROOT / "configs" / "tiny.yaml")
 STEPS = 6
@@ -55,7 +55,7 @@ REFERENCE = {"llama_tp2_sp_z1": "one_llama", "moe_ep2_z1": "one_moe", "llama_tp4
 
 
 def _overrides(optimizer, text, cache, log_dir, extra=()):
-    return small_overrides(text, cache, log_dir, steps=STEPS, **OPTIMIZERS[optimizer]) + list(extra)
+    return small_overrides(text, cache, log_dir, steps=STEPS, **OPTIMIZERS[optimizer], **NO_FINAL_SAVE) + list(extra)
 
 
 def _layouts(rank, world, text, cache, base, layouts, resume=False):

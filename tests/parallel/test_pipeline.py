@@ -21,7 +21,7 @@ from megazero.parallel.schedules import batches
 from megazero.parallel.topology import Grid
 from megazero.parallel.dims import ParallelDims
 from tests.dist import run_ranks, start_ranks
-from tests.runs import ROOT, engine_for, read_metrics, small_overrides, write_corpus
+from tests.runs import ROOT, engine_for, read_metrics, small_overrides, write_corpus, NO_FINAL_SAVE
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
 STEPS = 6
@@ -31,7 +31,7 @@ SCHEDULES = {"gpipe": ["parallel.schedule=gpipe"], "1f1b": ["parallel.schedule=1
 
 
 def _overrides(text, cache, log_dir, extra=()):
-    return small_overrides(text, cache, log_dir, steps=STEPS, **EIGHT_LAYERS) + list(extra)
+    return small_overrides(text, cache, log_dir, steps=STEPS, **EIGHT_LAYERS, **NO_FINAL_SAVE) + list(extra)
 
 
 def _counted_as(a) -> tuple[str, str]:

@@ -29,7 +29,7 @@ from megazero.models.llama import kv_replicas_needed
 from megazero.parallel.topology import Grid
 from megazero.parallel.dims import ParallelDims
 from tests.dist import run_ranks
-from tests.runs import ROOT, read_metrics, small_overrides, write_corpus
+from tests.runs import NO_FINAL_SAVE, ROOT, read_metrics, small_overrides, write_corpus
 
 GPT2 = ModelConfig(layers=2, hidden=64, heads=4, seq_len=32, vocab_size=500, ffn_hidden=128)
 LLAMA = replace(GPT2, arch="llama", heads=8, kv_heads=2, tie_embeddings=False, bias=False, norm_eps=1e-5)
@@ -174,7 +174,7 @@ def _four_ranks(rank, world, text, cache, base):
         dist.barrier()
     for name, model_sets, extra in CURVES:
         run(str(ROOT / "configs" / "tiny.yaml"),
-            small_overrides(text, cache, base / name, steps=STEPS, **model_sets) + extra
+            small_overrides(text, cache, base / name, steps=STEPS, **model_sets, **NO_FINAL_SAVE) + extra
             + ["parallel.tp_overlap=true"])
     return out
 
@@ -184,7 +184,8 @@ def results(tmp_path_factory):
     base = tmp_path_factory.mktemp("tp_overlap")
     text, cache = write_corpus(base / "text"), base / "cache"
     for name, model_sets in (("gpt_one", {}), ("llama_one", LLAMA_SETS)):
-        run(str(ROOT / "configs" / "tiny.yaml"), small_overrides(text, cache, base / name, steps=STEPS, **model_sets))
+        run(str(ROOT / "configs" / "tiny.yaml"), small_overrides(text, cache, base / name, steps=STEPS, **model_sets,
+                                                                  **NO_FINAL_SAVE))
     return base, run_ranks(4, _four_ranks, text, cache, base)
 
 

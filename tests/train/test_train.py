@@ -408,3 +408,24 @@ def test_a_run_computes_on_its_cpu_threads_and_gives_the_callers_back(corpus, tm
             small_overrides(text, cache, tmp_path / folder, steps=1) + [f"launch.cpu_threads={threads}"])
         assert torch.get_num_threads() == before
     assert seen == [3, max(1, os.cpu_count() or 1)]  # one process: all of this node's cores
+
+
+def test_save_at_end_false_writes_no_end_checkpoint_but_exit_after_and_save_every_still_save(corpus, tmp_path):
+    """train.save_at_end=false (benchmarks, layout-parity runs nothing resumes): the run that reaches train.steps
+    writes no checkpoint; save_every's saves and a job stopped by train.exit_after (which must be resumable) are
+    written as before."""
+    def checkpoints(log):
+        folder = log / "checkpoints"
+        return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+
+    off = {"train.save_at_end": "false"}
+    run(str(ROOT / "configs" / "tiny.yaml"), small_overrides(*corpus, tmp_path / "end", steps=4, **off))
+    assert checkpoints(tmp_path / "end") == [] and len(read_metrics(tmp_path / "end")) == 4
+    run(str(ROOT / "configs" / "tiny.yaml"), small_overrides(*corpus, tmp_path / "every", steps=4,
+                                                             **{**off, "train.save_every": 3}))
+    assert checkpoints(tmp_path / "every") == ["step_00000003"]
+    run(str(ROOT / "configs" / "tiny.yaml"), small_overrides(*corpus, tmp_path / "exit", steps=4,
+                                                             **{**off, "train.exit_after": 2}))
+    assert checkpoints(tmp_path / "exit") == ["step_00000002"]
+    run(str(ROOT / "configs" / "tiny.yaml"), small_overrides(*corpus, tmp_path / "default", steps=4))
+    assert checkpoints(tmp_path / "default") == ["step_00000004"]
