@@ -25,7 +25,7 @@ from megazero.parallel.topology import Grid
 from megazero.parallel.dims import ParallelDims
 from tests.dist import run_ranks, start_ranks
 from tests.parallel.test_topology import _mesh_groups
-from tests.runs import ROOT, engine_for, executor_for, read_metrics, small_overrides, write_corpus
+from tests.runs import NO_FINAL_SAVE, ROOT, engine_for, executor_for, read_metrics, small_overrides, write_corpus
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
 STEPS = 6  # fp32: a wrong sum shows from step 2 on, at 1e-5
@@ -36,7 +36,7 @@ BF16 = ["train.precision=bf16", f"train.steps={BF16_STEPS}"]
 
 
 def _over(text, cache, log_dir, extra=(), steps=STEPS, **values):
-    return small_overrides(text, cache, log_dir, steps=steps, **values) + list(extra)
+    return small_overrides(text, cache, log_dir, steps=steps, **{**NO_FINAL_SAVE, **values}) + list(extra)
 
 
 DP2 = [(f"dp2_z{s}", [f"zero.stage={s}"] + (SAVE_HALF if s == 2 else [])) for s in range(4)] + \

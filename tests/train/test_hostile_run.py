@@ -227,8 +227,8 @@ def straight(corpus, tmp_path_factory):
     return _losses(log)
 
 
-@pytest.mark.parametrize("sig,background", [(signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGUSR1, False),
-                                            (signal.SIGTERM, True)])
+# (SIGINT's single stop is this same path: test_a_second_sigint_stops_at_once_without_saving sends its first)
+@pytest.mark.parametrize("sig,background", [(signal.SIGTERM, False), (signal.SIGUSR1, False), (signal.SIGTERM, True)])
 def test_a_stop_signal_saves_the_step_reached_and_resume_matches(corpus, straight, tmp_path, sig, background):
     """One process: the signal lands mid-run; the step finishes, is saved (also when saves are asynchronous:
     the write is waited for), the exit code is 128 + N with one line on stdout and nothing on stderr;
