@@ -49,9 +49,11 @@ M16 = ["train.global_batch=32"]  # 16 microbatches of 2: per-microbatch replica 
 FOUR = [("tp4_sp_z3", ["parallel.tp=4", "parallel.sequence_parallel=true", "zero.stage=3"])] + \
        [(f"pp2_{s}_z{z}", SCHEDULES[s] + ["parallel.pp=2", f"zero.stage={z}"]
          + (["zero.bucket_mb=0.02"] if z < 3 else [])) for s, z in zip(SCHEDULES, (1, 2, 3))]
-# tp x pp with sequence parallelism at four ranks; dp is covered above (tp 2 and pp 2 at dp 2), and GPT's
-# tp2 x pp2 x dp2 runs in test_pipeline.py and test_zero.py: an 8-rank spawn for Llama cost ~18 s here
-TP_PP = [("tp2_pp2_sp", ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"])]
+# tp x pp with sequence parallelism at four ranks, interleaved (2 chunks a rank: the one tp x interleaved run;
+# GPT's tp2 x pp2 x dp2 runs the other schedules in test_pipeline.py and test_zero.py); dp is covered above (tp 2
+# and pp 2 at dp 2): an 8-rank spawn for Llama cost ~18 s here
+TP_PP = [("tp2_pp2_sp", ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"]
+          + SCHEDULES["interleaved"])]
 
 
 def _overrides(text, cache, log_dir, extra=()):

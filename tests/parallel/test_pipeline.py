@@ -102,7 +102,7 @@ def _four_ranks(rank, world, text, cache, base):
 
 
 FOUR = [(f"pp4_{s}", SCHEDULES[s] + ["parallel.pp=4"]) for s in SCHEDULES] + \
-       [(f"pp2_dp2_{s}", SCHEDULES[s] + ["parallel.pp=2"]) for s in SCHEDULES] + \
+       [(f"pp2_dp2_{s}", SCHEDULES[s] + ["parallel.pp=2"]) for s in ("interleaved", "zb1p")] + \
        [(f"pp2_dp2_interleaved_z{z}", SCHEDULES["interleaved"] + ["parallel.pp=2", f"zero.stage={z}"])
         for z in (2, 3)] + \
        [("pp4_1f1b_waited", SCHEDULES["1f1b"] + ["parallel.pp=4", "parallel.overlap_p2p=false"]),
@@ -110,8 +110,9 @@ FOUR = [(f"pp4_{s}", SCHEDULES[s] + ["parallel.pp=4"]) for s in SCHEDULES] + \
         ("pp2_dp2_zb1p_recompute", SCHEDULES["zb1p"] + ["parallel.pp=2", "model.activation_checkpointing=true"])]
 # (every other layout posts p2p ahead and waits at first use, the default)
 TP2_PP2 = ["parallel.pp=2", "parallel.tp=2"]
-# (GPipe at tp2 x pp2 x dp2 runs on a weighted blend: test_a_blend_trains_alike_at_tp2_pp2_dp2...)
-EIGHT = [("tp2_pp2_dp2_interleaved", SCHEDULES["interleaved"] + TP2_PP2)] + [
+# (GPipe at tp2 x pp2 x dp2 runs on a weighted blend: test_a_blend_trains_alike_at_tp2_pp2_dp2...; interleaved
+# at tp 2 x pp 2 is tests/models/test_llama.py's tp2_pp2_sp, and at dp 2 the pp2_dp2 ones above)
+EIGHT = [
     ("tp2_pp2_dp2_1f1b_sp", SCHEDULES["1f1b"] + TP2_PP2 + ["parallel.sequence_parallel=true", "log.pipeline_trace=true"]),
     # the split backward under ZeRO: gradient hooks fire in W; stage 3 keeps a layer gathered from its B to its W
     ("tp2_pp2_dp2_zb1p_z1", SCHEDULES["zb1p"] + TP2_PP2 + ["zero.stage=1", "log.pipeline_trace=true"]),
