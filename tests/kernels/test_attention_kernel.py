@@ -99,10 +99,15 @@ def check(b, h, s, d, dtype, causal, layout="model", dq_mode="separate", kv_head
     torch.testing.assert_close(lse.double(), ref_lse.detach(), rtol=1e-5, atol=1e-5)  # fp32 either way
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+# fp16 changes the loads, the casts and the stores, not the blocks a shape visits: at the ragged shapes only
+CASES = [(shape, dtype) for shape in SHAPES for dtype in (torch.float32, torch.float16)
+         if dtype == torch.float32 or shape[2] in (17, 100)]
+
+
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape,dtype", CASES, ids=lambda c: "x".join(map(str, c)) if isinstance(c, tuple)
+                         else str(c).replace("torch.float", "fp"))
 def test_matches_float64_reference(shape, d, causal, dtype):
     check(*shape, d, dtype, causal)
 
