@@ -92,7 +92,19 @@ def load_state(path: Path, cfg: Config, zero: ZeroOptimizer, named_params: list[
                                getattr(data, "stamps", None))
     step = int(checkpoint.read_meta(path)["optimizer_step"])
     state, exported = state_tensors(zero, named_params, grid, buffers, step)
-    check_rank_state_stored(path, [k for k in state if k.startswith("rank/")], set(checkpoint.stored_tensors(path)))
+    stored = set(checkpoint.stored_tensors(path))
+    own = f"rank/{grid.rank}/"
+    missing = [k for k in state if k.startswith(own) and k not in stored]  # an older megazero's checkpoint
+    for key in missing:
+        if zero.rebuild_rank_state(key[len(own):], step):
+            del state[key]
+    check_rank_state_stored(path, [k for k in state if k.startswith("rank/")], stored)
+    left = [k for k in missing if k in state]
+    if left:
+        raise UserError(f"checkpoint {path}: holds no {left[0]!r} ({len(left)} of this rank's optimizer states "
+                        f"missing), which this optimizer needs past optimizer step {step} and cannot rebuild: "
+                        f"written by an older megazero or another optim setting; resume with its settings, or "
+                        f"start afresh")
     meta = checkpoint.load(path, state)
     complete_replicas(exported, dict(named_params), grid)
     zero.import_state(exported, int(meta["optimizer_step"]), int(meta.get("step", meta["optimizer_step"])))

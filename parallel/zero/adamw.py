@@ -141,6 +141,10 @@ class ShardedAdamW:
         """Nothing of AdamW's belongs to one rank alone: every state is a share of a logical tensor."""
         return {}
 
+    def rebuild_rank_state(self, key: str, step: int) -> bool:
+        """What a rank keeps alone (error feedback, momentum) cannot be made up: a missing key refuses the resume."""
+        return False
+
     def record(self) -> Optional["Record"]:
         """AdamW reports no figures of its own."""
         return None

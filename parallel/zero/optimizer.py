@@ -233,6 +233,12 @@ class ZeroOptimizer:
         Adam's error buffers), by "<partition>/<key>": see ``Update.rank_state``."""
         return {f"{part.name}/{k}": t for part in self.parts for k, t in part.optim.rank_state(step).items()}
 
+    def rebuild_rank_state(self, key: str, step: int) -> bool:
+        """``key`` ("<partition>/<key>") of ``rank_state`` is missing from an older checkpoint: whether its
+        partition's update rebuilt it from optimizer step ``step``."""
+        name, own = key.split("/", 1)
+        return any(part.optim.rebuild_rank_state(own, step) for part in self.parts if part.name == name)
+
     def full_gradients(self) -> dict[str, Tensor]:
         """Stage 0, after ``reduce``: every parameter's reduced gradient, by name (for inspection and tests)."""
         assert not self.policy.shard_optimizer, "only stage 0 keeps whole reduced gradients"

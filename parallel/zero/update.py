@@ -135,5 +135,9 @@ class Update(Protocol):
     def rank_state(self, step: int) -> dict[str, Tensor]:
         """What belongs to this rank alone as of optimizer step ``step``, by key (most updates: nothing)."""
 
+    def rebuild_rank_state(self, key: str, step: int) -> bool:
+        """A checkpoint written by an older megazero lacks ``key`` of ``rank_state``: rebuild it from the step if
+        it can be (True), or say it cannot (False: the resume is refused)."""
+
     def record(self) -> Optional[Record]:
         """The last step's figures for the metrics (None: the update reports none)."""

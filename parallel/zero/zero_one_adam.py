@@ -29,7 +29,7 @@ from megazero.parallel.onebit import compressed_allreduce, group_layout
 from megazero.parallel.zero.layout import Bucket, BucketLayout
 from megazero.parallel.zero.onebit_adam import ShardedOnebitAdam
 from megazero.parallel.zero.update import Record
-from megazero.parallel.zero.zero_one_policy import (LocalSteps, updates_variance, variance_interval,
+from megazero.parallel.zero.zero_one_policy import (LocalSteps, silent_steps, updates_variance, variance_interval,
                                                    variance_updates)
 
 if TYPE_CHECKING:
@@ -169,6 +169,14 @@ class ShardedZeroOneAdam(ShardedOnebitAdam):
             self._loaded_momentum[i] = self.momentum[i].clone()
             out[f"{i}/momentum"], out[f"{i}/accum"] = self._loaded_momentum[i], self.accum[i]
         return out
+
+    def rebuild_rank_state(self, key: str, step: int) -> bool:
+        """``silent`` (a metric's count, saved since the learning-rate rule came) under the step rule: its closed
+        form. A checkpoint older than it never held the learning-rate rule."""
+        if key != "silent" or self.local_steps.by_lr:
+            return False
+        self.silent.fill_(float(silent_steps(step, self.local_steps)))
+        return True
 
     # ----- the step -------------------------------------------------------------------------------------------------
     def update(self, grads: list[Tensor], lr: float, grad_scale: float, resend: set[int]) -> None:

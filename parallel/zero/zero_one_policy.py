@@ -70,3 +70,9 @@ class LocalSteps:
         if self.by_lr:
             return lr_interval(lr, self.peak_lr, self.clipper)
         return local_interval(t, self.freeze, self.scaler, self.clipper)
+
+
+def silent_steps(t: int, steps: LocalSteps) -> int:
+    """Steps freeze + 1 .. t that sent nothing under the step rule (a run's last step, which always sends, aside)."""
+    assert not steps.by_lr, "the learning-rate rule has no closed form over steps"
+    return sum(1 for s in range(steps.freeze + 1, t + 1) if s % steps.interval(s, 0.0) != 0)

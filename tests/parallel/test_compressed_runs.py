@@ -57,6 +57,19 @@ def _ranks(rank, world, text, cache, base):
                                                                     f"train.exit_after={AFTER}"]))
     finally:
         ShardedZeroOneAdam.states_loaded = loaded
+    own_state = ShardedZeroOneAdam.rank_state
+
+    def without_silent(self, step):  # a checkpoint as megazero wrote it before it kept the silent-step count
+        return {k: t for k, t in own_state(self, step).items() if k != "silent"}
+
+    ShardedZeroOneAdam.rank_state = without_silent
+    try:
+        run(CONFIG, _overrides(text, cache, base / "old", TP2 + [f"train.save_every={SAVED}",
+                                                                 f"train.exit_after={SAVED}"]))
+    finally:
+        ShardedZeroOneAdam.rank_state = own_state
+    run(CONFIG, _overrides(text, cache, base / "old_resumed", TP2 + [
+        f"train.resume={store.checkpoint_dir(base / 'old' / 'checkpoints', SAVED)}", f"train.exit_after={AFTER}"]))
     run(CONFIG, _overrides(text, cache, base / "switched", TP2 + [f"train.resume={saved}", "optim.name=adamw",
                                                                  "optim.switch_from=zero_one_adam",
                                                                  f"train.exit_after={AFTER}"]))
@@ -110,6 +123,19 @@ def test_a_resume_inside_an_interval_is_exact_at_its_layout(runs):
     assert by_step[SAVED]["optim/compressed_bytes"] == 0 and by_step[SAVED + 1]["optim/compressed_bytes"] > 0
     assert by_step[SAVED]["optim/sync_interval"] == 4 and by_step[3]["optim/var_interval"] == 2
     assert by_step[STEPS]["optim/var_interval"] == 0 and 0 < by_step[STEPS]["optim/silent_share"] < 1
+
+
+def test_a_checkpoint_from_before_the_silent_count_resumes_with_the_count_rebuilt(runs):
+    """A checkpoint saved without ``silent`` (megazero before the learning-rate rule) resumes: the share of silent
+    steps is rebuilt from the step rule's closed form, and the run is the uninterrupted one (losses exact)."""
+    base, _ = runs
+    whole = {r["step"]: r for r in _records(base / "whole")}
+    resumed = _records(base / "old_resumed")
+    assert [r["step"] for r in resumed] == list(range(SAVED + 1, SAVED + AFTER + 1))
+    for r in resumed:
+        want = whole[r["step"]]
+        assert (r["loss"], r["optim/silent_share"]) == (want["loss"], want["optim/silent_share"]), (r, want)
+    assert resumed[-1]["optim/silent_share"] > 0
 
 
 def test_a_save_between_synchronisations_holds_the_last_synchronisations_weights(runs):
