@@ -1,5 +1,5 @@
 """The rules of a run's own watch and recovery: what a rollback needs kept on disk (``train.on_spike``), what
-names a straggler (``train.straggler_ratio``)."""
+names a straggler (``train.straggler_ratio``), and what says a restarted run has finished (``train.save_at_end``)."""
 from __future__ import annotations
 
 from megazero.config.schema import Config
@@ -13,6 +13,10 @@ def check_recovery(cfg: Config) -> None:
     if t.straggler_ratio <= 1.0:
         raise invalid(cfg.source, "train.straggler_ratio", t.straggler_ratio, "must be > 1 (a rank's compute time "
                       "over the ranks' median: every rank is at 1 or below it, or above it)")
+    if not t.save_at_end and t.resume == "auto" and not t.exit_after:
+        raise invalid(cfg.source, "train.save_at_end", t.save_at_end,
+                      "leaves no checkpoint of the finished run, so train.resume=auto would train its last steps "
+                      "again on a restart; keep it true, or set train.exit_after (whose jobs each save)")
     if t.on_spike != "rollback":
         return
     reach = (t.keep_last - 1) * t.save_every

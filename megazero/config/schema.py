@@ -84,8 +84,8 @@ class TrainConfig:
     eval_every: int = 0  # 0 disables evaluation
     eval_batches: int = 1  # global batches of validation data per evaluation
     save_every: int = 0  # 0: save only at the end
-    # false: no checkpoint when the run reaches train.steps (benchmarks, throwaway runs); train.exit_after,
-    # a stop signal and save_every still save
+    # false: no checkpoint when the run reaches train.steps (benchmarks, throwaway runs); save_every, a stop
+    # signal and each job of train.exit_after still save; not with train.resume=auto alone
     save_at_end: bool = True
     keep_last: int = 2  # checkpoints kept; older ones are deleted once a newer one is complete
     resume: str = "none"  # none | auto (the latest in log.dir/checkpoints) | a checkpoint path; any layout

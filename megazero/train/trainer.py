@@ -276,7 +276,8 @@ class Trainer:
                     logger.log(step, record)
                     window_time, window_steps, window_flops = 0.0, 0, 0.0
                 history.append({"step": step, **record})
-                at_end = step == stop_at and (cfg.train.save_at_end or stop_at < cfg.train.steps)
+                # a job of train.exit_after saves where it ends, train.steps too: the next job sees it finished
+                at_end = step == stop_at and (cfg.train.save_at_end or cfg.train.exit_after > 0)
                 if (cfg.train.save_every and step % cfg.train.save_every == 0) or at_end or self.stop_agreed:
                     saved = self.save(writer)
                 if self.stop_agreed and self.step < stop_at:

@@ -128,7 +128,11 @@ def test_a_resume_inside_an_interval_is_exact_at_its_layout(runs):
 def test_a_checkpoint_from_before_the_silent_count_resumes_with_the_count_rebuilt(runs):
     """A checkpoint saved without ``silent`` (megazero before the learning-rate rule) resumes: the share of silent
     steps is rebuilt from the step rule's closed form, and the run is the uninterrupted one (losses exact)."""
+    from megazero.checkpoint import store
+
     base, _ = runs
+    kinds = store.stored_tensors(store.checkpoint_dir(base / "old" / "checkpoints", SAVED))
+    assert any(k.endswith("/sums") for k in kinds) and not any(k.endswith("/silent") for k in kinds)
     whole = {r["step"]: r for r in _records(base / "whole")}
     resumed = _records(base / "old_resumed")
     assert [r["step"] for r in resumed] == list(range(SAVED + 1, SAVED + AFTER + 1))

@@ -410,10 +410,15 @@ def test_a_run_computes_on_its_cpu_threads_and_gives_the_callers_back(corpus, tm
     assert seen == [3, max(1, os.cpu_count() or 1)]  # one process: all of this node's cores
 
 
-def test_save_at_end_false_writes_no_end_checkpoint_but_exit_after_and_save_every_still_save(corpus, tmp_path):
+def test_save_at_end_false_writes_no_end_checkpoint_but_exit_after_and_save_every_still_save(corpus, tmp_path,
+                                                                                           capsys):
     """train.save_at_end=false (benchmarks, layout-parity runs nothing resumes): the run that reaches train.steps
-    writes no checkpoint; save_every's saves and a job stopped by train.exit_after (which must be resumable) are
-    written as before."""
+    writes no checkpoint; save_every's saves and each job of train.exit_after are written as before, the last
+    job's at train.steps too, so a chain of jobs resumed with train.resume=auto sees the run finished (without
+    that save the third job trained steps 3-4 again). train.resume=auto without exit_after is refused: a restart
+    of the finished run would train its last steps again."""
+    from megazero.errors import UserError
+
     def checkpoints(log):
         folder = log / "checkpoints"
         return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
@@ -424,8 +429,15 @@ def test_save_at_end_false_writes_no_end_checkpoint_but_exit_after_and_save_ever
     run(str(ROOT / "configs" / "tiny.yaml"), small_overrides(*corpus, tmp_path / "every", steps=4,
                                                              **{**off, "train.save_every": 3}))
     assert checkpoints(tmp_path / "every") == ["step_00000003"]
-    run(str(ROOT / "configs" / "tiny.yaml"), small_overrides(*corpus, tmp_path / "exit", steps=4,
-                                                             **{**off, "train.exit_after": 2}))
-    assert checkpoints(tmp_path / "exit") == ["step_00000002"]
+    chain = {**off, "train.exit_after": 2, "train.resume": "auto"}
+    for saved in (["step_00000002"], ["step_00000002", "step_00000004"], ["step_00000002", "step_00000004"]):
+        capsys.readouterr()
+        run(str(ROOT / "configs" / "tiny.yaml"), small_overrides(*corpus, tmp_path / "exit", steps=4, **chain))
+        assert checkpoints(tmp_path / "exit") == saved
+    assert "is finished (step 4 of train.steps=4)" in capsys.readouterr().out
+    assert [r["step"] for r in read_metrics(tmp_path / "exit")] == [1, 2, 3, 4]
+    with pytest.raises(UserError, match="train.save_at_end"):
+        run(str(ROOT / "configs" / "tiny.yaml"), small_overrides(*corpus, tmp_path / "auto", steps=4,
+                                                                 **{**off, "train.resume": "auto"}))
     run(str(ROOT / "configs" / "tiny.yaml"), small_overrides(*corpus, tmp_path / "default", steps=4))
     assert checkpoints(tmp_path / "default") == ["step_00000004"]
