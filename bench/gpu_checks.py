@@ -164,13 +164,12 @@ def _pretrain(checks: Checks, name: str, run_dir: Path, sets: list[str], env: di
 
 def _training(checks: Checks, runs: Path, base: list[str], env: dict, steps: int, lean: bool = False) -> None:
     """2. Training on one device: the Triton kernels, the offloaded optimizer and ZeRO-3 against the reference
-    (``lean``: the ZeRO-3 offloaded run alone, with the torch kernels, against the torch run; the Triton kernels'
-    run against the torch one is tests/engine/test_kernels_training.py's, in-process)."""
+    (``lean``: the ZeRO-3 offloaded run alone, with the torch kernels, against the torch run)."""
     torch_k = ["kernels.attention=torch", "kernels.adam=torch"]
     triton_k = ["kernels.attention=triton", "kernels.adam=triton"]
     offload_k = torch_k if lean else triton_k
     ref = _pretrain(checks, "train torch kernels", runs / "torch", base + torch_k, env)
-    if lean:
+    if lean:  # tests/engine/test_kernels_training.py trains them against the torch kernels in-process
         checks.note("- skipped (--lean): triton kernels against torch kernels")
     fused = {} if lean else _pretrain(checks, "train triton kernels", runs / "triton", base + triton_k, env)
     if ref and fused:

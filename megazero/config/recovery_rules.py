@@ -14,7 +14,7 @@ def check_recovery(cfg: Config) -> None:
         raise invalid(cfg.source, "train.straggler_ratio", t.straggler_ratio, "must be > 1 (a rank's compute time "
                       "over the ranks' median: every rank is at 1 or below it, or above it)")
     if not t.save_at_end and t.resume == "auto" and not t.exit_after:
-        raise invalid(cfg.source, "train.save_at_end", t.save_at_end,
+        raise invalid(cfg.source, "train.save_at_end", "false",
                       "leaves no checkpoint of the finished run, so train.resume=auto would train its last steps "
                       "again on a restart; keep it true, or set train.exit_after (whose jobs each save)")
     if t.on_spike != "rollback":

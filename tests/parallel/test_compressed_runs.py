@@ -13,6 +13,8 @@ the planner's. Bad settings are one line and exit 2.
 Exact: a resume at the same layout repeats the same operations on the same values (fp32, the CPU)."""
 from __future__ import annotations
 
+from unittest.mock import patch
+
 import pytest
 
 from megazero.train.run import run
@@ -44,30 +46,23 @@ def _ranks(rank, world, text, cache, base):
     run(CONFIG, _overrides(text, cache, base / "whole", TP2 + [f"train.save_every={SAVED}"]))
     saved = store.checkpoint_dir(base / "whole" / "checkpoints", SAVED)
     run(CONFIG, _overrides(text, cache, base / "resumed", TP2 + [f"train.resume={saved}"]))
-    loaded = ShardedZeroOneAdam.states_loaded
+    loaded, own_state = ShardedZeroOneAdam.states_loaded, ShardedZeroOneAdam.rank_state
 
     def without_feedback(self):
         loaded(self)
         for t in self.worker + self.server:
             t.zero_()
 
-    ShardedZeroOneAdam.states_loaded = without_feedback
-    try:
+    with patch.object(ShardedZeroOneAdam, "states_loaded", without_feedback):
         run(CONFIG, _overrides(text, cache, base / "dropped", TP2 + [f"train.resume={saved}",
                                                                     f"train.exit_after={AFTER}"]))
-    finally:
-        ShardedZeroOneAdam.states_loaded = loaded
-    own_state = ShardedZeroOneAdam.rank_state
 
     def without_silent(self, step):  # a checkpoint as megazero wrote it before it kept the silent-step count
         return {k: t for k, t in own_state(self, step).items() if k != "silent"}
 
-    ShardedZeroOneAdam.rank_state = without_silent
-    try:
+    with patch.object(ShardedZeroOneAdam, "rank_state", without_silent):
         run(CONFIG, _overrides(text, cache, base / "old", TP2 + [f"train.save_every={SAVED}",
                                                                  f"train.exit_after={SAVED}"]))
-    finally:
-        ShardedZeroOneAdam.rank_state = own_state
     run(CONFIG, _overrides(text, cache, base / "old_resumed", TP2 + [
         f"train.resume={store.checkpoint_dir(base / 'old' / 'checkpoints', SAVED)}", f"train.exit_after={AFTER}"]))
     run(CONFIG, _overrides(text, cache, base / "switched", TP2 + [f"train.resume={saved}", "optim.name=adamw",
@@ -76,16 +71,14 @@ def _ranks(rank, world, text, cache, base):
     from megazero.engine import build
 
     make_scaler = build.make_scaler
+
     def overflowing(precision: str):  # from 2^20 the first steps overflow
         scaler = make_scaler(precision)
         scaler.scale = 2.0 ** 20
         return scaler
 
-    build.make_scaler = overflowing
-    try:
+    with patch.object(build, "make_scaler", overflowing):
         run(CONFIG, _overrides(text, cache, base / "skips", TP2 + ["train.precision=fp16", f"train.steps={SKIPS}"]))
-    finally:
-        build.make_scaler = make_scaler
     refused = []
     for name, extra in (("refused", []), ("lamb_refused", ONEBIT_LAMB)):
         folder = "whole" if name == "refused" else "lamb_whole"
